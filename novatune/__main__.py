@@ -1,0 +1,3 @@
+from novatune.cli import main
+
+raise SystemExit(main())

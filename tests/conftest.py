@@ -1,0 +1,27 @@
+"""Test set-up: without a GPU, Triton kernels run in the interpreter (TRITON_INTERPRET=1 must be set before
+triton compiles anything, so it is set here, before the test modules import novatune.kernels)."""
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """The device kernel tests run on: CUDA when present, else the CPU through the Triton interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
