@@ -12,14 +12,9 @@ Data flows one way: data -> train -> patch -> ops -> kernels (see ARCHITECTURE i
 __version__ = "0.1.0"
 
 
-def patch(target, **options):
-    """Swap fused kernels and packed-row attention into a transformers model, PEFT model or Trainer.
+# Bound after the subpackage import on purpose: `novatune.patch` must be the function (the public surface), and
+# importing the subpackage novatune/patch/ would otherwise leave the module object under that name.
+from novatune.patch.apply import patch  # noqa: E402
+from novatune.patch.report import PatchReport  # noqa: E402
 
-    Returns a :class:`novatune.patch.PatchReport`. See :func:`novatune.patch.apply.patch` for options.
-    """
-    from novatune.patch.apply import patch as _patch
-
-    return _patch(target, **options)
-
-
-__all__ = ["patch", "__version__"]
+__all__ = ["patch", "PatchReport", "__version__"]

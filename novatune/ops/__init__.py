@@ -2,25 +2,14 @@
 
     from novatune.ops import rms_norm, swiglu, apply_rope, linear_cross_entropy, varlen_attention
 
-Imports are lazy so `import novatune.ops` stays cheap and an op's import error names that op.
+The functionals are imported eagerly: `novatune.ops.rms_norm` must be the function, not the submodule of the same
+name (ARCHITECTURE.md's public names), and binding it here, after the submodule import, guarantees that.
 """
-import importlib
+from novatune.ops.linear_cross_entropy import linear_cross_entropy
+from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
+from novatune.ops.rope import apply_rope
+from novatune.ops.swiglu import swiglu, swiglu_mlp
+from novatune.attention.backends import varlen_attention
 
-_EXPORTS = {
-    "rms_norm": "novatune.ops.rms_norm",
-    "NovaRMSNorm": "novatune.ops.rms_norm",
-    "swiglu": "novatune.ops.swiglu",
-    "swiglu_mlp": "novatune.ops.swiglu",
-    "apply_rope": "novatune.ops.rope",
-    "linear_cross_entropy": "novatune.ops.linear_cross_entropy",
-    "varlen_attention": "novatune.attention.backends",
-}
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'novatune.ops' has no attribute {name!r}")
-
-
-__all__ = list(_EXPORTS)
+__all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_mlp", "apply_rope", "linear_cross_entropy",
+           "varlen_attention"]

@@ -1,1 +1,18 @@
+"""Registry of family specs, keyed by `config.model_type`. Add a family: one file here plus one import line."""
+from __future__ import annotations
 
+from novatune.patch.spec import FamilySpec
+from novatune.patch.specs import llama, mistral, qwen2, qwen3
+
+FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC)
+
+
+def spec_for(model_type: str) -> FamilySpec | None:
+    for spec in FAMILIES:
+        if model_type in spec.model_types:
+            return spec
+    return None
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for spec in FAMILIES for t in spec.model_types)

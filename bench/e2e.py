@@ -1,0 +1,312 @@
+"""Headline end-to-end benchmark (BENCHMARKS.md): stock HF sdpa vs the best peer (Liger + varlen) vs novatune.
+
+Qwen3-4B architecture (random init), full fine-tuning, bf16, packed 4096-token rows with per-document position_ids,
+gradient checkpointing (non-reentrant), micro-batch 1, grad-accum 4, fused AdamW. Same init, same data, same steps
+for every stack; each stack runs in its own process (memory and caches don't leak), one GPU run:
+
+    python bench/e2e.py --stacks hf_sdpa,varlen_liger,novatune          # driver: spawns one process per stack
+    python bench/e2e.py --stack novatune --steps 3                       # one stack (what the driver runs)
+
+tokens/s = trained tokens / wall time of the timed optimizer steps (after --warm warm-up steps), synchronised.
+peak GiB = torch.cuda.max_memory_allocated() over the timed steps. MFU = tok/s x FLOPs/token / the 8192^3 bf16
+matmul rate measured by the driver in the same run. Rows go to bench/results/e2e.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ARCHS = {
+    # name: (config class, kwargs) - the real architectures' shapes, random init
+    "qwen3-4b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                     head_dim=128, rms_norm_eps=1e-6, rope_theta=5_000_000.0,
+                                     max_position_embeddings=262144, tie_word_embeddings=True)),
+    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                         max_position_embeddings=131072, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                         rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=32768,
+                                         tie_word_embeddings=True)),
+}
+STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune")
+
+
+def build_model(arch: str, layers: int | None, attn: str, device: str):
+    import torch
+    import transformers
+
+    cls_name, kw = ARCHS[arch]
+    kw = dict(kw, use_cache=False)
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg._attn_implementation = attn
+    model_cls = transformers.AutoModelForCausalLM.from_config
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = model_cls(cfg)
+    torch.set_default_dtype(torch.float32)
+    return model, cfg
+
+
+def make_rows(n_rows: int, seq: int, vocab: int, seed: int = 1):
+    """Documents with log-normal lengths (median ~600 tokens), packed greedily; labels -100 on each first token."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_rows):
+        ids, pos, lab = [], [], []
+        while len(ids) < seq:
+            n = int(min(seq, max(32, math.exp(6.4 + 0.7 * torch.randn(1, generator=g).item()))))
+            n = min(n, seq - len(ids))
+            doc = torch.randint(0, vocab, (n,), generator=g).tolist()
+            ids += doc
+            pos += list(range(n))
+            lab += [-100] + doc[1:]
+        rows.append((ids, pos, lab))
+    return rows
+
+
+def flops_per_token(cfg, rows) -> float:
+    """6 x matmul params (incl. lm_head) + attention 3 x 4 x avg attended keys x q_heads x head_dim x layers."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer = (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+             + cfg.num_attention_heads * hd * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    mm = cfg.num_hidden_layers * layer + cfg.hidden_size * cfg.vocab_size
+    ctx = 0.0
+    for _, pos, _ in rows:
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        ctx += sum((starts[i + 1] - starts[i]) ** 2 / 2 for i in range(len(starts) - 1)) / len(pos)
+    ctx /= len(rows)
+    return 6 * mm + 3 * 4 * ctx * cfg.num_attention_heads * hd * cfg.num_hidden_layers
+
+
+def register_peer_varlen():
+    """The peer's wiring of torch varlen_attn into HF (as in shared/reference/anchor_e2e.py)."""
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+    from transformers import AttentionInterface
+
+    sig = inspect.signature(varlen_attn).parameters
+    cache = {}
+
+    def meta(position_ids):
+        key = (position_ids.data_ptr(), position_ids.shape)
+        if cache.get("key") != key:
+            pos = position_ids.view(-1)
+            starts = torch.nonzero(pos == 0).view(-1).to(torch.int32)
+            cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device, dtype=torch.int32)])
+            cache.update(key=key, cu=cu, mx=int((cu[1:] - cu[:-1]).max()))
+        return cache["cu"], cache["mx"]
+
+    def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        b, hq, s, d = query.shape
+        cu, mx = meta(kw["position_ids"])
+        q = query.transpose(1, 2).reshape(b * s, hq, d)
+        k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+        v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        extra = {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)}
+        if "enable_gqa" in sig:
+            extra["enable_gqa"] = True
+        elif key.shape[1] != hq:
+            k = k.repeat_interleave(hq // key.shape[1], dim=1)
+            v = v.repeat_interleave(hq // key.shape[1], dim=1)
+        out = varlen_attn(q, k, v, cu, cu, mx, mx, scale=scaling, **extra)
+        return out.view(b, s, hq, d), None
+
+    AttentionInterface.register("peer_varlen", varlen_forward)
+
+
+def run_stack(args) -> dict:
+    import torch
+    import transformers
+
+    stack = args.stack
+    attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
+            "varlen_liger": "peer_varlen", "novatune": "sdpa"}[stack]
+    if attn == "peer_varlen":
+        register_peer_varlen()
+    if stack.endswith("liger"):
+        import liger_kernel.transformers as lk
+
+        fam = {"qwen3-4b": "qwen3", "llama-3.2-1b": "llama", "qwen2.5-0.5b": "qwen2"}[args.arch]
+        getattr(lk, f"apply_liger_kernel_to_{fam}")(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                                     fused_linear_cross_entropy=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model, cfg = build_model(args.arch, args.layers, attn, dev)
+    report = None
+    if stack == "novatune":
+        import novatune
+
+        report = novatune.patch(model, attention=args.attention)
+        print(report, flush=True)
+    if not args.no_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(dev == "cuda"))
+    rows = make_rows(args.ga * (args.warm + args.steps), args.seq, cfg.vocab_size)
+
+    def opt_step(k):
+        losses = []
+        for j in range(args.ga):
+            ids, pos, lab = rows[k * args.ga + j]
+            t = lambda x: torch.tensor([x], device=dev)  # noqa: E731
+            out = model(input_ids=t(ids), position_ids=t(pos), labels=t(lab))
+            (out.loss / args.ga).backward()
+            losses.append(out.loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean()
+
+    losses = [opt_step(k).item() for k in range(args.warm)]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync()
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    timed = [opt_step(k) for k in range(args.warm, args.warm + args.steps)]
+    sync()
+    dt = time.perf_counter() - t0
+    losses += [float(x) for x in timed]
+    tps = args.steps * args.ga * args.seq / dt
+    fpt = flops_per_token(cfg, rows)
+    extra = {}
+    if stack == "novatune":
+        from novatune.attention.backends import last_choice
+
+        choice = last_choice()
+        extra["attention_backend"] = choice.backend if choice else None
+    if args.profile and dev == "cuda":
+        extra["profile"] = profile_micro_step(model, rows[0], dev, f"{args.profile}_{stack}")
+    return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
+                ckpt=not args.no_ckpt, warm=args.warm, steps=args.steps, attention=args.attention,
+                tok_s=round(tps, 1), model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
+                losses=[round(x, 4) for x in losses],
+                patch=report.to_dict() if report is not None else None)
+
+
+def _category(name: str) -> str:
+    k = name.lower()
+    for cat, words in [("attention", ["flash", "fmha", "attention", "attn", "flex", "sdpa", "triton_tem"]),
+                       ("gemm", ["gemm", "sm90_xmma", "cutlass", "matmul", "nvjet", "cublas"]),
+                       ("cross_entropy", ["cross_entropy", "log_softmax", "nll", "softmax", "_lce_"]),
+                       ("norm", ["rms", "norm"]), ("rope", ["rope", "rotary"]), ("swiglu", ["swiglu", "silu"]),
+                       ("optimizer", ["adam", "foreach"]), ("copy/cast", ["copy", "cast", "cat", "fill"])]:
+        if any(w in k for w in words):
+            return cat
+    return "elementwise/other"
+
+
+def profile_micro_step(model, row, dev, path) -> dict:
+    """One micro-step (fwd+bwd) under torch.profiler: CUDA time per category, busy vs wall, Chrome trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, pos, lab = (torch.tensor([x], device=dev) for x in row)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    model.zero_grad(set_to_none=True)
+    per_kernel, busy = {}, 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
+            busy += us
+    cats = {}
+    for name, us in per_kernel.items():
+        cats[_category(name)] = cats.get(_category(name), 0.0) + us
+    prof.export_chrome_trace(path + ".json")
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]
+    with open(path + ".txt", "w") as f:
+        f.write(f"wall {wall_ms:.1f} ms, CUDA busy {busy / 1e3:.1f} ms\n")
+        for c, us in sorted(cats.items(), key=lambda kv: -kv[1]):
+            f.write(f"  {c:18s} {us / 1e3:8.2f} ms {100 * us / busy:5.1f}%\n")
+        for name, us in top:
+            f.write(f"    {us / 1e3:8.2f} ms  {name[:120]}\n")
+    return {"wall_ms": round(wall_ms, 2), "cuda_busy_ms": round(busy / 1e3, 2),
+            "categories_ms": {c: round(us / 1e3, 2) for c, us in sorted(cats.items(), key=lambda kv: -kv[1])}}
+
+
+def drive(args) -> int:
+    """Run each stack in its own process, then print ratios measured side by side in this run."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from novatune.harness.results import write_row
+    from novatune.harness.timing import matmul_tflops
+
+    peak = matmul_tflops()
+    results = {}
+    for stack in args.stacks.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--stack", stack, "--arch", args.arch, "--seq",
+               str(args.seq), "--ga", str(args.ga), "--warm", str(args.warm), "--steps", str(args.steps),
+               "--attention", args.attention] + (["--profile", args.profile] if args.profile else []) + (["--layers", str(args.layers)] if args.layers else []) \
+            + (["--no_ckpt"] if args.no_ckpt else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"[{stack}] FAILED (exit {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}",
+                  flush=True)
+            results[stack] = None
+            continue
+        res = json.loads(lines[-1][len("RESULT "):])
+        res["mfu"] = round(res["model_tflops"] / peak, 4)
+        res["matmul_tflops_measured"] = round(peak, 1)
+        results[stack] = res
+        print(f"[{stack}] {res['tok_s']:.0f} tok/s, peak {res['peak_gib']} GiB, losses {res['losses']}", flush=True)
+    base = (results.get("hf_sdpa") or {}).get("tok_s")
+    ok = [r for r in results.values() if r]
+    peers = [r for r in ok if r["stack"] not in ("hf_sdpa", "novatune")]
+    best_peer = max(peers, key=lambda r: r["tok_s"]) if peers else None
+    for r in ok:
+        r["x_stock"] = round(r["tok_s"] / base, 3) if base else None
+        r["x_best_peer"] = round(r["tok_s"] / best_peer["tok_s"], 3) if best_peer else None
+        r["best_peer"] = best_peer["stack"] if best_peer else None
+        write_row(args.results, {"bench": "e2e", **r})
+    print(f"\n{'stack':14s} {'tok/s':>9s} {'x stock':>8s} {'x peer':>7s} {'MFU':>6s} {'peak GiB':>9s}  losses")
+    for r in ok:
+        print(f"{r['stack']:14s} {r['tok_s']:9.0f} {r['x_stock'] or 0:8.3f} {r['x_best_peer'] or 0:7.3f} "
+              f"{r['mfu']:6.3f} {r['peak_gib']:9.2f}  {r['losses']}")
+        if r.get("profile"):
+            print(f"{'':14s} profile: {r['profile']}")
+    return 0 if all(results.values()) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stacks", default="hf_sdpa,varlen_liger,novatune", help=f"driver mode: comma list of {STACKS}")
+    p.add_argument("--stack", choices=STACKS, help="run one stack in this process and print RESULT <json>")
+    p.add_argument("--arch", default="qwen3-4b", choices=sorted(ARCHS))
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the architecture's)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ga", type=int, default=4)
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no_ckpt", action="store_true")
+    p.add_argument("--attention", default="auto", help="novatune attention backend")
+    p.add_argument("--results", default="bench/results/e2e.jsonl")
+    p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
+    args = p.parse_args(argv)
+    if args.stack:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        print("RESULT " + json.dumps(run_stack(args)), flush=True)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

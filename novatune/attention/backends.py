@@ -1,0 +1,307 @@
+"""Attention over packed rows: several backends, one dispatcher (`varlen_attention`, exported as novatune.ops).
+
+Math (every backend): for each document [a, b) of the flattened tokens and each query head h,
+    out[i, h] = sum_{a <= j <= i} softmax_j(scale * q[i, h] . k[j, h // G]) v[j, h // G],   G = hq // hk
+i.e. causal inside the document, nothing across documents (cu_seqlens / the BlockMask guarantee it), and GQA maps
+query head h to kv head h // G (the same as HF's repeat_kv / repeat_interleave).
+
+Layout: q (tokens, hq, d), k and v (tokens, hk, d), tokens = batch * seq_len flattened from (batch, seq, heads, d);
+strided views are fine as long as the last dim is contiguous. Output (tokens, hq, d) in q's dtype (possibly a
+strided view; reshape it). All backends are differentiable through torch autograd.
+
+Backends:
+  varlen     torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch; CUDA, fp16/bf16, d % 8 == 0,
+             d <= 256)
+  flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
+  sdpa       F.scaled_dot_product_attention(is_causal=True) per row; only when every row is one document (on sm90
+             it dispatches to cuDNN, the fastest measured: BENCHMARKS.md)
+  sdpa_docs  one causal SDPA call per document (CPU path; a slow but correct last resort on CUDA)
+  reference  exact fp32 math per document (tests, numerics baseline)
+
+Choice: `backend="auto"` takes the first usable name in AUTO_ORDER[device type] (the tune engine may replace these
+lists), falls back to the next one if a backend raises, and records what ran and why (`last_choice()`). An explicitly
+requested backend that cannot run raises BackendUnavailable naming what to do.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from novatune.attention.packed import PackedBatch
+
+__all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
+           "why_unavailable"]
+
+BACKENDS = ("varlen", "flex", "sdpa", "sdpa_docs", "reference")
+
+# Preference order of the automatic choice, per device type. Module-level on purpose: `novatune tune` replaces these
+# lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
+AUTO_ORDER: dict[str, list[str]] = {
+    "cuda": ["sdpa", "flex", "varlen", "sdpa_docs"],
+    "cpu": ["sdpa", "sdpa_docs"],
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here (the message says why and what to do)."""
+
+
+@dataclass
+class AttentionChoice:
+    """What `varlen_attention` ran: for the patch report and the tune engine."""
+    backend: str                      # the backend that produced the output
+    requested: str                    # "auto" or the explicit name
+    reason: str                       # why this one
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (backend, why not) tried before it
+    detail: str = ""                  # backend specifics, e.g. how varlen handled GQA
+
+
+_LAST: AttentionChoice | None = None
+_BROKEN: dict[str, str] = {}  # backends that raised during an automatic choice: not retried in this process
+
+
+def last_choice() -> AttentionChoice | None:
+    """The choice made by the most recent `varlen_attention` call (None before the first call)."""
+    return _LAST
+
+
+# ------------------------------------------------------------------------------------------------ varlen (FA2)
+# varlen_attn's keyword arguments changed in every release (BENCHMARKS.md): 2.10 `is_causal=True`; 2.11
+# `window_size=(-1, 0)`, which must be a TUPLE (2.11+ computes `is_causal = window_size == (-1, 0)`); 2.12 adds
+# `enable_gqa` and raises on hk != hq without it. Read the signature once, at import.
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters)
+    _VARLEN_IMPORT_ERROR = ""
+except Exception as e:  # noqa: BLE001 - older torch or a broken build: the backend is simply unavailable
+    _varlen_attn, _VARLEN_PARAMS = None, frozenset()
+    _VARLEN_IMPORT_ERROR = (f"torch {torch.__version__} has no usable torch.nn.attention.varlen "
+                            f"({type(e).__name__}: {e})")
+
+# GQA in varlen_attn: with `enable_gqa` (2.12+) we pass it. Without it (2.10/2.11) the Python wrapper does not check
+# head counts and hands K/V straight to aten._flash_attention_forward / _backward, i.e. FlashAttention-2's
+# mha_varlen_fwd/bwd, which accept hk dividing hq natively (query head h reads kv head h // (hq/hk); the backward
+# sums dK/dV over each group). So K/V are NOT repeated on 2.11 ("native"). Should a build reject it, the first
+# failure switches to repeat_interleave ("repeat"), recorded in AttentionChoice.detail.
+_VARLEN_GQA = "flag" if "enable_gqa" in _VARLEN_PARAMS else "native"
+
+
+def _varlen(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+    global _VARLEN_GQA
+    kw = {}
+    if "is_causal" in _VARLEN_PARAMS:
+        kw["is_causal"] = True
+    else:
+        kw["window_size"] = (-1, 0)  # tuple, not list: see above
+    if "scale" in _VARLEN_PARAMS:
+        kw["scale"] = scale
+    elif scale != 1.0 / math.sqrt(q.shape[-1]):
+        q = q * (scale * math.sqrt(q.shape[-1]))  # no `scale` argument: fold it into q
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and _VARLEN_GQA == "flag":
+        kw["enable_gqa"] = True
+    cu, mx = packed.cu_seqlens, packed.max_seqlen
+    # the same cu tensor for q and k: newer torch requires `cu_seq_q is cu_seq_k` for causal cuDNN varlen
+    if gqa and _VARLEN_GQA == "native":
+        try:
+            return _varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
+        except (RuntimeError, ValueError):
+            _VARLEN_GQA = "repeat"  # this build rejects hk != hq: repeat K/V from now on (an unrelated error
+            # re-raises from the call below)
+    if gqa and _VARLEN_GQA == "repeat":
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return _varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
+
+
+def _varlen_why_not(q, k, packed) -> str | None:
+    if _varlen_attn is None:
+        return _VARLEN_IMPORT_ERROR + "; upgrade torch to >= 2.10 or use backend='flex'"
+    if not ("is_causal" in _VARLEN_PARAMS or "window_size" in _VARLEN_PARAMS):
+        return f"unknown varlen_attn signature in torch {torch.__version__}: {sorted(_VARLEN_PARAMS)}"
+    if q.device.type != "cuda":
+        return "varlen_attn is CUDA-only (FlashAttention-2 inside torch); move the tensors to a GPU or use " \
+               "backend='sdpa_docs' / 'reference' on the CPU"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"varlen_attn needs fp16/bf16 inputs, got {q.dtype}"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"varlen_attn needs head_dim % 8 == 0 and <= 256, got {d}"
+    if _capability(q.device) < (8, 0):
+        return "varlen_attn (FlashAttention-2) needs sm80 or newer"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+# ------------------------------------------------------------------------------------------------ flex
+_FLEX_COMPILED = None
+
+
+def _flex_fn(compiled: bool = True):
+    """flex_attention, compiled once per process (eager flex materialises tokens^2 scores: tests only).
+
+    Default dynamic-shape handling on purpose: fixed-length packed rows compile once; a flattening collator whose
+    token count changes each batch gets one dynamic recompile instead of one per length."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention)
+    return _FLEX_COMPILED
+
+
+def _flex(q, k, v, packed: PackedBatch, scale: float, compiled: bool = True) -> torch.Tensor:
+    # (tokens, h, d) -> (1, h, tokens, d): strided views, no copies; flex needs only the last dim contiguous.
+    qh, kh, vh = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    out = _flex_fn(compiled)(qh, kh, vh, block_mask=packed.block_mask(), scale=scale,
+                             enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)  # (tokens, hq, d) view
+
+
+def _flex_why_not(q, k, packed) -> str | None:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"torch {torch.__version__} has no FlexAttention ({e}); upgrade torch or use backend='varlen'"
+    if q.device.type != "cuda":
+        return "the flex backend runs compiled Triton kernels on CUDA only; use backend='sdpa_docs' / 'reference' " \
+               "on the CPU"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ sdpa
+def _sdpa(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+    if not packed.one_doc_per_row:
+        raise BackendUnavailable("sdpa needs one document per row; these rows hold several (use 'flex'/'varlen')")
+    b, s = packed.batch, packed.seq_len
+    # (tokens, h, d) -> (b, h, s, d) strided views: no transposed copies
+    qh, kh, vh = (t.unflatten(0, (b, s)).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
+
+
+def _sdpa_docs(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+    outs = []
+    a = 0
+    gqa = k.shape[1] != q.shape[1]
+    for n in packed.lengths:  # host list: no device sync
+        qd, kd, vd = (t[a:a + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, h, n, d)
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+        a += n
+    return torch.cat(outs, 0)
+
+
+def _reference(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+    """Exact math in fp32, one document at a time (memory: one (hq, L, L) score matrix at a time)."""
+    hq, hk = q.shape[1], k.shape[1]
+    kv_head = torch.arange(hq, device=q.device) // (hq // hk)  # query head h reads kv head h // G
+    outs = []
+    a = 0
+    for n in packed.lengths:
+        qd = q[a:a + n].float().transpose(0, 1)                      # (hq, n, d)
+        kd = k[a:a + n].float().transpose(0, 1)[kv_head]             # (hq, n, d)
+        vd = v[a:a + n].float().transpose(0, 1)[kv_head]
+        s = (qd @ kd.transpose(1, 2)) * scale                        # (hq, n, n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        outs.append((p @ vd).transpose(0, 1))                        # (n, hq, d)
+        a += n
+    return torch.cat(outs, 0).to(q.dtype)
+
+
+_IMPLS = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_docs, "reference": _reference}
+
+
+def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch) -> str | None:
+    """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine)."""
+    if name not in _IMPLS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
+    if name == "varlen":
+        return _varlen_why_not(q, k, packed)
+    if name == "flex":
+        return _flex_why_not(q, k, packed)
+    if name == "sdpa" and not packed.one_doc_per_row:
+        return "rows hold several documents (sdpa runs plain causal attention per row)"
+    return None
+
+
+def _check(q, k, v, packed: PackedBatch):
+    if not isinstance(packed, PackedBatch):
+        raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must be (tokens, hk, d) matching q {tuple(q.shape)}; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if q.shape[0] != packed.total_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens but the PackedBatch describes {packed.total_tokens} "
+                         f"({packed.batch} x {packed.seq_len})")
+    if packed.device.type != q.device.type:
+        raise ValueError(f"PackedBatch lives on {packed.device} but q on {q.device}: build it with device=q.device")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch,
+                     scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Document-causal attention over packed rows. q (tokens, hq, d); k, v (tokens, hk, d); returns (tokens, hq, d).
+
+    `packed` is built once per batch (PackedBatch.from_position_ids / from_cu_seqlens / from_kwargs) and passed to
+    every layer. `scale` defaults to 1/sqrt(d). `backend`: "auto" or one of BACKENDS; see the module docstring.
+    The choice is recorded: `last_choice()`.
+    """
+    global _LAST
+    _check(q, k, v, packed)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if backend != "auto":
+        why = why_unavailable(backend, q, k, packed)
+        if why is not None:
+            raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
+        out = _IMPLS[backend](q, k, v, packed, scale)
+        _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend))
+        return out
+    skipped: list[tuple[str, str]] = []
+    order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
+    for name in order:
+        why = _BROKEN.get(name) or why_unavailable(name, q, k, packed)
+        if why is not None:
+            skipped.append((name, why))
+            continue
+        try:
+            out = _IMPLS[name](q, k, v, packed, scale)
+        except torch.OutOfMemoryError:
+            raise  # a slower backend would not fit either; don't hide it
+        except Exception as e:  # noqa: BLE001 - automatic choice: fall back, remember, and say so
+            _BROKEN[name] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            skipped.append((name, _BROKEN[name]))
+            continue
+        failed = [n for n, w in skipped if n in _BROKEN]
+        reason = f"first usable in AUTO_ORDER[{q.device.type!r}]" + (
+            f"; FELL BACK: {', '.join(failed)} raised (see skipped)" if failed else "")
+        _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name))
+        return out
+    raise RuntimeError(f"no attention backend could run: {skipped}")  # unreachable: reference always runs
+
+
+def _detail(name: str) -> str:
+    if name == "varlen":
+        sig = "is_causal" if "is_causal" in _VARLEN_PARAMS else "window_size=(-1, 0)"
+        return f"torch {torch.__version__}: causal via {sig}; GQA {_VARLEN_GQA}"
+    if name == "flex":
+        return "compiled flex_attention, document-causal BlockMask cached per batch, enable_gqa"
+    return ""

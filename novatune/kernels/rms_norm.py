@@ -1,0 +1,396 @@
+"""RMSNorm: Triton forward/backward kernels and the fp32 reference.
+
+Math (rows r = every leading index, N = last dim, dtype(x) = D, out dtype O = promote(D, dtype(w))):
+
+    rstd_r = 1 / sqrt(mean_j x_rj^2 + eps)                  fp32, one per row, saved for the backward
+    n_rj   = round_D(x_rj * rstd_r)                          normalised value rounded to x's dtype FIRST
+    y_rj   = round_O(w_j * n_rj)                             (product in fp32), exactly HF's Llama/Qwen3RMSNorm
+
+Backward (fp32 throughout; with xhat = x * rstd, g = dy * w, c_r = mean_j g_rj * xhat_rj):
+
+    dx_rj = rstd_r * (g_rj - xhat_rj * c_r)
+    dw_j  = sum_r dy_rj * n_rj
+
+The rounding round_D has no useful derivative; dx treats it as the identity (straight-through), which is also what
+PyTorch autograd does through HF's `.to(input_dtype)` and what Liger does. dw uses the rounded n, which is the exact
+derivative of y with respect to w.
+
+Invariants the kernels keep:
+* all arithmetic in fp32; x/dy are read once per pass in their own dtype, y/dx written once (5 * rows * N elements
+  move for fwd+bwd, the HBM floor); rstd is reused by the backward instead of recomputing the row reduction of x^2.
+* dw is accumulated in fp32: each of the G persistent backward programs keeps a (BLOCK_M, BLOCK_N) fp32 register
+  accumulator over its rows and writes one row of a (G, N) fp32 partial buffer; a second kernel sums the G
+  partials in fp32 and casts once to w's dtype. G ~ #SMs * k keeps the buffer small (G * N * 4 bytes).
+* the summation order is fixed by the launch config: results are deterministic (no atomics).
+
+Two regimes, one kernel: a program handles a (BLOCK_M, BLOCK_N) tile of rows, BLOCK_N = next_pow2(N). Large N
+(hidden 2560): one row per tile; small N (Qwen3 q/k-norm, head_dim 128 over tokens*heads rows): 32 rows per forward
+tile, 16 per backward tile, so each program moves enough bytes and the row reduction is an intra-warp shuffle.
+The backward is persistent (G ~ resident programs, each looping over its row blocks) with the next block's loads
+issued before the current block is computed. `rms_norm_fwd_config` /
+`rms_norm_bwd_config` give the defaults; the launchers take `block_m`, `num_warps` (and for the backward
+`num_programs`, `stages`) overrides so the tune engine can sweep them (bench/bench_rms_norm.py --sweep does).
+
+Nothing here imports torch.autograd or transformers.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows are held whole in registers (one pass over x); beyond this many columns that stops being sensible.
+MAX_FUSED_N = 65536
+# Elements per program tile: 4096 -> 8 KiB of bf16 per tensor per program (one row of 2560, or 32 rows of 128).
+_TILE = 4096
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _round_to(v, dtype: tl.constexpr, SOFT_RNE: tl.constexpr):
+    """fp32 v -> dtype, round-to-nearest-even. On the GPU this is the hardware cvt.rn. Triton's CPU interpreter
+    truncates fp32 -> bf16 instead (3.9), so under it (SOFT_RNE) the rounding is done with integer ops first,
+    which makes interpreter results bit-identical to the GPU's and to PyTorch's."""
+    if SOFT_RNE and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD,  # X (rows, N) [row stride stride_x]; W (N,); Y (rows, N) [stride_y]; RSTD (rows,) fp32
+    stride_x, stride_y, n_rows, N, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_RNE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_ok = rows < n_rows
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)  # rows * stride can pass 2^31 for long sequences x many heads
+
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+
+    # (BLOCK_M,); padded columns are 0 and do not count. Per-row ops are correctly rounded (div_rn, sqrt_rn:
+    # Triton's `/` is the approximate div.full.f32), as torch's mean and rsqrt on the CPU; they cost nothing here.
+    var = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    # HF rounds the normalised value to x's dtype before the weight multiply; do the same
+    n = _round_to(x * rstd[:, None], X.dtype.element_ty, SOFT_RNE).to(tl.float32)
+    y = w[None, :] * n
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], _round_to(y, Y.dtype.element_ty, SOFT_RNE),
+             mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
+              X_DTYPE: tl.constexpr, SOFT_RNE: tl.constexpr):
+    """dx of one (BLOCK_M, BLOCK_N) tile, stored; returns the tile's dw contribution dy * n (fp32)."""
+    row_ok = rows < n_rows
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (BLOCK_M,): padded rows give dx = 0 and add 0 to dw
+    x = x_raw.to(tl.float32)
+    dy = dy_raw.to(tl.float32)
+    xhat = x * rstd[:, None]
+    g = dy * w[None, :]
+    c = tl.sum(g * xhat, axis=1) / N  # (BLOCK_M,); approximate division is fine here, div_rn costs registers
+    dx = (g - xhat * c[:, None]) * rstd[:, None]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _round_to(dx, DX.dtype.element_ty, SOFT_RNE),
+             mask=mask)
+    # dy/dw is the rounded normalised value the forward multiplied by w
+    return dy * _round_to(xhat, X_DTYPE, SOFT_RNE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,  # DY, X, DX (rows, N) row-strided; W (N,); RSTD (rows,); DW_PARTIAL (G, N) fp32
+    stride_dy, stride_x, stride_dx, n_rows, N, n_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SOFT_RNE: tl.constexpr,
+):
+    # Persistent: program pid handles row blocks pid, pid + G, pid + 2G, ... and owns row pid of DW_PARTIAL.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_N,), loaded once per program
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # dw partial; reduced over its rows only at the end
+
+    if STAGES == 0:
+        # Prefetch by hand: the next block's loads are issued before the current block is computed, so two
+        # blocks of x/dy are in flight per program, held in registers in their narrow dtype until used.
+        # Works the same on every Triton version.
+        rows64 = (pid * BLOCK_M + offs_m).to(tl.int64)
+        mask = (rows64 < n_rows)[:, None] & col_ok[None, :]
+        x_raw = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy_raw = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        for blk in range(pid, n_blocks, G):
+            rows = blk * BLOCK_M + offs_m
+            rows64 = rows.to(tl.int64)
+            nrows64 = rows64 + G * BLOCK_M  # this program's next block; fully masked after its last one
+            nmask = (nrows64 < n_rows)[:, None] & col_ok[None, :]
+            x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask, other=0.0)
+            dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask, other=0.0)
+            acc += _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
+                             X.dtype.element_ty, SOFT_RNE)
+            x_raw = x_next
+            dy_raw = dy_next
+    else:
+        # Triton's software pipeliner: STAGES-1 blocks in flight through cp.async into shared memory (no
+        # register cost). Verified to pipeline (LDGSTS in the SASS) with Triton 3.9 for sm_90.
+        for blk in tl.range(pid, n_blocks, G, num_stages=STAGES):
+            rows = blk * BLOCK_M + offs_m
+            rows64 = rows.to(tl.int64)
+            mask = (rows < n_rows)[:, None] & col_ok[None, :]
+            x_raw = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+            dy_raw = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+            acc += _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
+                             X.dtype.element_ty, SOFT_RNE)
+
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    P, DW, G, N,  # P (G, N) fp32 partials; DW (N,) in w's dtype
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_RNE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        m = (g < G)[:, None] & col_ok[None, :]
+        acc += tl.load(P + g[:, None] * N + cols[None, :], mask=m, other=0.0)
+    tl.store(DW + cols, _round_to(tl.sum(acc, axis=0), DW.dtype.element_ty, SOFT_RNE), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------- launch configs
+def _num_warps_for(tile: int, elems_per_thread: int) -> int:
+    return max(4, min(32, tile // (32 * elems_per_thread)))
+
+
+def rms_norm_fwd_config(n_rows: int, n_cols: int) -> dict:
+    """Default forward launch config: dict(block_m, num_warps). BLOCK_N is always next_pow2(N) (a row per pass).
+
+    16 elements per thread (two 16-byte bf16 vectors per tensor): ~40 registers, so 6+ programs fit per SM
+    (sm_90, Triton 3.9), i.e. tens of KiB of loads in flight per SM through occupancy alone.
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    return {"block_m": block_m, "num_warps": _num_warps_for(block_m * block_n, 16)}
+
+
+def rms_norm_bwd_config(n_rows: int, n_cols: int, num_sms: int, resident_per_sm: int = 2) -> dict:
+    """Default backward launch config: dict(block_m, num_warps, num_programs, stages).
+
+    8 elements per thread, half the forward's: the backward keeps much more live per element (x, dy, the prefetched
+    next block, w, the dw accumulator). sm_90, Triton 3.9: 8 elements -> 64 registers, 16 -> ~125. Tiles of
+    2048 elements when rows are short (16 rows of 128 on 8 warps: 4 programs per SM, and a few registers more
+    only drops that to 3), else one row (4096 padded on 16 warps: 2 per SM).
+    num_programs (G) is the persistent grid: as many programs as can be resident at once (resident_per_sm per SM;
+    the launcher measures it from the compiled kernel's register and shared-memory use), then lowered to the
+    smallest G with the same number of row blocks per program (4096 blocks over 264 -> 256 programs of 16), which
+    keeps the (G, N) fp32 partial buffer small: 2.6 MB for N = 2560, 256 KB for N = 128.
+    stages 0 = prefetch one block ahead in registers; >= 2 = Triton's cp.async pipeliner with that many stages.
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(2048 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    return {"block_m": block_m, "num_warps": _num_warps_for(block_m * block_n, 8),
+            "num_programs": _persistent_grid(triton.cdiv(n_rows, block_m), num_sms, resident_per_sm), "stages": 0}
+
+
+def _persistent_grid(n_blocks: int, num_sms: int, per_sm: int) -> int:
+    g = max(1, min(n_blocks, per_sm * num_sms))
+    return triton.cdiv(n_blocks, triton.cdiv(n_blocks, g))  # same blocks per program, fewer partial rows
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(device_index: int) -> tuple[int, int, int, int]:
+    """(SMs, registers per SM, threads per SM, shared memory per SM) with Hopper values where torch lacks one."""
+    p = torch.cuda.get_device_properties(device_index)
+    return (p.multi_processor_count, getattr(p, "regs_per_multiprocessor", 65536),
+            getattr(p, "max_threads_per_multi_processor", 2048),
+            getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 for the CPU interpreter (small, so the persistent loop really loops in tests)."""
+    if device.type == "cuda":
+        return _device_limits(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return 4
+
+
+# (device, dtypes, meta) -> (programs per SM, how it was obtained); read by tests and the benchmark
+RESIDENCY: dict = {}
+
+
+def _resident_per_sm(compile_kernel, key: tuple, num_warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once (registers, threads, shared memory).
+
+    Sizing the persistent grid by the real register count (which moves between Triton versions) keeps the grid
+    from under-filling the GPU, or queueing a second wave, when a config lands on either side of a register cliff.
+    """
+    if device.type != "cuda":
+        return 2
+    if key not in RESIDENCY:
+        try:
+            kernel = compile_kernel()  # compiles (cached) without launching
+            kernel._init_handles()
+            _, regs, threads, smem = _device_limits(device.index if device.index is not None
+                                                    else torch.cuda.current_device())
+            regs_per_thread = -(-kernel.n_regs // 8) * 8  # allocation granularity: 256 registers per warp
+            fit = min(regs // (regs_per_thread * 32 * num_warps), threads // (32 * num_warps),
+                      smem // max(kernel.metadata.shared, 1), 32)
+            RESIDENCY[key] = (max(1, fit), f"measured: {kernel.n_regs} registers, {kernel.metadata.shared} B smem")
+        except Exception as e:  # noqa: BLE001 - a Triton API change must not break the op: keep the default
+            RESIDENCY[key] = (2, f"fallback: {type(e).__name__}: {e}")
+    return RESIDENCY[key][0]
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., N) -> (rows, N) with unit column stride; a copy only if no such view exists."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check_n(n: int) -> None:
+    if n > MAX_FUSED_N:
+        raise ValueError(f"rms_norm kernel holds a row in registers; N={n} > {MAX_FUSED_N}")
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None,
+                 rstd: torch.Tensor | None = None, block_m: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (x.shape, promote(x, w) dtype), rstd (x.shape[:-1], fp32). `out`/`rstd` may be preallocated (contiguous)."""
+    n = x.shape[-1]
+    _check_n(n)
+    assert weight.shape == (n,), f"weight shape {tuple(weight.shape)} != ({n},)"
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if rstd is None:
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    assert out.shape == x.shape and out.dtype == out_dtype and out.is_contiguous()
+    assert rstd.shape == x.shape[:-1] and rstd.dtype == torch.float32 and rstd.is_contiguous()
+    if x.numel() == 0:
+        return out, rstd
+    x2 = _rows_view(x, n)  # (rows, N)
+    rows = x2.shape[0]
+    cfg = rms_norm_fwd_config(rows, n)
+    bm = block_m or cfg["block_m"]
+    w = weight.contiguous()
+    _rms_norm_fwd_kernel[(triton.cdiv(rows, bm),)](
+        x2, w, out.view(-1, n), rstd.view(-1), x2.stride(0), n, rows, n, eps,
+        BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), SOFT_RNE=not x.is_cuda,
+        num_warps=num_warps or cfg["num_warps"],
+    )
+    return out, rstd
+
+
+def _sum_partials(partial: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """dw (N,) = partial (G, N).sum(0) in fp32, cast once to dw's dtype."""
+    g, n = partial.shape
+    # Column strips (32 fp32 = a 128-byte line per partial row; 16 for small N so that N = 128 still gets 8
+    # programs), each reading all G rows in one 8K-element tile when G <= 256..512: the whole kernel is then one
+    # round of loads, ~the latency of a single memory access, for the 2.6 MB / 256 KB of partials.
+    rb_n = min(triton.next_power_of_2(n), 32 if n > 1024 else 16)
+    rb_g = max(16, min(triton.next_power_of_2(g), 8192 // rb_n))
+    _sum_partials_kernel[(triton.cdiv(n, rb_n),)](partial, dw, g, n, BLOCK_G=rb_g, BLOCK_N=rb_n,
+                                                   SOFT_RNE=not partial.is_cuda, num_warps=8)
+    return dw
+
+
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
+                 dx: torch.Tensor | None = None, dw: torch.Tensor | None = None, block_m: int | None = None,
+                 num_warps: int | None = None, num_programs: int | None = None,
+                 stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (x.shape, x dtype), dw (N,, weight dtype). `dx`/`dw` may be preallocated (contiguous)."""
+    n = x.shape[-1]
+    _check_n(n)
+    assert dy.shape == x.shape and rstd.shape == x.shape[:-1] and weight.shape == (n,)
+    if dx is None:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dw is None:
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dx.is_contiguous()
+    assert dw.shape == weight.shape and dw.dtype == weight.dtype and dw.is_contiguous()
+    if x.numel() == 0:
+        dw.zero_()
+        return dx, dw
+    x2, dy2 = _rows_view(x, n), _rows_view(dy, n)  # (rows, N) each
+    args = [dy2, x2, weight.contiguous(), rstd.reshape(-1).contiguous(), dx.view(-1, n), None,
+            dy2.stride(0), x2.stride(0), n, x2.shape[0], n]
+    cfg = _bwd_launch_config(args, block_m, num_warps, num_programs, stages)
+    args[5] = partial = torch.empty((cfg["num_programs"], n), dtype=torch.float32, device=x.device)  # (G, N)
+    _rms_norm_bwd_kernel[(cfg["num_programs"],)](*args, cfg["n_blocks"], **cfg["meta"])
+    _sum_partials(partial, dw)
+    return dx, dw
+
+
+def _bwd_launch_config(args: list, block_m, num_warps, num_programs, stages) -> dict:
+    dy2, x2, w = args[:3]
+    rows, n = x2.shape
+    sms = num_sms(x2.device)
+    cfg = rms_norm_bwd_config(rows, n, sms)
+    bm = block_m or cfg["block_m"]
+    meta = dict(BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), STAGES=cfg["stages"] if stages is None else stages,
+                SOFT_RNE=not x2.is_cuda, num_warps=num_warps or cfg["num_warps"])
+    n_blocks = triton.cdiv(rows, bm)
+    if num_programs is None:
+        key = (x2.device, dy2.dtype, x2.dtype, w.dtype, *meta.values())
+        wargs = list(args)
+        wargs[5] = args[3]  # any fp32 pointer: warmup only needs the signature of DW_PARTIAL
+        per_sm = _resident_per_sm(lambda: _rms_norm_bwd_kernel.warmup(*wargs, n_blocks, grid=(1,), **meta), key,
+                                  meta["num_warps"], x2.device)
+        num_programs = _persistent_grid(n_blocks, sms, per_sm)
+    return {"num_programs": max(1, min(num_programs, n_blocks)), "n_blocks": n_blocks, "meta": meta}
+
+
+def rms_norm_bwd_launch_config(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, **overrides) -> dict:
+    """The config rms_norm_bwd would launch for these tensors (defaults, measured residency, overrides applied)."""
+    n = x.shape[-1]
+    x2, dy2 = _rows_view(x, n), _rows_view(dy, n)
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    args = [dy2, x2, weight.contiguous(), rstd, x2, None, dy2.stride(0), x2.stride(0), n, x2.shape[0], n]
+    cfg = _bwd_launch_config(args, overrides.get("block_m"), overrides.get("num_warps"),
+                             overrides.get("num_programs"), overrides.get("stages"))
+    m = cfg["meta"]
+    return {"block_m": m["BLOCK_M"], "num_warps": m["num_warps"], "num_programs": cfg["num_programs"],
+            "stages": m["STAGES"]}
+
+
+# ----------------------------------------------------------------------------------------------- references
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, return_rstd: bool = False):
+    """Plain PyTorch, fp32 math, the same op sequence as HF's Qwen3RMSNorm.forward (bit-identical on the CPU).
+
+    Differentiable (autograd gives the straight-through gradients described in the module docstring).
+    Returns y, or (y, rstd) with rstd of shape x.shape[:-1] in fp32.
+    """
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    rstd = torch.rsqrt(variance + eps)  # (..., 1)
+    y = weight * (xf * rstd).to(x.dtype)
+    return (y, rstd.squeeze(-1)) if return_rstd else y
+
+
+def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's backward formula in plain fp32 PyTorch: (dx in x's dtype, dw in weight's dtype)."""
+    n = x.shape[-1]
+    xhat = x.to(torch.float32) * rstd.unsqueeze(-1)  # (..., N)
+    dyf = dy.to(torch.float32)
+    g = dyf * weight.to(torch.float32)
+    c = (g * xhat).mean(-1, keepdim=True)  # (..., 1)
+    dx = (g - xhat * c) * rstd.unsqueeze(-1)
+    dw = (dyf * xhat.to(x.dtype).to(torch.float32)).reshape(-1, n).sum(0)  # (N,)
+    return dx.to(x.dtype), dw.to(weight.dtype)

@@ -1,0 +1,205 @@
+"""Rotary position embedding (HF "rotate_half" / NeoX style) on q and k in one launch, forward and backward.
+
+Math (per token t, per head, head_dim d even, half = d // 2, x = [x1, x2] split at half, c = cos[t], s = sin[t]):
+
+    HF:        y = x * c + rotate_half(x) * s,        rotate_half([x1, x2]) = [-x2, x1]
+    forward:   y1 = x1 * c1 - x2 * s1                 y2 = x2 * c2 + x1 * s2
+    backward:  dx = dy * c + rotate_half^T(dy * s),   rotate_half^T([z1, z2]) = [z2, -z1]
+               dx1 = dy1 * c1 + dy2 * s2              dx2 = dy2 * c2 - dy1 * s1
+
+With HF's tables (cos = cat(f, f).cos(), so c1 == c2 and s1 == s2) the backward is the rotation by -theta. The
+kernel reads both halves of cos/sin anyway, so it matches HF's formula for *any* (b, s, d) tables, and the backward
+is the exact transpose of the forward for any tables. cos/sin get no gradient: HF builds them under
+torch.no_grad() from position_ids, so nothing upstream needs one.
+
+Layout: everything is addressed as (batch, seq, heads, head_dim) through strides, so HF's (b, h, s, d) tensors
+(unsqueeze_dim=1) are passed as a transposed view and novatune's own (b, s, h, d) layout (unsqueeze_dim=2) as is;
+only the last dim must be contiguous (no copies; a tensor whose last stride is not 1, e.g. an expanded grad, is
+copied once). cos/sin are (b or broadcast, s, d) with a batch stride that may
+be 0. Positions live in the tables, so packed rows whose positions restart at each document need nothing special.
+
+Kernel: grid (b * s tokens, head splits). A program loads the token's cos/sin once (fp32), then rotates a block of
+q heads and a block of k heads (GQA: hk may differ from hq) as (heads, half) tiles: fp32 math, one rounding to the
+output dtype. Head splits only exist to give short sequences enough programs (each split re-reads the token's
+cos/sin, 4 * d bytes, from L2); at training shapes one program covers all 32 + 8 heads of a token. Partial rotary (rotating only the first rotary_dim < d features) is NOT
+supported: d of q/k must equal the tables' d.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _load_heads(x_ptr, x_tok, sh, H, pid_h, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Both halves of the heads of block pid_h of one token, as fp32 (BLOCK_H, BLOCK_D) tiles."""
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)                       # (BLOCK_H,)
+    dd = tl.arange(0, BLOCK_D)                                        # (BLOCK_D,)
+    mask = (h[:, None] < H) & (dd[None, :] < HALF)                    # (BLOCK_H, BLOCK_D)
+    off = x_tok + h[:, None].to(tl.int64) * sh + dd[None, :]
+    x1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + off + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_heads(o_ptr, o_tok, osh, H, pid_h, x1, x2, c1, c2, a, b,
+                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """o = [x1 * c1 + x2 * a, x2 * c2 + x1 * b] (a, b carry the direction's signs), one rounding."""
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < H) & (dd[None, :] < HALF)
+    off = o_tok + h[:, None].to(tl.int64) * osh + dd[None, :]
+    y1 = x1 * c1[None, :] + x2 * a[None, :]
+    y2 = x2 * c2[None, :] + x1 * b[None, :]
+    tl.store(o_ptr + off, y1.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + off + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
+                 q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, c_sb, c_ss,
+                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                 BACKWARD: tl.constexpr):
+    tok = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    bi = (tok // S).to(tl.int64)   # int64: b * stride overflows int32 at long packed batches
+    si = (tok % S).to(tl.int64)
+    # all loads (q, k, tables) are issued before any store: the compiler cannot move a load past a store it
+    # cannot prove disjoint, and one round trip per program instead of two keeps more bytes in flight
+    q1, q2 = _load_heads(q_ptr, bi * q_sb + si * q_ss, q_sh, HQ, pid_h, HALF, BLOCK_D, BLOCK_HQ)
+    k1, k2 = _load_heads(k_ptr, bi * k_sb + si * k_ss, k_sh, HK, pid_h, HALF, BLOCK_D, BLOCK_HK)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < HALF
+    # cos/sin read once per token, reused by every q and k head of this program
+    c_off = bi * c_sb + si * c_ss + dd
+    c1 = tl.load(cos_ptr + c_off, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_off + HALF, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + c_off, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + c_off + HALF, mask=dmask, other=0.0).to(tl.float32)
+    if BACKWARD:  # transpose of the forward rotation: rotation by -theta
+        a = s2
+        b = -s1
+    else:
+        a = -s1
+        b = s2
+    _store_heads(qo_ptr, bi * qo_sb + si * qo_ss, qo_sh, HQ, pid_h, q1, q2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HQ)
+    _store_heads(ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h, k1, k2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HK)
+
+
+def _bshd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
+    """View x as (batch, seq, heads, head_dim) without copying."""
+    return x.transpose(1, 2) if unsqueeze_dim == 1 else x
+
+
+def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
+    u = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim   # HF unsqueezes a 3-d table into 4-d
+    if u not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ((b, h, s, d) layout) or 2 ((b, s, h, d)), got {unsqueeze_dim}")
+    return u
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, b: int, s: int, d: int):
+    """cos/sin as (b, s, d) views (batch stride 0 when broadcast), last dim contiguous."""
+    out = []
+    for t in (cos, sin):
+        if t.dim() == 2:          # (s, d): older HF code paths
+            t = t.unsqueeze(0)
+        if t.dim() != 3 or t.shape[-1] != d or t.shape[1] != s or t.shape[0] not in (1, b):
+            raise ValueError(f"cos/sin must be (b, s, d) = ({b}, {s}, {d}) or broadcastable (1, s, d); "
+                             f"got {tuple(t.shape)} (partial rotary is not supported)")
+        if t.stride(-1) != 1:
+            t = t.contiguous()
+        out.append(t.expand(b, s, d))
+    if out[0].stride() != out[1].stride():   # the kernel shares one set of table strides
+        out = [t.contiguous() for t in out]
+    return out
+
+
+def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, num_warps=None):
+    u = normalize_unsqueeze_dim(unsqueeze_dim)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-d, got {tuple(q.shape)} and {tuple(k.shape)}")
+    # the kernel needs unit stride on head_dim (vector loads); anything else (e.g. an expanded grad) is copied
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    qv, kv = _bshd(q, u), _bshd(k, u)
+    B, S, HQ, D = qv.shape
+    HK = kv.shape[2]
+    if kv.shape[0] != B or kv.shape[1] != S or kv.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, seq or head_dim")
+    if D % 2 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM}, got {D}")
+    c, s = _tables(cos, sin, B, S, D)
+    q_out = torch.empty_like(q) if q_out is None else q_out   # dense, same stride order as q (like HF eager)
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.stride(-1) == 1 and k_out.stride(-1) == 1
+    if B * S == 0:
+        return q_out, k_out
+    qov, kov = _bshd(q_out, u), _bshd(k_out, u)
+    half = D // 2
+    block_d = triton.next_power_of_2(half)
+    n_tok = B * S
+    if split is None:
+        # one program per token at training shapes; split heads when the token count alone cannot fill the GPU,
+        # or when a (heads, half) tile would exceed ~4096 fp32 values per half (register pressure). The CPU
+        # interpreter runs programs one after another, so there fewer, larger programs are simply faster.
+        split = 1
+        while q.is_cuda and split < max(HQ, HK) and (
+                n_tok * split < 2048 or triton.next_power_of_2(triton.cdiv(HQ, split)) * block_d > 4096):
+            split *= 2
+    bhq = triton.next_power_of_2(triton.cdiv(HQ, split))
+    bhk = triton.next_power_of_2(triton.cdiv(HK, split))
+    split = max(triton.cdiv(HQ, bhq), triton.cdiv(HK, bhk))
+    if num_warps is None:
+        num_warps = 4 if (bhq + bhk) * block_d <= 2048 else 8
+    _rope_kernel[(n_tok, split)](
+        qv, kv, qov, kov, c, s, S, HQ, HK,
+        *qv.stride()[:3], *kv.stride()[:3], *qov.stride()[:3], *kov.stride()[:3], c.stride(0), c.stride(1),
+        HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps)
+    return q_out, k_out
+
+
+def rope_fwd(q, k, cos, sin, unsqueeze_dim=1, q_out=None, k_out=None, split=None, num_warps=None):
+    """(q_embed, k_embed) = HF apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim), fp32 math, one rounding.
+
+    q (b, hq, s, d) / k (b, hk, s, d) for unsqueeze_dim=1, (b, s, h, d) for 2; any strides with a unit last
+    stride. cos/sin (b or 1, s, d). q_out/k_out: optional preallocated outputs (tests poison them).
+    split/num_warps: tuning overrides (heads split over split programs per token).
+    """
+    return _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, False, split, num_warps)
+
+
+def rope_bwd(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1, dq=None, dk=None, split=None, num_warps=None):
+    """(dq, dk) from the output grads: the transposed rotation (by -theta), same layout rules as rope_fwd."""
+    return _launch(dq_embed, dk_embed, cos, sin, unsqueeze_dim, dq, dk, True, split, num_warps)
+
+
+def _ref_tables(cos, sin, unsqueeze_dim):
+    u = normalize_unsqueeze_dim(unsqueeze_dim)
+    c, s = cos.float(), sin.float()
+    if c.dim() == 2:
+        c, s = c.unsqueeze(0), s.unsqueeze(0)
+    return c.unsqueeze(u), s.unsqueeze(u)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's formula in fp32 (returns fp32): the reference every test and benchmark compares with."""
+    c, s = _ref_tables(cos, sin, unsqueeze_dim)
+    qf, kf = q.float(), k.float()
+    return qf * c + _rotate_half(qf) * s, kf * c + _rotate_half(kf) * s
+
+
+def rope_bwd_ref(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1):
+    """Transpose of rope_ref in fp32: dx = dy * cos - rotate_half(dy * sin) (= dy*cos + rotate_half^T(dy*sin))."""
+    c, s = _ref_tables(cos, sin, unsqueeze_dim)
+    gq, gk = dq_embed.float(), dk_embed.float()
+    return gq * c - _rotate_half(gq * s), gk * c - _rotate_half(gk * s)

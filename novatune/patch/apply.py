@@ -1,0 +1,185 @@
+"""The one generic applier: `patch(target) -> PatchReport`.
+
+It patches *instances* (never global classes): each matched module gets an instance-level `forward` (the stock
+forward is kept on the module as `_novatune_stock_forward`), the decoder stack gets a forward pre-hook that builds
+the per-batch PackedBatch. Nothing about parameters, buffers or state_dict changes, so optimizers, checkpoints,
+PEFT and gradient checkpointing see the same model. `report.revert()` undoes every change.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from novatune.patch import forwards
+from novatune.patch.report import PatchReport
+from novatune.patch.spec import FamilySpec
+from novatune.patch.specs import spec_for, supported_model_types
+
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
+
+
+@dataclass
+class PatchState:
+    """Per-model state the hooks read (stored on the decoder stack as `_novatune_state`)."""
+
+    report: PatchReport
+    all_attention_patched: bool = False
+    _noted: set = field(default_factory=set)
+
+    def note_once(self, key: str, text: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            self.report.add("", "note", "note", text)
+
+
+def _unwrap(target) -> tuple[nn.Module, str]:
+    """Trainer -> its model; PEFT model -> the transformers model inside. Returns (hf_model, how it was found)."""
+    how = type(target).__name__
+    if not isinstance(target, nn.Module) and hasattr(target, "model") and hasattr(target, "args"):
+        target = target.model  # transformers/TRL Trainer
+        how += ".model"
+    if hasattr(target, "get_base_model") and callable(target.get_base_model):
+        target = target.get_base_model()  # peft.PeftModel
+        how += " -> PEFT base model"
+    if not isinstance(target, nn.Module) or not hasattr(target, "config"):
+        raise TypeError(f"novatune.patch expects a transformers model, a PEFT model or a Trainer; got {how}")
+    return target, how
+
+
+def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
+    """Give `module` an instance-level forward `fn`, keeping the stock one for fallback and for revert."""
+    had_instance_forward = "forward" in module.__dict__
+    old = module.__dict__.get("forward")
+    # written into __dict__ directly: nn.Module.__setattr__ would register a module-valued attribute (the lm_head)
+    # as a second child, changing named_modules() and the state_dict
+    module.__dict__["_novatune_stock_forward"] = module.forward
+    module.__dict__.update(attrs)
+    module.__dict__["forward"] = types.MethodType(fn, module)
+
+    def undo():
+        if had_instance_forward:
+            module.__dict__["forward"] = old
+        else:
+            module.__dict__.pop("forward", None)
+        for k in ("_novatune_stock_forward", *attrs):
+            module.__dict__.pop(k, None)
+
+    report._undo.append(undo)
+
+
+def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
+          cross_entropy: bool = True, strict: bool = False) -> PatchReport:
+    """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
+
+    rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
+    rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
+    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
+    keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
+    Idempotent: patching a patched model returns its existing report.
+    """
+    model, how = _unwrap(target)
+    existing = getattr(model, "_novatune_report", None)
+    if existing is not None and not existing.reverted:
+        return existing
+    if attention not in (False, *ATTENTION_BACKENDS):
+        raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_BACKENDS} or False")
+    model_type = getattr(model.config, "model_type", "?")
+    spec = spec_for(model_type)
+    report = PatchReport(family=spec.name if spec else None, model_class=type(model).__name__)
+    if spec is None:
+        msg = f"model_type {model_type!r} has no novatune spec (supported: {', '.join(supported_model_types())})"
+        if strict:
+            raise ValueError(msg)
+        report.add("", "model", "skipped", msg)
+        return report
+    if how != type(model).__name__:
+        report.add("", "target", "note", f"patched {how}")
+    _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
+                cross_entropy=cross_entropy)
+    if strict and report.skipped():
+        report.revert()
+        raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
+    model._novatune_report = report
+    report._undo.insert(0, lambda: model.__dict__.pop("_novatune_report", None))
+    return report
+
+
+def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,
+                cross_entropy) -> None:
+    config = model.config
+    base = getattr(model, spec.base_model_attr, None)
+    is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
+    stack = base if is_causal_lm else model  # a bare decoder stack (e.g. AutoModel) can be patched too
+    state = PatchState(report)
+    attn_total = attn_done = 0
+    qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
+    for path, module in model.named_modules():
+        cls = type(module).__name__
+        leaf = path.rsplit(".", 1)[-1]
+        if cls in spec.norm_classes:
+            kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
+            if not rms_norm:
+                report.add(path, kind, "skipped", "rms_norm=False")
+                continue
+            if not hasattr(module, spec.norm_eps_attr):
+                report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
+                continue
+            _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr)
+            report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)")
+        elif cls in spec.mlp_classes:
+            act = str(getattr(config, "hidden_act", "?"))
+            if not swiglu:
+                report.add(path, "mlp", "skipped", "swiglu=False")
+            elif act not in spec.mlp.activations:
+                report.add(path, "mlp", "skipped", f"hidden_act={act!r} is not SiLU")
+            else:
+                _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp)
+                report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM")
+        elif cls in spec.attention_classes:
+            attn_total += 1
+            if attention is False or not rope:
+                report.add(path, "attention", "skipped", "attention=False" if attention is False else "rope=False")
+                continue
+            if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
+                report.add(path, "attention", "skipped", f"{cls} lacks head_dim/scaling attributes")
+                continue
+            _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention,
+                  _novatune_attn_backend=attention)
+            attn_done += 1
+            window = getattr(module, "sliding_window", None)
+            extra = f"; sliding window {window}: documents longer than it use stock attention" if window else ""
+            report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={attention}){extra}")
+    # only when every layer reads the PackedBatch may HF's mask construction be skipped
+    state.all_attention_patched = attn_total > 0 and attn_done == attn_total and not any(
+        getattr(m, "sliding_window", None) for m in model.modules() if type(m).__name__ in spec.attention_classes)
+    if attn_done:
+        stack._novatune_state = state
+        handle = stack.register_forward_pre_hook(forwards.decoder_pre_hook, with_kwargs=True)
+        report.add(spec.base_model_attr if is_causal_lm else "", "packing", "replaced",
+                   "PackedBatch built once per batch (cu_seqlens on the host), shared by every layer")
+
+        def undo_hook():
+            handle.remove()
+            stack.__dict__.pop("_novatune_state", None)
+
+        report._undo.append(undo_hook)
+    if not is_causal_lm:
+        return
+    lm_head = getattr(model, spec.lm_head_attr)
+    if not cross_entropy:
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", "cross_entropy=False")
+    elif not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped",
+                   f"lm_head is {type(lm_head).__name__}{' with bias' if getattr(lm_head, 'bias', None) is not None else ''}"
+                   " (fused CE needs a plain bias-free Linear; a LoRA-wrapped lm_head keeps stock loss)")
+    elif getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", None):
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", "logit soft-capping/scaling is not fused")
+    else:
+        tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
+        _bind(model, forwards.causal_lm_forward, report, _novatune_base_attr=spec.base_model_attr,
+              _novatune_lm_head=lm_head)
+        report.add(spec.lm_head_attr, "cross_entropy", "replaced",
+                   "fused linear cross-entropy (chunked, fp32 lm_head grad; logits=None in training)"
+                   + ("; tied embeddings" if tied else ""))

@@ -1,0 +1,143 @@
+"""The generic instance forwards that `apply.py` binds onto a model's modules.
+
+One set of forwards serves every Llama-layout family; a FamilySpec (patch/specs/) says which attributes to use.
+Each patched module keeps its stock forward as `_novatune_stock_forward` and falls back to it whenever the fast
+path does not apply (KV-cache decoding, attention dropout, sliding windows longer than a document...), so a
+patched model computes what the stock model computes in every mode.
+
+Packed rows: the decoder stack's forward pre-hook builds one `PackedBatch` per batch (cu_seqlens on the host, no
+device sync per layer) and passes it down through HF's **kwargs as `novatune_packed`; gradient checkpointing
+captures the kwargs, so the recompute in backward sees the same metadata.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from novatune.attention.packed import PackedBatch
+from novatune.ops.linear_cross_entropy import linear_cross_entropy
+from novatune.ops.rms_norm import rms_norm
+from novatune.ops.rope import apply_rope
+from novatune.ops.swiglu import swiglu_mlp
+from novatune.attention.backends import varlen_attention
+
+PACKED_KWARG = "novatune_packed"
+
+
+def rms_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, self.weight, getattr(self, self._novatune_eps_attr))
+
+
+def swiglu_mlp_forward(self, x):
+    names = self._novatune_mlp
+    return swiglu_mlp(x, getattr(self, names.gate_proj), getattr(self, names.up_proj), getattr(self, names.down_proj))
+
+
+def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                      **kwargs):
+    """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat."""
+    packed: PackedBatch | None = kwargs.get(PACKED_KWARG)
+    window = getattr(self, "sliding_window", None)
+    dropout = self.attention_dropout if self.training else 0.0
+    if (packed is None or past_key_values is not None or position_embeddings is None or dropout > 0.0
+            or (window is not None and packed.max_seqlen > window)):
+        kwargs.pop(PACKED_KWARG, None)
+        return self._novatune_stock_forward(hidden_states, position_embeddings=position_embeddings,
+                                            attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+    names = self._novatune_attn
+    b, s, _ = hidden_states.shape
+    d = self.head_dim
+    q = getattr(self, names.q_proj)(hidden_states).view(b, s, -1, d)  # (b, s, hq, d)
+    k = getattr(self, names.k_proj)(hidden_states).view(b, s, -1, d)  # (b, s, hk, d)
+    v = getattr(self, names.v_proj)(hidden_states).view(b, s, -1, d)
+    if names.q_norm is not None:
+        q = getattr(self, names.q_norm)(q)
+        k = getattr(self, names.k_norm)(k)
+    cos, sin = position_embeddings  # (b, s, d), per token: packed documents restart their positions
+    q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
+    hq, hk = q.shape[2], k.shape[2]
+    out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
+                           scale=self.scaling, backend=self._novatune_attn_backend)  # (b*s, hq, d)
+    return getattr(self, names.o_proj)(out.view(b, s, hq * d)), None
+
+
+def decoder_pre_hook(module, args, kwargs):
+    """Forward pre-hook (with_kwargs) on the decoder stack: build the PackedBatch once per batch."""
+    state = module._novatune_state
+    if kwargs.get("past_key_values") is not None:
+        return None  # incremental decoding: stock path
+    if not module.training and kwargs.get("use_cache") is not False:
+        return None  # eval with the default cache (generation semantics): stock path
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict):
+        return None  # masks already prepared by the caller
+    packed = kwargs.get(PACKED_KWARG)
+    if packed is None:
+        hf_packing = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q") if k in kwargs}
+        packed = PackedBatch.from_kwargs(position_ids=kwargs.get("position_ids"), attention_mask=mask, **hf_packing)
+    if packed is None:
+        if mask is not None and not bool(mask.all()):
+            state.note_once("padding", "batches with padding (attention_mask zeros) use stock attention; "
+                                       "pack rows (position_ids per document) for the fast path")
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs["inputs_embeds"]
+        batch, seq = ref.shape[0], ref.shape[1]
+        # no position_ids: one document per row (what HF assumes too)
+        packed = PackedBatch.from_cu_seqlens(torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32), seq,
+                                             batch=batch, device=ref.device)
+    kwargs[PACKED_KWARG] = packed
+    if module.training and kwargs.get("use_cache"):
+        state.note_once("use_cache", "training forwards run with use_cache=False (a KV cache is never needed in "
+                                     "training, and HF's use_cache=True disables packed-sequence detection)")
+    kwargs["use_cache"] = False
+    if state.all_attention_patched:
+        # Every layer reads the PackedBatch, so HF's dense (seq x seq) packed mask need not be built. HF's mask
+        # builder returns a 4-D mask unchanged ("already prepared"), so a 1-element 4-D placeholder skips it for
+        # every family; no patched layer reads it.
+        kwargs["attention_mask"] = _skip_mask_placeholder(packed.device)
+    return args, kwargs
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _skip_mask_placeholder(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    return _PLACEHOLDERS[key]
+
+
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """Training with labels: hidden states -> fused linear cross-entropy; the logits are never materialised
+    (the output's `logits` is None). Anything else: the stock forward."""
+    if labels is None or not self.training:
+        return self._novatune_stock_forward(input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, past_key_values=past_key_values,
+                                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                            logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.get("num_items_in_batch")
+    outputs = getattr(self, self._novatune_base_attr)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden = outputs.last_hidden_state  # (b, s, H)
+    if shift_labels is None:
+        # HF's ForCausalLMLoss: position t predicts token t+1; the last position of each row predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    if num_items is not None:
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._novatune_lm_head.weight,
+                                    shift_labels.reshape(-1), reduction="sum", normalizer=num_items)
+    else:
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._novatune_lm_head.weight,
+                                    shift_labels.reshape(-1), reduction="mean")
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+

@@ -1,0 +1,66 @@
+"""PatchReport: what `novatune.patch` replaced, what it skipped and why, and how to undo it."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class PatchEntry:
+    path: str  # module path inside the model, e.g. "model.layers.3.mlp"
+    kind: str  # rms_norm | qk_norm | mlp | attention | cross_entropy | packing
+    action: str  # "replaced" | "skipped" | "note"
+    detail: str  # the implementation used, or why it was skipped
+
+
+@dataclass
+class PatchReport:
+    family: str | None
+    model_class: str
+    entries: list[PatchEntry] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    reverted: bool = False
+
+    def add(self, path: str, kind: str, action: str, detail: str) -> None:
+        self.entries.append(PatchEntry(path, kind, action, detail))
+
+    def replaced(self, kind: str | None = None) -> list[PatchEntry]:
+        return [e for e in self.entries if e.action == "replaced" and (kind is None or e.kind == kind)]
+
+    def skipped(self, kind: str | None = None) -> list[PatchEntry]:
+        return [e for e in self.entries if e.action == "skipped" and (kind is None or e.kind == kind)]
+
+    def revert(self) -> None:
+        """Restore every patched module and remove every hook, newest first. Safe to call twice."""
+        while self._undo:
+            self._undo.pop()()
+        self.reverted = True
+
+    def to_dict(self) -> dict:
+        return {
+            "family": self.family,
+            "model_class": self.model_class,
+            "reverted": self.reverted,
+            "replaced": dict(Counter(e.kind for e in self.replaced())),
+            "skipped": [e.__dict__ for e in self.skipped()],
+            "notes": [e.detail for e in self.entries if e.action == "note"],
+            "implementations": sorted({f"{e.kind}: {e.detail}" for e in self.replaced()}),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"novatune.patch: {self.model_class} (family: {self.family or 'unsupported'})"
+                 + ("  [reverted]" if self.reverted else "")]
+        groups: dict[tuple[str, str], int] = Counter((e.kind, e.detail) for e in self.replaced())
+        for (kind, detail), n in sorted(groups.items()):
+            lines.append(f"  replaced {n:4d} x {kind:14s} -> {detail}")
+        skipped: dict[tuple[str, str], list[str]] = {}
+        for e in self.skipped():
+            skipped.setdefault((e.kind, e.detail), []).append(e.path)
+        for (kind, why), paths in sorted(skipped.items()):
+            where = paths[0] + (f" (+{len(paths) - 1} more)" if len(paths) > 1 else "")
+            lines.append(f"  skipped  {len(paths):4d} x {kind:14s} at {where}: {why}")
+        for e in self.entries:
+            if e.action == "note":
+                lines.append(f"  note: {e.detail}")
+        return "\n".join(lines)

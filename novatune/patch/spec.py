@@ -1,0 +1,45 @@
+"""What the generic applier needs to know about a model family: data, not code.
+
+A family spec names the Hugging Face classes and attribute paths; `apply.py` does the same work for every family.
+Only `patch/specs/` knows Hugging Face class names (ARCHITECTURE.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Attribute names inside one attention module (Llama layout: separate q/k/v/o projections)."""
+
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    q_norm: str | None = None  # per-head RMSNorm on q before RoPE (Qwen3)
+    k_norm: str | None = None
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """down(act(gate(x)) * up(x)) with act = SiLU: the SwiGLU MLP of Llama-family models."""
+
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"
+    down_proj: str = "down_proj"
+    activations: tuple[str, ...] = ("silu", "swish")  # config.hidden_act values the fused kernel computes
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    model_types: tuple[str, ...]  # config.model_type values this spec covers
+    norm_classes: tuple[str, ...]  # RMSNorm classes: every instance gets the fused kernel
+    attention_classes: tuple[str, ...]
+    mlp_classes: tuple[str, ...]
+    norm_eps_attr: str = "variance_epsilon"
+    attention: AttentionSpec = field(default_factory=AttentionSpec)
+    mlp: MLPSpec = field(default_factory=MLPSpec)
+    base_model_attr: str = "model"  # CausalLM -> decoder stack
+    lm_head_attr: str = "lm_head"
+    notes: str = ""

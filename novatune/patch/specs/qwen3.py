@@ -1,0 +1,13 @@
+"""Qwen3 dense (Qwen/Qwen3-*): Llama layout plus per-head RMSNorm on q and k before RoPE; tied embeddings on the
+small sizes (the fused cross-entropy then writes its lm_head gradient into the embedding)."""
+from novatune.patch.spec import AttentionSpec, FamilySpec
+
+SPEC = FamilySpec(
+    name="qwen3",
+    model_types=("qwen3",),
+    norm_classes=("Qwen3RMSNorm",),
+    attention_classes=("Qwen3Attention",),
+    mlp_classes=("Qwen3MLP",),
+    attention=AttentionSpec(q_norm="q_norm", k_norm="k_norm"),
+    notes="layer_types may mark sliding-window layers (off by default); those keep stock attention",
+)

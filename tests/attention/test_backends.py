@@ -1,0 +1,194 @@
+"""Packed-row attention backends against a dense masked fp64 oracle: forward, gradients, document isolation.
+
+Tolerances (relative norm, novatune.harness.numerics): fp32 backends vs the fp64 oracle 1e-5 (reductions in another
+order); bf16 inputs 1e-2 (the output and each gradient are rounded to bf16 once or twice, unit roundoff 3.9e-3).
+GPU kernels in bf16 (FlashAttention-2, FlexAttention) keep P and dS in bf16 for the second matmul of each pass: 2e-2
+for their gradients.
+"""
+import pytest
+import torch
+
+import novatune.ops
+from novatune.attention import (AUTO_ORDER, BackendUnavailable, PackedBatch, backends, last_choice,
+                                varlen_attention)
+from novatune.harness.numerics import assert_close
+
+ROWS = [[5, 1, 1, 20, 3], [30], [2, 27, 1]]  # docs of length 1, a one-doc row, a last doc of length 1
+
+
+def packed_of(rows, device="cpu"):
+    pos = torch.tensor([[p for n in row for p in range(n)] for row in rows])
+    return PackedBatch.from_position_ids(pos, device=device)
+
+
+def make_qkv(T, hq, hk, d, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda h: torch.randn(T, h, d, generator=g).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    return mk(hq), mk(hk), mk(hk)
+
+
+def oracle(q, k, v, pb, scale=None):
+    """Dense fp64 attention with the document-causal mask; GQA by indexing kv head h // G."""
+    q, k, v = (t.double() for t in (q, k, v))
+    T, hq, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
+    doc = torch.repeat_interleave(torch.arange(pb.num_docs), torch.tensor(pb.lengths)).to(q.device)
+    i = torch.arange(T, device=q.device)
+    allowed = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    s = torch.einsum("ihd,jhd->hij", q, k[:, head]) * scale
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hij,jhd->ihd", p, v[:, head])
+
+
+def check_fwd_bwd(backend, rows, hq, hk, d, dtype, device="cpu", tol=None, grad_tol=None, fn=None):
+    pb = packed_of(rows, device)
+    q, k, v = make_qkv(pb.total_tokens, hq, hk, d, dtype, device)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, pb) if fn else varlen_attention(q, k, v, pb, backend=backend)
+    ref = oracle(q64, k64, v64, pb)
+    assert out.shape == (pb.total_tokens, hq, d) and out.dtype == dtype
+    assert_close(out, ref, tol, name=f"{backend} out")
+    go = torch.randn_like(ref)
+    (out.float() * go.to(out.device).float()).sum().backward()
+    (ref * go).sum().backward()
+    for name, a, b in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert a.grad.dtype == dtype
+        assert_close(a.grad, b.grad, grad_tol or tol, name=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 1)])
+def test_reference_matches_dense_oracle(hq, hk, d, dtype):
+    check_fwd_bwd("reference", ROWS, hq, hk, d, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 1), (2, 2)])
+def test_sdpa_docs_matches_dense_oracle(hq, hk, dtype):
+    check_fwd_bwd("sdpa_docs", ROWS, hq, hk, 16, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_one_doc_rows_matches_reference(dtype):
+    rows = [[24], [24], [24]]
+    check_fwd_bwd("sdpa", rows, 4, 2, 16, dtype)
+    pb = packed_of(rows)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, dtype, seed=1)
+    assert_close(varlen_attention(q, k, v, pb, backend="sdpa"), varlen_attention(q, k, v, pb, backend="reference"))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_blockmask_math_on_cpu():
+    """The flex backend's layout, GQA mapping and document mask, run through eager (uncompiled) flex on the CPU
+    (forward only: flex has no CPU backward); the compiled CUDA kernel and its gradients: the GPU test below."""
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    out = backends._flex(q, k, v, pb, 16 ** -0.5, compiled=False)
+    assert out.shape == q.shape
+    assert_close(out, oracle(q, k, v, pb), name="flex(eager) out")
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa_docs"])
+def test_documents_are_isolated(backend):
+    """Changing every token of one document changes no other document's output, bit for bit."""
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    base = varlen_attention(q, k, v, pb, backend=backend)
+    a, b = pb.cu_seqlens_cpu[3].item(), pb.cu_seqlens_cpu[4].item()  # the 20-token document of row 0
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for t in (q2, k2, v2):
+        t[a:b] = torch.randn_like(t[a:b])
+    out = varlen_attention(q2, k2, v2, pb, backend=backend)
+    assert torch.equal(out[:a], base[:a]) and torch.equal(out[b:], base[b:])
+    assert not torch.equal(out[a:b], base[a:b])
+
+
+def test_auto_on_cpu_records_the_choice():
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    out = novatune.ops.varlen_attention(q, k, v, pb)
+    c = last_choice()
+    assert c.backend == "sdpa_docs" and c.requested == "auto" and c.skipped[0][0] == "sdpa"
+    assert_close(out, oracle(q, k, v, pb))
+    one = packed_of([[30], [30], [30]])
+    varlen_attention(q, k, v, one)
+    assert last_choice().backend == "sdpa" and not last_choice().skipped
+
+
+def test_auto_order_is_replaceable_and_failures_fall_back(monkeypatch):
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ["reference"])
+    varlen_attention(q, k, v, pb)
+    assert last_choice().backend == "reference"
+
+    def broken(*a):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ["sdpa_docs"])
+    monkeypatch.setitem(backends._IMPLS, "sdpa_docs", broken)
+    monkeypatch.setattr(backends, "_BROKEN", {})
+    out = varlen_attention(q, k, v, pb)
+    c = last_choice()
+    assert c.backend == "reference" and "FELL BACK" in c.reason and "kernel exploded" in c.skipped[0][1]
+    assert_close(out, oracle(q, k, v, pb))
+    with pytest.raises(RuntimeError, match="exploded"):  # explicit: no silent fallback
+        varlen_attention(q, k, v, pb, backend="sdpa_docs")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def test_explicit_gpu_backend_on_cpu_raises(backend):
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        varlen_attention(q, k, v, pb, backend=backend)
+
+
+def test_explicit_sdpa_on_multi_doc_rows_and_bad_inputs_raise():
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    with pytest.raises(BackendUnavailable, match="several documents"):
+        varlen_attention(q, k, v, pb, backend="sdpa")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        varlen_attention(q, k, v, pb, backend="fa3")
+    with pytest.raises(ValueError, match="tokens"):
+        varlen_attention(q[:-1], k[:-1], v[:-1], pb)
+    with pytest.raises(ValueError, match="multiple"):
+        varlen_attention(q[:, :3], k, v, pb)
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+GPU_ROWS = [[700, 300, 1200, 50, 900, 646, 300]]  # 4096 tokens, 7 documents
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def test_gpu_backend_matches_reference(backend):
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
+    out = varlen_attention(q, k, v, pb, backend=backend)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention(qf, kf, vf, pb, backend="reference")  # fp32 math on the same bf16 values
+    assert_close(out, ref, 1e-2, name=f"{backend} out")
+    go = torch.randn_like(ref)
+    (out.float() * go).sum().backward()
+    (ref * go).sum().backward()
+    for name, a, b in (("dq", q, qf), ("dk", k, kf), ("dv", v, vf)):
+        assert_close(a.grad, b.grad, 2e-2, name=f"{backend} {name}")
+    print(last_choice())
+
+
+@pytest.mark.gpu
+def test_gpu_auto_and_sdpa_one_doc():
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
+    out = varlen_attention(q, k, v, pb)
+    assert last_choice().backend in ("flex", "varlen"), last_choice()
+    assert_close(out, varlen_attention(q.float(), k.float(), v.float(), pb, backend="reference"), 1e-2)
+    one = packed_of([[2048], [2048]], "cuda")
+    out = varlen_attention(q, k, v, one)
+    assert last_choice().backend == "sdpa"
+    assert_close(out, varlen_attention(q.float(), k.float(), v.float(), one, backend="reference"), 1e-2)

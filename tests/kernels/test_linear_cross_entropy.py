@@ -1,0 +1,222 @@
+"""Fused linear cross-entropy (novatune.kernels.linear_cross_entropy) against the fp32 reference.
+
+Tolerances (relative-norm error, novatune.harness.numerics):
+* fp32: the logits, softmax and GEMMs are fp32; only summation order differs -> 1e-5 (REL_TOL; measured
+  <= 1.2e-7 over the shape matrix below).
+* bf16: the logits chunk is bf16 (like HF's logits before .float()) and dL/dz is rounded to bf16 before the two
+  gradient GEMMs; each is one rounding, 2^-8 relative on a GPU, 2^-7 under TRITON_INTERPRET (it truncates
+  fp32 -> bf16). The gradients carry ~3 such roundings (logits, dz, GEMM output): measured <= 4.6e-3 under the
+  interpreter (the GEMM-output rounding alone, the fp32 torch path, gives 1.7e-3) -> 1e-2 (REL_TOL). The loss
+  only sees the logit rounding, which averages out over rows (measured <= 6.4e-5) -> 2e-3.
+"""
+import math
+
+import pytest
+import torch
+
+from novatune.harness.numerics import REL_TOL, assert_close, poison_
+from novatune.kernels import linear_cross_entropy as K
+
+DTYPES = [torch.bfloat16, torch.float32]
+IDS = ["bf16", "fp32"]
+LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+
+
+def _inputs(T, H, V, dtype, device, seed=0, ignore_frac=0.2):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=gen)
+    # logits std ~2: peaked enough that the softmax tail and the label term both matter
+    w = 2 * torch.randn(V, H, generator=gen) / math.sqrt(H)
+    y = torch.randint(0, V, (T,), generator=gen)
+    y[torch.rand(T, generator=gen) < ignore_frac] = -100
+    return h.to(dtype).to(device), w.to(dtype).to(device), y.to(device)
+
+
+def _ref(h, w, y, reduction="mean", normalizer=None, bias=None):
+    """fp32 reference loss and gradients (autograd through F.cross_entropy on fp32 logits)."""
+    hr = h.detach().float().requires_grad_(True)
+    wr = w.detach().float().requires_grad_(True)
+    br = None if bias is None else bias.detach().float().requires_grad_(True)
+    loss = K.linear_cross_entropy_ref(hr, wr, y, -100, reduction, normalizer, br)
+    loss.backward()
+    return loss.detach(), hr.grad, wr.grad, (None if br is None else br.grad)
+
+
+def _divisor(y, device):
+    return (y != -100).sum().to(torch.float32).to(device)
+
+
+def _check(out, ref, dtype):
+    loss, _, gh, gw, _ = out
+    rloss, rgh, rgw, _ = ref
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close(loss, rloss, LOSS_TOL[dtype], "loss")
+    assert gh.dtype == dtype and gw.dtype == dtype
+    assert_close(gh, rgh, REL_TOL[dtype], "grad_hidden")
+    assert_close(gw, rgw, REL_TOL[dtype], "grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("V", [1000, 4099])
+@pytest.mark.parametrize("H", [64, 127])
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_fwd_matches_reference(T, H, V, dtype, device):
+    h, w, y = _inputs(T, H, V, dtype, device, seed=T + H + V, ignore_frac=0.0 if T == 1 else 0.2)
+    rows = poison_(torch.empty(T, dtype=torch.float32, device=device))
+    gh = poison_(torch.empty(T, H, dtype=dtype, device=device))
+    gw = poison_(torch.empty(V, H, dtype=dtype, device=device))
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), loss_rows=rows, dhidden=gh, dweight=gw)
+    assert out[1] is rows and out[2] is gh and out[3] is gw  # written in place, every element (no NaN left)
+    _check(out, _ref(h, w, y), dtype)
+    ref_rows = torch.nn.functional.cross_entropy(h.float() @ w.float().t(), y, reduction="none")
+    assert_close(rows, ref_rows, LOSS_TOL[dtype] * 5, "loss rows")  # per-row: no averaging over rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("T,chunk", [(37, 16), (300, 64), (150, 7)])
+def test_multi_chunk(T, chunk, dtype, device):
+    """Several chunks: fp32 accumulation of grad_weight across them (bf16: the CPU's indirect path - partial in
+    bf16, summed in fp32; on CUDA the direct addmm-into-fp32 path). 22 chunks of 7 must not lose precision."""
+    H, V = 127, 4099
+    h, w, y = _inputs(T, H, V, dtype, device, seed=chunk)
+    gw = poison_(torch.empty(V, H, dtype=dtype, device=device))
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), chunk_tokens=chunk, dweight=gw)
+    assert out[3] is gw
+    _check(out, _ref(h, w, y), dtype)
+    single = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), grad_hidden=False, grad_weight=False)
+    assert_close(out[0], single[0], 1e-6, "loss: chunked vs one chunk")  # same rows, same kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_gpu_tiling(dtype, device, monkeypatch):
+    """The CUDA tiling (one row per program, several vocab blocks with a masked tail) under any backend."""
+    monkeypatch.setattr(K, "_TILE_OVERRIDE", (1, 1024))
+    h, w, y = _inputs(37, 64, 4099, dtype, device, seed=11)
+    _check(K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), chunk_tokens=16), _ref(h, w, y), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_bias(dtype, device):
+    T, H, V = 37, 64, 1000
+    h, w, y = _inputs(T, H, V, dtype, device)
+    b = torch.randn(V, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    gb = poison_(torch.empty(V, dtype=dtype, device=device))
+    loss, _, gh, gw, gb_out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), bias=b, grad_bias=True,
+                                                         chunk_tokens=16, dbias=gb)
+    rloss, rgh, rgw, rgb = _ref(h, w, y, bias=b)
+    assert gb_out is gb
+    assert_close(loss, rloss, LOSS_TOL[dtype], "loss")
+    assert_close(gh, rgh, REL_TOL[dtype], "grad_hidden")
+    assert_close(gw, rgw, REL_TOL[dtype], "grad_weight")
+    assert_close(gb, rgb, REL_TOL[dtype], "grad_bias")
+
+
+def test_ignored_rows_and_invalid_labels(device):
+    T, H, V = 37, 64, 1000
+    h, w, y = _inputs(T, H, V, torch.float32, device)
+    # all ignored: rows 0, gradients exactly 0; mean -> 0/0 = NaN (F.cross_entropy's value), sum -> 0
+    y_all = torch.full_like(y, -100)
+    rows = poison_(torch.empty(T, device=device))
+    loss, _, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_all, _divisor(y_all, device), loss_rows=rows)
+    assert torch.isnan(loss) and torch.isnan(_ref(h, w, y_all)[0])
+    assert (rows == 0).all() and (gh == 0).all() and (gw == 0).all()
+    loss, *_ = K.linear_cross_entropy_fwd(h, w, y_all, torch.ones((), device=device))
+    assert loss.item() == 0.0
+    # a label outside [0, V) that is not ignore_index -> a NaN row (visible without a host-side check)
+    y_bad = y.clone()
+    y_bad[3] = V
+    _, rows, *_ = K.linear_cross_entropy_fwd(h, w, y_bad, _divisor(y_bad, device), grad_hidden=False,
+                                             grad_weight=False)
+    assert torch.isnan(rows[3]) and torch.isfinite(rows[torch.arange(T, device=device) != 3]).all()
+
+
+def test_loss_only(device):
+    """No gradient requested: loss identical, no gradient buffers."""
+    h, w, y = _inputs(37, 64, 1000, torch.bfloat16, device)
+    full = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device))
+    only = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), grad_hidden=False, grad_weight=False)
+    assert only[2] is None and only[3] is None
+    assert torch.equal(only[0], full[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_torch_path_matches_reference(dtype):
+    """use_triton=False: the CPU reference path, same chunk loop in fp32 (bf16 inputs are only read)."""
+    T, H, V = 300, 127, 4099
+    h, w, y = _inputs(T, H, V, dtype, "cpu")
+    gh = poison_(torch.empty(T, H, dtype=dtype))
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, "cpu"), chunk_tokens=64, dhidden=gh, use_triton=False)
+    assert out[2] is gh
+    loss, _, gh, gw, _ = out
+    rloss, rgh, rgw, _ = _ref(h, w, y)
+    assert_close(loss, rloss, 1e-5, "loss")  # fp32 math on the (exactly representable) bf16 inputs
+    assert_close(gh, rgh, REL_TOL[dtype], "grad_hidden")  # only the final cast to the input dtype
+    assert_close(gw, rgw, REL_TOL[dtype], "grad_weight")
+
+
+@pytest.mark.parametrize("g", [0.37, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_bwd_scales_in_place(dtype, g, device):
+    """In place, fp32 math; g == 1 (decided on the device) leaves the buffer bit-identical."""
+    x = torch.randn(1000, 37).to(dtype).to(device)
+    y = x.clone()
+    K.linear_cross_entropy_bwd(torch.tensor(g, device=device), y, None)
+    assert_close(y, x.float() * g, REL_TOL[dtype], "scaled")
+    if g == 1.0:
+        assert torch.equal(y, x)
+
+
+def test_plan_chunk_tokens():
+    V, H, bf16 = 151936, 2560, torch.bfloat16
+    # Qwen3-4B, 4096 tokens: one chunk (1.24 GB of bf16 logits) beats chunks + a 1.56 GB fp32 accumulator
+    assert K.plan_chunk_tokens(4096, V, H, bf16, grad_weight=True) == 4096
+    # 16384 tokens: 5 GB of logits -> chunks within the budget
+    c = K.plan_chunk_tokens(16384, V, H, bf16, grad_weight=True)
+    assert c < 16384 and c * V * 2 <= K.CHUNK_LOGITS_BYTES + 64 * V * 2
+    # no weight gradient (eval) or fp32 weight (no accumulator needed): the budget alone decides
+    for dt, grad in ((bf16, False), (torch.float32, True)):
+        c = K.plan_chunk_tokens(4096, V, H, dt, grad_weight=grad)
+        assert c < 4096 and c * V * (dt.itemsize) <= K.CHUNK_LOGITS_BYTES + 64 * V * dt.itemsize
+    assert K.plan_chunk_tokens(1, V, H, bf16, True) == 1
+    assert K.plan_chunk_tokens(0, V, H, bf16, True) == 1
+
+
+def test_zero_tokens(device):
+    h, w, y = _inputs(0, 64, 1000, torch.bfloat16, device)
+    gw = poison_(torch.empty(1000, 64, dtype=torch.bfloat16, device=device))
+    loss, rows, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y, torch.ones((), device=device), dweight=gw)
+    assert loss.item() == 0.0 and rows.numel() == 0 and gh.shape == (0, 64) and (gw == 0).all()
+
+
+def test_fp32_addmm_probe_cpu():
+    assert K.fp32_addmm_available(torch.device("cpu"), torch.bfloat16) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 1024])
+def test_qwen3_4b_shape_gpu(chunk):
+    """Real shape 4096 x 2560 -> 151936 bf16, against the fp32 reference; chunk=1024 takes the fp32-accumulator
+    path (direct addmm into fp32 where this torch supports it)."""
+    T, H, V = 4096, 2560, 151936
+    h, w, y = _inputs(T, H, V, torch.bfloat16, "cuda")
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, "cuda"), chunk_tokens=chunk)
+    _check(out, _ref(h, w, y), torch.bfloat16)
+    print("fp32 addmm direct:", K.fp32_addmm_available(torch.device("cuda"), torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_qwen3_4b_memory_gpu():
+    """Extra memory of the fused forward (which also produces the gradients) stays below what HF's float logits
+    alone take (T x V x 4 = 2.49 GB)."""
+    T, H, V = 4096, 2560, 151936
+    h, w, y = _inputs(T, H, V, torch.bfloat16, "cuda")
+    div = _divisor(y, "cuda")
+    K.linear_cross_entropy_fwd(h, w, y, div)  # warm-up (Triton compile, cuBLAS workspace)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = K.linear_cross_entropy_fwd(h, w, y, div)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < T * V * 4, f"peak extra {extra / 2**30:.2f} GiB"
+    del out

@@ -1,0 +1,149 @@
+"""novatune.kernels.rope: the Triton launchers against the fp32 reference (interpreter on CPU).
+
+Tolerances. The kernel computes in fp32 and rounds once, and the reference uses the very same (possibly bf16)
+cos/sin values, so:
+* fp32: each output is x1*c1 - x2*s1 (two products and a sum, ~2 ulp) -> relative-norm error ~1e-7; 1e-6.
+* bf16: one rounding of the output, unit roundoff 2^-9 relative per element, ~1.1e-3 in relative norm for
+  uniformly spread rounding errors (GPU: round-to-nearest-even); 3e-3 leaves margin without letting a second
+  rounding or a wrong sign through (a sign error in one half gives an error of order 1). The Triton interpreter
+  (CPU CI) converts fp32 -> bf16 by *truncation* (triton/runtime/interpreter.py passes no rounding mode), which
+  doubles the error (measured 3.5e-3), so there the bound is 6e-3.
+Tables here are random angles with *different* halves, so the test also pins the general formula (c1 != c2).
+The interpreter runs one program per token at ~5 ms each: shapes are kept to a few hundred tokens in total.
+"""
+import pytest
+import torch
+
+from novatune.harness.numerics import assert_close, poison_
+from novatune.kernels.rope import rope_bwd, rope_bwd_ref, rope_fwd, rope_ref
+from novatune.ops._backend import interpreter_on
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}
+
+
+def _make(b, hq, hk, s, d, dtype, u, device, table_batch=None):
+    shape = (lambda h: (b, h, s, d)) if u == 1 else (lambda h: (b, s, h, d))
+    q = torch.randn(shape(hq), device=device, dtype=dtype)
+    k = torch.randn(shape(hk), device=device, dtype=dtype)
+    ang = torch.rand(table_batch or b, s, d, device=device) * 6.3   # general tables: halves differ
+    return q, k, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _check(q, k, cos, sin, u, dtype, **kw):
+    qo, ko = poison_(torch.empty_like(q)), poison_(torch.empty_like(k))
+    out = rope_fwd(q, k, cos, sin, u, q_out=qo, k_out=ko, **kw)
+    assert out[0] is qo and out[1] is ko
+    rq, rk = rope_ref(q, k, cos, sin, u)
+    assert_close(qo, rq, TOL[dtype], "q_embed")
+    assert_close(ko, rk, TOL[dtype], "k_embed")
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    dq, dk = poison_(torch.empty_like(q)), poison_(torch.empty_like(k))
+    rope_bwd(gq, gk, cos, sin, u, dq=dq, dk=dk, **kw)
+    rdq, rdk = rope_bwd_ref(gq, gk, cos, sin, u)
+    assert_close(dq, rdq, TOL[dtype], "dq")
+    assert_close(dk, rdk, TOL[dtype], "dk")
+
+
+CASES = [  # (b, hq, hk, s, d, dtype, unsqueeze_dim)
+    (1, 3, 1, 37, 64, torch.float32, 1),
+    (2, 4, 2, 37, 128, torch.bfloat16, 2),
+    (1, 4, 2, 129, 128, torch.bfloat16, 1),
+    (2, 3, 1, 1, 64, torch.bfloat16, 2),
+    (2, 4, 2, 1, 128, torch.float32, 1),
+    (1, 3, 1, 129, 64, torch.float32, 2),
+]
+
+
+@pytest.mark.parametrize("b,hq,hk,s,d,dtype,u", CASES)
+def test_fwd_bwd_vs_ref(b, hq, hk, s, d, dtype, u, device):
+    torch.manual_seed(0)
+    _check(*_make(b, hq, hk, s, d, dtype, u, device), u, dtype)
+
+
+def test_ref_matches_autograd():
+    """rope_bwd_ref is the transpose of rope_ref (what every backward test relies on)."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(2, 3, 1, 5, 16, torch.float64, 1, "cpu")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    rq, rk = rope_ref(q, k, cos, sin, 1)
+    gq, gk = torch.randn_like(rq), torch.randn_like(rk)
+    torch.autograd.backward([rq, rk], [gq, gk])
+    dq, dk = rope_bwd_ref(gq, gk, cos, sin, 1)
+    assert torch.allclose(q.grad, dq.double()) and torch.allclose(k.grad, dk.double())
+
+
+@pytest.mark.parametrize("u", [1, 2])
+def test_strided_views_of_projection(u, device):
+    """q/k as views of one fused (b, s, (hq+2hk)*d) projection: non-dense, read in place through strides."""
+    torch.manual_seed(0)
+    b, s, hq, hk, d, dtype = 2, 7, 4, 2, 64, torch.bfloat16
+    qkv = torch.randn(b, s, (hq + 2 * hk) * d, device=device, dtype=dtype)
+    q = qkv[..., : hq * d].view(b, s, hq, d)
+    k = qkv[..., hq * d:(hq + hk) * d].view(b, s, hk, d)
+    if u == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    assert not q.is_contiguous()
+    ang = torch.rand(b, s, d, device=device) * 6.3
+    _check(q, k, ang.cos().to(dtype), ang.sin().to(dtype), u, dtype)
+    qo, _ = rope_fwd(q, k, ang.cos().to(dtype), ang.sin().to(dtype), u)
+    assert qo.stride() == torch.empty_like(q).stride()   # dense, input's stride order
+
+
+def test_head_split_and_warps(device):
+    """Force the split-heads path (used on GPUs for short sequences) and a non-default warp count."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(1, 4, 2, 7, 64, torch.bfloat16, 1, device)
+    _check(q, k, cos, sin, 1, torch.bfloat16, split=2, num_warps=2)
+    q, k, cos, sin = _make(1, 3, 1, 5, 64, torch.float32, 2, device)
+    _check(q, k, cos, sin, 2, torch.float32, split=4)   # more splits than k heads: empty k blocks
+
+
+@pytest.mark.parametrize("d", [96, 256, 2])
+def test_head_dims(d, device):
+    """half not a power of 2 (masked tail), the largest supported d, and the smallest."""
+    torch.manual_seed(0)
+    _check(*_make(1, 2, 1, 5, d, torch.float32, 1, device), 1, torch.float32)
+
+
+def test_broadcast_tables(device):
+    """cos/sin (1, s, d) broadcast over batch (batch stride 0), and 2-d (s, d) tables."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(2, 3, 1, 11, 64, torch.bfloat16, 2, device, table_batch=1)
+    _check(q, k, cos, sin, 2, torch.bfloat16)
+    qo, ko = rope_fwd(q, k, cos[0], sin[0], 2)
+    rq, rk = rope_ref(q, k, cos, sin, 2)
+    assert_close(qo, rq, TOL[torch.bfloat16])
+    assert_close(ko, rk, TOL[torch.bfloat16])
+
+
+def test_rejects_bad_args(device):
+    q, k, cos, sin = _make(1, 2, 1, 4, 64, torch.float32, 1, device)
+    with pytest.raises(ValueError):
+        rope_fwd(q, k, cos, sin, 3)
+    with pytest.raises(ValueError):   # partial rotary: tables narrower than head_dim
+        rope_fwd(q, k, cos[..., :32], sin[..., :32], 1)
+    with pytest.raises(ValueError):
+        rope_fwd(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63], 1)
+
+
+# ---------------------------------------------------------------- GPU: real shapes (Qwen3-4B)
+@pytest.mark.gpu
+@pytest.mark.parametrize("u", [1, 2])
+def test_real_shapes_gpu(u):
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(1, 32, 8, 4096, 128, torch.bfloat16, u, "cuda")
+    _check(q, k, cos, sin, u, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_speed_sanity_gpu():
+    """fwd+bwd at the real shape moves >= 50% of the copy rate (target 70%, measured by bench/bench_rope.py)."""
+    from novatune.harness.timing import copy_bandwidth_gbps, kernel_us
+
+    q, k, cos, sin = _make(1, 32, 8, 4096, 128, torch.bfloat16, 1, "cuda")
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    us = kernel_us(lambda: (rope_fwd(q, k, cos, sin, 1), rope_bwd(gq, gk, cos, sin, 1)))
+    nbytes = 2 * 2 * (q.numel() + k.numel()) * 2 + 2 * 2 * cos.numel() * 2
+    floor_us = nbytes / copy_bandwidth_gbps() / 1e3
+    assert floor_us / us >= 0.5, f"{us:.1f} us vs floor {floor_us:.1f} us"

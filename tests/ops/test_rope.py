@@ -1,0 +1,160 @@
+"""novatune.ops.apply_rope: custom ops, autograd, and parity with HF's apply_rotary_pos_emb on packed rows.
+
+Tables come from transformers' Qwen3RotaryEmbedding with position_ids that restart mid-row (packed documents),
+cast to the activation dtype exactly as HF does, so the reference and HF see the same cos/sin values.
+
+Tolerances (relative norm over the tensor):
+* vs the fp32 reference: fp32 1e-6 (two products and a sum); bf16 3e-3 (novatune rounds once from fp32:
+  ~1.1e-3 expected); 6e-3 under the Triton interpreter, which truncates fp32 -> bf16 instead of rounding to
+  nearest (measured 3.5e-3; see tests/kernels/test_rope.py).
+* vs HF eager: fp32 1e-6 (same formula, same order up to the sign placement); bf16 1e-2 (HF rounds
+  q*cos, rotate_half(q)*sin and their sum to bf16, three roundings, ~2e-3; the bound is REL_TOL[bf16]).
+* grads: HF's autograd of the same formula; the backward is again one rounding for novatune.
+"""
+import pytest
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from novatune.harness.numerics import assert_close
+from novatune.kernels.rope import rope_ref
+from novatune.ops._backend import interpreter_on
+from novatune.ops.rope import apply_rope, rope_bwd, rope_fwd
+
+TOL_REF = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}
+TOL_HF = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+def _tables(b, s, d, dtype, device):
+    """HF's cos/sin for packed rows: positions restart at every document boundary."""
+    cfg = Qwen3Config(hidden_size=4 * d, num_attention_heads=4, num_key_value_heads=2, head_dim=d,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    rotary = Qwen3RotaryEmbedding(cfg).to(device)
+    rows = []
+    for r in range(b):
+        cuts = sorted({0, min(s, 7 + 3 * r), min(s, s // 2 + r + 1), s})   # up to 3 documents, per-row cuts
+        rows.append(torch.cat([torch.arange(e - a) for a, e in zip(cuts[:-1], cuts[1:])]))
+    pos = torch.stack(rows).to(device)   # (b, s): 0, 1, .., 0, 1, .., 0, 1, ..
+    return rotary(torch.zeros(1, device=device, dtype=dtype), pos)
+
+
+def _inputs(b, hq, hk, s, d, dtype, u, device):
+    shape = (lambda h: (b, h, s, d)) if u == 1 else (lambda h: (b, s, h, d))
+    q = torch.randn(shape(hq), device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape(hk), device=device, dtype=dtype, requires_grad=True)
+    cos, sin = _tables(b, s, d, dtype, device)
+    return q, k, cos, sin
+
+
+def _grads(fn, q, k, cos, sin, u, gq, gk):
+    q.grad = k.grad = None
+    oq, ok = fn(q, k, cos, sin, u)
+    torch.autograd.backward([oq, ok], [gq, gk])
+    return oq.detach(), ok.detach(), q.grad.clone(), k.grad.clone()
+
+
+@pytest.mark.parametrize("b,hq,hk,s,d,dtype,u", [
+    (2, 4, 2, 37, 64, torch.bfloat16, 1),
+    (1, 3, 1, 37, 128, torch.float32, 2),
+    (2, 3, 1, 37, 128, torch.bfloat16, 2),
+])
+def test_packed_vs_hf_and_ref(b, hq, hk, s, d, dtype, u, device):
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(b, hq, hk, s, d, dtype, u, device)
+    if u == 2:
+        assert cos.shape == (b, s, d)
+    gq = torch.randn(q.shape, device=device, dtype=dtype)
+    gk = torch.randn(k.shape, device=device, dtype=dtype)
+    nq, nk, ndq, ndk = _grads(apply_rope, q, k, cos, sin, u, gq, gk)
+    hq_, hk_, hdq, hdk = _grads(apply_rotary_pos_emb, q, k, cos, sin, u, gq, gk)
+    rq, rk = rope_ref(q.detach(), k.detach(), cos, sin, u)
+    # fp32 reference grads: autograd through rope_ref in fp32
+    qf, kf = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+    _, _, rdq, rdk = _grads(rope_ref, qf, kf, cos, sin, u, gq.float(), gk.float())
+    assert nq.dtype == dtype and nq.shape == q.shape and nk.shape == k.shape
+    for name, out, ref, hf in [("q", nq, rq, hq_), ("k", nk, rk, hk_), ("dq", ndq, rdq, hdq), ("dk", ndk, rdk, hdk)]:
+        assert_close(out, ref, TOL_REF[dtype], f"{name} vs fp32 reference")
+        assert_close(out, hf, TOL_HF[dtype], f"{name} vs HF apply_rotary_pos_emb")
+
+
+def test_transposed_view_and_layouts_agree(device):
+    """A (b, s, h, d) projection output passed as HF's transposed view (u=1) gives the same numbers as u=2."""
+    torch.manual_seed(0)
+    b, s, hq, hk, d = 1, 19, 4, 2, 64
+    cos, sin = _tables(b, s, d, torch.bfloat16, device)
+    q = torch.randn(b, s, hq, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(b, s, hk, d, device=device, dtype=torch.bfloat16)
+    a_q, a_k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+    b_q, b_k = apply_rope(q, k, cos, sin, 2)
+    assert torch.equal(a_q.transpose(1, 2), b_q) and torch.equal(a_k.transpose(1, 2), b_k)
+    h_q, _ = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+    assert_close(a_q, h_q, TOL_HF[torch.bfloat16])
+    assert a_q.stride() == torch.empty_like(q.transpose(1, 2)).stride()
+
+
+def test_unused_output_grad(device):
+    """Only q_embed reaches the loss: k still gets a (zero) gradient and q's is right."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(1, 2, 1, 5, 64, torch.float32, 1, device)
+    oq, _ = apply_rope(q, k, cos, sin)
+    oq.sum().backward()
+    _, _, rdq, _ = _grads(rope_ref, q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_(),
+                          cos, sin, 1, torch.ones_like(oq), torch.zeros(k.shape))
+    assert_close(q.grad, rdq, TOL_REF[torch.float32])
+    assert k.grad is None or not k.grad.any()
+
+
+def test_reference_backend(monkeypatch):
+    """CPU without the interpreter (NOVATUNE_BACKEND=reference forces it): fp32 math cast to the input dtype."""
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(2, 4, 2, 9, 64, torch.bfloat16, 2, "cpu")
+    oq, ok = apply_rope(q, k, cos, sin, 2)
+    rq, rk = rope_ref(q.detach(), k.detach(), cos, sin, 2)
+    assert torch.equal(oq, rq.to(torch.bfloat16)) and torch.equal(ok, rk.to(torch.bfloat16))
+    (oq.float().sum() + ok.float().square().sum()).backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(k.grad.float()).all()
+
+
+@pytest.mark.parametrize("u", [1, 2])
+def test_opcheck(u, device):
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(1, 2, 1, 3, 8, torch.float32, u, device)
+    torch.library.opcheck(rope_fwd, (q, k, cos, sin, u))
+    gq, gk = torch.randn(q.shape, device=device), torch.randn(k.shape, device=device)
+    torch.library.opcheck(rope_bwd, (gq, gk, cos, sin, u))
+
+
+def test_cos_sin_get_no_grad(device):
+    """Documented: cos/sin receive no gradient (HF builds them under no_grad)."""
+    q, k, cos, sin = _inputs(1, 2, 1, 3, 8, torch.float32, 1, device)
+    cos = cos.clone().requires_grad_(True)
+    oq, ok = apply_rope(q, k, cos, sin)
+    (oq.sum() + ok.sum()).backward()
+    assert cos.grad is None and q.grad is not None
+
+
+def test_bad_args():
+    q, k = torch.randn(1, 2, 4, 64), torch.randn(1, 1, 4, 64)
+    cos = sin = torch.ones(1, 4, 32)
+    with pytest.raises(ValueError, match="partial rotary"):
+        apply_rope(q, k, cos, sin)
+    with pytest.raises(ValueError):
+        apply_rope(q, k, torch.ones(1, 4, 64), torch.ones(1, 4, 64), unsqueeze_dim=0)
+
+
+# ---------------------------------------------------------------- GPU: real shapes (Qwen3-4B, packed 4096)
+@pytest.mark.gpu
+@pytest.mark.parametrize("u", [1, 2])
+def test_real_shapes_vs_hf_gpu(u):
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(1, 32, 8, 4096, 128, torch.bfloat16, u, "cuda")
+    gq, gk = torch.randn(q.shape, device="cuda", dtype=q.dtype), torch.randn(k.shape, device="cuda", dtype=k.dtype)
+    nq, nk, ndq, ndk = _grads(apply_rope, q, k, cos, sin, u, gq, gk)
+    hq_, hk_, hdq, hdk = _grads(apply_rotary_pos_emb, q, k, cos, sin, u, gq, gk)
+    rq, rk = rope_ref(q.detach(), k.detach(), cos, sin, u)
+    for out, ref, hf in [(nq, rq, hq_), (nk, rk, hk_)]:
+        assert_close(out, ref, TOL_REF[torch.bfloat16])
+        assert_close(out, hf, TOL_HF[torch.bfloat16])
+    assert_close(ndq, hdq, TOL_HF[torch.bfloat16])
+    assert_close(ndk, hdk, TOL_HF[torch.bfloat16])

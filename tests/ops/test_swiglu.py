@@ -1,0 +1,175 @@
+"""SwiGLU op layer (novatune.ops.swiglu): custom ops, autograd, the reference backend, and the fused MLP against
+a stock Hugging Face Qwen3MLP.
+
+Tolerances: as in tests/kernels/test_swiglu.py - every output is computed in fp32 from the same inputs as the
+fp32 reference and rounded once, so fp32 -> 1e-5; bf16 -> 4e-3 where the rounding is round-to-nearest (GPU
+kernels, and the CPU reference path via torch's .to) and 8e-3 under TRITON_INTERPRET (it truncates fp32 -> bf16).
+The MLP comparisons are fp32 end to end (identical matmuls on inputs differing by a few fp32 ulp) -> 1e-5.
+"""
+import copy
+
+import pytest
+import torch
+
+from novatune.harness.numerics import assert_close
+from novatune.kernels.swiglu import swiglu_ref
+from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_mlp
+
+HAS_CUDA = torch.cuda.is_available()
+BF16_RNE, BF16_TRUNC = 4e-3, 8e-3
+
+
+def _tol(dtype, triton_path=True):
+    if dtype == torch.float32:
+        return 1e-5
+    return BF16_RNE if (HAS_CUDA or not triton_path) else BF16_TRUNC
+
+
+def _leaf_inputs(shape, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = (3 * torch.randn(shape, generator=gen)).to(dtype).to(device).requires_grad_(True)
+    u = torch.randn(shape, generator=gen).to(dtype).to(device).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen).to(dtype).to(device)
+    return g, u, dy
+
+
+def _fp32_reference(g, u, dy):
+    """Autograd of silu(g) * u in fp32 on the same (possibly bf16) values."""
+    g32 = g.detach().float().requires_grad_(True)
+    u32 = u.detach().float().requires_grad_(True)
+    y32 = torch.nn.functional.silu(g32) * u32
+    y32.backward(dy.float())
+    return y32.detach(), g32.grad, u32.grad
+
+
+def _check_autograd(shape, dtype, device, tol):
+    g, u, dy = _leaf_inputs(shape, dtype, device)
+    y = swiglu(g, u)
+    y.backward(dy)
+    ry, rdg, rdu = _fp32_reference(g, u, dy)
+    assert y.dtype == dtype and g.grad.dtype == dtype and u.grad.dtype == dtype
+    assert_close(y, ry, tol, "y")
+    assert_close(g.grad, rdg, tol, "dgate")
+    assert_close(u.grad, rdu, tol, "dup")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1, 127), (37, 127), (4097, 127), (3, 2560), (2, 37, 127), (1, 3, 2560)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_autograd_matches_fp32_reference(shape, dtype, device):
+    _check_autograd(shape, dtype, device, _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reference_backend(dtype, monkeypatch):
+    """NOVATUNE_BACKEND=reference (and CPU without the interpreter): fp32 math cast back to the input dtype."""
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    _check_autograd((2, 37, 127), dtype, "cpu", _tol(dtype, triton_path=False))
+
+
+def test_opcheck(device):
+    """Schema, fake impl, autograd registration and AOT dispatch of both ops (small shapes, both dtypes)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        g, u, dy = _leaf_inputs((5, 37), dtype, device)
+        torch.library.opcheck(torch.ops.novatune.swiglu_fwd.default, (g, u))
+        torch.library.opcheck(torch.ops.novatune.swiglu_bwd.default, (dy, g.detach(), u.detach()))
+    g, u, _ = _leaf_inputs((2, 3, 17), torch.float32, device)  # 3-D
+    torch.library.opcheck(torch.ops.novatune.swiglu_fwd.default, (g, u))
+
+
+def test_non_contiguous_and_output_layout(device):
+    g, u, dy = _leaf_inputs((127, 37), torch.float32, device)
+    gt, ut = g.t(), u.t()  # strided views
+    y = swiglu(gt, ut)
+    assert y.is_contiguous() and y.shape == (37, 127)
+    y.backward(dy.t())
+    ry, rdg, rdu = _fp32_reference(gt, ut, dy.t())
+    assert_close(y, ry, 1e-5, "y")
+    assert_close(g.grad.t(), rdg, 1e-5, "dgate")
+    assert_close(u.grad.t(), rdu, 1e-5, "dup")
+
+
+def test_argument_checks(device):
+    a = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="same shape"):
+        swiglu(a, torch.randn(4, 9, device=device))
+    # mixed dtypes promote like eager PyTorch
+    y = swiglu(a, a.to(torch.bfloat16))
+    assert y.dtype == torch.float32
+    assert_close(y, swiglu_ref(a, a.to(torch.bfloat16)), 1e-5, "mixed")
+
+
+# ---- the fused MLP against stock HF ----------------------------------------------------------------------
+
+def _tiny_qwen3_mlp(seed=0):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=160, hidden_act="silu", num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    return Qwen3MLP(cfg).float()
+
+
+def _fwd_bwd(fn, module, x, dy):
+    x = x.clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = fn(module, x)
+    out.backward(dy)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
+    return out.detach(), x.grad, grads
+
+
+def _compare_mlps(stock, ours_fn, device):
+    stock = stock.to(device)
+    nova = copy.deepcopy(stock)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 64, generator=gen).to(device)  # (batch, seq, hidden): 3-D as in a model
+    dy = torch.randn(2, 7, 64, generator=gen).to(device)
+    out_s, dx_s, g_s = _fwd_bwd(lambda m, t: m(t), stock, x, dy)
+    out_n, dx_n, g_n = _fwd_bwd(ours_fn, nova, x, dy)
+    assert_close(out_n, out_s, 1e-5, "mlp output")
+    assert_close(dx_n, dx_s, 1e-5, "mlp dx")
+    assert g_s.keys() == g_n.keys() and g_s
+    for name in g_s:
+        assert_close(g_n[name], g_s[name], 1e-5, f"grad {name}")
+
+
+def test_swiglu_mlp_matches_hf_qwen3_mlp(device):
+    _compare_mlps(_tiny_qwen3_mlp(), lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj), device)
+
+
+def test_nova_swiglu_mlp_module_shares_weights(device):
+    stock = _tiny_qwen3_mlp()
+    wrapped = NovaSwiGLUMLP.from_module(stock)
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    assert wrapped.gate_proj.weight is stock.gate_proj.weight  # shared, not copied
+    _compare_mlps(stock, lambda m, t: NovaSwiGLUMLP.from_module(m)(t), device)
+    with pytest.raises(TypeError, match="not a gated MLP"):
+        NovaSwiGLUMLP.from_module(torch.nn.Linear(4, 4))
+
+
+def test_swiglu_mlp_with_peft_lora(device):
+    """LoRA-wrapped projections are called, not read: adapter grads match stock PEFT."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+                          init_lora_weights=False)  # random B so the adapters change the output
+    stock = peft.inject_adapter_in_model(cfg, _tiny_qwen3_mlp())
+    assert any("lora_" in n for n, p in stock.named_parameters() if p.requires_grad)
+    _compare_mlps(stock, lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj), device)
+
+
+# ---- GPU only ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_real_shape_autograd():
+    _check_autograd((4096, 9728), torch.bfloat16, "cuda", BF16_RNE)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_mlp_matches_eager():
+    """torch.compile(fullgraph=True) traces the custom ops through their fake impls and gives the same values."""
+    mlp = _tiny_qwen3_mlp().cuda()
+    fn = lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    _compare_mlps(mlp, compiled, "cuda")

@@ -1,0 +1,148 @@
+"""novatune.patch on tiny models of every family: what it replaces, revert, and that a patched model computes what
+the stock model computes (CPU, fp32: the ops run their Triton kernels in the interpreter, or the references)."""
+import pytest
+import torch
+
+import novatune
+from novatune.harness.numerics import assert_close
+
+from tiny_models import FAMILIES, packed_batch, tiny_model
+
+# fp32 end to end: kernels and references differ from HF only in summation order -> ~1e-6 relative; the tolerance
+# leaves room for that through 2 layers and the backward.
+TOL = 2e-5
+ROWS = [[5, 17, 1, 9], [32]]  # two rows of 32 tokens: several documents (one of length 1), and one document
+
+
+def _loss_and_grads(model, ids, pos, lab):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=lab)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patch_report_counts_and_revert(family):
+    model = tiny_model(family)
+    keys = list(model.state_dict())
+    layers = model.config.num_hidden_layers
+    report = novatune.patch(model)
+    assert report.family == family
+    n_norms = 2 * layers + 1
+    assert len(report.replaced("rms_norm")) == n_norms
+    assert len(report.replaced("qk_norm")) == (2 * layers if family == "qwen3" else 0)
+    assert len(report.replaced("mlp")) == layers
+    assert len(report.replaced("attention")) == layers
+    assert len(report.replaced("cross_entropy")) == 1
+    assert not report.skipped()
+    assert list(model.state_dict()) == keys, "patching must not change parameters or state_dict keys"
+    assert "forward" in model.model.layers[0].mlp.__dict__
+    assert novatune.patch(model) is report, "patching twice returns the existing report"
+    report.revert()
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+    assert "forward" not in model.__dict__
+    assert not model.model._forward_pre_hooks
+    assert "replaced" in str(report) and "[reverted]" in str(report)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patched_equals_stock_loss_and_grads(family):
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model(family)
+    model.train()
+    loss_ref, grads_ref = _loss_and_grads(model, ids, pos, lab)
+    report = novatune.patch(model)
+    loss, grads = _loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], TOL, name)
+    report.revert()
+    loss_back, _ = _loss_and_grads(model, ids, pos, lab)
+    assert torch.equal(loss_back, loss_ref), "after revert the model is stock again, bit for bit"
+
+
+def test_num_items_in_batch_normaliser_matches_stock():
+    """Gradient accumulation: HF passes num_items_in_batch; the fused loss must use it as its divisor."""
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("qwen3").train()
+    ref = model(input_ids=ids, position_ids=pos, labels=lab, num_items_in_batch=torch.tensor(100)).loss
+    novatune.patch(model)
+    out = model(input_ids=ids, position_ids=pos, labels=lab, num_items_in_batch=torch.tensor(100)).loss
+    assert_close(out, ref, TOL, "loss with num_items_in_batch")
+
+
+def test_gradient_checkpointing_same_grads():
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("qwen3").train()
+    novatune.patch(model)
+    _, grads = _loss_and_grads(model, ids, pos, lab)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads_ckpt = _loss_and_grads(model, ids, pos, lab)
+    for name in grads:
+        assert_close(grads_ckpt[name], grads[name], 1e-6, name)
+
+
+def test_documents_do_not_see_each_other():
+    """Perturb one document: every other document's logits stay exactly the same (eval, use_cache=False)."""
+    model = tiny_model("qwen3").eval()
+    novatune.patch(model)
+    ids, pos, _ = packed_batch([[7, 11, 14]])
+    with torch.no_grad():
+        base = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        ids2 = ids.clone()
+        ids2[0, 7:18] = (ids2[0, 7:18] + 1) % 257  # the second document
+        pert = model(input_ids=ids2, position_ids=pos, use_cache=False).logits
+    assert torch.equal(base[0, :7], pert[0, :7])
+    assert torch.equal(base[0, 18:], pert[0, 18:])
+    assert not torch.equal(base[0, 7:18], pert[0, 7:18])
+
+
+def test_eval_generation_unchanged():
+    model = tiny_model("llama").eval()
+    prompt = torch.tensor([[1, 5, 9, 33, 4]])
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    novatune.patch(model)
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(out, ref)
+
+
+def test_peft_model_patched():
+    peft = pytest.importorskip("peft")
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("qwen3").train()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    pm = peft.get_peft_model(model, cfg)
+    loss_ref, grads_ref = _loss_and_grads(pm, ids, pos, lab)
+    report = novatune.patch(pm)
+    assert len(report.replaced("attention")) == 2 and len(report.replaced("mlp")) == 2
+    loss, grads = _loss_and_grads(pm, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    assert any("lora" in n for n in grads) and grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], TOL, name)
+
+
+def test_trainer_like_target_and_options():
+    class FakeTrainer:  # what patch() needs from a transformers/TRL Trainer: .model and .args
+        def __init__(self, model):
+            self.model, self.args = model, object()
+
+    model = tiny_model("mistral")
+    report = novatune.patch(FakeTrainer(model), attention=False, cross_entropy=False)
+    assert model._novatune_report is report
+    assert not report.replaced("attention") and not report.replaced("cross_entropy")
+    assert {e.detail for e in report.skipped()} == {"attention=False", "cross_entropy=False"}
+
+
+def test_unsupported_family_is_reported_and_strict_raises():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    report = novatune.patch(model)
+    assert report.family is None and "no novatune spec" in report.skipped()[0].detail
+    with pytest.raises(ValueError, match="no novatune spec"):
+        novatune.patch(model, strict=True)
+    with pytest.raises(ValueError, match="attention="):
+        novatune.patch(tiny_model("qwen3"), attention="fa9")

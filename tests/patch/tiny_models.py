@@ -1,0 +1,41 @@
+"""Tiny random-init models of each supported family (real HF classes, toy sizes) and packed batches for them."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, use_cache=False, tie_word_embeddings=True)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(COMMON, head_dim=16, rms_norm_eps=1e-6)),
+    "qwen2": ("Qwen2Config", dict(COMMON, rms_norm_eps=1e-6)),
+    "llama": ("LlamaConfig", dict(COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(COMMON, rms_norm_eps=1e-5, sliding_window=None)),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32, attn: str = "sdpa"):
+    cls_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    return model
+
+
+def packed_batch(doc_lens_per_row, vocab=257, seed=0, device="cpu"):
+    """input_ids, position_ids (restarting per document) and labels (-100 on each document's first token)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, lab = [], [], []
+    for lens in doc_lens_per_row:
+        r_ids, r_pos, r_lab = [], [], []
+        for n in lens:
+            doc = torch.randint(0, vocab, (n,), generator=g).tolist()
+            r_ids += doc
+            r_pos += list(range(n))
+            r_lab += [-100] + doc[1:]
+        ids.append(r_ids)
+        pos.append(r_pos)
+        lab.append(r_lab)
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    return t(ids), t(pos), t(lab)
