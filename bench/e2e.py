@@ -130,7 +130,6 @@ def register_peer_varlen():
 
 def run_stack(args) -> dict:
     import torch
-    import transformers
 
     stack = args.stack
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
@@ -156,13 +155,26 @@ def run_stack(args) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(dev == "cuda"))
     rows = make_rows(args.ga * (args.warm + args.steps), args.seq, cfg.vocab_size)
+    # The same feed for every stack: pinned host tensors copied without blocking the host (a trainer's prefetch).
+    pin = (lambda x: x.pin_memory()) if dev == "cuda" else (lambda x: x)  # noqa: E731
+    host = [tuple(pin(torch.tensor([x])) for x in row) for row in rows]
+    host_meta = stack == "novatune" and not args.no_host_meta
+
+    def batch_kwargs(i):
+        ids, pos, lab = (x.to(dev, non_blocking=True) for x in host[i])
+        kw = dict(input_ids=ids, position_ids=pos, labels=lab)
+        if host_meta:
+            # novatune's collator hands over the document offsets it computed on the host (as TRL's
+            # DataCollatorWithFlattening does): the model then never syncs to find document boundaries
+            starts = [t for t, p_ in enumerate(rows[i][1]) if p_ == 0] + [len(rows[i][1])]
+            kw.update(cu_seq_lens_q=torch.tensor(starts, dtype=torch.int32),
+                      max_length_q=max(b - a for a, b in zip(starts, starts[1:])))
+        return kw
 
     def opt_step(k):
         losses = []
         for j in range(args.ga):
-            ids, pos, lab = rows[k * args.ga + j]
-            t = lambda x: torch.tensor([x], device=dev)  # noqa: E731
-            out = model(input_ids=t(ids), position_ids=t(pos), labels=t(lab))
+            out = model(**batch_kwargs(k * args.ga + j))
             (out.loss / args.ga).backward()
             losses.append(out.loss.detach())
         opt.step()
@@ -188,9 +200,10 @@ def run_stack(args) -> dict:
         choice = last_choice()
         extra["attention_backend"] = choice.backend if choice else None
     if args.profile and dev == "cuda":
-        extra["profile"] = profile_micro_step(model, rows[0], dev, f"{args.profile}_{stack}")
+        extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
                 ckpt=not args.no_ckpt, warm=args.warm, steps=args.steps, attention=args.attention,
+                host_meta=host_meta,
                 tok_s=round(tps, 1), model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
                 losses=[round(x, 4) for x in losses],
@@ -209,16 +222,15 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_micro_step(model, row, dev, path) -> dict:
+def profile_micro_step(model, batch: dict, path) -> dict:
     """One micro-step (fwd+bwd) under torch.profiler: CUDA time per category, busy vs wall, Chrome trace."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    ids, pos, lab = (torch.tensor([x], device=dev) for x in row)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        model(**batch).loss.backward()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     model.zero_grad(set_to_none=True)
@@ -254,7 +266,9 @@ def drive(args) -> int:
     for stack in args.stacks.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--stack", stack, "--arch", args.arch, "--seq",
                str(args.seq), "--ga", str(args.ga), "--warm", str(args.warm), "--steps", str(args.steps),
-               "--attention", args.attention] + (["--profile", args.profile] if args.profile else []) + (["--layers", str(args.layers)] if args.layers else []) \
+               "--attention", args.attention] + (["--no_host_meta"] if args.no_host_meta else []) \
+            + (["--profile", args.profile] if args.profile else []) \
+            + (["--layers", str(args.layers)] if args.layers else []) \
             + (["--no_ckpt"] if args.no_ckpt else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -298,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no_ckpt", action="store_true")
     p.add_argument("--attention", default="auto", help="novatune attention backend")
+    p.add_argument("--no_host_meta", action="store_true",
+                   help="novatune derives document offsets from CUDA position_ids (one sync per micro-batch) "
+                        "instead of receiving the collator's host-side cu_seq_lens_q")
     p.add_argument("--results", default="bench/results/e2e.jsonl")
     p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
     args = p.parse_args(argv)

@@ -41,8 +41,10 @@ BACKENDS = ("varlen", "flex", "sdpa", "sdpa_docs", "reference")
 
 # Preference order of the automatic choice, per device type. Module-level on purpose: `novatune tune` replaces these
 # lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
+# varlen before flex: in the headline training step (H200, torch 2.11) varlen gave 15,893 tok/s vs flex 14,767
+# (bench/results/e2e.jsonl); flex's backward is slower there and its BlockMask costs host time per batch.
 AUTO_ORDER: dict[str, list[str]] = {
-    "cuda": ["sdpa", "flex", "varlen", "sdpa_docs"],
+    "cuda": ["sdpa", "varlen", "flex", "sdpa_docs"],
     "cpu": ["sdpa", "sdpa_docs"],
 }
 

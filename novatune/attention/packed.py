@@ -148,11 +148,12 @@ class PackedBatch:
 
     @classmethod
     def from_kwargs(cls, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                    **hf_kwargs) -> "PackedBatch | None":
+                    batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> "PackedBatch | None":
         """From the keyword arguments of a Hugging Face model call; returns None when nothing says the rows are packed.
 
-        Uses `cu_seq_lens_q` (+ `max_length_q`) when present (TRL's flattening collator computed them already),
-        else `position_ids`; with neither, returns None (nothing says the rows are packed: use stock attention).
+        Uses `cu_seq_lens_q` (+ `max_length_q`) when present (TRL's flattening collator computed them already; with
+        `batch` rows of equal length - TRL flattens into one row, the default), else `position_ids`;
+        `device` is where the model runs (a host-side cu_seq_lens_q then costs no device sync at all); with neither, returns None (nothing says the rows are packed: use stock attention).
 
         `attention_mask` is the 2-D (batch, seq_len) padding mask of the model call. A mask with zeros together with
         packed rows (several documents in a row, or cu_seq_lens) raises ValueError: padding inside packed rows is
@@ -166,9 +167,9 @@ class PackedBatch:
                                                                       torch.as_tensor(cu).cpu()):
                 raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: only self-attention over packed rows is "
                                  "supported")
-            packed = cls.from_cu_seqlens(cu, hf_kwargs.get("max_length_q"))
+            packed = cls.from_cu_seqlens(cu, hf_kwargs.get("max_length_q"), batch=batch, device=device)
         elif position_ids is not None:
-            packed = cls.from_position_ids(position_ids)
+            packed = cls.from_position_ids(position_ids, device=device)
         else:
             return None
         if attention_mask is not None:

@@ -72,18 +72,21 @@ def decoder_pre_hook(module, args, kwargs):
     mask = kwargs.get("attention_mask")
     if isinstance(mask, dict):
         return None  # masks already prepared by the caller
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ref = ids if ids is not None else kwargs["inputs_embeds"]
+    batch, seq = ref.shape[0], ref.shape[1]
     packed = kwargs.get(PACKED_KWARG)
     if packed is None:
+        # a collator's host-side cu_seq_lens_q (TRL flattening, novatune's trainer) costs no device sync; CUDA
+        # position_ids cost one device->host copy per batch (never one per layer)
         hf_packing = {k: kwargs[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q") if k in kwargs}
-        packed = PackedBatch.from_kwargs(position_ids=kwargs.get("position_ids"), attention_mask=mask, **hf_packing)
+        packed = PackedBatch.from_kwargs(position_ids=kwargs.get("position_ids"), attention_mask=mask, batch=batch,
+                                         device=ref.device, **hf_packing)
     if packed is None:
         if mask is not None and not bool(mask.all()):
             state.note_once("padding", "batches with padding (attention_mask zeros) use stock attention; "
                                        "pack rows (position_ids per document) for the fast path")
             return None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs["inputs_embeds"]
-        batch, seq = ref.shape[0], ref.shape[1]
         # no position_ids: one document per row (what HF assumes too)
         packed = PackedBatch.from_cu_seqlens(torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32), seq,
                                              batch=batch, device=ref.device)

@@ -146,3 +146,16 @@ def test_unsupported_family_is_reported_and_strict_raises():
         novatune.patch(model, strict=True)
     with pytest.raises(ValueError, match="attention="):
         novatune.patch(tiny_model("qwen3"), attention="fa9")
+
+
+def test_host_cu_seq_lens_same_as_position_ids():
+    """A collator's host-side document offsets (TRL flattening style) give the same result as position_ids."""
+    ids, pos, lab = packed_batch([[5, 17, 1, 9]])
+    model = tiny_model("qwen3").train()
+    novatune.patch(model)
+    ref = model(input_ids=ids, position_ids=pos, labels=lab).loss
+    cu = torch.tensor([0, 5, 22, 23, 32], dtype=torch.int32)
+    out = model(input_ids=ids, position_ids=pos, labels=lab, cu_seq_lens_q=cu, max_length_q=17).loss
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        model(input_ids=ids, position_ids=pos, labels=lab, cu_seq_lens_q=cu, max_length_q=3)
