@@ -3,20 +3,27 @@
     python bench/bench_linear_cross_entropy.py                 # 4096 x 2560 -> 151936, bf16 (H100/H200: < 60 s)
     python bench/bench_linear_cross_entropy.py --quick         # 1024 tokens, short timing loops
     python bench/bench_linear_cross_entropy.py --chunk 1024    # also time novatune with forced chunks
+    python bench/bench_linear_cross_entropy.py --vocab-slice 8192   # also time novatune_vocab with 8192 columns
 
 Candidates (each computes the loss and the gradients of hidden and lm_weight):
   hf_eager          F.linear + transformers' ForCausalLMLoss (bf16 logits, .float(), F.cross_entropy)
   torch_compile     torch.compile of hf_eager's function
   liger             LigerFusedLinearCrossEntropyLoss (row says absent when liger_kernel is not importable)
-  novatune          novatune.ops.linear_cross_entropy, default plan (see novatune.kernels.linear_cross_entropy)
-  novatune_chunkN   the same with chunk_tokens=N (the fp32-accumulator path), with --chunk N
+  novatune          novatune.ops.linear_cross_entropy, default plan mode="auto" (see novatune.kernels.
+                    linear_cross_entropy.plan_mode; at 4096 x 151936 it is the vocab plan)
+  novatune_tokens   mode="tokens": token chunks against the whole vocab, 3 GEMMs (one chunk at 4096 tokens:
+                    the full bf16 logits)
+  novatune_vocab    mode="vocab": two passes over vocab slices, 4 GEMMs, one (T, Vc) logits slice
+  novatune_chunkN   mode="tokens" with chunk_tokens=N (the fp32-accumulator path), with --chunk N
+  novatune_vocabN   mode="vocab" with vocab_slice=N, with --vocab-slice N
 
 Figures per candidate: kernel µs (sum of CUDA kernel time per call, torch.profiler), wall µs (do_bench median),
 peak MiB (torch.cuda.max_memory_allocated during one call minus what was allocated before it: logits, buffers
 and the returned gradients), relative errors of loss / grad_hidden / grad_weight against the fp32 reference.
 Floor: the op is compute-bound - three GEMMs of 2*T*H*V flops (logits, grad_hidden, grad_weight) at the bf16
 matmul rate measured in the same run (novatune.harness.timing.matmul_tflops); the HBM floor (inputs read once,
-gradients written once, at the measured copy bandwidth) is reported too. frac = max(floors) / kernel µs.
+gradients written once, at the measured copy bandwidth) is reported too. frac = max(floors) / kernel µs (the
+vocab plan does a 4th GEMM, the logits' recompute, so its frac is at most ~0.75 by construction).
 One row per candidate goes to --results (default bench/results/ops.jsonl).
 """
 from __future__ import annotations
@@ -53,15 +60,22 @@ def _candidates(args, vocab):
     hf_loss = _hf_loss_fn(vocab)
     cands = {"hf_eager": hf_loss, "torch_compile": torch.compile(hf_loss)}
     try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
 
         liger = LigerFusedLinearCrossEntropyLoss()
         cands["liger"] = lambda h, w, y: liger(w, h.view(-1, h.shape[-1]), y.view(-1))
     except Exception as e:  # noqa: BLE001 - absent or broken: the row says so
         cands["liger"] = f"absent: {type(e).__name__}: {e}"
     cands["novatune"] = lambda h, w, y: linear_cross_entropy(h, w, y)
+    cands["novatune_tokens"] = lambda h, w, y: linear_cross_entropy(h, w, y, mode="tokens")
+    cands["novatune_vocab"] = lambda h, w, y: linear_cross_entropy(h, w, y, mode="vocab")
     if args.chunk:
         cands[f"novatune_chunk{args.chunk}"] = lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=args.chunk)
+    if args.vocab_slice:
+        cands[f"novatune_vocab{args.vocab_slice}"] = lambda h, w, y: linear_cross_entropy(
+            h, w, y, mode="vocab", vocab_slice=args.vocab_slice)
     if args.candidates:
         keep = set(args.candidates.split(","))
         cands = {k: v for k, v in cands.items() if k in keep}
@@ -112,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")
     p.add_argument("--chunk", type=int, default=0, help="also time novatune with chunk_tokens=N")
+    p.add_argument("--vocab-slice", type=int, default=0, help="also time novatune with mode='vocab', vocab_slice=N")
     p.add_argument("--candidates", default="", help="comma-separated subset of candidate names")
     p.add_argument("--quick", action="store_true", help="1024 tokens and short timing loops (smoke run)")
     p.add_argument("--results", default=DEFAULT_RESULTS, help=f"JSON-lines file (default {DEFAULT_RESULTS})")
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
 
     from novatune.harness.results import write_row
     from novatune.harness.timing import copy_bandwidth_gbps, matmul_tflops
-    from novatune.kernels.linear_cross_entropy import fp32_addmm_available, plan_chunk_tokens
+    from novatune.kernels.linear_cross_entropy import fp32_addmm_available, plan_mode
 
     T, H, V = args.tokens, args.hidden, args.vocab
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -146,7 +161,14 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     shape = {"tokens": T, "hidden": H, "vocab": V}
-    plan = {"novatune_chunk_tokens": plan_chunk_tokens(T, V, H, dtype, True),
+    auto = plan_mode(T, V, H, dtype, True)
+    plans = {"novatune": auto, "novatune_tokens": plan_mode(T, V, H, dtype, True, "tokens"),
+             "novatune_vocab": plan_mode(T, V, H, dtype, True, "vocab")}
+    if args.chunk:
+        plans[f"novatune_chunk{args.chunk}"] = ("tokens", args.chunk)
+    if args.vocab_slice:
+        plans[f"novatune_vocab{args.vocab_slice}"] = ("vocab", args.vocab_slice)
+    plan = {"auto_mode": auto[0], "auto_size": auto[1],
             "fp32_addmm_direct": fp32_addmm_available(torch.device("cuda"), dtype)}
     print(f"T={T} H={H} V={V} {args.dtype}  matmul {tflops:.0f} TFLOP/s  copy {gbps:.0f} GB/s  "
           f"GEMM floor {ceilings['gemm_floor_us']:.0f} us  HBM floor {ceilings['hbm_floor_us']:.0f} us  plan {plan}")
@@ -164,7 +186,8 @@ def main(argv=None) -> int:
             except torch.cuda.OutOfMemoryError as ex:
                 row.update(error=f"OOM: {ex}"[:300])
             if name.startswith("novatune"):
-                row.update(plan)
+                mode, size = plans[name]
+                row.update(plan, mode=mode, **({"chunk_tokens": size} if mode == "tokens" else {"vocab_slice": size}))
             if "kernel_us" in row:
                 print(f"{name:<20}{row['kernel_us']:>11.0f}{row['wall_us']:>10.0f}{row['peak_mib']:>10.0f}"
                       f"{row['frac_of_floor']:>7.2f}{row['err_loss']:>11.1e}{row['err_grad_hidden']:>10.1e}"

@@ -22,21 +22,6 @@ import subprocess
 import sys
 import time
 
-ARCHS = {
-    # name: (config class, kwargs) - the real architectures' shapes, random init
-    "qwen3-4b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                     head_dim=128, rms_norm_eps=1e-6, rope_theta=5_000_000.0,
-                                     max_position_embeddings=262144, tie_word_embeddings=True)),
-    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                         head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                                         max_position_embeddings=131072, tie_word_embeddings=True)),
-    "qwen2.5-0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                         rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=32768,
-                                         tie_word_embeddings=True)),
-}
 STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune")
 
 
@@ -44,17 +29,14 @@ def build_model(arch: str, layers: int | None, attn: str, device: str):
     import torch
     import transformers
 
-    cls_name, kw = ARCHS[arch]
-    kw = dict(kw, use_cache=False)
-    if layers:
-        kw["num_hidden_layers"] = layers
-    cfg = getattr(transformers, cls_name)(**kw)
+    from novatune.train.arch import arch_config
+
+    cfg = arch_config(arch, {"num_hidden_layers": layers} if layers else None)
     cfg._attn_implementation = attn
-    model_cls = transformers.AutoModelForCausalLM.from_config
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = model_cls(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     torch.set_default_dtype(torch.float32)
     return model, cfg
 
@@ -79,17 +61,14 @@ def make_rows(n_rows: int, seq: int, vocab: int, seed: int = 1):
 
 
 def flops_per_token(cfg, rows) -> float:
-    """6 x matmul params (incl. lm_head) + attention 3 x 4 x avg attended keys x q_heads x head_dim x layers."""
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layer = (cfg.hidden_size * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
-             + cfg.num_attention_heads * hd * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-    mm = cfg.num_hidden_layers * layer + cfg.hidden_size * cfg.vocab_size
+    """BENCHMARKS.md: 6 x matmul params (incl. lm_head) + attention, causal within documents."""
+    from novatune.train.arch import attention_flops_per_token, count_matmul_params
+
     ctx = 0.0
     for _, pos, _ in rows:
         starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
         ctx += sum((starts[i + 1] - starts[i]) ** 2 / 2 for i in range(len(starts) - 1)) / len(pos)
-    ctx /= len(rows)
-    return 6 * mm + 3 * 4 * ctx * cfg.num_attention_heads * hd * cfg.num_hidden_layers
+    return 6 * count_matmul_params(cfg) + attention_flops_per_token(cfg, ctx / len(rows))
 
 
 def register_peer_varlen():
@@ -139,7 +118,7 @@ def run_stack(args) -> dict:
     if stack.endswith("liger"):
         import liger_kernel.transformers as lk
 
-        fam = {"qwen3-4b": "qwen3", "llama-3.2-1b": "llama", "qwen2.5-0.5b": "qwen2"}[args.arch]
+        fam = {"qwen3-4b": "qwen3", "qwen3-8b": "qwen3", "llama-3.2-1b": "llama", "qwen2.5-0.5b": "qwen2"}[args.arch]
         getattr(lk, f"apply_liger_kernel_to_{fam}")(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                                      fused_linear_cross_entropy=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -304,7 +283,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stacks", default="hf_sdpa,varlen_liger,novatune", help=f"driver mode: comma list of {STACKS}")
     p.add_argument("--stack", choices=STACKS, help="run one stack in this process and print RESULT <json>")
-    p.add_argument("--arch", default="qwen3-4b", choices=sorted(ARCHS))
+    p.add_argument("--arch", default="qwen3-4b", help="a name from novatune.train.arch.ARCHS")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the architecture's)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ga", type=int, default=4)

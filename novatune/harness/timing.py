@@ -41,7 +41,6 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     us = wall_us(lambda: y.copy_(x), warmup_ms=50, rep_ms=200)
-    del x, y
     return 2 * nbytes / us / 1e3
 
 

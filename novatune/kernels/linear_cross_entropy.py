@@ -11,7 +11,10 @@ D = number of non-ignored labels ("mean"), 1 ("sum") or the caller's normalizer.
 tokens of the whole accumulated batch (HF's num_items_in_batch), micro-batch gradients *sum* to the large-batch
 gradient exactly (the gradient-accumulation bug, trl #2175). D is a device tensor: no host sync.
 
-Plan (Liger-style: the forward computes the gradients; the backward only scales them by grad_output):
+The forward computes the gradients (Liger-style); the backward only scales them by grad_output. Two plans
+(`mode`), both exact (fp32 softmax statistics, fp32 accumulation of every sum over tokens or vocab slices):
+
+mode="tokens" - chunks of tokens, each against the whole vocab:
 
     for each chunk c of tokens:
         Z        = h_c @ W^T          input dtype, like HF whose bf16 logits are upcast with .float() afterwards
@@ -19,20 +22,35 @@ Plan (Liger-style: the forward computes the gradients; the backward only scales 
         grad_h_c = Z @ W              (rows are disjoint: no accumulation)
         grad_W  += Z^T @ h_c          fp32 across chunks (Liger #512/#827: bf16 accumulation loses precision)
 
-Memory invariants (T tokens, H hidden, V vocab, e bytes per input element; Qwen3-4B: H 2560, V 151936, bf16):
-* logits exist only as one (chunk, V) buffer in the input dtype, reused as dL/dZ - never in fp32, never twice.
-* grad_W: one GEMM per chunk. With >1 chunk and a half-precision weight it is accumulated in an fp32 (V, H)
-  buffer (1.56 GB at Qwen3-4B) and cast to the weight dtype at the end. On CUDA the GEMM accumulates into it
-  directly (aten::addmm.dtype_out, probed at first use: torch versions differ on accepting an fp32 `self`);
-  otherwise the chunk's partial product goes to the bf16 output buffer (rounded once) and is added to the fp32
-  buffer - no compounding of bf16 roundings either way.
-* That fp32 buffer costs more than it saves at small T: 4096 tokens of bf16 logits (1.24 GB) are smaller than
-  the accumulator (1.56 GB). `plan_chunk_tokens` therefore picks the plan with the lower peak: one chunk (one
-  GEMM for grad_W, fp32 accumulation inside the GEMM, no accumulator, no fp32 read-modify-write traffic) while
-  T*V*e + V*H*e <= V*H*4 + max(chunk*V*e, V*H*e), chunks of ~CHUNK_LOGITS_BYTES otherwise. At Qwen3-4B: one
-  chunk up to 5120 tokens (4096: 2.02 GB extra, of which 0.78 GB is grad_W itself); beyond, ~1700-token chunks
-  and a flat 2.33 GB whatever T is (16384 tokens: 10 chunks; HF would hold 5 GB of bf16 + 10 GB of fp32 logits).
-  Pass chunk_tokens to force a size.
+  3 GEMMs. grad_W with >1 chunk and a half-precision weight is accumulated in an fp32 (V, H) buffer (1.56 GB at
+  Qwen3-4B) and cast at the end; on CUDA the GEMM accumulates into it directly (aten::addmm.dtype_out, probed
+  by `fp32_addmm_available`: torch versions differ), otherwise each chunk's partial is rounded once to the
+  weight dtype and added in fp32. That buffer costs more than it saves at small T, so `plan_chunk_tokens` picks
+  one chunk (one GEMM for grad_W, fp32 accumulation inside the GEMM) while T*V*e + V*H*e <= V*H*4 +
+  max(chunk*V*e, V*H*e), chunks of ~CHUNK_LOGITS_BYTES otherwise. At Qwen3-4B that is ONE chunk up to 5120
+  tokens: at 4096 the full bf16 logits (1.24 GB) + grad_W (0.78 GB) = 2.02 GB extra; beyond, a flat 2.33 GB.
+
+mode="vocab" - slices of the vocab (Vc columns = rows Vc of W, contiguous), every token at once:
+
+    pass 1, j = 0 .. n-1:   Z_j = h @ W_j^T  (one (T, Vc) buffer, input dtype)
+                            kernel: merges Z_j into running fp32 (max, sum-exp) per row and picks z_{y_t} when
+                            y_t falls in slice j; after the last slice: lse_t, loss rows
+    pass 2, j = n-1 .. 0:   Z_j recomputed (not for j = n-1: pass 1 left it in the buffer), kernel writes
+                            dL/dZ_j in place; grad_W[j] = dL/dZ_j^T @ h straight into rows j of the output
+                            (ONE GEMM over all T tokens: fp32 accumulation inside cuBLAS, one rounding - no fp32
+                            (V, H) buffer); grad_h += dL/dZ_j @ W_j in an fp32 (T, H) buffer (directly with
+                            aten::addmm.dtype_out where available, else a half partial added in fp32)
+
+  4 GEMMs (3 + the recompute, minus 1/n of one). Extra memory: grad_W + one (T, Vc) slice + fp32 grad_h + grad_h.
+  `plan_vocab_slice` sizes Vc so a slice is <= VOCAB_SLICE_BYTES (128 MiB; at least _VOCAB_MIN_SLICE columns),
+  slices balanced and multiples of 128 but the last. Qwen3-4B, 4096 tokens: Vc = 15232 (10 slices, 119 MiB),
+  extra = 742 MiB grad_W + 119 MiB slice + 40 MiB fp32 grad_h + 20 MiB grad_h = 0.90 GiB (tokens: 1.95 GiB).
+
+mode="auto" (default; `plan_mode`): when the full logits are small (T*V*e <= AUTO_LOGITS_BYTES, 256 MiB) one
+token chunk (3 GEMMs, nothing to gain by splitting); otherwise "vocab" when grad_W is wanted (the tokens plan
+would hold the full logits or an fp32 (V, H) accumulator), and "tokens" with chunks of <= AUTO_LOGITS_BYTES when
+it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no recompute is worth paying). An explicit
+chunk_tokens means "tokens", an explicit vocab_slice "vocab".
 
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
 `linear_cross_entropy_ref` is the plain fp32 reference (F.cross_entropy on fp32 logits).
@@ -46,7 +64,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-CHUNK_LOGITS_BYTES = 512 * 2**20  # per-chunk logits budget (bytes) when chunking is chosen
+CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (bytes) when chunking is chosen
+VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
+AUTO_LOGITS_BYTES = 256 * 2**20  # mode="auto": the most logits allowed to exist at once (else split)
+MODES = ("auto", "tokens", "vocab")
+_VOCAB_ALIGN = 128  # slice width rounded to a multiple of this (GEMM tile / 16-byte leading-dimension friendly)
+_VOCAB_MIN_SLICE = 2048  # narrower slices make grad_W[j]'s GEMM too small to fill the GPU (so above
+#                          T = VOCAB_SLICE_BYTES / (2048 e), 32768 bf16 tokens, a slice exceeds the budget)
 _CHUNK_ALIGN = 64  # chunk rows rounded up to a multiple of this (GEMM tile friendly)
 _HALF = (torch.bfloat16, torch.float16)
 _TILE_OVERRIDE: tuple[int, int] | None = None  # (rows, block_v) for the row kernel; tests run the GPU tiling
@@ -66,6 +90,9 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
     valid = (label >= 0) & (label < V)
     z_rows = z_ptr + rows[:, None] * stride_z  # (ROWS, 1) row pointers
     cols = tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
+    # z_y is read before pass 1: pass 1's reductions (block-wide barriers) then order this read before any
+    # thread's pass-2 store over the same element.
+    z_y = tl.load(z_ptr + rows * stride_z + tl.where(valid, label, 0), mask=active & valid, other=0.0)
 
     # Pass 1: online max m and sum s of exp(z - m) per row, fp32. m_ref = 0 while a row has seen no finite
     # value (inactive rows; never for an active row after its first block) so exp() never sees -inf - -inf.
@@ -79,8 +106,7 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
         m = m_new
     lse = m + tl.log(tl.where(active, s, 1.0))  # (ROWS,) -inf on inactive rows (unused there; no log(0))
-    z_y = tl.load(z_ptr + rows * stride_z + tl.where(valid, label, 0), mask=active & valid, other=0.0)
-    loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))  # read z_y before pass 2 overwrites it
+    loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))
     tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
 
     if WRITE_GRAD:
@@ -95,6 +121,76 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
             g = tl.where(c == label[:, None], p - 1.0, p) * inv[:, None]
             g = tl.where(active[:, None], g, 0.0)
             tl.store(z_rows + c, g.to(z_ptr.dtype.element_ty), mask=in_range[:, None] & (c < V))
+
+
+@triton.jit
+def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_ptr, n_rows, n_cols, col_off, V,
+                     ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, FIRST: tl.constexpr,
+                     STATS: tl.constexpr, FINAL: tl.constexpr, GRAD: tl.constexpr):
+    """mode="vocab": ROWS rows of one vocab slice Z (n_rows, n_cols) = logits[:, col_off : col_off + n_cols].
+
+    stats (3, n_rows) fp32: running max m, sum of exp(z - m), and z_{y_t} (picked up by the slice holding y_t).
+    STATS: merge the slice into them (FIRST: start from (-inf, 0, 0) instead of loading them); FINAL (with STATS,
+    on the last slice): lse_t into stats[0] and loss_t into loss_ptr. GRAD: Z <- dL/dZ in place from stats[0]
+    (lse; with FINAL, the lse just computed). Ignored rows are masked out of every load, get loss 0 and a zero
+    gradient row."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    in_range = rows < n_rows
+    label = tl.load(labels_ptr + rows, mask=in_range, other=ignore_index).to(tl.int64)  # (ROWS,)
+    active = in_range & (label != ignore_index)
+    local = label - col_off  # the label's column in this slice (may be outside it)
+    in_slice = active & (local >= 0) & (local < n_cols)  # implies 0 <= label < V
+    z_rows = z_ptr + rows[:, None] * stride_z  # (ROWS, 1) row pointers
+    cols = tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
+    m_ptr = stats_ptr + rows
+    s_ptr = stats_ptr + n_rows + rows
+    y_ptr = stats_ptr + 2 * n_rows + rows
+
+    if STATS:
+        # z_y read before the loop: its reductions (block-wide barriers) order the read before GRAD's stores.
+        z_l = tl.load(z_ptr + rows * stride_z + tl.where(in_slice, local, 0), mask=in_slice, other=0.0)
+        if FIRST:
+            m = tl.full([ROWS], float("-inf"), tl.float32)
+            s = tl.zeros([ROWS], dtype=tl.float32)
+            z_y = tl.zeros([ROWS], dtype=tl.float32)
+        else:
+            m = tl.load(m_ptr, mask=in_range, other=float("-inf"))
+            s = tl.load(s_ptr, mask=in_range, other=0.0)
+            z_y = tl.load(y_ptr, mask=in_range, other=0.0)
+        z_y = tl.where(in_slice, z_l.to(tl.float32), z_y)
+        # online max / sum-exp, fp32; m_ref = 0 while a row has seen no finite value (inactive rows) so exp()
+        # never sees -inf - -inf
+        for off in range(0, n_cols, BLOCK_V):
+            c = off + cols
+            z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
+            m = m_new
+        if FINAL:
+            lse = m + tl.log(tl.where(active, s, 1.0))  # -inf on inactive rows (unused there; no log(0))
+            valid = (label >= 0) & (label < V)
+            loss = tl.where(valid, lse - z_y, float("nan"))
+            tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
+            tl.store(m_ptr, lse, mask=in_range)  # for pass 2's launches
+        else:
+            tl.store(m_ptr, m, mask=in_range)
+            tl.store(s_ptr, s, mask=in_range)
+            tl.store(y_ptr, z_y, mask=in_range)
+
+    if GRAD:
+        if not FINAL:
+            lse = tl.load(m_ptr, mask=active, other=0.0)
+        d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
+        inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
+        lse_ref = tl.where(active, lse, 0.0)
+        for off in range(0, n_cols, BLOCK_V):
+            c = off + cols
+            z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=0.0).to(tl.float32)
+            p = tl.exp(z - lse_ref[:, None])
+            g = tl.where(c == local[:, None], p - 1.0, p) * inv[:, None]
+            g = tl.where(active[:, None], g, 0.0)
+            tl.store(z_rows + c, g.to(z_ptr.dtype.element_ty), mask=in_range[:, None] & (c < n_cols))
 
 
 @triton.jit
@@ -138,6 +234,61 @@ def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, 
         scale = torch.where(ignored, torch.zeros_like(lse), 1.0 / divisor.float())  # (rows,)
         g = torch.exp(zf - lse.unsqueeze(1))
         g.scatter_add_(1, safe, torch.where(valid, -1.0, 0.0).to(g.dtype).unsqueeze(1).expand(rows, 1))
+        z.copy_(g * scale.unsqueeze(1))
+
+
+def _slice_triton(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
+                  divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
+                  final: bool, grad: bool) -> None:
+    n_rows, n_cols = z.shape
+    if n_rows == 0:
+        return
+    rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))  # as _rows_triton
+    block_v = min(triton.next_power_of_2(n_cols), block_v)
+    _ce_slice_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, stats, loss_rows, divisor, n_rows,
+                                                   n_cols, col_off, V, ignore_index, ROWS=rows, BLOCK_V=block_v,
+                                                   FIRST=first, STATS=update, FINAL=final, GRAD=grad,
+                                                   num_warps=8)
+
+
+def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
+                 divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
+                 final: bool, grad: bool) -> None:
+    """Same contract as _ce_slice_kernel in plain PyTorch (the CPU path: z is fp32 there). Statistics are kept
+    for ignored rows too (finite), and only masked at the end."""
+    n_rows, n_cols = z.shape
+    active = labels != ignore_index
+    local = labels.long() - col_off
+    in_slice = active & (local >= 0) & (local < n_cols)
+    safe = local.clamp(0, max(n_cols - 1, 0)).unsqueeze(1)  # (rows, 1)
+    zf = z.float()
+    lse = None
+    if update:
+        if first:
+            m = torch.full((n_rows,), float("-inf"), device=z.device)
+            s = torch.zeros(n_rows, device=z.device)
+            z_y = torch.zeros(n_rows, device=z.device)
+        else:
+            m, s, z_y = stats[0].clone(), stats[1].clone(), stats[2].clone()
+        z_y = torch.where(in_slice, zf.gather(1, safe).squeeze(1), z_y)
+        m_new = torch.maximum(m, zf.amax(1))
+        m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        s = s * torch.exp(m - m_ref) + torch.exp(zf - m_ref.unsqueeze(1)).sum(1)
+        if final:
+            lse = m_new + torch.log(s)
+            valid = (labels >= 0) & (labels < V)
+            loss = torch.where(valid, lse - z_y, torch.full_like(lse, float("nan")))
+            loss_rows.copy_(torch.where(active, loss, torch.zeros_like(loss)))
+            stats[0].copy_(lse)
+        else:
+            stats[0].copy_(m_new)
+            stats[1].copy_(s)
+            stats[2].copy_(z_y)
+    if grad:
+        lse = stats[0] if lse is None else lse
+        scale = torch.where(active, 1.0 / divisor.float(), torch.zeros_like(lse))  # (rows,)
+        g = torch.exp(zf - lse.unsqueeze(1))
+        g.scatter_add_(1, safe, torch.where(in_slice, -1.0, 0.0).to(g.dtype).unsqueeze(1))
         z.copy_(g * scale.unsqueeze(1))
 
 
@@ -187,46 +338,101 @@ def plan_chunk_tokens(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: b
     return chunk
 
 
+def plan_vocab_slice(T: int, V: int, dtype: torch.dtype, budget: int = VOCAB_SLICE_BYTES) -> int:
+    """mode="vocab": columns per slice. As many as fit `budget` for a (T, Vc) slice in `dtype` (at least
+    _VOCAB_MIN_SLICE), then balanced over the slices this needs and rounded up to _VOCAB_ALIGN (never above the
+    budget's width: that is a multiple of _VOCAB_ALIGN); only the last slice is ragged."""
+    e = torch.finfo(dtype).bits // 8
+    cols = budget // max(T * e, 1)
+    cols = max(cols // _VOCAB_ALIGN * _VOCAB_ALIGN, _VOCAB_MIN_SLICE)
+    if cols >= V:
+        return max(V, 1)
+    n = math.ceil(V / cols)
+    return min(V, math.ceil(math.ceil(V / n) / _VOCAB_ALIGN) * _VOCAB_ALIGN)
+
+
+def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mode: str = "auto",
+              chunk_tokens: int | None = None, vocab_slice: int | None = None) -> tuple[str, int]:
+    """(mode, size): ("tokens", tokens per chunk) or ("vocab", columns per slice). See the module docstring."""
+    if mode not in MODES:
+        raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        if chunk_tokens:
+            mode = "tokens"
+        elif vocab_slice:
+            mode = "vocab"
+        elif T * V * (torch.finfo(dtype).bits // 8) <= AUTO_LOGITS_BYTES:
+            return "tokens", max(T, 1)  # the whole logits are small: one chunk, 3 GEMMs
+        elif grad_weight:
+            mode = "vocab"
+        else:  # nothing to accumulate over chunks: token chunks within the budget, no recompute
+            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=AUTO_LOGITS_BYTES)
+    if mode == "tokens":
+        return "tokens", int(chunk_tokens) if chunk_tokens else plan_chunk_tokens(T, V, H, dtype, grad_weight)
+    return "vocab", int(vocab_slice) if vocab_slice else plan_vocab_slice(T, V, dtype)
+
+
 def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              divisor: torch.Tensor, *, bias: torch.Tensor | None = None, ignore_index: int = -100,
                              grad_hidden: bool = True, grad_weight: bool = True, grad_bias: bool = False,
-                             chunk_tokens: int | None = None, loss_rows: torch.Tensor | None = None,
-                             dhidden: torch.Tensor | None = None, dweight: torch.Tensor | None = None,
-                             dbias: torch.Tensor | None = None, use_triton: bool = True):
-    """Chunked loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
+                             chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
+                             loss_rows: torch.Tensor | None = None, dhidden: torch.Tensor | None = None,
+                             dweight: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
+                             use_triton: bool = True):
+    """Loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
 
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
     (loss 0-dim fp32, loss_rows (T,) fp32, dhidden (T, H) | None, dweight (V, H) | None, dbias (V,) | None);
     gradients come in the input dtypes. loss_rows / dhidden / dweight / dbias may be preallocated (contiguous).
-    use_triton=False runs the same chunk loop in fp32 with plain PyTorch rows (the CPU reference path).
+    mode "auto" | "tokens" | "vocab" with chunk_tokens / vocab_slice forcing the split size (`plan_mode`).
+    use_triton=False runs the same loops in fp32 with plain PyTorch rows (the CPU reference path).
     """
     T, H = hidden.shape
     V = weight.shape[0]
     out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    plan, size = plan_mode(T, V, H, hidden.dtype, grad_weight, mode, chunk_tokens, vocab_slice)
     if not use_triton:  # fp32 everywhere: the CPU path computes reference numbers (cast once, V x H x 4 bytes)
         hidden, weight = hidden.float(), weight.float()
         bias = None if bias is None else bias.float()
-    rows_op = _rows_triton if use_triton else _rows_torch
     dev, dt = hidden.device, hidden.dtype
     labels = labels.contiguous()
     divisor = divisor.to(device=dev, dtype=torch.float32)
-    grad = grad_hidden or grad_weight or grad_bias
-    C = int(chunk_tokens) if chunk_tokens else plan_chunk_tokens(T, V, H, dt, grad_weight)
-    C = max(1, min(C, T))
-    n_chunks = math.ceil(T / C) if T else 0
-
     if loss_rows is None:
         loss_rows = torch.empty(T, device=dev, dtype=torch.float32)
     gh = gw = gb = None
     if grad_hidden:
         gh = dhidden if (dhidden is not None and use_triton) else torch.empty(T, H, device=dev, dtype=dt)
+    gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
+    args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
+            grad_bias, max(1, int(size)), use_triton, dweight)
+    gw = _fwd_tokens(*args) if plan == "tokens" else _fwd_vocab(*args)
+
+    loss = loss_rows.sum() / divisor
+    if not use_triton:  # back to the caller's dtypes (into the preallocated buffers when given)
+        gh = _cast_into(gh, out_dtypes[0], dhidden)
+        gw = _cast_into(gw, out_dtypes[1], dweight)
+    if grad_bias:
+        gb = _cast_into(gb_acc, out_dtypes[2], dbias)
+    return loss, loss_rows, gh, gw, gb
+
+
+def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
+                grad_weight, grad_bias, C, use_triton, dweight):
+    """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None)."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    rows_op = _rows_triton if use_triton else _rows_torch
+    grad = grad_hidden or grad_weight or grad_bias
+    C = min(C, max(T, 1))
+    n_chunks = math.ceil(T / C) if T else 0
+    gw = None
     # fp32 accumulator only where it is needed: half-precision weight and more than one GEMM to sum.
     use_acc = grad_weight and dt in _HALF and n_chunks > 1
     direct_acc = use_acc and fp32_addmm_available(dev, dt)
     acc = torch.empty(V, H, device=dev, dtype=torch.float32) if use_acc else None
     if grad_weight and not direct_acc:  # also the scratch for each chunk's partial in the indirect path
         gw = dweight if (dweight is not None and use_triton) else torch.empty(V, H, device=dev, dtype=dt)
-    gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
 
     z_buf = torch.empty(C, V, device=dev, dtype=dt) if n_chunks else None  # the only logits buffer
     w_t = weight.t()  # (H, V) view: cuBLAS reads it transposed, no copy
@@ -269,14 +475,84 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
         elif n_chunks == 0:
             gw.zero_()
         del acc
+    return gw
 
-    loss = loss_rows.sum() / divisor
-    if not use_triton:  # back to the caller's dtypes (into the preallocated buffers when given)
-        gh = _cast_into(gh, out_dtypes[0], dhidden)
-        gw = _cast_into(gw, out_dtypes[1], dweight)
-    if grad_bias:
-        gb = _cast_into(gb_acc, out_dtypes[2], dbias)
-    return loss, loss_rows, gh, gw, gb
+
+def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
+               grad_weight, grad_bias, Vc, use_triton, dweight):
+    """mode="vocab": slices of Vc vocab columns, two passes. Fills loss_rows, gh, gb_acc; returns grad_W."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    slice_op = _slice_triton if use_triton else _slice_torch
+    grad = grad_hidden or grad_weight or grad_bias
+    Vc = min(Vc, max(V, 1))
+    n = math.ceil(V / Vc) if T else 0
+    gw = None
+    if grad_weight:  # written slice by slice, every row exactly once: no zero-fill, no accumulator
+        gw = dweight if (dweight is not None and use_triton) else torch.empty(V, H, device=dev, dtype=dt)
+        if n == 0:
+            gw.zero_()
+    # grad_h sums over slices: in gh itself for fp32, else in an fp32 (T, H) buffer - accumulated by the GEMM
+    # (aten::addmm.dtype_out) or, without it, from half partials written to gh (each rounded once).
+    acc = direct = None
+    if grad_hidden and dt in _HALF and n:
+        acc = torch.empty(T, H, device=dev, dtype=torch.float32)
+        direct = fp32_addmm_available(dev, dt)
+    stats = torch.empty(3, T, device=dev, dtype=torch.float32)  # running max, sum-exp, z_label; then lse
+    z_flat = torch.empty(T * Vc if n else 0, device=dev, dtype=dt)  # the only logits buffer, both passes
+
+    def logits(j):
+        s, e = j * Vc, min((j + 1) * Vc, V)
+        z = z_flat[: T * (e - s)].view(T, e - s)  # contiguous (T, e - s) view: the ragged last slice too
+        w_t = weight[s:e].t()  # (H, e - s) view of rows s:e of W
+        if bias is None:
+            torch.mm(hidden, w_t, out=z)
+        else:
+            torch.addmm(bias[s:e], hidden, w_t, out=z)
+        return s, e, z
+
+    def consume(k, s, e, z):  # z = dL/dZ of slice (s, e); k = how many slices were consumed before
+        if grad_weight:
+            torch.mm(z.t(), hidden, out=gw[s:e])  # one GEMM over all T tokens: fp32 inside cuBLAS, one rounding
+        if grad_bias:
+            torch.sum(z, 0, dtype=torch.float32, out=gb_acc[s:e])
+        if grad_hidden:
+            w_j = weight[s:e]
+            if acc is None:  # fp32 (or the fp32 reference path): accumulate in the output itself
+                if k == 0:
+                    torch.mm(z, w_j, out=gh)
+                else:
+                    gh.addmm_(z, w_j)
+            elif direct:
+                torch.addmm(acc, z, w_j, out_dtype=torch.float32, beta=0 if k == 0 else 1, out=acc)
+            else:
+                torch.mm(z, w_j, out=gh)
+                if k == 0:
+                    acc.copy_(gh)
+                else:
+                    acc.add_(gh)
+
+    for j in range(n):  # pass 1: statistics; the last slice also gets its gradient (its logits are at hand)
+        last = j == n - 1
+        s, e, z = logits(j)
+        slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=j == 0, update=True, final=last,
+                 grad=grad and last)
+    if grad and n:
+        consume(0, s, e, z)
+        for k, j in enumerate(range(n - 2, -1, -1), start=1):  # pass 2, backwards: slice n-1 is done
+            s, e, z = logits(j)
+            slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=False, update=False,
+                     final=False, grad=True)
+            consume(k, s, e, z)
+    z_flat = z = None
+    if acc is not None:
+        gh.copy_(acc)
+    elif grad_hidden and n == 0:
+        gh.zero_()
+    if n == 0:
+        loss_rows.zero_()
+    return gw
 
 
 def _cast_into(t: torch.Tensor | None, dtype, out: torch.Tensor | None):

@@ -13,10 +13,14 @@ is the exact transpose of the forward for any tables. cos/sin get no gradient: H
 torch.no_grad() from position_ids, so nothing upstream needs one.
 
 Layout: everything is addressed as (batch, seq, heads, head_dim) through strides, so HF's (b, h, s, d) tensors
-(unsqueeze_dim=1) are passed as a transposed view and novatune's own (b, s, h, d) layout (unsqueeze_dim=2) as is;
-only the last dim must be contiguous (no copies; a tensor whose last stride is not 1, e.g. an expanded grad, is
-copied once). cos/sin are (b or broadcast, s, d) with a batch stride that may
-be 0. Positions live in the tables, so packed rows whose positions restart at each document need nothing special.
+(unsqueeze_dim=1) are passed with their seq and head strides swapped and novatune's own (b, s, h, d) layout
+(unsqueeze_dim=2) as is; only the last dim must be contiguous (no copies; a tensor whose last stride is not 1,
+e.g. an expanded grad, is copied once). cos/sin are (b or broadcast, s, d) with a batch stride that may be 0.
+Positions live in the tables, so packed rows whose positions restart at each document need nothing special.
+
+Host cost: the launcher runs ~36 layers x 3 times per micro-step, so everything that depends only on shapes
+(validation, block sizes, grid) is computed once per shape key and cached (_CONFIGS); a call then costs a dict
+lookup, a few stride reads and the launch - no view tensors, no triton.cdiv / next_power_of_2 calls.
 
 Kernel: grid (b * s tokens, head splits). A program loads the token's cos/sin once (fp32), then rotates a block of
 q heads and a block of k heads (GQA: hk may differ from hq) as (heads, half) tiles: fp32 math, one rounding to the
@@ -90,11 +94,6 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
     _store_heads(ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h, k1, k2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HK)
 
 
-def _bshd(x: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
-    """View x as (batch, seq, heads, head_dim) without copying."""
-    return x.transpose(1, 2) if unsqueeze_dim == 1 else x
-
-
 def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
     u = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim   # HF unsqueezes a 3-d table into 4-d
     if u not in (1, 2):
@@ -102,53 +101,41 @@ def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
     return u
 
 
-def _tables(cos: torch.Tensor, sin: torch.Tensor, b: int, s: int, d: int):
-    """cos/sin as (b, s, d) views (batch stride 0 when broadcast), last dim contiguous."""
-    out = []
-    for t in (cos, sin):
-        if t.dim() == 2:          # (s, d): older HF code paths
-            t = t.unsqueeze(0)
-        if t.dim() != 3 or t.shape[-1] != d or t.shape[1] != s or t.shape[0] not in (1, b):
-            raise ValueError(f"cos/sin must be (b, s, d) = ({b}, {s}, {d}) or broadcastable (1, s, d); "
-                             f"got {tuple(t.shape)} (partial rotary is not supported)")
-        if t.stride(-1) != 1:
-            t = t.contiguous()
-        out.append(t.expand(b, s, d))
-    if out[0].stride() != out[1].stride():   # the kernel shares one set of table strides
-        out = [t.contiguous() for t in out]
-    return out
+def _bsh(dims: tuple, u: int) -> tuple:
+    """The (batch, seq, heads) entries of a 4-d shape or stride tuple in layout u - what a (b, s, h, d) view of
+    the tensor would report, without creating the view (the kernel only needs the pointer and these strides)."""
+    return (dims[0], dims[2], dims[1]) if u == 1 else (dims[0], dims[1], dims[2])
 
 
-def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, num_warps=None):
+def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu, backward, split, num_warps):
+    """Validate the shapes and choose the launch. Depends on shapes and overrides only (no strides, no dtype), so
+    _launch caches it. Returns (u, (B, S, D), (HQ, HK), (cos, sin) batch-broadcast flags, grid, constexprs);
+    grid is None when there are no tokens."""
     u = normalize_unsqueeze_dim(unsqueeze_dim)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be 4-d, got {tuple(q.shape)} and {tuple(k.shape)}")
-    # the kernel needs unit stride on head_dim (vector loads); anything else (e.g. an expanded grad) is copied
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    qv, kv = _bshd(q, u), _bshd(k, u)
-    B, S, HQ, D = qv.shape
-    HK = kv.shape[2]
-    if kv.shape[0] != B or kv.shape[1] != S or kv.shape[3] != D:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, seq or head_dim")
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        raise ValueError(f"q and k must be 4-d, got {tuple(q_shape)} and {tuple(k_shape)}")
+    (B, S, HQ), (kb, ks, HK), D = _bsh(q_shape, u), _bsh(k_shape, u), q_shape[3]
+    if kb != B or ks != S or k_shape[3] != D:
+        raise ValueError(f"q {tuple(q_shape)} and k {tuple(k_shape)} disagree on batch, seq or head_dim")
     if D % 2 or D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM}, got {D}")
-    c, s = _tables(cos, sin, B, S, D)
-    q_out = torch.empty_like(q) if q_out is None else q_out   # dense, same stride order as q (like HF eager)
-    k_out = torch.empty_like(k) if k_out is None else k_out
-    assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.stride(-1) == 1 and k_out.stride(-1) == 1
-    if B * S == 0:
-        return q_out, k_out
-    qov, kov = _bshd(q_out, u), _bshd(k_out, u)
+    for t in (cos_shape, sin_shape):   # (b or 1, s, d), or (s, d) from older HF code paths
+        t3 = (1, *t) if len(t) == 2 else tuple(t)
+        if len(t3) != 3 or t3[2] != D or t3[1] != S or t3[0] not in (1, B):
+            raise ValueError(f"cos/sin must be (b, s, d) = ({B}, {S}, {D}) or broadcastable (1, s, d); "
+                             f"got {tuple(t)} (partial rotary is not supported)")
+    bcast = tuple(len(t) == 2 or t[0] == 1 for t in (cos_shape, sin_shape))
+    n_tok = B * S
+    if n_tok == 0:
+        return u, (B, S, D), (HQ, HK), bcast, None, None
     half = D // 2
     block_d = triton.next_power_of_2(half)
-    n_tok = B * S
     if split is None:
         # one program per token at training shapes; split heads when the token count alone cannot fill the GPU,
         # or when a (heads, half) tile would exceed ~4096 fp32 values per half (register pressure). The CPU
         # interpreter runs programs one after another, so there fewer, larger programs are simply faster.
         split = 1
-        while q.is_cuda and split < max(HQ, HK) and (
+        while on_gpu and split < max(HQ, HK) and (
                 n_tok * split < 2048 or triton.next_power_of_2(triton.cdiv(HQ, split)) * block_d > 4096):
             split *= 2
     bhq = triton.next_power_of_2(triton.cdiv(HQ, split))
@@ -156,10 +143,62 @@ def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, n
     split = max(triton.cdiv(HQ, bhq), triton.cdiv(HK, bhk))
     if num_warps is None:
         num_warps = 4 if (bhq + bhk) * block_d <= 2048 else 8
-    _rope_kernel[(n_tok, split)](
-        qv, kv, qov, kov, c, s, S, HQ, HK,
-        *qv.stride()[:3], *kv.stride()[:3], *qov.stride()[:3], *kov.stride()[:3], c.stride(0), c.stride(1),
-        HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps)
+    meta = dict(HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps)
+    return u, (B, S, D), (HQ, HK), bcast, (n_tok, split), meta
+
+
+# _launch_config results by (q/k/cos/sin shapes, unsqueeze_dim, on GPU, backward, split, num_warps). A training
+# run sees a handful of keys; the size cap only guards against unbounded growth (e.g. every sequence length).
+_CONFIGS: dict[tuple, tuple] = {}
+_CONFIGS_MAX = 4096
+
+
+def _unit_last(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """x and its strides; x is copied first if head_dim is not contiguous (e.g. an expanded grad), since the
+    kernel needs unit stride there (vector loads)."""
+    st = x.stride()
+    if st[-1] != 1:
+        x = x.contiguous()
+        st = x.stride()
+    return x, st
+
+
+def _table_strides(t: torch.Tensor, bcast: bool) -> tuple | None:
+    """(batch, seq) strides of a cos/sin table as the kernel reads it (batch stride 0 when broadcast over the
+    batch); None if its last dim is not contiguous."""
+    st = t.stride()
+    if st[-1] != 1:
+        return None
+    return (0 if bcast else st[0]), st[-2]
+
+
+def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, num_warps=None):
+    # Hot path: one dict lookup for the validated config, then only per-call stride reads. No views are created:
+    # the kernel gets the tensors themselves (same data pointer as any view) and (b, s, h) strides via _bsh.
+    key = (q.shape, k.shape, cos.shape, sin.shape, unsqueeze_dim, q.is_cuda, backward, split, num_warps)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _launch_config(*key)
+        if len(_CONFIGS) >= _CONFIGS_MAX:
+            _CONFIGS.clear()
+        _CONFIGS[key] = cfg
+    u, (B, S, D), (HQ, HK), (c_bcast, s_bcast), grid, meta = cfg
+    q, q_st = _unit_last(q)
+    k, k_st = _unit_last(k)
+    q_out = torch.empty_like(q) if q_out is None else q_out   # dense, same stride order as q (like HF eager)
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    qo_st, ko_st = q_out.stride(), k_out.stride()
+    assert q_out.shape == q.shape and k_out.shape == k.shape and qo_st[-1] == 1 and ko_st[-1] == 1
+    if grid is None:
+        return q_out, k_out
+    c_st = _table_strides(cos, c_bcast)
+    if c_st is None or c_st != _table_strides(sin, s_bcast):
+        # the kernel shares one set of table strides: materialise both as dense (B, S, D) (rare: odd tables)
+        cos, sin = (t.reshape(-1, S, D).expand(B, S, D).contiguous() for t in (cos, sin))
+        c_st = (S * D, D)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin, S, HQ, HK,
+        *_bsh(q_st, u), *_bsh(k_st, u), *_bsh(qo_st, u), *_bsh(ko_st, u), *c_st, **meta)
     return q_out, k_out
 
 

@@ -109,22 +109,42 @@ def _check_out(t: torch.Tensor, like: torch.Tensor, name: str) -> None:
                          f"contiguous={t.is_contiguous()}")
 
 
+# (grid, constexprs) per (numel, block, num_warps, _I64_THRESHOLD). The config depends on nothing else (not dtype,
+# not device), and a training run sees a handful of sizes; the cap only bounds growth (e.g. every sequence length).
+# TRITON_INTERPRET (read by default_config) is not part of the key: Triton fixes interpreted-or-compiled when the
+# kernels are decorated, at import, so it cannot meaningfully change between calls.
+_CONFIGS: dict[tuple, tuple] = {}
+_CONFIGS_MAX = 4096
+
+
 def _launch_args(numel: int, block: int | None, num_warps: int | None) -> tuple[tuple[int], dict]:
-    dblock, dwarps = default_config(numel)
-    block = block or dblock
-    num_warps = num_warps or dwarps
-    grid = (triton.cdiv(numel, block),)
-    meta = dict(BLOCK=block, EVEN=numel % block == 0, I64=numel + block > _I64_THRESHOLD, num_warps=num_warps)
-    return grid, meta
+    key = (numel, block, num_warps, _I64_THRESHOLD)   # the threshold: a test lowers it to force the int64 path
+    args = _CONFIGS.get(key)
+    if args is None:
+        dblock, dwarps = default_config(numel)
+        block = block or dblock
+        num_warps = num_warps or dwarps
+        grid = (triton.cdiv(numel, block),)
+        meta = dict(BLOCK=block, EVEN=numel % block == 0, I64=numel + block > _I64_THRESHOLD, num_warps=num_warps)
+        args = grid, meta
+        if len(_CONFIGS) >= _CONFIGS_MAX:
+            _CONFIGS.clear()
+        _CONFIGS[key] = args
+    return args
+
+
+def _new_out(like: torch.Tensor) -> torch.Tensor:
+    # empty_like keeps dtype and device without building torch.device objects: ~2 µs vs ~5 µs for torch.empty
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
                block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """y = silu(gate) * up in gate's dtype (gate, up: same shape; any rank). One kernel launch."""
     _check_pair(gate, up, "gate and up")
-    gate, up = gate.contiguous(), up.contiguous()  # no-op for Linear outputs
+    gate, up = gate.contiguous(), up.contiguous()  # no-op (returns the tensor itself) for Linear outputs
     if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        out = _new_out(gate)
     else:
         _check_out(out, gate, "out")
     n = gate.numel()
@@ -143,11 +163,11 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     _check_pair(dy, gate, "dy and gate")
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
     if dgate is None:
-        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dgate = _new_out(gate)
     else:
         _check_out(dgate, gate, "dgate")
     if dup is None:
-        dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        dup = _new_out(up)
     else:
         _check_out(dup, up, "dup")
     n = gate.numel()

@@ -6,6 +6,13 @@
 Same value and gradients as F.cross_entropy((hidden @ lm_weight.T).float(), labels, ignore_index, reduction)
 up to rounding (the logits chunk is computed in the input dtype, as HF does before its .float()).
 
+    loss = linear_cross_entropy(hidden, lm_weight, labels, mode="vocab")     # force a plan (default "auto")
+
+mode: "tokens" (chunks of tokens against the whole vocab: 3 GEMMs; at Qwen3-4B x 4096 tokens one chunk, i.e.
+the full bf16 logits), "vocab" (two passes over vocab slices: 4 GEMMs, the logits never exist beyond one
+(T, Vc) slice, grad_W written slice by slice with fp32 accumulation inside one GEMM per slice), "auto" (vocab
+whenever the full logits would exceed 256 MiB and grad_W is wanted). Details: novatune.kernels.linear_cross_entropy.
+
 Reductions: "mean" divides by the non-ignored labels of THIS call; "sum" is the plain sum; `normalizer` (number or
 0-dim tensor) overrides both: loss = sum / normalizer. Passing HF's num_items_in_batch (target tokens of the whole
 accumulated batch) makes the micro-batch gradients add up to the large-batch gradient exactly (trl #2175).
@@ -15,7 +22,8 @@ could be known (the chunking is what saves the memory).
 
 Ops:
   novatune::linear_cross_entropy(hidden (T,H), weight (V,H), labels (T,), divisor 0-dim, bias?, ignore_index,
-      grad_hidden, grad_weight, grad_bias, chunk_tokens) -> (loss, dhidden, dweight, dbias)   mutates nothing
+      grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0)
+      -> (loss, dhidden, dweight, dbias)   mutates nothing
       The gradients (already divided by the divisor) come out of the forward; those not requested (no
       requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors.
   novatune::linear_cross_entropy_scale_(grad!, grad_output) -> ()
@@ -27,8 +35,8 @@ Ops:
       saved forward output, and inside a compiled graph the mutation would be functionalised into a copy anyway.
 
 Device rule (novatune.ops._backend): CUDA (or CPU under TRITON_INTERPRET=1) -> the Triton row kernel between
-cuBLAS GEMMs (novatune.kernels.linear_cross_entropy); CPU -> the same chunk loop in fp32 plain PyTorch, so memory
-stays bounded on the CPU too.
+cuBLAS GEMMs (novatune.kernels.linear_cross_entropy); CPU -> the same chunk / slice loops in fp32 plain PyTorch,
+so memory stays bounded on the CPU too.
 """
 from __future__ import annotations
 
@@ -47,18 +55,20 @@ _REDUCTIONS = ("mean", "sum")
 @torch.library.custom_op("novatune::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: Tensor, bias: Optional[Tensor],
                             ignore_index: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-                            chunk_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            chunk_tokens: int, mode: str = "auto",
+                            vocab_slice: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes were settled by the caller
         loss, _, gh, gw, gb = _k.linear_cross_entropy_fwd(
             hidden, weight, labels, divisor, bias=bias, ignore_index=ignore_index, grad_hidden=grad_hidden,
-            grad_weight=grad_weight, grad_bias=grad_bias, chunk_tokens=chunk_tokens or None,
-            use_triton=use_triton(hidden))
+            grad_weight=grad_weight, grad_bias=grad_bias, chunk_tokens=chunk_tokens or None, mode=mode,
+            vocab_slice=vocab_slice or None, use_triton=use_triton(hidden))
     return (loss, hidden.new_empty(0) if gh is None else gh, weight.new_empty(0) if gw is None else gw,
             weight.new_empty(0) if gb is None else gb)
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, labels, divisor, bias, ignore_index, grad_hidden, grad_weight, grad_bias, chunk_tokens):
+def _(hidden, weight, labels, divisor, bias, ignore_index, grad_hidden, grad_weight, grad_bias, chunk_tokens,
+      mode="auto", vocab_slice=0):
     torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
                  lambda: "linear_cross_entropy: hidden (T, H) and weight (V, H) expected")
     loss = hidden.new_empty((), dtype=torch.float32)
@@ -104,7 +114,7 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias):
         else:  # fp32 multiply, one rounding: the same numbers as the kernel
             grads.append((g.float() * g_loss.float()).to(g.dtype))
     gh, gw, gb = grads
-    return gh, gw, None, None, gb, None, None, None, None, None
+    return gh, gw, None, None, gb, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -124,13 +134,21 @@ def _divisor(labels: Tensor, ignore_index: int, reduction: str, normalizer) -> T
 
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", normalizer=None, bias: Optional[Tensor] = None, *,
-                         chunk_tokens: Optional[int] = None) -> Tensor:
+                         chunk_tokens: Optional[int] = None, mode: str = "auto",
+                         vocab_slice: Optional[int] = None) -> Tensor:
     """Cross-entropy of (hidden @ lm_weight.T + bias) against labels, fused and chunked; a 0-dim fp32 loss.
 
     hidden (..., H), lm_weight (V, H) (may be the tied embedding's Parameter), labels (...) int, aligned with
     hidden (shift them first, as HF's ForCausalLMLoss does). normalizer: loss = sum / normalizer (overrides
-    reduction). chunk_tokens: tokens per chunk (default: the lower-memory plan, see kernels docstring).
+    reduction). mode: "auto" (default), "tokens" or "vocab" (see the module docstring). chunk_tokens: tokens per
+    chunk (implies mode "tokens"), vocab_slice: vocab columns per slice (implies "vocab"); default: planned by
+    novatune.kernels.linear_cross_entropy.plan_mode.
     """
+    if mode not in _k.MODES:
+        raise ValueError(f"linear_cross_entropy: mode must be one of {_k.MODES}, got {mode!r}")
+    if (chunk_tokens and mode == "vocab") or (vocab_slice and mode == "tokens") or (chunk_tokens and vocab_slice):
+        raise ValueError("linear_cross_entropy: chunk_tokens goes with mode 'tokens', vocab_slice with 'vocab' "
+                         f"(got mode={mode!r}, chunk_tokens={chunk_tokens}, vocab_slice={vocab_slice})")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r} "
                          "('none' is unsupported: the gradients are computed in the forward)")
@@ -160,20 +178,24 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     loss, *_ = torch.ops.novatune.linear_cross_entropy(
         h2, lm_weight, y, divisor, bias, int(ignore_index), grad_on and hidden.requires_grad,
         grad_on and lm_weight.requires_grad, grad_on and bias is not None and bias.requires_grad,
-        int(chunk_tokens or 0))
+        int(chunk_tokens or 0), mode, int(vocab_slice or 0))
     return loss
 
 
 class NovaLinearCrossEntropy(nn.Module):
-    """Module form: `NovaLinearCrossEntropy(ignore_index, reduction)(hidden, lm_weight, labels, normalizer=None)`."""
+    """Module form: `NovaLinearCrossEntropy(ignore_index, reduction, mode)(hidden, lm_weight, labels, normalizer)`."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean"):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", mode: str = "auto"):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if mode not in _k.MODES:
+            raise ValueError(f"mode must be one of {_k.MODES}, got {mode!r}")
         self.ignore_index = ignore_index
         self.reduction = reduction
+        self.mode = mode
 
     def forward(self, hidden: Tensor, lm_weight: Tensor, labels: Tensor, normalizer=None,
                 bias: Optional[Tensor] = None) -> Tensor:
-        return linear_cross_entropy(hidden, lm_weight, labels, self.ignore_index, self.reduction, normalizer, bias)
+        return linear_cross_entropy(hidden, lm_weight, labels, self.ignore_index, self.reduction, normalizer, bias,
+                                    mode=self.mode)

@@ -13,6 +13,12 @@ Device rule (novatune.ops._backend): CUDA -> the Triton kernels in novatune.kern
 reference cast back to the input dtype (or the Triton kernels under TRITON_INTERPRET=1). Outputs are always
 contiguous tensors of the input's shape.
 
+Two paths to the same implementation (_fwd_impl / _bwd_impl), as in novatune.ops.rms_norm: eager calls go through
+a plain torch.autograd.Function that calls the launchers directly (the registered op's Python dispatch costs tens
+of µs of host time per fwd+bwd: H200 wall 189 µs vs 156 µs for the raw launchers at 4096 x 9728); under
+torch.compile (torch.compiler.is_compiling()) the registered op is used, which tracing needs. Identical numbers
+(tested).
+
 The MLP helpers *call* the three projection modules rather than reading their weights, so they work unchanged
 for nn.Linear, PEFT LoRA-wrapped linears, quantised linears, or anything else callable.
 """
@@ -25,12 +31,24 @@ from novatune.kernels import swiglu as K
 from novatune.ops._backend import use_triton
 
 
-@torch.library.custom_op("novatune::swiglu_fwd", mutates_args=())
-def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
-    if use_triton(gate):
+def _fwd_impl(gate: Tensor, up: Tensor, on_triton: bool) -> Tensor:
+    if on_triton:
         return K.swiglu_fwd(gate, up)
     # .contiguous(): same layout as the kernel's output (and as the fake impl says) whatever the input strides.
     return K.swiglu_ref(gate, up).to(gate.dtype).contiguous()
+
+
+def _bwd_impl(dy: Tensor, gate: Tensor, up: Tensor, on_triton: bool) -> tuple[Tensor, Tensor]:
+    if on_triton:
+        return K.swiglu_bwd(dy, gate, up)
+    dgate, dup = K.swiglu_bwd_ref(dy, gate, up)
+    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------- registered ops
+@torch.library.custom_op("novatune::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    return _fwd_impl(gate, up, use_triton(gate))
 
 
 @swiglu_fwd.register_fake
@@ -41,10 +59,7 @@ def _swiglu_fwd_fake(gate: Tensor, up: Tensor) -> Tensor:
 
 @torch.library.custom_op("novatune::swiglu_bwd", mutates_args=())
 def swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    if use_triton(gate):
-        return K.swiglu_bwd(dy, gate, up)
-    dgate, dup = K.swiglu_bwd_ref(dy, gate, up)
-    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
+    return _bwd_impl(dy, gate, up, use_triton(gate))
 
 
 @swiglu_bwd.register_fake
@@ -68,6 +83,25 @@ def _backward(ctx, dy: Tensor):
 swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------- eager fast path
+class _SwiGLUFunction(torch.autograd.Function):
+    """Same implementations as the registered ops, without the custom-op dispatch overhead (eager only)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        on_triton = use_triton(gate)   # decided once: the backward runs on the same device
+        ctx.save_for_backward(gate, up)  # not y: sigmoid(gate) is recomputed in the backward kernel
+        ctx.on_triton = on_triton
+        return _fwd_impl(gate, up, on_triton)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        gate, up = ctx.saved_tensors
+        dgate, dup = _bwd_impl(dy, gate, up, ctx.on_triton)
+        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
+
+
+# ----------------------------------------------------------------------------------------------- public API
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up, differentiable. gate and up: same shape (any rank). Mixed dtypes are promoted as
     eager PyTorch would (a copy; not expected in practice: both come from linears of one dtype)."""
@@ -77,7 +111,9 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if gate.dtype != up.dtype:
         dt = torch.result_type(gate, up)
         gate, up = gate.to(dt), up.to(dt)
-    return torch.ops.novatune.swiglu_fwd(gate, up)
+    if torch.compiler.is_compiling():
+        return torch.ops.novatune.swiglu_fwd(gate, up)
+    return _SwiGLUFunction.apply(gate, up)
 
 
 def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> Tensor:

@@ -69,6 +69,17 @@ def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
     report._undo.append(undo)
 
 
+def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
+    """eps for the fused q/k-norm + RoPE kernel, or None when this attention has no (compatible) q/k norms."""
+    if spec.attention.q_norm is None:
+        return None
+    qn, kn = getattr(attn, spec.attention.q_norm, None), getattr(attn, spec.attention.k_norm, None)
+    if qn is None or kn is None or type(qn).__name__ not in spec.norm_classes:
+        return None
+    eps = getattr(qn, spec.norm_eps_attr, None), getattr(kn, spec.norm_eps_attr, None)
+    return float(eps[0]) if eps[0] is not None and eps[0] == eps[1] else None
+
+
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, strict: bool = False) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
@@ -145,11 +156,13 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
             if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
                 report.add(path, "attention", "skipped", f"{cls} lacks head_dim/scaling attributes")
                 continue
+            eps = _shared_qk_eps(module, spec) if rms_norm else None
             _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention,
-                  _novatune_attn_backend=attention)
+                  _novatune_attn_backend=attention, _novatune_fuse_qk_norm=eps is not None, _novatune_qk_eps=eps)
             attn_done += 1
             window = getattr(module, "sliding_window", None)
-            extra = f"; sliding window {window}: documents longer than it use stock attention" if window else ""
+            extra = "; q/k-norm + RoPE fused in one kernel" if eps is not None else ""
+            extra += f"; sliding window {window}: documents longer than it use stock attention" if window else ""
             report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={attention}){extra}")
     # only when every layer reads the PackedBatch may HF's mask construction be skipped
     state.all_attention_patched = attn_total > 0 and attn_done == attn_total and not any(

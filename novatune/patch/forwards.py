@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from novatune.attention.packed import PackedBatch
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
+from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu_mlp
@@ -51,11 +52,16 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     q = getattr(self, names.q_proj)(hidden_states).view(b, s, -1, d)  # (b, s, hq, d)
     k = getattr(self, names.k_proj)(hidden_states).view(b, s, -1, d)  # (b, s, hk, d)
     v = getattr(self, names.v_proj)(hidden_states).view(b, s, -1, d)
-    if names.q_norm is not None:
-        q = getattr(self, names.q_norm)(q)
-        k = getattr(self, names.k_norm)(k)
     cos, sin = position_embeddings  # (b, s, d), per token: packed documents restart their positions
-    q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
+    if self._novatune_fuse_qk_norm:
+        # Qwen3: per-head RMSNorm of q and k and RoPE in one kernel each way (q, k read and written once)
+        qn, kn = getattr(self, names.q_norm), getattr(self, names.k_norm)
+        q, k = qk_norm_rope(q, k, qn.weight, kn.weight, self._novatune_qk_eps, cos, sin)
+    else:
+        if names.q_norm is not None:
+            q = getattr(self, names.q_norm)(q)
+            k = getattr(self, names.k_norm)(k)
+        q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
                            scale=self.scaling, backend=self._novatune_attn_backend)  # (b*s, hq, d)

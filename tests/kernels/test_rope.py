@@ -117,6 +117,27 @@ def test_broadcast_tables(device):
     assert_close(ko, rk, TOL[torch.bfloat16])
 
 
+def test_config_cache_reads_layout_per_call(device):
+    """The launch config is cached per shape, strides are not: the same shapes in another layout (views of a fused
+    projection; tables whose last dim is strided; cos broadcast over the batch while sin is not) are read right,
+    and same-shape calls reuse the cached config."""
+    from novatune.kernels import rope as R
+
+    torch.manual_seed(0)
+    b, hq, hk, s, d, dtype = 2, 4, 2, 5, 64, torch.float32
+    q, k, cos, sin = _make(b, hq, hk, s, d, dtype, 2, device)
+    _check(q, k, cos, sin, 2, dtype)
+    n_configs = len(R._CONFIGS)
+    qkv = torch.randn(b, s, (hq + 2 * hk) * d, device=device, dtype=dtype)
+    q2, k2 = qkv[..., : hq * d].view(b, s, hq, d), qkv[..., hq * d:(hq + hk) * d].view(b, s, hk, d)
+    ang = torch.rand(b, d, s, device=device).transpose(1, 2) * 6.3   # (b, s, d) with last stride s
+    cos2, sin2 = ang.cos(), ang.sin()
+    assert cos2.stride(-1) != 1 and not q2.is_contiguous()
+    _check(q2, k2, cos2, sin2, 2, dtype)
+    assert len(R._CONFIGS) == n_configs
+    _check(q, k, cos[:1], sin, 2, dtype)   # one table broadcast, the other not: tables materialised
+
+
 def test_rejects_bad_args(device):
     q, k, cos, sin = _make(1, 2, 1, 4, 64, torch.float32, 1, device)
     with pytest.raises(ValueError):

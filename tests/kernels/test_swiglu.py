@@ -96,6 +96,18 @@ def test_int64_offsets_path(device, monkeypatch):
     assert_close(du, rdu, 1e-5, "dup")
 
 
+def test_launch_config_cache_keys(monkeypatch):
+    """The cached (grid, constexprs) follow numel, the overrides and the int64 threshold (so the test above really
+    runs the int64 variant even when an earlier test cached the same size)."""
+    n = 37 * 127
+    grid, meta = K._launch_args(n, 1024, 4)
+    assert grid == (5,) and meta == dict(BLOCK=1024, EVEN=False, I64=False, num_warps=4)
+    assert K._launch_args(n, 1024, 4) is K._launch_args(n, 1024, 4)   # cached
+    assert K._launch_args(4096, 1024, 8)[1]["EVEN"]
+    monkeypatch.setattr(K, "_I64_THRESHOLD", 0)
+    assert K._launch_args(n, 1024, 4)[1]["I64"]
+
+
 def test_non_contiguous_inputs(device):
     """Strided views are made contiguous by the launcher; outputs are contiguous with the view's shape."""
     g, u, dy = _inputs((127, 37), torch.float32, device)

@@ -1,7 +1,9 @@
 """novatune.ops.linear_cross_entropy: the registered op, autograd, reductions, gradient accumulation, tied weights.
 
 Tolerances as in tests/kernels/test_linear_cross_entropy.py: fp32 1e-5 (summation order only); bf16 1e-2 for
-gradients (bf16 logits and dL/dz, then a bf16 GEMM output), 2e-3 for the loss (row errors average out).
+gradients (bf16 logits and dL/dz, then a bf16 GEMM output), 2e-3 for the loss (row errors average out). The same
+for both plans (mode="tokens" / "vocab"): mode="vocab" is forced with small vocab_slice values, so that 1000
+columns make 3 slices (the last one ragged).
 """
 import math
 
@@ -10,14 +12,21 @@ import torch
 from torch import nn
 
 from novatune.harness.numerics import REL_TOL, assert_close
+from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels.linear_cross_entropy import linear_cross_entropy_ref
+
 # Imported from the module: `from novatune.ops import linear_cross_entropy` returns the submodule today (the lazy
 # package __getattr__ loses to the submodule attribute the import system sets; reported to the lead).
-from novatune.ops.linear_cross_entropy import NovaLinearCrossEntropy, linear_cross_entropy
+from novatune.ops.linear_cross_entropy import (
+    NovaLinearCrossEntropy,
+    linear_cross_entropy,
+)
 
 LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
 DTYPES = [torch.bfloat16, torch.float32]
 IDS = ["bf16", "fp32"]
+VOCAB = {"mode": "vocab", "vocab_slice": 384}  # 1000 columns -> slices of 384, 384, 232
+PLANS = {"auto": {}, "vocab": VOCAB}
 
 
 def _inputs(shape, H, V, dtype, device, seed=0, ignore_frac=0.25):
@@ -59,19 +68,34 @@ def test_reductions_match_reference(mode, dtype, device):
     _check(h, w, loss, _ref_grads(h, w, y, **kw), dtype)
 
 
-def test_chunked_and_upstream_grad(device):
-    """Forced multi-chunk path through the op, and a non-unit grad_output (loss * 3 / 7) scaling every grad."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("mode", ["mean", "normalizer_tensor"])
+def test_vocab_mode_reductions(mode, dtype, device):
+    """mode="vocab" through the op and autograd, leading dims (batch, seq), 3 slices."""
+    h, w, y = _inputs((2, 37), 127, 1000, dtype, device, seed=9)
+    kw = {"reduction": "mean"} if mode == "mean" else {"normalizer": torch.tensor(123.0, device=device)}
+    loss = linear_cross_entropy(h, w, y, **kw, **VOCAB)
+    loss.backward()
+    _check(h, w, loss, _ref_grads(h, w, y, **kw), dtype)
+
+
+@pytest.mark.parametrize("plan", ["tokens", "vocab"])
+def test_chunked_and_upstream_grad(plan, device):
+    """Forced multi-chunk / multi-slice path through the op, and a non-unit grad_output (loss * 3 / 7) scaling
+    every grad."""
     dtype = torch.bfloat16
     h, w, y = _inputs((61,), 64, 1000, dtype, device, seed=3)
-    loss = linear_cross_entropy(h, w, y, chunk_tokens=16)
+    loss = linear_cross_entropy(h, w, y, **({"chunk_tokens": 16} if plan == "tokens" else VOCAB))
     (loss * 3 / 7).backward()
     rloss, rgh, rgw = _ref_grads(h, w, y)
     _check(h, w, loss, (rloss, rgh * 3 / 7, rgw * 3 / 7), dtype)
 
 
-def test_gradient_accumulation_is_exact(device):
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_gradient_accumulation_is_exact(plan, device):
     """4 micro-batches with normalizer = target tokens of all 4: losses and grads SUM to one big batch's mean.
     fp32, 1e-5: only summation order differs. The per-micro-batch mean (the trl #2175 bug) must not match."""
+    kw = PLANS[plan]
     dtype, H, V = torch.float32, 64, 1000
     gen = torch.Generator().manual_seed(7)
     h_all, w, y_all = _inputs((4, 29), H, V, dtype, device, seed=7)
@@ -80,23 +104,26 @@ def test_gradient_accumulation_is_exact(device):
         y_all[i, torch.rand(29, generator=gen).to(device) < 0.15 * i] = -100
     n_items = (y_all != -100).sum()  # HF's num_items_in_batch (a device tensor)
 
-    big = linear_cross_entropy(h_all, w, y_all)  # reduction mean over the large batch
+    big = linear_cross_entropy(h_all, w, y_all, **kw)  # reduction mean over the large batch
     g_h_big, g_w_big = torch.autograd.grad(big, (h_all, w))
 
     total, g_h, g_w, naive_w = 0.0, [], torch.zeros_like(w), torch.zeros_like(w)
     for i in range(4):
-        loss = linear_cross_entropy(h_all[i], w, y_all[i], normalizer=n_items)
+        loss = linear_cross_entropy(h_all[i], w, y_all[i], normalizer=n_items, **kw)
         gh, gw = torch.autograd.grad(loss, (h_all, w))
         total, g_h, g_w = total + loss, g_h + [gh], g_w + gw
-        naive_w += torch.autograd.grad(linear_cross_entropy(h_all[i], w, y_all[i]) / 4, w)[0]
+        if plan == "auto":  # the control needs one plan only
+            naive_w += torch.autograd.grad(linear_cross_entropy(h_all[i], w, y_all[i], **kw) / 4, w)[0]
     assert_close(total, big, 1e-5, "accumulated loss")
     assert_close(sum(g_h), g_h_big, 1e-5, "accumulated grad_hidden")
     assert_close(g_w, g_w_big, 1e-5, "accumulated grad_weight")
-    assert (naive_w - g_w_big).norm() / g_w_big.norm() > 1e-3  # the test can tell the bug from the fix
+    if plan == "auto":
+        assert (naive_w - g_w_big).norm() / g_w_big.norm() > 1e-3  # the test can tell the bug from the fix
 
 
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_tied_embedding(dtype, device):
+def test_tied_embedding(dtype, plan, device):
     """lm_weight is the embedding's Parameter: its gradient is the lookup's plus the lm_head's."""
     V, H, T = 1000, 64, 37
     gen = torch.Generator().manual_seed(5)
@@ -105,7 +132,7 @@ def test_tied_embedding(dtype, device):
     y = torch.randint(0, V, (T,), generator=gen).to(device)
     scale = torch.linspace(0.5, 2.0, H, dtype=dtype, device=device)
 
-    loss = linear_cross_entropy(emb(ids) * scale, emb.weight, y)
+    loss = linear_cross_entropy(emb(ids) * scale, emb.weight, y, **PLANS[plan])
     loss.backward()
 
     w_ref = emb.weight.detach().float().requires_grad_(True)
@@ -128,15 +155,16 @@ def test_autocast(device):
     assert_close(w.grad, rgw, REL_TOL[torch.bfloat16], "grad_weight")
 
 
-def test_all_ignored(device):
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_all_ignored(plan, device):
     h, w, y = _inputs((9,), 64, 1000, torch.float32, device)
     y = torch.full_like(y, -100)
-    loss = linear_cross_entropy(h, w, y)  # mean: 0/0 -> NaN, like F.cross_entropy
+    loss = linear_cross_entropy(h, w, y, **PLANS[plan])  # mean: 0/0 -> NaN, like F.cross_entropy
     assert torch.isnan(loss)
     loss.backward()
     assert (h.grad == 0).all() and (w.grad == 0).all()
     h.grad = w.grad = None
-    loss = linear_cross_entropy(h, w, y, reduction="sum")
+    loss = linear_cross_entropy(h, w, y, reduction="sum", **PLANS[plan])
     loss.backward()
     assert loss.item() == 0.0 and (h.grad == 0).all() and (w.grad == 0).all()
 
@@ -157,11 +185,12 @@ def test_no_grad_computes_loss_only(device):
     assert_close(w.grad, _ref_grads(h2, w, y)[2], REL_TOL[torch.bfloat16], "grad_weight")
 
 
-def test_bias(device):
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_bias(plan, device):
     dtype = torch.float32
     h, w, y = _inputs((37,), 64, 1000, dtype, device)
     b = torch.randn(1000, device=device, dtype=dtype, requires_grad=True)
-    loss = linear_cross_entropy(h, w, y, bias=b)
+    loss = linear_cross_entropy(h, w, y, bias=b, **PLANS[plan])
     loss.backward()
     br = b.detach().clone().requires_grad_(True)
     hr, wr = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
@@ -182,12 +211,14 @@ def test_second_backward_raises(device):
         loss.backward()
 
 
-def test_reference_backend(device, monkeypatch):
-    """NOVATUNE_BACKEND=reference (and the CPU without the interpreter): the chunked fp32 PyTorch path."""
+@pytest.mark.parametrize("plan", ["tokens", "vocab"])
+def test_reference_backend(plan, device, monkeypatch):
+    """NOVATUNE_BACKEND=reference (and the CPU without the interpreter): the chunked / sliced fp32 PyTorch path."""
     monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
     dtype = torch.bfloat16
     h, w, y = _inputs((2, 33), 127, 4099, dtype, device)
-    loss = linear_cross_entropy(h, w, y, chunk_tokens=16)
+    loss = linear_cross_entropy(h, w, y, **({"chunk_tokens": 16} if plan == "tokens" else
+                                            {"mode": "vocab", "vocab_slice": 1024}))
     loss.backward()
     _check(h, w, loss, _ref_grads(h, w, y), dtype)
 
@@ -205,6 +236,35 @@ def test_module_and_errors(device):
         linear_cross_entropy(h, w.to(torch.bfloat16), y)
     with pytest.raises(ValueError, match="bias"):
         linear_cross_entropy(h, w, y, bias=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="mode"):
+        linear_cross_entropy(h, w, y, mode="rows")
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_cross_entropy(h, w, y, mode="vocab", chunk_tokens=16)
+    with pytest.raises(ValueError, match="vocab_slice"):
+        linear_cross_entropy(h, w, y, mode="tokens", vocab_slice=256)
+    with pytest.raises(ValueError, match="mode"):
+        NovaLinearCrossEntropy(mode="rows")
+    assert torch.equal(NovaLinearCrossEntropy(mode="vocab")(h, w, y), linear_cross_entropy(h, w, y, mode="vocab"))
+
+
+def test_auto_mode_picks_vocab(device, monkeypatch):
+    """auto: vocab slices once the full logits exceed AUTO_LOGITS_BYTES and grad_W is wanted (shrunk here so a
+    small problem crosses it; the slice budget too, for 3 slices); token chunks without grad_W."""
+    calls = []
+    for name in ("_fwd_vocab", "_fwd_tokens"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    monkeypatch.setattr(K, "AUTO_LOGITS_BYTES", 37 * 1000 * 4 - 1)
+    monkeypatch.setattr(K, "VOCAB_SLICE_BYTES", 37 * 4 * 384)  # -> _VOCAB_MIN_SLICE
+    monkeypatch.setattr(K, "_VOCAB_MIN_SLICE", 256)
+    monkeypatch.setattr(K, "_VOCAB_ALIGN", 128)  # 384 columns: 3 slices
+    h, w, y = _inputs((37,), 64, 1000, torch.float32, device, seed=12)
+    loss = linear_cross_entropy(h, w, y)
+    loss.backward()
+    assert calls == ["_fwd_vocab"]
+    _check(h, w, loss, _ref_grads(h, w, y), torch.float32)
+    linear_cross_entropy(h.detach(), w.detach(), y)  # nothing to accumulate: token chunks
+    assert calls == ["_fwd_vocab", "_fwd_tokens"]
 
 
 def test_opcheck(device):
@@ -215,17 +275,23 @@ def test_opcheck(device):
     b = torch.randn(1000, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
                           (h.detach(), w, y, div, b, -100, False, True, True, 0))
+    n = 9  # the vocab plan (3 slices) on fewer rows: opcheck runs the op a dozen times under the interpreter
+    torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
+                          (h[:n].detach().requires_grad_(True), w, y[:n], div, b, -100, True, True, True, 0, "vocab",
+                           384))
     torch.library.opcheck(torch.ops.novatune.linear_cross_entropy_scale_.default,
                           (torch.randn(64, 37, device=device), torch.tensor(0.5, device=device)))
 
 
-def test_torch_compile_aot_eager(device):
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_torch_compile_aot_eager(plan, device):
     """Traced by AOTAutograd (the in-place backward op is functionalised): same loss and grads as eager."""
     h, w, y = _inputs((37,), 64, 1000, torch.float32, device)
-    fn = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c), backend="aot_eager", fullgraph=True)
+    kw = PLANS[plan]
+    fn = torch.compile(lambda a, b, c: linear_cross_entropy(a, b, c, **kw), backend="aot_eager", fullgraph=True)
     loss = fn(h, w, y)
     gh, gw = torch.autograd.grad(loss * 2, (h, w))
-    eloss = linear_cross_entropy(h, w, y)
+    eloss = linear_cross_entropy(h, w, y, **kw)
     egh, egw = torch.autograd.grad(eloss * 2, (h, w))
     assert_close(loss, eloss, 1e-6, "loss")
     assert_close(gh, egh, 1e-6, "grad_hidden")
@@ -233,10 +299,12 @@ def test_torch_compile_aot_eager(device):
 
 
 @pytest.mark.gpu
-def test_qwen3_4b_shape_gpu():
-    """4096 x 2560 -> 151936 bf16 through the op (autograd, bf16 logits) against the fp32 reference."""
+@pytest.mark.parametrize("mode", ["auto", "tokens"])
+def test_qwen3_4b_shape_gpu(mode):
+    """4096 x 2560 -> 151936 bf16 through the op (autograd, bf16 logits) against the fp32 reference; auto is
+    the vocab plan at this shape."""
     h, w, y = _inputs((1, 4096), 2560, 151936, torch.bfloat16, "cuda", ignore_frac=0.1)
-    loss = linear_cross_entropy(h, w, y)
+    loss = linear_cross_entropy(h, w, y, mode=mode)
     loss.backward()
     _check(h, w, loss, _ref_grads(h, w, y), torch.bfloat16)
 

@@ -143,6 +143,73 @@ def test_bad_args():
         apply_rope(q, k, torch.ones(1, 4, 64), torch.ones(1, 4, 64), unsqueeze_dim=0)
 
 
+# ---------------------------------------------------------------- eager fast path vs the registered op
+def _op_path(q, k, cos, sin, u):
+    """The registered op with its registered autograd: what torch.compile traces."""
+    return torch.ops.novatune.rope_fwd(q, k, cos, sin, u)
+
+
+@pytest.mark.parametrize("backend", ["default", "reference"])
+@pytest.mark.parametrize("b,hq,hk,s,d,dtype,u", [
+    (2, 4, 2, 13, 64, torch.bfloat16, 1),
+    (1, 3, 1, 13, 128, torch.float32, 2),
+])
+def test_eager_function_and_registered_op_agree(b, hq, hk, s, d, dtype, u, backend, device, monkeypatch):
+    """apply_rope in eager runs the autograd.Function (not the custom op's dispatch) and gives the registered op's
+    numbers exactly: outputs and grads, both on the Triton path and on the fp32-reference path."""
+    if backend == "reference":
+        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        device = "cpu"
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(b, hq, hk, s, d, dtype, u, device)
+    gq = torch.randn(q.shape, device=device, dtype=dtype)
+    gk = torch.randn(k.shape, device=device, dtype=dtype)
+    oq, _ = apply_rope(q, k, cos, sin, u)
+    assert type(oq.grad_fn).__name__ == "_RopeFunctionBackward"   # the fast path, not the custom op
+    eager = _grads(apply_rope, q, k, cos, sin, u, gq, gk)
+    op = _grads(_op_path, q, k, cos, sin, u, gq, gk)
+    for name, a, c in zip(("q_embed", "k_embed", "dq", "dk"), eager, op):
+        assert a.dtype == c.dtype and a.stride() == c.stride(), name
+        assert torch.equal(a, c), name
+    # only q_embed reaches the loss: both paths give k a zero (or no) gradient and q the same one
+    dqs = []
+    for fn in (apply_rope, _op_path):
+        q.grad = k.grad = None
+        fn(q, k, cos, sin, u)[0].float().square().sum().backward()
+        assert k.grad is None or not k.grad.any()
+        dqs.append(q.grad)
+    assert torch.equal(*dqs)
+
+
+def test_eager_path_needs_input_grad(device):
+    """k frozen (no grad): the Function returns no gradient for it; q's is unchanged."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(1, 2, 1, 5, 64, torch.float32, 1, device)
+    k = k.detach()
+    oq, ok = apply_rope(q, k, cos, sin)
+    (oq.sum() + ok.sum()).backward()
+    assert k.grad is None and q.grad is not None
+
+
+def test_torch_compile_traces_registered_op(device):
+    """Under torch.compile apply_rope emits the registered op (fake impl + registered autograd); aot_eager keeps
+    the test fast. Values equal the eager path's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(1, 2, 1, 9, 64, torch.float32, 1, device)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(apply_rope, backend=counter, fullgraph=True)
+    gq, gk = torch.randn(q.shape, device=device), torch.randn(k.shape, device=device)
+    got = _grads(compiled, q, k, cos, sin, 1, gq, gk)
+    want = _grads(apply_rope, q, k, cos, sin, 1, gq, gk)
+    targets = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("novatune.rope_fwd" in t for t in targets), targets
+    for a, c in zip(got, want):
+        assert torch.equal(a, c)
+
+
 # ---------------------------------------------------------------- GPU: real shapes (Qwen3-4B, packed 4096)
 @pytest.mark.gpu
 @pytest.mark.parametrize("u", [1, 2])

@@ -99,6 +99,56 @@ def test_argument_checks(device):
     assert_close(y, swiglu_ref(a, a.to(torch.bfloat16)), 1e-5, "mixed")
 
 
+# ---- eager fast path vs the registered op ----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["default", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_eager_function_and_registered_op_agree(dtype, backend, device, monkeypatch):
+    """swiglu in eager runs the autograd.Function (not the custom op's dispatch) and gives the registered op's
+    numbers exactly (y, dgate, dup), on the Triton path and on the fp32-reference path."""
+    if backend == "reference":
+        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        device = "cpu"
+    g, u, dy = _leaf_inputs((2, 37, 127), dtype, device)
+    y1 = swiglu(g, u)
+    assert type(y1.grad_fn).__name__ == "_SwiGLUFunctionBackward"   # the fast path, not the custom op
+    dg1, du1 = torch.autograd.grad(y1, (g, u), dy)
+    y2 = torch.ops.novatune.swiglu_fwd(g, u)
+    dg2, du2 = torch.autograd.grad(y2, (g, u), dy)
+    for name, a, b in [("y", y1, y2), ("dgate", dg1, dg2), ("dup", du1, du2)]:
+        assert a.dtype == b.dtype and a.stride() == b.stride(), name
+        assert torch.equal(a, b), name
+
+
+def test_eager_path_needs_input_grad(device):
+    """up frozen: the Function returns no gradient for it; gate's is the full-path one."""
+    g, u, dy = _leaf_inputs((5, 37), torch.float32, device)
+    u = u.detach()
+    swiglu(g, u).backward(dy)
+    assert u.grad is None
+    _, rdg, _ = _fp32_reference(g, u, dy)
+    assert_close(g.grad, rdg, 1e-5, "dgate")
+
+
+def test_torch_compile_traces_registered_op(device):
+    """Under torch.compile swiglu emits the registered op (fake impl + registered autograd); aot_eager keeps the
+    test fast. Values equal the eager path's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    g, u, dy = _leaf_inputs((3, 37), torch.float32, device)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(swiglu, backend=counter, fullgraph=True)
+    y = compiled(g, u)
+    dg, du = torch.autograd.grad(y, (g, u), dy)
+    targets = [str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("novatune.swiglu_fwd" in t for t in targets), targets
+    y_e = swiglu(g, u)
+    dg_e, du_e = torch.autograd.grad(y_e, (g, u), dy)
+    for a, b in [(y, y_e), (dg, dg_e), (du, du_e)]:
+        assert torch.equal(a, b)
+
+
 # ---- the fused MLP against stock HF ----------------------------------------------------------------------
 
 def _tiny_qwen3_mlp(seed=0):

@@ -1,0 +1,141 @@
+"""The `novatune` command line (also `python -m novatune`).
+
+    novatune train [CONFIG] [--set key=value ...] [--output-dir DIR]   train (no CONFIG: the embedded demo)
+    novatune plan CONFIG [--set ...] [--gpu-mem GiB]                    memory estimate before a run
+    novatune env                                                        versions, GPU, kernels, attention backends
+
+Exit codes: 0 ok; 1 `plan` predicts an out-of-memory; 2 a config/data/setup error (the message names the key
+and the fix); 130 interrupted (a checkpoint is saved first: run the same command to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EPILOG_MAIN = """examples:
+  novatune train                                  # the embedded demo: tiny Qwen3, arithmetic chat data, CPU ok
+  novatune train examples/lora.yaml --set train.lr=1e-4 --set method.r=8
+  novatune train examples/qwen3-4b-seed.yaml --set train.max_steps=20
+  novatune plan examples/qwen3-4b-seed.yaml --gpu-mem 40
+  novatune env
+"""
+
+EPILOG_TRAIN = """examples:
+  novatune train                                      # the embedded demo (writes ./runs/demo)
+  novatune train --output-dir /tmp/demo               # the demo, elsewhere
+  novatune train my.yaml --set train.max_steps=100 --set data.max_length=4096
+  novatune train my.yaml --set data.sources.0.path=other.jsonl --set model.patch=false
+
+Overrides are YAML values: --set train.betas=[0.9,0.95]  --set model.arch_overrides.num_hidden_layers=2.
+A run resumes from the newest checkpoint in checkpoint.output_dir (checkpoint.resume: auto); --set
+checkpoint.resume=never starts over. See examples/*.yaml for complete configs.
+"""
+
+EPILOG_PLAN = """examples:
+  novatune plan examples/qwen3-4b-seed.yaml               # compares with this machine's GPU, if any
+  novatune plan examples/qwen3-4b-seed.yaml --gpu-mem 24 --set memory.gradient_checkpointing=false
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser, optional: bool) -> None:
+    if optional:
+        p.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
+    else:
+        p.add_argument("config", help="YAML config (see examples/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from novatune import __version__
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog="novatune", formatter_class=fmt, epilog=EPILOG_MAIN,
+                                 description="Faster, leaner LLM fine-tuning: fused kernels, packed attention, "
+                                             "a readable trainer.")
+    ap.add_argument("--version", action="version", version=f"novatune {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    t = sub.add_parser("train", help="fine-tune a model (no config: the embedded demo)", formatter_class=fmt,
+                       epilog=EPILOG_TRAIN, description="Train as configured: prints the resolved config, "
+                       "a live progress bar, writes metrics.jsonl, checkpoints and the final export.")
+    _add_config_args(t, optional=True)
+    t.add_argument("--output-dir", help="same as --set checkpoint.output_dir=DIR")
+    p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
+                       epilog=EPILOG_PLAN, description="Memory estimate: weights, gradients, optimizer states, "
+                       "activations with and without gradient checkpointing, logits; warns before an OOM.")
+    _add_config_args(p, optional=False)
+    p.add_argument("--gpu-mem", type=float, metavar="GiB", help="GPU memory to plan for (default: this GPU's)")
+    sub.add_parser("env", help="versions, GPU, available kernels and attention backends", formatter_class=fmt,
+                   description="Print the environment novatune sees (paste it into bug reports).")
+    return ap
+
+
+def _load(args):
+    from novatune.train.config import load
+
+    overrides = list(args.overrides)
+    if getattr(args, "output_dir", None):
+        overrides.append(f"checkpoint.output_dir={args.output_dir}")
+    cfg = load(args.config, overrides)
+    if args.config is None:
+        from novatune.train.demo import DEMO_DIR
+
+        base = DEMO_DIR
+    else:
+        base = Path(args.config).resolve().parent
+    return cfg, base
+
+
+def cmd_train(args) -> int:
+    from novatune.train.loop import train
+
+    cfg, base = _load(args)
+    train(cfg, base_dir=base)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from novatune.train.plan import plan, render
+
+    cfg, base = _load(args)
+    est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem)
+    print(render(est))
+    return 1 if est.get("oom") else 0
+
+
+def cmd_env(args) -> int:
+    from novatune.train.envinfo import render_env
+
+    print(render_env())
+    return 0
+
+
+def _user_errors() -> tuple:
+    from novatune.data.sources import DataError
+    from novatune.train.checkpoint import CheckpointError
+    from novatune.train.config import ConfigError
+    from novatune.train.model import SetupError
+
+    return ConfigError, DataError, SetupError, CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 0
+    handlers = {"train": cmd_train, "plan": cmd_plan, "env": cmd_env}
+    try:
+        return handlers[args.command](args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

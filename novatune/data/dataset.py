@@ -1,0 +1,119 @@
+"""The data pipeline end to end: sources -> records -> token documents -> packed rows -> micro-batches.
+
+`build_data(cfg.data, tokenizer, vocab_size)` reads and packs everything up front (deterministic, so a resumed run
+sees the same rows). `BatchStream` walks the rows in a seeded per-epoch order, `micro_batch` rows at a time,
+across epoch boundaries; its state is `(epoch, index)`, saved in every checkpoint so a resumed run continues with
+exactly the batch it would have seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from novatune.data.collate import collate
+from novatune.data.formats import Doc, check_loss_on, detect_format, make_tokenize
+from novatune.data.packing import PackStats, pack
+from novatune.data.sources import DataError, load_source, resolve_path
+
+
+@dataclass
+class PackedData:
+    rows: list[list[Doc]]
+    stats: PackStats
+    formats: list[str]
+
+
+def read_chat_template(value: str | None, base_dir: Path | None = None) -> str | None:
+    """data.chat_template: jinja text, or a path to a file holding it."""
+    if value is None:
+        return None
+    if "{%" in value or "{{" in value:
+        return value
+    p = resolve_path(value, base_dir)
+    if not p.is_file():
+        raise DataError(f"data.chat_template: {value!r} is neither jinja text nor an existing file; give the "
+                        f"template text or the path of a .jinja file")
+    return p.read_text(encoding="utf-8")
+
+
+def tokenize_records(records: list[dict], fmt: str, tokenizer, loss_on: str, chat_template: str | None,
+                     add_eos: bool, key: str) -> tuple[list[Doc], str]:
+    fmt = detect_format(records[0]) if fmt == "auto" else fmt
+    check_loss_on(fmt, loss_on)
+    f = make_tokenize(fmt, tokenizer, loss_on, chat_template, add_eos)
+    docs = []
+    for i, rec in enumerate(records):
+        try:
+            docs.append(f(rec))
+        except DataError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{key}: record {i} does not fit format {fmt!r} ({type(e).__name__}: {e}); fix the "
+                            f"record or set data.format") from None
+    return docs, fmt
+
+
+def build_data(dcfg, tokenizer=None, vocab_size: int | None = None, base_dir: Path | None = None) -> PackedData:
+    if not dcfg.sources:
+        raise DataError("data.sources: empty; add at least one source, e.g. sources: [{path: train.jsonl}]")
+    template = read_chat_template(dcfg.chat_template, base_dir)
+    docs: list[Doc] = []
+    formats = []
+    for i, src in enumerate(dcfg.sources):
+        key = f"data.sources[{i}]"
+        records = load_source(src, base_dir, vocab_size, key, dcfg.max_length)
+        d, fmt = tokenize_records(records, dcfg.format, tokenizer, dcfg.loss_on, template, dcfg.add_eos, key)
+        docs += d
+        formats.append(fmt)
+    if vocab_size is not None:
+        top = max((max(ids) for ids, _ in docs if ids), default=0)
+        if top >= vocab_size:
+            raise DataError(f"model: token id {top} >= the model's vocab_size {vocab_size}; use the model's own "
+                            f"tokenizer (model.tokenizer) or raise model.arch_overrides.vocab_size")
+    rows, stats = pack(docs, dcfg.max_length, dcfg.packing, dcfg.overlong)
+    if not rows:
+        why = (f"{stats.dropped} were dropped as longer than data.max_length={dcfg.max_length}"
+               if stats.dropped else f"{stats.empty} have no token to train on")
+        raise DataError(f"data: no trainable documents left out of {stats.docs_in} ({why}); raise data.max_length, "
+                        f"set data.overlong: split, or check data.loss_on")
+    return PackedData(rows, stats, formats)
+
+
+class BatchStream:
+    """Micro-batches of `micro_batch` rows, in a seeded order per epoch, resumable from (epoch, index)."""
+
+    def __init__(self, rows: list[list[Doc]], micro_batch: int, seed: int = 0, shuffle: bool = True,
+                 pad_id: int = 0):
+        self.rows, self.micro_batch, self.seed, self.shuffle, self.pad_id = rows, micro_batch, seed, shuffle, pad_id
+        self.epoch, self.index = 0, 0
+        self._order = self._make_order(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self.rows) // self.micro_batch)
+
+    def _make_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        return torch.randperm(len(self.rows), generator=g).tolist()
+
+    def next(self) -> dict:
+        if self.index >= len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._make_order(self.epoch)
+        take = self._order[self.index: self.index + self.micro_batch]
+        self.index += len(take)
+        return collate([self.rows[i] for i in take], self.pad_id)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("rows", len(self.rows)) != len(self.rows):
+            raise DataError(f"resume: the checkpoint was written with {state['rows']} packed rows, the data now "
+                            f"gives {len(self.rows)}; resume with the same data config or start a new output_dir")
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._make_order(self.epoch)

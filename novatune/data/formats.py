@@ -1,0 +1,155 @@
+"""Records -> token documents with a loss mask.
+
+A document is `(input_ids, mask)`: `mask[i]` is True where token i is a training target (its label is the token
+itself; elsewhere -100). Formats:
+
+  text               {"text": ...}                                       loss_on: all
+  alpaca             {"instruction", "input"?, "output"}                 loss_on: all | completion (= the output)
+  messages           {"messages": [{"role", "content"}, ...]}            loss_on: all | assistant (= assistant turns)
+  prompt_completion  {"prompt", "completion"}                            loss_on: all | completion
+  tokens             {"input_ids": [...], "labels"?: [...]}             pre-tokenized (the synthetic source)
+
+Assistant-only masks for `messages` are found without relying on `{% generation %}` markers: the chat template
+renders messages[:i] (+ generation prompt) and messages[:i+1]; the characters between the two renderings are the
+assistant turn i, mapped to tokens through the fast tokenizer's offsets. The renderings must be prefixes of the
+full conversation (true of ChatML, Llama 3 and Qwen templates); if not, we say so and how to fix it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from novatune.data.sources import DataError
+
+FORMATS = ("text", "alpaca", "messages", "prompt_completion", "tokens")
+ALPACA_PROMPT = ("Below is an instruction that describes a task{ctx}. Write a response that appropriately completes "
+                 "the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+
+Doc = tuple[list[int], list[bool]]
+
+
+def detect_format(record: dict) -> str:
+    keys = set(record)
+    if "messages" in keys or "conversations" in keys:
+        return "messages"
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
+    if {"instruction", "output"} <= keys:
+        return "alpaca"
+    if "text" in keys:
+        return "text"
+    if "input_ids" in keys:
+        return "tokens"
+    raise DataError(f"data.format: cannot tell the format of a record with keys {sorted(keys)}; set data.format "
+                    f"to one of {', '.join(FORMATS)} (or rename the fields: text / messages / prompt+completion / "
+                    f"instruction+output)")
+
+
+def check_loss_on(fmt: str, loss_on: str) -> None:
+    ok = {"text": ("all",), "tokens": ("all",), "messages": ("all", "assistant", "completion"),
+          "alpaca": ("all", "completion", "assistant"), "prompt_completion": ("all", "completion", "assistant")}
+    if loss_on not in ok[fmt]:
+        raise DataError(f"data.loss_on: {loss_on!r} does not apply to format {fmt!r} (it has no prompt part); "
+                        f"set data.loss_on: all, or use the messages / prompt_completion / alpaca format")
+
+
+def _get(record: dict, key: str, fmt: str):
+    if key not in record or record[key] is None:
+        raise DataError(f"a {fmt} record lacks {key!r} (keys: {sorted(record)}); fix the data or set data.format")
+    return record[key]
+
+
+def _encode(tok, text: str, special: bool) -> list[int]:
+    return tok(text, add_special_tokens=special)["input_ids"]
+
+
+def _eos(tok, ids: list[int], add_eos: bool) -> list[int]:
+    if add_eos and tok.eos_token_id is not None and (not ids or ids[-1] != tok.eos_token_id):
+        return ids + [tok.eos_token_id]
+    return ids
+
+
+def _normalise_messages(msgs) -> list[dict]:
+    out = []
+    for m in msgs:
+        if "role" not in m and "from" in m:  # ShareGPT style
+            role = {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"])
+            m = {"role": role, "content": m.get("value", "")}
+        out.append({"role": m["role"], "content": m.get("content", "")})
+    return out
+
+
+def _render_prefix(render, msgs: list[dict]) -> str:
+    try:
+        return render(msgs, gen=True)
+    except Exception:  # noqa: BLE001 - some templates cannot render an empty conversation
+        if msgs:
+            raise
+        return ""
+
+
+def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None) -> Doc:
+    def render(ms, gen=False):
+        return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen, chat_template=template)
+
+    full = render(msgs)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if loss_on == "all":
+        return ids, [True] * len(ids)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before, upto = _render_prefix(render, msgs[:i]), render(msgs[: i + 1])
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise DataError("data.chat_template: this template does not render a conversation's first turns as a "
+                            "prefix of the whole (so assistant turns cannot be located); set data.chat_template to "
+                            "a template without history rewriting, or data.loss_on: all")
+        spans.append((len(before), len(upto)))
+    mask = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None = None,
+                  add_eos: bool = True) -> Callable[[dict], Doc]:
+    """A function record -> (input_ids, mask) for one format."""
+    partial = loss_on != "all"
+
+    if fmt == "tokens":
+        def f(r):
+            ids = list(_get(r, "input_ids", fmt))
+            labels = r.get("labels")
+            return ids, ([lab != -100 for lab in labels] if labels is not None else [True] * len(ids))
+        return f
+    if tok is None:
+        raise DataError("model.tokenizer: this data needs a tokenizer; set model.tokenizer to a local tokenizer "
+                        "folder (or model.name to a local model folder that has one)")
+    if fmt == "text":
+        def f(r):
+            ids = _eos(tok, _encode(tok, str(_get(r, "text", fmt)), True), add_eos)
+            return ids, [True] * len(ids)
+        return f
+    if fmt in ("alpaca", "prompt_completion"):
+        def f(r):
+            if fmt == "alpaca":
+                inp = r.get("input") or ""
+                prompt = ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if inp
+                                              else "", instruction=_get(r, "instruction", fmt),
+                                              input=f"### Input:\n{inp}\n\n" if inp else "")
+                completion = str(_get(r, "output", fmt))
+            else:
+                prompt, completion = str(_get(r, "prompt", fmt)), str(_get(r, "completion", fmt))
+            p = _encode(tok, prompt, True)
+            c = _eos(tok, _encode(tok, completion, False), add_eos)
+            return p + c, [not partial] * len(p) + [True] * len(c)
+        return f
+    if fmt == "messages":
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise DataError("data.chat_template: the tokenizer has no chat template; set data.chat_template to a "
+                            "jinja template (text or a .jinja path), or use a tokenizer that ships one")
+
+        def f(r):
+            msgs = _normalise_messages(r["messages"] if "messages" in r else r["conversations"])
+            return messages_doc(tok, msgs, loss_on, chat_template)
+        return f
+    raise DataError(f"data.format: unknown format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -1,0 +1,164 @@
+"""Where records come from: local JSONL / JSON / Parquet files, `datasets` folders, or a seeded synthetic source.
+
+Every source yields plain dict records (`{"messages": [...]}`, `{"text": ...}`, ...); the synthetic source yields
+pre-tokenized documents (`{"input_ids": [...]}`). Paths may be a file, a directory of such files, or a folder
+written by `datasets.Dataset.save_to_disk`. `assets:NAME` names a file shipped in novatune/assets.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterator
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+
+
+class DataError(ValueError):
+    """A data problem the user can fix; the message names the config key and the fix."""
+
+
+def resolve_path(path: str, base_dir: Path | None = None) -> Path:
+    """`assets:x` -> novatune/assets/x; relative paths: the working directory first, then the config's folder."""
+    if path.startswith("assets:"):
+        return ASSETS / path[len("assets:"):]
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or base_dir is None:
+        return p
+    alt = Path(base_dir) / p
+    return alt if alt.exists() else p
+
+
+def detect_type(path: Path) -> str | None:
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or \
+                (path / "state.json").exists():
+            return "datasets"
+        kinds = {FILE_TYPES.get(f.suffix) for f in path.iterdir() if f.is_file()} - {None}
+        return kinds.pop() if len(kinds) == 1 else None
+    return FILE_TYPES.get(path.suffix.lower())
+
+
+def _files(path: Path, kind: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    suffixes = [s for s, k in FILE_TYPES.items() if k == kind]
+    return sorted(f for f in path.iterdir() if f.suffix in suffixes)
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); fix that line or use type: json for a "
+                                f"single JSON array") from None
+
+
+def read_json(path: Path) -> Iterator[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        if path.suffix == ".json":
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); if it holds one record per "
+                            f"line, name it .jsonl or set type: jsonl") from None
+        raise
+    if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}: the one list inside
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise DataError(f"{path}: expected a JSON list of records (or an object holding one list)")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    yield from data
+
+
+def read_parquet(path: Path) -> Iterator[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading Parquet needs pyarrow: pip install pyarrow (or novatune[data])") from None
+    table = pq.read_table(path)
+    yield from table.to_pylist()
+
+
+def read_datasets(path: Path, split: str) -> Iterator[dict]:
+    """A `save_to_disk` folder (load_from_disk), or local data files read through `datasets.load_dataset`."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("type: datasets needs the `datasets` package: pip install datasets") from None
+    if path.is_file() or detect_type(path) not in (None, "datasets"):
+        kind = detect_type(path) or path.suffix.lstrip(".")
+        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv", "txt": "text"}.get(kind)
+        if builder is None:
+            raise DataError(f"{path}: datasets cannot read .{kind} files here; use jsonl, json, parquet, csv or txt")
+        files = [str(f) for f in _files(path, kind)] if path.is_dir() else [str(path)]
+        yield from datasets.load_dataset(builder, data_files=files, split="train")
+        return
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r} (splits: {', '.join(ds)}); set split: to one of them")
+        ds = ds[split]
+    yield from ds
+
+
+def synthetic_docs(num_docs: int, vocab_size: int, median_length: int = 600, sigma: float = 0.7,
+                   min_length: int = 32, max_length: int | None = None, seed: int = 1) -> Iterator[dict]:
+    """Random-token documents with log-normal lengths (median `median_length`), as in BENCHMARKS.md's workload.
+
+    Seeded with its own torch.Generator, so the same config always gives the same documents.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(median_length)
+    for _ in range(num_docs):
+        n = int(math.exp(mu + sigma * torch.randn(1, generator=g).item()))
+        n = max(min_length, n if max_length is None else min(n, max_length))
+        yield {"input_ids": torch.randint(0, vocab_size, (n,), generator=g).tolist()}
+
+
+def load_source(src, base_dir: Path | None = None, vocab_size: int | None = None, key: str = "data.sources[0]",
+                max_length: int | None = None) -> list[dict]:
+    """All records of one configured source (a SourceConfig), at most `src.limit`."""
+    if src.type == "synthetic":
+        if vocab_size is None:
+            raise DataError(f"{key}: a synthetic source needs the model's vocab_size")
+        recs = synthetic_docs(src.num_docs, vocab_size, src.median_length, src.sigma, src.min_length,
+                              max_length, src.seed)
+        return list(recs)[: src.limit]
+    if not src.path:
+        raise DataError(f"{key}.path: missing; set it to a .jsonl/.json/.parquet file or a datasets folder")
+    path = resolve_path(src.path, base_dir)
+    if not path.exists():
+        raise DataError(f"{key}.path: not found: {path}; fix the path (relative paths are tried against the "
+                        f"working directory, then the config file's folder)")
+    kind = src.type if src.type != "auto" else detect_type(path)
+    if kind is None:
+        raise DataError(f"{key}.type: cannot tell the format of {path}; set type: to jsonl, json, parquet or "
+                        f"datasets")
+    out: list[dict] = []
+    if kind == "datasets":
+        it: Iterator[dict] = read_datasets(path, src.split)
+    else:
+        readers = {"jsonl": read_jsonl, "json": read_json, "parquet": read_parquet}
+        files = _files(path, kind)
+        if not files:
+            raise DataError(f"{key}.path: {path} holds no .{kind} files; point it at a file or set type:")
+        it = (r for f in files for r in readers[kind](f))
+    for rec in it:
+        if src.limit is not None and len(out) >= src.limit:
+            break
+        if not isinstance(rec, dict):
+            raise DataError(f"{key}: records must be JSON objects, got {type(rec).__name__}: {str(rec)[:80]}")
+        out.append(rec)
+    if not out:
+        raise DataError(f"{key}: {path} holds no records; check the file (and split: for datasets folders)")
+    return out

@@ -1,0 +1,78 @@
+"""Named architectures for random-init runs (no weights are downloaded; speed does not depend on weight values).
+
+`model.arch: qwen3-4b` builds the Qwen3-4B-Instruct-2507 architecture with random weights; `model.arch_overrides`
+changes any config field (`num_hidden_layers: 2`). `vocab_size: auto` (the tiny demo archs) takes the
+tokenizer's size.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # BENCHMARKS.md's headline model: Qwen/Qwen3-4B-Instruct-2507
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=5e6, max_position_embeddings=262144),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960),
+    # the embedded demo: 3.3M parameters (501-token vocab), 60 steps train in ~25 s on two CPU cores
+    "qwen3-tiny": dict(model_type="qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size="auto",
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768),
+}
+
+
+def arch_config(name: str, overrides: dict | None = None, vocab_size: int | None = None):
+    """A transformers config for a named architecture (ValueError naming the choices if unknown)."""
+    from transformers import AutoConfig
+
+    if name not in ARCHS:
+        raise ValueError(f"unknown architecture {name!r}; choose one of {', '.join(ARCHS)}")
+    spec = {**ARCHS[name], **(overrides or {})}
+    model_type = spec.pop("model_type")
+    if spec.get("vocab_size") in ("auto", None):
+        if vocab_size is None:
+            raise ValueError(f"architecture {name!r} takes its vocab_size from the tokenizer; set model.tokenizer "
+                             f"or model.arch_overrides.vocab_size")
+        spec["vocab_size"] = vocab_size
+    cls = type(AutoConfig.for_model(model_type))
+    params = inspect.signature(cls.__init__).parameters
+    # transformers 5 keeps RoPE settings in `rope_parameters`; older 4.x configs take rope_theta/rope_scaling
+    theta, scaling = spec.pop("rope_theta", None), spec.pop("rope_scaling", None)
+    if "rope_parameters" in params:
+        rope = dict(scaling or {"rope_type": "default"})
+        if theta is not None:
+            rope["rope_theta"] = theta
+        spec.setdefault("rope_parameters", rope)
+    else:
+        if theta is not None:
+            spec["rope_theta"] = theta
+        if scaling is not None:
+            spec["rope_scaling"] = scaling
+    spec["use_cache"] = False  # training: HF's use_cache=True disables packed-sequence detection
+    return cls(**spec)
+
+
+def count_matmul_params(config) -> int:
+    """Parameters that take part in matmuls per token (attention + MLP projections + lm_head): the N of 6N."""
+    h = config.hidden_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return config.num_hidden_layers * layer + h * config.vocab_size
+
+
+def attention_flops_per_token(config, avg_keys: float) -> float:
+    """BENCHMARKS.md: 3 (fwd+bwd) x 4 (QK^T and PV, 2 flops each) x avg attended keys x q_heads x head_dim x layers."""
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 3 * 4 * avg_keys * config.num_attention_heads * hd * config.num_hidden_layers

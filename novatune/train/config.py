@@ -1,0 +1,330 @@
+"""Typed run configuration: nested dataclasses, loaded from YAML, overridden with `--set a.b=c`.
+
+Every value is checked against its field's type when the config is built, and cross-field rules are checked by
+`validate()`. Each error is a `ConfigError` that names the key (``train.lr``), what was wrong, and the fix, e.g.
+
+    config error at train.schedul: unknown key. Did you mean 'schedule'? (keys of train: epochs, max_steps, ...)
+
+The resolved config (defaults filled in) is printed at the start of every run and saved as
+`<output_dir>/config.yaml`, which loads back to the same config (YAML round-trip).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and the fix."""
+
+    def __init__(self, key: str, problem: str, fix: str = ""):
+        self.key = key
+        msg = f"config error at {key or '<root>'}: {problem}"
+        if fix:
+            msg += f"\n  fix: {fix}"
+        super().__init__(msg)
+
+
+# ----------------------------------------------------------------------------------------------- the sections
+@dataclass
+class ModelConfig:
+    name: Optional[str] = None  # HF id or local path to load pretrained weights from
+    arch: Optional[str] = None  # named architecture for random init (see novatune.train.arch.ARCHS)
+    arch_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2}
+    tokenizer: Optional[str] = None  # local path, or "demo" (bundled); default: model.name
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    patch: bool = True  # call novatune.patch(model, **patch_options) before training
+    patch_options: dict = field(default_factory=dict)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class SourceConfig:
+    path: Optional[str] = None  # file, directory of files, or a `datasets` save_to_disk folder
+    type: Literal["auto", "jsonl", "json", "parquet", "datasets", "synthetic"] = "auto"
+    split: str = "train"  # for DatasetDict folders
+    limit: Optional[int] = None  # keep only the first N records
+    # synthetic: random token documents with log-normal lengths (the benchmark workload)
+    num_docs: int = 1000
+    median_length: int = 600
+    sigma: float = 0.7
+    min_length: int = 32
+    seed: int = 1
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    format: Literal["auto", "text", "alpaca", "messages", "prompt_completion", "tokens"] = "auto"
+    chat_template: Optional[str] = None  # jinja text or a path to a .jinja file; default: the tokenizer's
+    loss_on: Literal["all", "assistant", "completion"] = "all"
+    max_length: int = 2048
+    packing: bool = True
+    overlong: Literal["split", "drop", "truncate"] = "split"
+    add_eos: bool = True
+    shuffle: bool = True
+
+
+@dataclass
+class MethodConfig:
+    type: Literal["full", "lora"] = "full"
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    max_steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    micro_batch: int = 1
+    grad_accum: int = 1
+    lr: float = 2e-5
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup: float = 0.0  # >= 1: steps; < 1: fraction of the total steps
+    min_lr_ratio: float = 0.0  # floor of the decay, as a fraction of lr
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping
+    fused_adamw: Optional[bool] = None  # null: fused on CUDA, foreach on CPU
+    seed: int = 42
+
+
+@dataclass
+class MemoryConfig:
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "runs/run"
+    save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
+    keep: int = 2  # newest N checkpoints kept
+    resume: str = "auto"  # auto (latest in output_dir) | never | <path to a checkpoint>
+    export: bool = True  # final weights loadable with from_pretrained (LoRA: adapter/ and merged/)
+    export_merged: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 1
+    tensorboard: bool = True  # event files when the tensorboard package is installed
+    progress: bool = True  # live rich bar on a terminal; plain lines otherwise
+    peak_tflops: Optional[float] = None  # MFU denominator; null: table by GPU name
+    measure_peak: bool = False  # measure the bf16 matmul rate at start (BENCHMARKS.md's definition)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------------------- building from dicts
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+               list: "a list"}
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of " + _describe(typing.get_args(tp)[0]).removeprefix("a ").removeprefix("an ") + "s"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check (and gently convert: int -> float, "1e-4" -> float, str -> [str]) one value against a type."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else _bad(value, tp, key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed and type(value) is type(allowed[allowed.index(value)]):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(key, f"{value!r} is not allowed", f"{hint}use one of: {', '.join(map(str, allowed))}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and item_tp is str:
+            value = [str(value)]
+        if not isinstance(value, (list, tuple)):
+            raise _bad(value, tp, key)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(value, tp, key)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _bad(value, tp, key)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _bad(value, tp, key)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _bad(value, tp, key)
+    if tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise _bad(value, tp, key)
+    return value
+
+
+def _bad(value, tp, key) -> ConfigError:
+    return ConfigError(key, f"expected {_describe(tp)}, got {value!r} ({type(value).__name__})",
+                       f"set {key} to {_describe(tp)}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping of keys, got {data!r} ({type(data).__name__})",
+                          f"write {prefix or 'the config'} as `key: value` lines")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in hints:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(key, "unknown key", f"{hint}valid keys of {prefix or 'the config'}: {', '.join(names)}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _build(Config, data, "")
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
+
+
+# ------------------------------------------------------------------------------------------------- overrides
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like key.path=value", "write e.g. --set train.lr=1e-4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(text, "empty key in override", "write e.g. --set train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=c` overrides to a raw (YAML) dict; list items by index: data.sources.0.path=x."""
+    for text in overrides or []:
+        path, value = parse_override(text)
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            where = ".".join(path[: i + 1])
+            if isinstance(node, list):
+                node = _list_item(node, part, where)
+                continue
+            if node.get(part) is None:
+                node[part] = [] if part == "sources" else {}
+            node = node[part]
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(where, f"is a value ({node!r}), not a section", f"set {where}=... directly")
+        last = path[-1]
+        if isinstance(node, list):
+            idx = int(last) if last.isdigit() else -1
+            if idx == len(node):
+                node.append(value)
+            else:
+                node[_index(node, last, ".".join(path))] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _index(node: list, part: str, where: str) -> int:
+    if not part.isdigit() or int(part) > len(node) - 1:
+        raise ConfigError(where, f"no list item {part!r} (the list has {len(node)} items)",
+                          f"use an index from 0 to {len(node)} (the next index appends)")
+    return int(part)
+
+
+def _list_item(node: list, part: str, where: str):
+    if part.isdigit() and int(part) == len(node):
+        node.append({})
+    return node[_index(node, part, where)]
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None, check: bool = True) -> Config:
+    """Load a YAML config (None: the bundled demo), apply overrides, build the typed config and validate it."""
+    if path is None:
+        from novatune.train.demo import demo_config_path
+
+        path = demo_config_path()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("", f"config file not found: {p}", "pass the path of a YAML file (see examples/*.yaml)")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{p} is not valid YAML: {e}", "fix the YAML syntax at the line shown") from None
+    data = apply_overrides(data, overrides or [])
+    cfg = from_dict(data)
+    if check:
+        from novatune.train.validate import validate
+
+        validate(cfg, base_dir=p.parent)
+    return cfg

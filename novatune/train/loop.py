@@ -1,0 +1,236 @@
+"""The training loop: readable, ours (not HF Trainer), on top of `novatune.patch`.
+
+One optimizer step = `grad_accum` micro-batches. The loss is normalised by the number of target tokens in the
+whole accumulated batch: every micro-batch forward gets `num_items_in_batch = N` (HF's loss, and the patched fused
+cross-entropy, then compute sum(CE) / N), so the gradients add up to those of one big batch. Nothing is divided by
+grad_accum again (that would be the gradient accumulation bug, trl #2175). The logged loss is the sum of the
+micro-batch losses: the mean CE per target token of the accumulated batch.
+
+Every forward passes `use_cache=False`: Qwen3's default use_cache=True silently disables HF's packed-sequence
+detection, and attention would cross documents.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from novatune.data.collate import model_inputs
+from novatune.data.dataset import BatchStream, build_data
+from novatune.train import checkpoint as ckpt
+from novatune.train.config import Config, to_yaml
+from novatune.train.metrics import MetricsLog, Progress, flops_per_token, gpu_mem_gib, peak_tflops
+from novatune.train.model import (SetupError, apply_patch, build_model, load_tokenizer, model_config, param_counts,
+                                  pick_device, pick_dtype, prepare)
+from novatune.train.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    steps: int  # optimizer steps done (total, including those before a resume)
+    total_steps: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss, for the steps this process ran
+    wall_s: float = 0.0
+    tokens: int = 0
+    exported: list[Path] = field(default_factory=list)
+    resumed_from: Path | None = None
+    patch_report: object = None
+    pack_stats: object = None
+    model: object = None  # the trained model (patch reverted after an export; LoRA: merged after export_merged)
+
+
+def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):
+    """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced)."""
+    n_items = max(1, sum(mb["num_target_tokens"] for mb in micro_batches))  # host ints: no device sync
+    total = torch.zeros((), device=device)
+    for mb in micro_batches:
+        out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
+        out.loss.backward()  # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
+        total += out.loss.detach().float()
+    return total
+
+
+def _packed_kwargs_mode(cfg: Config, report) -> str | None:
+    if cfg.model.attention.startswith("flash_attention"):
+        return "device"  # stock FA2/FA3 read cu_seq_lens on the GPU
+    if report is not None:
+        return "host"  # novatune's PackedBatch takes the host copy (no sync)
+    return None  # stock sdpa/eager: documents found from position_ids
+
+
+def cpu_threads_for_load(console) -> None:
+    """On a CPU that other processes already keep busy, train with one thread: OpenMP threads spinning against
+    other processes' threads made a 2-thread run ~5x slower than a 1-thread one on a shared 2-core machine
+    (matmul 7 vs 33 GFLOP/s; the demo 344 s vs 64 s). An explicit OMP_NUM_THREADS is always respected."""
+    cores = os.cpu_count() or 1
+    if os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() < 2 or not hasattr(os, "getloadavg"):
+        return
+    load = os.getloadavg()[0]
+    if load >= cores:
+        torch.set_num_threads(1)
+        console.print(f"[yellow]the CPU is busy (load {load:.1f} on {cores} cores): training with 1 thread; set "
+                      f"OMP_NUM_THREADS to choose[/]")
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    r = cfg.checkpoint.resume
+    if r == "never":
+        return None
+    if r == "auto":
+        return ckpt.latest(cfg.checkpoint.output_dir)
+    p = Path(r)
+    if p.is_dir() and not (p / "state.json").exists():  # an output_dir: its latest checkpoint
+        p = ckpt.latest(p) or p
+    if not (p / "state.json").exists():
+        raise SetupError(f"checkpoint.resume: {r} is not a checkpoint (no state.json); give a "
+                         f"<output_dir>/checkpoints/step_N folder, or resume: auto / never")
+    return p
+
+
+def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None) -> RunResult:
+    """Run training as configured. `stop_after` ends the process's loop after that many optimizer steps without
+    exporting, like a killed run (tests use it to check that a resume continues the same loss curve)."""
+    from rich.console import Console
+
+    console = console or Console(soft_wrap=True)
+    t_start = time.perf_counter()
+    out_dir = Path(cfg.checkpoint.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console.rule("[bold]novatune train")
+    console.print(to_yaml(cfg), highlight=False, markup=False)
+    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    device = pick_device(cfg.model.device)
+    dtype = pick_dtype(cfg.model.dtype, device)
+    if device.type == "cpu":
+        cpu_threads_for_load(console)
+    seed = cfg.train.seed
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+    tokenizer = load_tokenizer(cfg.model, base_dir)
+    mconf = model_config(cfg.model, tokenizer, base_dir)
+    data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
+    console.print(f"data: {data.stats.summary()}", highlight=False)
+
+    model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed)
+    model = prepare(model, cfg)
+    report = apply_patch(model, cfg.model)
+    if report is not None:
+        console.print(str(report), highlight=False, markup=False)
+    n_total, n_train = param_counts(model)
+    console.print(f"model: {type(model).__name__} {n_total / 1e6:,.2f}M parameters ({n_train / 1e6:,.2f}M "
+                  f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
+
+    opt = build_optimizer(model, cfg.train, device)
+    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle,
+                         pad_id=(tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id
+                                 is not None else 0))
+    total = cfg.train.max_steps or math.ceil(cfg.train.epochs * stream.batches_per_epoch / cfg.train.grad_accum)
+    sched = build_scheduler(opt, cfg.train, total)
+
+    step, tokens_seen = 0, 0
+    resume_from = resolve_resume(cfg)
+    if resume_from is not None:
+        state = ckpt.load(resume_from, model, opt, sched, device)
+        stream.load_state_dict(state["data"])
+        step, tokens_seen = state["step"], state.get("tokens", 0)
+        console.print(f"resumed from {resume_from} at step {step}", highlight=False)
+    elif ckpt.list_checkpoints(out_dir):
+        console.print(f"[yellow]checkpoint.resume=never: starting at step 0; older checkpoints in {out_dir} are "
+                      f"replaced as new ones are saved[/]")
+
+    result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report, pack_stats=data.stats)
+    mode = _packed_kwargs_mode(cfg, report)
+    lora = cfg.method.type == "lora"
+    frac = 0.0 if lora else 1.0  # LoRA: base matmuls do forward + input grads only (4x); adapters are tiny
+    flops_cfg = getattr(model, "get_base_model", lambda: model)().config
+    peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
+    metrics = MetricsLog(out_dir, cfg.logging.tensorboard, console, resume_step=step)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def save(at: int) -> Path:
+        return ckpt.save(out_dir, at, model, opt, sched, {"data": stream.state_dict(), "tokens": tokens_seen,
+                                                           "total_steps": total, "config": to_yaml(cfg)},
+                         keep=cfg.checkpoint.keep)
+
+    progress = Progress(total, step, cfg.logging.progress, console)
+    win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    start_step, interrupted = step, False
+    try:
+        while step < total:
+            mbs = [stream.next() for _ in range(cfg.train.grad_accum)]
+            loss = forward_backward(model, mbs, device, mode)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            n_tok = sum(mb["num_tokens"] for mb in mbs)
+            tokens_seen += n_tok
+            win_tokens += n_tok
+            win_keys += sum(mb["attn_keys"] for mb in mbs)
+            pending.append((step, loss, gnorm))
+            if step % cfg.logging.every == 0 or step == total:
+                vals = [(s, float(l_), float(g)) for s, l_, g in pending]  # the one sync per logged step
+                pending.clear()
+                result.losses.update({s: v for s, v, _ in vals})
+                now = time.perf_counter()
+                tps = win_tokens / max(now - win_t, 1e-9)
+                mfu = None
+                if peak:
+                    mfu = tps * flops_per_token(flops_cfg, win_keys / max(1, win_tokens), frac) / (peak * 1e12)
+                mem = gpu_mem_gib(device)
+                row = {"step": step, "total_steps": total, "loss": vals[-1][1], "lr": sched.get_last_lr()[0],
+                       "grad_norm": vals[-1][2], "tokens": tokens_seen, "tokens_per_s": tps, "mfu": mfu,
+                       "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+                metrics.write(row)
+                progress.update(step, row)
+                win_t, win_tokens, win_keys = now, 0, 0.0
+            else:
+                progress.update(step)
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+                save(step)
+            if stop_after is not None and step - start_step >= stop_after:
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+        metrics.close()
+    for s, l_, _ in pending:
+        result.losses[s] = float(l_)
+    result.steps, result.tokens = step, tokens_seen
+    if interrupted:
+        where = save(step) if step > start_step else None
+        console.print(f"[yellow]interrupted at step {step}" + (f"; saved {where}; run the same command to resume"
+                                                                 if where else "") + "[/]")
+        raise KeyboardInterrupt
+    if step >= total:
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
+            save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
+        if cfg.checkpoint.export:
+            if report is not None:
+                report.revert()  # export a plain transformers model
+            result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged)
+            console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
+    result.model = model
+    result.wall_s = time.perf_counter() - t_start
+    losses = [result.losses[k] for k in sorted(result.losses)]
+    summary = {"steps": step, "total_steps": total, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "tokens": tokens_seen,
+               "wall_s": round(result.wall_s, 2), "output_dir": str(out_dir), "device": str(device)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)
+    return result

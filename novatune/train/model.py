@@ -1,0 +1,176 @@
+"""Building what the loop trains: tokenizer, model (pretrained or random-init arch), LoRA, checkpointing, patch.
+
+Order matters and is fixed here: model -> gradient checkpointing -> LoRA (PEFT) -> novatune.patch -> optimizer.
+The patch goes last so it sees the final module tree (it patches instances, and unwraps PEFT itself); it keeps
+every parameter, so the optimizer and checkpoints are unaffected by it.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from novatune.data.sources import resolve_path
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class SetupError(RuntimeError):
+    """A model/environment problem the user can fix; the message names the config key and the fix."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SetupError("model.device: cuda was asked for but torch sees no CUDA GPU; set model.device: auto "
+                         "(or cpu), or install a CUDA build of torch")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_tokenizer(mcfg, base_dir: Path | None = None):
+    """model.tokenizer (or model.name): a local folder; "demo": the bundled one. None when neither is set."""
+    name = mcfg.tokenizer or mcfg.name
+    if name is None:
+        return None
+    if name == "demo":
+        from novatune.train.demo import load_demo_tokenizer
+
+        return load_demo_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = resolve_path(name, base_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path) if path.exists() else name)
+    except (OSError, ValueError) as e:
+        raise SetupError(f"model.tokenizer: cannot load a tokenizer from {name!r} ({str(e).splitlines()[0]}); set "
+                         f"model.tokenizer to a local tokenizer folder or 'demo'") from None
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
+    """The transformers config the run will use (no weights): from model.arch or model.name."""
+    if mcfg.arch:
+        from novatune.train.arch import arch_config
+
+        try:
+            return arch_config(mcfg.arch, mcfg.arch_overrides, len(tokenizer) if tokenizer is not None else None)
+        except (TypeError, ValueError) as e:
+            raise SetupError(f"model.arch: {e}; fix model.arch / model.arch_overrides") from None
+    from transformers import AutoConfig
+
+    path = resolve_path(mcfg.name, base_dir)
+    try:
+        cfg = AutoConfig.from_pretrained(str(path) if path.exists() else mcfg.name)
+    except (OSError, ValueError) as e:
+        raise SetupError(f"model.name: cannot load {mcfg.name!r} ({str(e).splitlines()[0]}); give a local model "
+                         f"folder, an HF id that is cached, or use model.arch for random init") from None
+    for k, v in (mcfg.arch_overrides or {}).items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
+                seed: int = 0):
+    """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(mcfg, tokenizer, base_dir)
+    config.use_cache = False
+    attn = mcfg.attention
+    if mcfg.arch:
+        torch.manual_seed(seed)
+        # built directly on the device in the target dtype: a 4B model never exists in fp32 on the host
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    else:
+        path = resolve_path(mcfg.name, base_dir)
+        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else mcfg.name, config=config,
+                                                     dtype=dtype, attn_implementation=attn).to(device)
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise SetupError(f"model: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}; use the model's tokenizer or set "
+                         f"model.arch_overrides.vocab_size: {len(tokenizer)}")
+    model.config.use_cache = False
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = False
+    model.train()
+    return model
+
+
+def add_lora(model, meth):
+    from peft import LoraConfig, get_peft_model
+
+    targets = meth.targets
+    target_modules = "all-linear" if targets == ["all-linear"] else list(targets)
+    lcfg = LoraConfig(r=meth.r, lora_alpha=meth.alpha, lora_dropout=meth.dropout, target_modules=target_modules,
+                      task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lcfg)
+    except ValueError as e:
+        raise SetupError(f"method.targets: {e}; use all-linear or names like [q_proj, v_proj]") from None
+
+
+def prepare(model, cfg):
+    """Gradient checkpointing and LoRA, in that order (PEFT wraps the checkpointed model)."""
+    if cfg.memory.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (LoRA) and passes kwargs (position_ids, cu_seqlens) through
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.method.type == "lora":
+        model = add_lora(model, cfg.method)
+    return model
+
+
+def patch_importable() -> bool:
+    """True when novatune.patch's applier imports (it may be absent, or broken mid-change, in a dev tree)."""
+    try:
+        import novatune.patch.apply  # noqa: F401
+
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def patch_fn():
+    """The public `novatune.patch` callable. Importing the novatune.patch *package* rebinds the attribute
+    `novatune.patch` to the module, so fall back to the applier it wraps (novatune.patch.apply.patch)."""
+    import novatune
+
+    fn = getattr(novatune, "patch", None)
+    if callable(fn):
+        return fn
+    from novatune.patch.apply import patch
+
+    return patch
+
+
+def apply_patch(model, mcfg):
+    """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false."""
+    if not mcfg.patch:
+        return None
+    try:
+        from novatune.patch.apply import patch as applier  # the function the public novatune.patch wraps
+    except ImportError as e:
+        raise SetupError(f"model.patch: novatune.patch is not available in this install ({e}); set "
+                         f"model.patch: false (or --set model.patch=false) to train with stock modules") from None
+    fn, opts = patch_fn(), dict(mcfg.patch_options or {})
+    try:
+        inspect.signature(applier).bind(model, **opts)  # a typo in patch_options: say so, before any work
+    except TypeError as e:
+        raise SetupError(f"model.patch_options: {e}; see help(novatune.patch) for the options") from None
+    return fn(model, **opts)
+
+
+def param_counts(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable

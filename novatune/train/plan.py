@@ -1,0 +1,130 @@
+"""`novatune plan`: how much GPU memory a config needs, before it runs.
+
+The model is built on the meta device (no memory, exact parameter count). Estimates, per GPU:
+
+  weights      params x bytes(dtype)                      (LoRA: + adapter params)
+  gradients    trainable x bytes(dtype)
+  optimizer    AdamW: 2 states x trainable x bytes(dtype)  (torch's AdamW keeps states in the param dtype)
+  activations  stock HF modules, per token per layer ~ (20 h + 18 q + 18 kv + 8 i) x bytes/2 bytes: RMSNorm's fp32
+               copies (~10 h each norm), q/k projections + q/k-norm fp32 copies + RoPE + attention in/out, the four
+               (tokens x intermediate) MLP tensors. With gradient checkpointing: each layer's input (h) plus one
+               layer recomputed in the backward.
+  logits       stock HF: tokens x vocab x 12 bytes (bf16 logits, fp32 upcast, fp32 log-softmax and its gradient);
+               novatune.patch's fused linear cross-entropy never materialises them (~0).
+
+Checked against BENCHMARKS.md's H200 peaks (headline workload, checkpointing on): stock 38.5 GiB estimated vs 39.0
+measured; with fused cross-entropy 31.5 vs 32.2 (varlen + Liger); LoRA r16 16.2 vs 17.0 (stock) and 9.3 vs 9.8.
+Without checkpointing the patched model needs less than estimated (fused norms/SwiGLU keep fewer copies).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+GiB = 2**30
+HEADROOM = 0.92  # CUDA context, allocator fragmentation and workspace take the rest
+
+
+def _lora_params(model, targets: list[str], r: int) -> int:
+    import torch.nn as nn
+
+    total = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or name.endswith("lm_head"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if targets == ["all-linear"] or leaf in targets:
+            total += r * (mod.in_features + mod.out_features)
+    return total
+
+
+def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from novatune.train.model import load_tokenizer, model_config
+
+    tok = load_tokenizer(cfg.model, base_dir) if cfg.model.arch else None
+    mconf = model_config(cfg.model, tok, base_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mconf)
+    n_params = sum(p.numel() for p in model.parameters())
+    b = 4 if cfg.model.dtype == "fp32" else 2  # auto: bf16 on the GPU
+    lora = cfg.method.type == "lora"
+    adapters = _lora_params(model, cfg.method.targets, cfg.method.r) if lora else 0
+    trainable = adapters if lora else n_params
+    h, i_sz, L, V = mconf.hidden_size, mconf.intermediate_size, mconf.num_hidden_layers, mconf.vocab_size
+    hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
+    q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    per_layer = (20 * h + 18 * q + 18 * kv + 8 * i_sz) * b / 2 * tokens
+    act_full = L * per_layer
+    act_ckpt = L * tokens * h * b + per_layer
+    logits_stock = tokens * V * 12
+    est = {
+        "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
+        "dtype_bytes": b, "tokens_per_micro_batch": tokens,
+        "weights": (n_params + adapters) * b, "gradients": trainable * b, "optimizer": 2 * trainable * b,
+        "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
+    }
+    static = est["weights"] + est["gradients"] + est["optimizer"]
+    act = act_ckpt if cfg.memory.gradient_checkpointing else act_full
+    logits = 0 if cfg.model.patch else logits_stock
+    est["peak"] = static + act + logits
+    est["peak_stock"] = static + act + logits_stock
+    source = "--gpu-mem"
+    if gpu_mem_gib is None and torch.cuda.is_available():
+        gpu_mem_gib = torch.cuda.get_device_properties(0).total_memory / GiB
+        source = torch.cuda.get_device_name(0)
+    est["gpu_mem"] = gpu_mem_gib * GiB if gpu_mem_gib else None
+    est["gpu_source"] = source if gpu_mem_gib else None
+    est["oom"] = bool(gpu_mem_gib) and est["peak"] > HEADROOM * gpu_mem_gib * GiB
+    est["advice"] = _advice(cfg, est) if est["oom"] else []
+    return est
+
+
+def _advice(cfg, est: dict) -> list[str]:
+    tips = []
+    if not cfg.memory.gradient_checkpointing:
+        saved = (est["activations_no_ckpt"] - est["activations_ckpt"]) / GiB
+        tips.append(f"--set memory.gradient_checkpointing=true (saves ~{saved:.1f} GiB)")
+    if not cfg.model.patch:
+        tips.append(f"--set model.patch=true (fused cross-entropy saves ~{est['logits_stock'] / GiB:.1f} GiB)")
+    if cfg.method.type == "full":
+        tips.append("--set method.type=lora (gradients and optimizer states for the adapters only)")
+    if cfg.train.micro_batch > 1:
+        tips.append("lower train.micro_batch and raise train.grad_accum (same tokens per optimizer step)")
+    tips.append("lower data.max_length")
+    return tips
+
+
+def render(est: dict) -> str:
+    def g(x):
+        return f"{x / GiB:8.2f} GiB"
+
+    ck = est["gradient_checkpointing"]
+    n = est["params"]
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    lines = [f"novatune plan: {est['model']}, {size} parameters "
+             f"({est['trainable'] / 1e6:,.1f}M trainable), {est['dtype_bytes']}-byte weights, "
+             f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
+             f"  weights                      {g(est['weights'])}",
+             f"  gradients                    {g(est['gradients'])}",
+             f"  optimizer states (AdamW)     {g(est['optimizer'])}",
+             f"  activations, no checkpointing {g(est['activations_no_ckpt'])}" + ("" if ck else "   <- this run"),
+             f"  activations, checkpointing   {g(est['activations_ckpt'])}" + ("   <- this run" if ck else ""),
+             f"  logits (stock HF loss)       {g(est['logits_stock'])}"
+             + ("   (~0 with novatune.patch's fused cross-entropy)" if est["patch"] else "   <- this run"),
+             f"  estimated peak               {g(est['peak'])}"
+             + (f"   (stock modules: {g(est['peak_stock']).strip()})" if est["patch"] else "")]
+    if est["gpu_mem"]:
+        lines.append(f"  GPU memory                   {g(est['gpu_mem'])}   ({est['gpu_source']}; "
+                     f"{int(HEADROOM * 100)}% usable)")
+        if est["oom"]:
+            lines.append("WARNING: this run will likely run out of GPU memory. Try:")
+            lines += [f"  - {t}" for t in est["advice"]]
+        else:
+            lines.append(f"  fits, with {(HEADROOM * est['gpu_mem'] - est['peak']) / GiB:.1f} GiB to spare")
+    else:
+        lines.append("  no GPU here: pass --gpu-mem GiB to check against a GPU's memory")
+    return "\n".join(lines)

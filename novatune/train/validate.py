@@ -1,0 +1,120 @@
+"""Cross-field rules of the config, checked before anything heavy runs. Each failure names the key and the fix.
+
+Single-field type and enum checks happen when the config is built (config.py); here: ranges, the model/arch
+choice, data paths, loss_on vs format, LoRA settings.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from novatune.train.config import Config, ConfigError
+
+MIN_MAX_LENGTH = 16
+
+
+def _positive(value, key: str, what: str = "a positive integer") -> None:
+    if value is None or value < 1:
+        raise ConfigError(key, f"must be {what}, got {value!r}", f"set {key} to 1 or more")
+
+
+def validate(cfg: Config, base_dir: Path | None = None) -> Config:
+    from novatune.data.sources import detect_type, resolve_path
+    from novatune.train.arch import ARCHS
+
+    m, d, t = cfg.model, cfg.data, cfg.train
+    # model
+    if bool(m.name) == bool(m.arch):
+        raise ConfigError("model", "set exactly one of model.name (pretrained weights: HF id or local path) and "
+                          "model.arch (random init)",
+                          f"e.g. model.arch: qwen3-tiny, or model.name: ./my-model (archs: {', '.join(ARCHS)})")
+    if m.arch and m.arch not in ARCHS:
+        import difflib
+
+        close = difflib.get_close_matches(m.arch, list(ARCHS), n=1)
+        raise ConfigError("model.arch", f"unknown architecture {m.arch!r}",
+                          (f"did you mean {close[0]!r}? " if close else "") + f"choose one of {', '.join(ARCHS)}")
+    if m.arch and ARCHS[m.arch].get("vocab_size") == "auto" and not m.tokenizer and \
+            "vocab_size" not in m.arch_overrides:
+        raise ConfigError("model.tokenizer", f"arch {m.arch} takes its vocab size from the tokenizer",
+                          "set model.tokenizer (a local folder, or 'demo') or model.arch_overrides.vocab_size")
+    # data
+    if not d.sources:
+        raise ConfigError("data.sources", "no data sources",
+                          "add one, e.g. sources: [{path: train.jsonl}] or [{type: synthetic, num_docs: 200}]")
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if s.type == "synthetic":
+            _positive(s.num_docs, f"{key}.num_docs")
+            _positive(s.median_length, f"{key}.median_length")
+            _positive(s.min_length, f"{key}.min_length")
+            if s.sigma < 0:
+                raise ConfigError(f"{key}.sigma", f"must be >= 0, got {s.sigma}", f"set {key}.sigma to e.g. 0.7")
+            continue
+        if not s.path:
+            raise ConfigError(f"{key}.path", "missing", f"set {key}.path to a .jsonl/.json/.parquet file or a "
+                                                        f"datasets save_to_disk folder (or type: synthetic)")
+        p = resolve_path(s.path, base_dir)
+        if not p.exists():
+            raise ConfigError(f"{key}.path", f"not found: {p}",
+                              "fix the path (relative paths are tried against the working directory, then the "
+                              "config file's folder)")
+        if s.type == "auto" and detect_type(p) is None:
+            raise ConfigError(f"{key}.type", f"cannot tell the format of {p}",
+                              "set type: jsonl, json, parquet or datasets")
+        if s.limit is not None:
+            _positive(s.limit, f"{key}.limit")
+    if d.max_length < MIN_MAX_LENGTH:
+        raise ConfigError("data.max_length", f"{d.max_length} is too small to hold a training document",
+                          f"set data.max_length to at least {MIN_MAX_LENGTH} (typical: 2048 or 4096)")
+    fmt_loss = {"text": ("all",), "tokens": ("all",)}
+    if d.format in fmt_loss and d.loss_on not in fmt_loss[d.format]:
+        raise ConfigError("data.loss_on", f"{d.loss_on!r} needs a prompt/assistant part, which format "
+                          f"{d.format!r} does not have", "set data.loss_on: all, or use format messages / "
+                          "prompt_completion / alpaca")
+    if any(s.type == "synthetic" for s in d.sources) and d.format not in ("auto", "tokens"):
+        raise ConfigError("data.format", f"synthetic sources are pre-tokenized; format {d.format!r} cannot apply",
+                          "set data.format: auto (or tokens)")
+    # method
+    if cfg.method.type == "lora":
+        _positive(cfg.method.r, "method.r")
+        if cfg.method.alpha <= 0:
+            raise ConfigError("method.alpha", f"must be > 0, got {cfg.method.alpha}", "set method.alpha, e.g. 2 x r")
+        if not 0 <= cfg.method.dropout < 1:
+            raise ConfigError("method.dropout", f"must be in [0, 1), got {cfg.method.dropout}",
+                              "set method.dropout to e.g. 0.0 or 0.05")
+        if not cfg.method.targets:
+            raise ConfigError("method.targets", "empty", "set method.targets: all-linear, or e.g. [q_proj, v_proj]")
+    # train
+    if t.max_steps is None:
+        _positive(t.epochs, "train.epochs")
+    else:
+        _positive(t.max_steps, "train.max_steps")
+    _positive(t.micro_batch, "train.micro_batch")
+    _positive(t.grad_accum, "train.grad_accum")
+    if not t.lr > 0:
+        raise ConfigError("train.lr", f"must be > 0, got {t.lr}", "set train.lr, e.g. 2e-5 (full) or 2e-4 (LoRA)")
+    if t.warmup < 0:
+        raise ConfigError("train.warmup", f"must be >= 0, got {t.warmup}",
+                          "set train.warmup to a step count (>= 1) or a fraction of the run (< 1)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}", "e.g. 0.0 or 0.1")
+    if t.weight_decay < 0:
+        raise ConfigError("train.weight_decay", f"must be >= 0, got {t.weight_decay}", "e.g. 0.0 or 0.1")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {t.betas}", "e.g. [0.9, 0.999]")
+    if t.max_grad_norm < 0:
+        raise ConfigError("train.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}", "e.g. 1.0 (0: no clipping)")
+    # checkpoint / logging
+    if cfg.checkpoint.save_every < 0:
+        raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",
+                          "set a step interval, or 0 for no intermediate checkpoints")
+    _positive(cfg.checkpoint.keep, "checkpoint.keep")
+    if not cfg.checkpoint.output_dir:
+        raise ConfigError("checkpoint.output_dir", "empty", "set checkpoint.output_dir, e.g. runs/my-run")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).exists():
+        raise ConfigError("checkpoint.resume", f"not found: {cfg.checkpoint.resume}",
+                          "use auto (latest in output_dir), never, or the path of a checkpoints/step_N folder")
+    _positive(cfg.logging.every, "logging.every")
+    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
+        raise ConfigError("logging.peak_tflops", "must be > 0", "set the GPU's dense bf16 TFLOP/s, or null")
+    return cfg

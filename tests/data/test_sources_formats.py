@@ -1,0 +1,175 @@
+"""Data sources (jsonl, json, parquet, datasets load_from_disk, synthetic) and formats with their loss masks."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from novatune.data.dataset import build_data, tokenize_records
+from novatune.data.formats import detect_format, make_tokenize
+from novatune.data.sources import DataError, load_source, synthetic_docs
+from novatune.train.config import DataConfig, SourceConfig
+from novatune.train.demo import CHATML_TEMPLATE, load_demo_tokenizer
+
+RECORDS = [{"text": f"record number {i}"} for i in range(7)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_demo_tokenizer()
+
+
+def _write(tmp_path, kind):
+    if kind == "jsonl":
+        p = tmp_path / "d.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + "\n")
+    elif kind == "json":
+        p = tmp_path / "d.json"
+        p.write_text(json.dumps(RECORDS))
+    elif kind == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        p = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(RECORDS), p)
+    elif kind in ("datasets", "datasets_dict"):
+        datasets = pytest.importorskip("datasets")
+        ds = datasets.Dataset.from_list(RECORDS)
+        p = tmp_path / kind
+        (datasets.DatasetDict({"train": ds}) if kind == "datasets_dict" else ds).save_to_disk(str(p))
+    elif kind == "dir":
+        p = tmp_path / "shards"
+        p.mkdir()
+        for i in range(0, 7, 3):
+            (p / f"part{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS[i:i + 3]))
+    return p
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "datasets", "datasets_dict", "dir"])
+def test_sources_read_the_same_records(tmp_path, kind):
+    p = _write(tmp_path, kind)
+    recs = load_source(SourceConfig(path=str(p)))
+    assert [r["text"] for r in recs] == [r["text"] for r in RECORDS]
+    assert len(load_source(SourceConfig(path=str(p), limit=3))) == 3
+
+
+def test_datasets_type_reads_local_files(tmp_path):
+    pytest.importorskip("datasets")
+    for kind in ("jsonl", "parquet"):
+        p = _write(tmp_path, kind)
+        recs = load_source(SourceConfig(path=str(p), type="datasets"))
+        assert [r["text"] for r in recs] == [r["text"] for r in RECORDS]
+
+
+def test_source_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_source(SourceConfig(path=str(tmp_path / "missing.jsonl")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2"):
+        load_source(SourceConfig(path=str(bad)))
+    weird = tmp_path / "d.csv"
+    weird.write_text("a,b\n")
+    with pytest.raises(DataError, match="set type"):
+        load_source(SourceConfig(path=str(weird)))
+    ds = _write(tmp_path, "datasets_dict")
+    with pytest.raises(DataError, match="no split 'test'"):
+        load_source(SourceConfig(path=str(ds), split="test"))
+
+
+def test_synthetic_lengths_are_seeded_lognormal():
+    a = list(synthetic_docs(400, vocab_size=1000, median_length=600, sigma=0.7, min_length=32, seed=1))
+    b = list(synthetic_docs(400, vocab_size=1000, median_length=600, sigma=0.7, min_length=32, seed=1))
+    assert a == b
+    lens = [len(d["input_ids"]) for d in a]
+    assert 500 < statistics.median(lens) < 720 and min(lens) >= 32
+    assert max(max(d["input_ids"]) for d in a) < 1000
+
+
+def test_detect_format():
+    assert detect_format({"messages": []}) == "messages"
+    assert detect_format({"prompt": "a", "completion": "b"}) == "prompt_completion"
+    assert detect_format({"instruction": "a", "input": "", "output": "b"}) == "alpaca"
+    assert detect_format({"text": "a"}) == "text"
+    with pytest.raises(DataError, match="data.format"):
+        detect_format({"question": "a"})
+
+
+def _trained_text(tok, doc):
+    ids, mask = doc
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_text_format_all_tokens_plus_eos(tok):
+    ids, mask = make_tokenize("text", tok)({"text": "Ava has 3 apples."})
+    assert ids[-1] == tok.eos_token_id and all(mask)
+
+
+@pytest.mark.parametrize("fmt,rec", [
+    ("prompt_completion", {"prompt": "What is 2 + 3? ", "completion": "2 + 3 = 5."}),
+    ("alpaca", {"instruction": "Add the numbers.", "input": "2 and 3", "output": "2 + 3 = 5."}),
+])
+def test_completion_only(tok, fmt, rec):
+    doc = make_tokenize(fmt, tok, loss_on="completion")(rec)
+    assert _trained_text(tok, doc) == "2 + 3 = 5.<|im_end|>"
+    full = make_tokenize(fmt, tok, loss_on="all")(rec)
+    assert full[0] == doc[0] and all(full[1])
+
+
+CHAT = {"messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Ava has 3 apples and gets 4 more. How many?"},
+    {"role": "assistant", "content": "3 + 4 = 7. The answer is 7."},
+    {"role": "user", "content": "And with 2 more?"},
+    {"role": "assistant", "content": "7 + 2 = 9."},
+]}
+PLAIN_CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, PLAIN_CHATML], ids=["shipped-template", "no-generation-markers"])
+def test_assistant_only_mask(tok, template):
+    ids, mask = make_tokenize("messages", tok, loss_on="assistant", chat_template=template)(CHAT)
+    assert tok.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    # exactly the two assistant turns (each with its end-of-turn marker) carry a loss
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    spans += [tok.decode(cur)] if cur else []
+    assert [s.strip() for s in spans] == ["3 + 4 = 7. The answer is 7.<|im_end|>", "7 + 2 = 9.<|im_end|>"]
+    # HF's own {% generation %} mask agrees on the shipped template
+    if template is None:
+        hf = tok.apply_chat_template(CHAT["messages"], tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True, chat_template=CHATML_TEMPLATE)
+        assert hf["input_ids"] == ids
+        hf_mask = [bool(x) for x in hf["assistant_masks"]]
+        assert [m for m, t in zip(mask, ids) if tok.decode([t]) != "\n"] == \
+            [m for m, t in zip(hf_mask, ids) if tok.decode([t]) != "\n"]
+
+
+def test_loss_on_mismatch_and_bad_records(tok):
+    with pytest.raises(DataError, match="data.loss_on"):
+        tokenize_records([{"text": "x"}], "auto", tok, "assistant", None, True, "data.sources[0]")
+    with pytest.raises(DataError, match="lacks 'completion'"):
+        tokenize_records([{"prompt": "x", "text": "y"}], "prompt_completion", tok, "all", None, True, "k")
+
+
+def test_build_data_mixes_sources_and_checks_vocab(tmp_path, tok):
+    p = _write(tmp_path, "jsonl")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(CHAT) + "\n")
+    dcfg = DataConfig(sources=[SourceConfig(path=str(chat))], format="auto", loss_on="assistant", max_length=128)
+    data = build_data(dcfg, tok, vocab_size=len(tok))
+    assert data.formats == ["messages"] and data.stats.docs == 1
+    dcfg = DataConfig(sources=[SourceConfig(path=str(p)), SourceConfig(type="synthetic", num_docs=5,
+                                                                       median_length=20, min_length=4)],
+                      max_length=64)
+    data = build_data(dcfg, tok, vocab_size=len(tok))
+    assert data.formats == ["text", "tokens"] and data.stats.docs == 12
+    with pytest.raises(DataError, match="vocab_size"):
+        build_data(DataConfig(sources=[SourceConfig(path=str(p))], max_length=64), tok, vocab_size=10)
