@@ -24,7 +24,7 @@ if has tests; then
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 if has ops; then
-  for op in rms_norm swiglu rope linear_cross_entropy; do
+  for op in rms_norm qk_norm_rope swiglu rope linear_cross_entropy; do
     timeout 300 python3 bench/bench_$op.py --results "$OUT/ops.jsonl" 2>&1 | tee "$OUT/bench_$op.log" | tail -n 12
     summary+=("bench_$op: exit ${PIPESTATUS[0]}")
   done
