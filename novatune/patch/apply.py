@@ -81,10 +81,15 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
-          cross_entropy: bool = True, strict: bool = False) -> PatchReport:
+          cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = False,
+          strict: bool = False) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
+    cross_entropy_mode: "auto" | "tokens" | "vocab" (see novatune.ops.linear_cross_entropy: "vocab" holds ~0.4 GiB
+    less at Qwen3-4B shapes and costs a fourth lm_head GEMM).
+    fuse_qk_norm_rope: Qwen3's q/k norms and RoPE in one kernel. Off by default: on the H200 its output differed
+    from the reference in a few elements (a race under investigation, LOG.md); the separate kernels are used.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
@@ -107,8 +112,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if how != type(model).__name__:
         report.add("", "target", "note", f"patched {how}")
+    if cross_entropy_mode not in ("auto", "tokens", "vocab"):
+        raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens or vocab")
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
-                cross_entropy=cross_entropy)
+                cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
@@ -118,7 +125,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
 
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,
-                cross_entropy) -> None:
+                cross_entropy, ce_mode, fuse_qk) -> None:
     config = model.config
     base = getattr(model, spec.base_model_attr, None)
     is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
@@ -156,7 +163,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
             if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
                 report.add(path, "attention", "skipped", f"{cls} lacks head_dim/scaling attributes")
                 continue
-            eps = _shared_qk_eps(module, spec) if rms_norm else None
+            eps = _shared_qk_eps(module, spec) if rms_norm and fuse_qk else None
             _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention,
                   _novatune_attn_backend=attention, _novatune_fuse_qk_norm=eps is not None, _novatune_qk_eps=eps)
             attn_done += 1
@@ -192,7 +199,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
     else:
         tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
         _bind(model, forwards.causal_lm_forward, report, _novatune_base_attr=spec.base_model_attr,
-              _novatune_lm_head=lm_head)
+              _novatune_lm_head=lm_head, _novatune_ce_mode=ce_mode)
         report.add(spec.lm_head_attr, "cross_entropy", "replaced",
-                   "fused linear cross-entropy (chunked, fp32 lm_head grad; logits=None in training)"
+                   f"fused linear cross-entropy (mode {ce_mode}, fp32 lm_head grad; logits=None in training)"
                    + ("; tied embeddings" if tied else ""))

@@ -140,12 +140,10 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
         # HF's ForCausalLMLoss: position t predicts token t+1; the last position of each row predicts nothing
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    if num_items is not None:
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._novatune_lm_head.weight,
-                                    shift_labels.reshape(-1), reduction="sum", normalizer=num_items)
-    else:
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._novatune_lm_head.weight,
-                                    shift_labels.reshape(-1), reduction="mean")
+    # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self._novatune_lm_head.weight,
+                                shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
+                                normalizer=num_items, mode=self._novatune_ce_mode)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

@@ -159,3 +159,15 @@ def test_host_cu_seq_lens_same_as_position_ids():
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="max_seqlen"):
         model(input_ids=ids, position_ids=pos, labels=lab, cu_seq_lens_q=cu, max_length_q=3)
+
+
+def test_fused_qk_norm_rope_option_equals_stock():
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("qwen3").train()
+    loss_ref, grads_ref = _loss_and_grads(model, ids, pos, lab)
+    report = novatune.patch(model, fuse_qk_norm_rope=True, cross_entropy_mode="vocab")
+    assert all("fused" in e.detail for e in report.replaced("attention"))
+    loss, grads = _loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], TOL, name)
