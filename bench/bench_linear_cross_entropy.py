@@ -4,16 +4,19 @@
     python bench/bench_linear_cross_entropy.py --quick         # 1024 tokens, short timing loops
     python bench/bench_linear_cross_entropy.py --chunk 1024    # also time novatune with forced chunks
     python bench/bench_linear_cross_entropy.py --vocab-slice 8192   # also time novatune_vocab with 8192 columns
+    python bench/bench_linear_cross_entropy.py --candidates novatune_inplace,novatune_tokens   # a subset
 
 Candidates (each computes the loss and the gradients of hidden and lm_weight):
   hf_eager          F.linear + transformers' ForCausalLMLoss (bf16 logits, .float(), F.cross_entropy)
   torch_compile     torch.compile of hf_eager's function
   liger             LigerFusedLinearCrossEntropyLoss (row says absent when liger_kernel is not importable)
   novatune          novatune.ops.linear_cross_entropy, default plan mode="auto" (see novatune.kernels.
-                    linear_cross_entropy.plan_mode; at 4096 x 151936 it is the vocab plan)
+                    linear_cross_entropy.plan_mode; at 4096 x 151936 it is the inplace plan)
   novatune_tokens   mode="tokens": token chunks against the whole vocab, 3 GEMMs (one chunk at 4096 tokens:
                     the full bf16 logits)
   novatune_vocab    mode="vocab": two passes over vocab slices, 4 GEMMs, one (T, Vc) logits slice
+  novatune_inplace  mode="inplace": 3 GEMMs on transposed logits, grad_W written over consumed logits (peak ~ the
+                    bf16 logits + a 16 MiB temp + fp32 grad_h; needs T >= H, else it runs the tokens plan)
   novatune_chunkN   mode="tokens" with chunk_tokens=N (the fp32-accumulator path), with --chunk N
   novatune_vocabN   mode="vocab" with vocab_slice=N, with --vocab-slice N
 
@@ -23,7 +26,8 @@ and the returned gradients), relative errors of loss / grad_hidden / grad_weight
 Floor: the op is compute-bound - three GEMMs of 2*T*H*V flops (logits, grad_hidden, grad_weight) at the bf16
 matmul rate measured in the same run (novatune.harness.timing.matmul_tflops); the HBM floor (inputs read once,
 gradients written once, at the measured copy bandwidth) is reported too. frac = max(floors) / kernel µs (the
-vocab plan does a 4th GEMM, the logits' recompute, so its frac is at most ~0.75 by construction).
+vocab plan does a 4th GEMM, the logits' recompute, so its frac is at most ~0.75 by construction; inplace does the
+3 GEMMs of tokens, as 2 + 2 + ~9 calls, plus its temp blocks' copies).
 One row per candidate goes to --results (default bench/results/ops.jsonl).
 """
 from __future__ import annotations
@@ -71,6 +75,7 @@ def _candidates(args, vocab):
     cands["novatune"] = lambda h, w, y: linear_cross_entropy(h, w, y)
     cands["novatune_tokens"] = lambda h, w, y: linear_cross_entropy(h, w, y, mode="tokens")
     cands["novatune_vocab"] = lambda h, w, y: linear_cross_entropy(h, w, y, mode="vocab")
+    cands["novatune_inplace"] = lambda h, w, y: linear_cross_entropy(h, w, y, mode="inplace")
     if args.chunk:
         cands[f"novatune_chunk{args.chunk}"] = lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=args.chunk)
     if args.vocab_slice:
@@ -163,7 +168,8 @@ def main(argv=None) -> int:
     shape = {"tokens": T, "hidden": H, "vocab": V}
     auto = plan_mode(T, V, H, dtype, True)
     plans = {"novatune": auto, "novatune_tokens": plan_mode(T, V, H, dtype, True, "tokens"),
-             "novatune_vocab": plan_mode(T, V, H, dtype, True, "vocab")}
+             "novatune_vocab": plan_mode(T, V, H, dtype, True, "vocab"),
+             "novatune_inplace": plan_mode(T, V, H, dtype, True, "inplace")}
     if args.chunk:
         plans[f"novatune_chunk{args.chunk}"] = ("tokens", args.chunk)
     if args.vocab_slice:
@@ -187,7 +193,8 @@ def main(argv=None) -> int:
                 row.update(error=f"OOM: {ex}"[:300])
             if name.startswith("novatune"):
                 mode, size = plans[name]
-                row.update(plan, mode=mode, **({"chunk_tokens": size} if mode == "tokens" else {"vocab_slice": size}))
+                size_key = {"tokens": "chunk_tokens", "vocab": "vocab_slice", "inplace": "inplace_tmp_rows"}[mode]
+                row.update(plan, mode=mode, **{size_key: size})
             if "kernel_us" in row:
                 print(f"{name:<20}{row['kernel_us']:>11.0f}{row['wall_us']:>10.0f}{row['peak_mib']:>10.0f}"
                       f"{row['frac_of_floor']:>7.2f}{row['err_loss']:>11.1e}{row['err_grad_hidden']:>10.1e}"

@@ -11,8 +11,8 @@ D = number of non-ignored labels ("mean"), 1 ("sum") or the caller's normalizer.
 tokens of the whole accumulated batch (HF's num_items_in_batch), micro-batch gradients *sum* to the large-batch
 gradient exactly (the gradient-accumulation bug, trl #2175). D is a device tensor: no host sync.
 
-The forward computes the gradients (Liger-style); the backward only scales them by grad_output. Two plans
-(`mode`), both exact (fp32 softmax statistics, fp32 accumulation of every sum over tokens or vocab slices):
+The forward computes the gradients (Liger-style); the backward only scales them by grad_output. Three plans
+(`mode`), all exact (fp32 softmax statistics, fp32 accumulation of every sum over tokens or vocab slices):
 
 mode="tokens" - chunks of tokens, each against the whole vocab:
 
@@ -46,11 +46,20 @@ mode="vocab" - slices of the vocab (Vc columns = rows Vc of W, contiguous), ever
   slices balanced and multiples of 128 but the last. Qwen3-4B, 4096 tokens: Vc = 15232 (10 slices, 119 MiB),
   extra = 742 MiB grad_W + 119 MiB slice + 40 MiB fp32 grad_h + 20 MiB grad_h = 0.90 GiB (tokens: 1.95 GiB).
 
-mode="auto" (default; `plan_mode`): when the full logits are small (T*V*e <= AUTO_LOGITS_BYTES, 256 MiB) one
-token chunk (3 GEMMs, nothing to gain by splitting); otherwise "vocab" when grad_W is wanted (the tokens plan
-would hold the full logits or an fp32 (V, H) accumulator), and "tokens" with chunks of <= AUTO_LOGITS_BYTES when
-it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no recompute is worth paying). An explicit
-chunk_tokens means "tokens", an explicit vocab_slice "vocab".
+mode="inplace" (novatune.kernels.linear_cross_entropy_lowmem, with the placement proof) - TRANSPOSED logits z^T
+  (V, T) in A = empty(V, H) + B (the other T*V - V*H elements, rounded up to whole rows; needs T >= H), 2 GEMMs;
+  Triton sweeps over blocks of tokens give lse, the loss and dL/dz^T in place; grad_h = dz @ W (2 GEMMs, fp32
+  accumulator); then grad_W = dz^T @ h by row blocks in ascending order (ONE GEMM over all T tokens per block)
+  written into A - over logits already consumed (a small temp + copy for the first rows). B is freed, A IS grad_W.
+  3 GEMM-equivalents; extra = T*V*e + grad_h + max(fp32 grad_h, 16 MiB temp): 1.22 GiB at Qwen3-4B x 4096
+  (tokens: 1.95 GiB). T < H -> "tokens"; no grad_W wanted -> token chunks as in "auto". vocab_slice = the temp's rows.
+
+mode="auto" (default; `plan_mode`): "inplace" when grad_W is wanted, T >= H and its logits exceed grad_W by at
+most AUTO_INPLACE_EXTRA_BYTES ((T-H)*V*e <= 1 GiB: Qwen3-4B up to ~6100 tokens). Otherwise, when the full logits are
+small (T*V*e <= AUTO_LOGITS_BYTES, 256 MiB) one token chunk; otherwise "vocab" when grad_W is wanted (the tokens
+plan would hold the full logits or an fp32 (V, H) accumulator), and "tokens" with chunks of <= AUTO_LOGITS_BYTES
+when it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no recompute is worth paying). An explicit
+chunk_tokens means "tokens", an explicit vocab_slice "vocab" (with mode="inplace": the temp block's rows).
 
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
 `linear_cross_entropy_ref` is the plain fp32 reference (F.cross_entropy on fp32 logits).
@@ -64,10 +73,18 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from novatune.kernels import linear_cross_entropy_lowmem as _lowmem
+from novatune.kernels.linear_cross_entropy_lowmem import (  # noqa: F401 - re-exported
+    fp32_addmm_available,
+    inplace_layout,
+    plan_inplace_block,
+)
+
 CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (bytes) when chunking is chosen
 VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
 AUTO_LOGITS_BYTES = 256 * 2**20  # mode="auto": the most logits allowed to exist at once (else split)
-MODES = ("auto", "tokens", "vocab")
+AUTO_INPLACE_EXTRA_BYTES = 2**30  # mode="auto": "inplace" while its logits exceed grad_W by <= this, (T-H)*V*e
+MODES = ("auto", "tokens", "vocab", "inplace")
 _VOCAB_ALIGN = 128  # slice width rounded to a multiple of this (GEMM tile / 16-byte leading-dimension friendly)
 _VOCAB_MIN_SLICE = 2048  # narrower slices make grad_W[j]'s GEMM too small to fill the GPU (so above
 #                          T = VOCAB_SLICE_BYTES / (2048 e), 32768 bf16 tokens, a slice exceeds the budget)
@@ -292,32 +309,6 @@ def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, los
         z.copy_(g * scale.unsqueeze(1))
 
 
-_FP32_ADDMM_OK: dict = {}
-
-
-def fp32_addmm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Can torch.addmm accumulate a half-precision GEMM directly into an fp32 tensor here (aten::addmm.dtype_out
-    with an fp32 `self`)? CPU: never (no kernel). CUDA: torch versions differ (older ones require `self` in the
-    input dtype), so try it once per (device, dtype) on a small problem and check the numbers."""
-    if device.type != "cuda":
-        return False
-    key = (device.index, dtype)
-    if key not in _FP32_ADDMM_OK:
-        ok = False
-        try:
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(64, 48, device=device, dtype=dtype, generator=gen)
-            b = torch.randn(48, 32, device=device, dtype=dtype, generator=gen)
-            acc = torch.full((64, 32), float("nan"), device=device, dtype=torch.float32)
-            torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0, out=acc)  # beta=0 must ignore the NaNs
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _FP32_ADDMM_OK[key] = ok
-    return _FP32_ADDMM_OK[key]
-
-
 def plan_chunk_tokens(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool,
                       budget: int = CHUNK_LOGITS_BYTES) -> int:
     """Tokens per chunk: the plan with the lower peak of extra memory (see the module docstring)."""
@@ -353,20 +344,30 @@ def plan_vocab_slice(T: int, V: int, dtype: torch.dtype, budget: int = VOCAB_SLI
 
 def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mode: str = "auto",
               chunk_tokens: int | None = None, vocab_slice: int | None = None) -> tuple[str, int]:
-    """(mode, size): ("tokens", tokens per chunk) or ("vocab", columns per slice). See the module docstring."""
+    """(mode, size): ("tokens", tokens per chunk), ("vocab", columns per slice) or ("inplace", rows of its temp
+    block). See the module docstring; vocab_slice sets the size for "vocab" and "inplace"."""
     if mode not in MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
+    e = torch.finfo(dtype).bits // 8
     if mode == "auto":
         if chunk_tokens:
             mode = "tokens"
         elif vocab_slice:
             mode = "vocab"
-        elif T * V * (torch.finfo(dtype).bits // 8) <= AUTO_LOGITS_BYTES:
+        elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES:
+            mode = "inplace"  # 3 GEMMs, grad_W written over the logits: less memory than one token chunk
+        elif T * V * e <= AUTO_LOGITS_BYTES:
             return "tokens", max(T, 1)  # the whole logits are small: one chunk, 3 GEMMs
         elif grad_weight:
             mode = "vocab"
         else:  # nothing to accumulate over chunks: token chunks within the budget, no recompute
             return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=AUTO_LOGITS_BYTES)
+    if mode == "inplace":
+        if not grad_weight:  # no grad_W to write into the logits' memory: token chunks as "auto" does
+            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=AUTO_LOGITS_BYTES)
+        if T < H:  # the logits are smaller than grad_W: no room for it in them
+            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight)
+        return "inplace", int(vocab_slice) if vocab_slice else plan_inplace_block(V, H, dtype)
     if mode == "tokens":
         return "tokens", int(chunk_tokens) if chunk_tokens else plan_chunk_tokens(T, V, H, dtype, grad_weight)
     return "vocab", int(vocab_slice) if vocab_slice else plan_vocab_slice(T, V, dtype)
@@ -384,7 +385,8 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
     (loss 0-dim fp32, loss_rows (T,) fp32, dhidden (T, H) | None, dweight (V, H) | None, dbias (V,) | None);
     gradients come in the input dtypes. loss_rows / dhidden / dweight / dbias may be preallocated (contiguous).
-    mode "auto" | "tokens" | "vocab" with chunk_tokens / vocab_slice forcing the split size (`plan_mode`).
+    mode "auto" | "tokens" | "vocab" | "inplace" with chunk_tokens / vocab_slice forcing the split size
+    (`plan_mode`). mode "inplace" returns A itself as dweight's buffer: a preallocated dweight is used as A.
     use_triton=False runs the same loops in fp32 with plain PyTorch rows (the CPU reference path).
     """
     T, H = hidden.shape
@@ -405,7 +407,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
             grad_bias, max(1, int(size)), use_triton, dweight)
-    gw = _fwd_tokens(*args) if plan == "tokens" else _fwd_vocab(*args)
+    gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
 
     loss = loss_rows.sum() / divisor
     if not use_triton:  # back to the caller's dtypes (into the preallocated buffers when given)
@@ -553,6 +555,11 @@ def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ign
     if n == 0:
         loss_rows.zero_()
     return gw
+
+
+def _fwd_inplace(*args):
+    """mode="inplace": novatune.kernels.linear_cross_entropy_lowmem.fwd_inplace (same arguments as _fwd_vocab)."""
+    return _lowmem.fwd_inplace(*args)
 
 
 def _cast_into(t: torch.Tensor | None, dtype, out: torch.Tensor | None):

@@ -9,9 +9,12 @@ up to rounding (the logits chunk is computed in the input dtype, as HF does befo
     loss = linear_cross_entropy(hidden, lm_weight, labels, mode="vocab")     # force a plan (default "auto")
 
 mode: "tokens" (chunks of tokens against the whole vocab: 3 GEMMs; at Qwen3-4B x 4096 tokens one chunk, i.e.
-the full bf16 logits), "vocab" (two passes over vocab slices: 4 GEMMs, the logits never exist beyond one
-(T, Vc) slice, grad_W written slice by slice with fp32 accumulation inside one GEMM per slice), "auto" (vocab
-whenever the full logits would exceed 256 MiB and grad_W is wanted). Details: novatune.kernels.linear_cross_entropy.
+the full bf16 logits + grad_W: 1.95 GiB), "vocab" (two passes over vocab slices: 4 GEMMs, the logits never exist
+beyond one (T, Vc) slice, grad_W written slice by slice with fp32 accumulation inside one GEMM per slice),
+"inplace" (3 GEMMs on transposed logits, grad_W written into the memory of logits already consumed and returned as
+that buffer: extra peak ~ T*V*e, 1.22 GiB at Qwen3-4B x 4096; needs tokens >= hidden, else "tokens"), "auto"
+("inplace" when grad_W is wanted, T >= H and (T-H)*V*e <= 1 GiB; else "vocab" whenever the full logits would
+exceed 256 MiB and grad_W is wanted; else token chunks). Details: novatune.kernels.linear_cross_entropy.
 
 Reductions: "mean" divides by the non-ignored labels of THIS call; "sum" is the plain sum; `normalizer` (number or
 0-dim tensor) overrides both: loss = sum / normalizer. Passing HF's num_items_in_batch (target tokens of the whole
@@ -23,6 +26,7 @@ could be known (the chunking is what saves the memory).
 Ops:
   novatune::linear_cross_entropy(hidden (T,H), weight (V,H), labels (T,), divisor 0-dim, bias?, ignore_index,
       grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0)
+      (vocab_slice: columns per slice of "vocab", rows of the temp block of "inplace"; 0 = planned)
       -> (loss, dhidden, dweight, dbias)   mutates nothing
       The gradients (already divided by the divisor) come out of the forward; those not requested (no
       requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors.
@@ -140,15 +144,16 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
 
     hidden (..., H), lm_weight (V, H) (may be the tied embedding's Parameter), labels (...) int, aligned with
     hidden (shift them first, as HF's ForCausalLMLoss does). normalizer: loss = sum / normalizer (overrides
-    reduction). mode: "auto" (default), "tokens" or "vocab" (see the module docstring). chunk_tokens: tokens per
-    chunk (implies mode "tokens"), vocab_slice: vocab columns per slice (implies "vocab"); default: planned by
-    novatune.kernels.linear_cross_entropy.plan_mode.
+    reduction). mode: "auto" (default), "tokens", "vocab" or "inplace" (see the module docstring). chunk_tokens:
+    tokens per chunk (implies mode "tokens"), vocab_slice: vocab columns per slice (implies "vocab" unless mode is
+    "inplace": then the rows of its temp block); default: planned by novatune.kernels.linear_cross_entropy.plan_mode.
     """
     if mode not in _k.MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {_k.MODES}, got {mode!r}")
-    if (chunk_tokens and mode == "vocab") or (vocab_slice and mode == "tokens") or (chunk_tokens and vocab_slice):
-        raise ValueError("linear_cross_entropy: chunk_tokens goes with mode 'tokens', vocab_slice with 'vocab' "
-                         f"(got mode={mode!r}, chunk_tokens={chunk_tokens}, vocab_slice={vocab_slice})")
+    if ((chunk_tokens and mode in ("vocab", "inplace")) or (vocab_slice and mode == "tokens")
+            or (chunk_tokens and vocab_slice)):
+        raise ValueError("linear_cross_entropy: chunk_tokens goes with mode 'tokens', vocab_slice with 'vocab' or "
+                         f"'inplace' (got mode={mode!r}, chunk_tokens={chunk_tokens}, vocab_slice={vocab_slice})")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r} "
                          "('none' is unsupported: the gradients are computed in the forward)")

@@ -86,8 +86,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
-    cross_entropy_mode: "auto" | "tokens" | "vocab" (see novatune.ops.linear_cross_entropy: "vocab" holds ~0.4 GiB
-    less at Qwen3-4B shapes and costs a fourth lm_head GEMM).
+    cross_entropy_mode: "auto" | "tokens" | "vocab" | "inplace" (novatune.ops.linear_cross_entropy; auto picks
+    "inplace" in training when tokens >= hidden: three GEMMs, the weight gradient written into the logits' memory).
     fuse_qk_norm_rope: Qwen3's q/k norms and RoPE in one kernel. Off by default: on the H200 its output differed
     from the reference in a few elements (a race under investigation, LOG.md); the separate kernels are used.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
@@ -112,8 +112,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if how != type(model).__name__:
         report.add("", "target", "note", f"patched {how}")
-    if cross_entropy_mode not in ("auto", "tokens", "vocab"):
-        raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens or vocab")
+    if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
+        raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope)
     if strict and report.skipped():

@@ -13,6 +13,10 @@ Tolerances (relative-norm error, novatune.harness.numerics):
   accumulates into fp32 directly): measured <= 5.7e-3 for the gradients under the interpreter, <= 1.5e-4 for
   the loss (the same as one token chunk gives on those inputs) -> the same tolerances. Slice-by-slice vs
   whole-vocab statistics: measured <= 4e-8 -> 1e-6 (fp32 summation order only).
+* mode="inplace": the same roundings (bf16 logits, bf16 dL/dz, one GEMM-output rounding per grad_W row block;
+  grad_h from two half partials summed in fp32 on the CPU): measured <= 6.5e-3 for the gradients and <= 2.8e-4
+  for the loss under the interpreter over INPLACE_CASES -> the same tolerances; fp32 <= 2.8e-7. Its loss rows vs
+  one token chunk's: <= 8e-8 -> 1e-6.
 """
 import math
 
@@ -21,6 +25,7 @@ import torch
 
 from novatune.harness.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels import linear_cross_entropy as K
+from novatune.kernels import linear_cross_entropy_lowmem as L
 
 DTYPES = [torch.bfloat16, torch.float32]
 IDS = ["bf16", "fp32"]
@@ -333,7 +338,7 @@ def test_plan_vocab_slice_and_mode():
     # Qwen3-4B, 4096 tokens: 10 balanced slices of 15232 columns (multiple of 128), 119 MiB each
     vc = K.plan_vocab_slice(4096, V, bf16)
     assert vc == 15232 and vc % 128 == 0 and 4096 * vc * 2 <= K.VOCAB_SLICE_BYTES and math.ceil(V / vc) == 10
-    assert K.plan_mode(4096, V, H, bf16, True) == ("vocab", vc)  # the default at the headline shape
+    assert K.plan_mode(4096, V, H, bf16, True, "vocab") == ("vocab", vc)  # (the default is "inplace" there)
     for T in (1024, 16384, 65536):  # still within the budget, or at the minimum width
         vc = K.plan_vocab_slice(T, V, bf16)
         assert vc % 128 == 0 and (T * vc * 2 <= K.VOCAB_SLICE_BYTES or vc <= K._VOCAB_MIN_SLICE + 127)
@@ -354,10 +359,10 @@ def test_plan_vocab_slice_and_mode():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["vocab", "tokens"])
+@pytest.mark.parametrize("mode", ["vocab", "tokens", "inplace"])
 def test_qwen3_4b_modes_gpu(mode):
     """Real shape in each mode against the fp32 reference; the vocab mode's peak: grad_W + one slice + grad_h
-    (+ its fp32 accumulator), never the full logits."""
+    (+ its fp32 accumulator), never the full logits; the inplace mode's: the logits (holding grad_W) + small."""
     T, H, V = 4096, 2560, 151936
     h, w, y = _inputs(T, H, V, torch.bfloat16, "cuda")
     div = _divisor(y, "cuda")
@@ -373,4 +378,213 @@ def test_qwen3_4b_modes_gpu(mode):
         vc = K.plan_vocab_slice(T, V, torch.bfloat16)
         expect = V * H * 2 + T * vc * 2 + T * H * (2 + 4)
         assert extra <= expect + 16 * 2**20, f"peak extra {extra / 2**30:.3f} GiB > {expect / 2**30:.3f}"
+    if mode == "inplace":  # A + B (~ the bf16 logits), the temp block, fp32 grad_h + grad_h; grad_W is A
+        ld, rows_a, blocks = K.inplace_layout(T, V, H, K.plan_inplace_block(V, H, torch.bfloat16))
+        tmp = max(b - a for a, b, direct in blocks if not direct)
+        expect = (V * H + (V - rows_a) * ld) * 2 + tmp * H * 2 + T * H * (4 + 2)
+        assert extra <= expect + 16 * 2**20, f"peak extra {extra / 2**30:.3f} GiB > {expect / 2**30:.3f}"
     del out
+
+
+# ---------------------------------------------------------------- mode="inplace": transposed logits, grad_W over them
+
+INPLACE_CASES = [  # T, H, V, tmp_rows -> (ld, rows_a, blocks): see inplace_layout
+    (37, 16, 1000, 8),  # ld 48 (padded rows), 1 temp block, direct blocks growing x3, B's rows 333..999
+    (300, 32, 4099, 64),  # ld 304, temp [0, 64), direct [64, 431), B
+    (32, 32, 1000, 128),  # T == H, ld == T: rows_a == V (B empty), 8 temp blocks, the last ragged
+    (37, 37, 1000, 100),  # T == H, padded: 4 temp blocks, then direct ones
+    (64, 16, 3, 1),  # V*H < ld: rows_a == 0, every row in B
+    (300, 127, 1000, 256),  # odd H
+]
+INPLACE_IDS = [f"{t}x{h}x{v}/{r}" for t, h, v, r in INPLACE_CASES]
+
+
+def _labels_on_block_edges(y, T, V, H, R):
+    """Labels on both edges of every block (rows_a's sides included), rows 0.."""
+    blocks = K.inplace_layout(T, V, H, R)[2]
+    edges = sorted({c for a, b, _ in blocks for c in (a, b - 1)})
+    k = min(len(edges), y.numel())
+    y[:k] = torch.tensor(edges[:k], device=y.device)
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("T,H,V,R", INPLACE_CASES, ids=INPLACE_IDS)
+def test_inplace_matches_reference(T, H, V, R, dtype, device, monkeypatch):
+    """Loss, loss rows and both gradients against the fp32 reference, with every buffer poisoned: the caller's
+    outputs (dweight becomes A) and, through _POISON_SCRATCH, B, the temp, the fp32 accumulator, the partials."""
+    monkeypatch.setattr(L, "_POISON_SCRATCH", True)
+    h, w, y = _inputs(T, H, V, dtype, device, seed=T + H + V + R)
+    y = _labels_on_block_edges(y, T, V, H, R)
+    y[-1] = -100
+    rows = poison_(torch.empty(T, dtype=torch.float32, device=device))
+    gh = poison_(torch.empty(T, H, dtype=dtype, device=device))
+    gw = poison_(torch.empty(V, H, dtype=dtype, device=device))
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode="inplace", vocab_slice=R, loss_rows=rows,
+                                     dhidden=gh, dweight=gw)
+    assert out[1] is rows and out[2] is gh and out[3] is gw  # written in place, every element (no NaN left)
+    _check(out, _ref(h, w, y), dtype)
+    ref_rows = torch.nn.functional.cross_entropy(h.float() @ w.float().t(), y, reduction="none")
+    assert_close(rows, ref_rows, LOSS_TOL[dtype] * 5, "loss rows")
+    assert rows[-1].item() == 0.0  # the ignored row
+    if dtype == torch.float32:  # the same statistics as one token chunk, up to summation order
+        tok = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode="tokens", grad_hidden=False,
+                                         grad_weight=False)
+        assert_close(rows, tok[1], 1e-6, "loss rows: inplace vs tokens")
+    # without a preallocated dweight, grad_W is A: a standalone allocation of exactly V x H (autograd steals it)
+    gw2 = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode="inplace", vocab_slice=R)[3]
+    assert gw2._base is None and gw2.is_contiguous() and gw2.untyped_storage().nbytes() == V * H * dtype.itemsize
+    assert torch.equal(gw2, gw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_inplace_gpu_tiling_and_bias(dtype, device, monkeypatch):
+    """Small sweep tiles: several token blocks (masked tail, padding columns), several row splits per piece; and
+    the bias (added by the logits GEMM) with its gradient (row sums of dL/dz^T)."""
+    monkeypatch.setattr(L, "_COLS_TILE_OVERRIDE", (8, 16, 7))
+    monkeypatch.setattr(L, "_POISON_SCRATCH", True)
+    T, H, V, R = 37, 16, 1000, 8
+    h, w, y = _inputs(T, H, V, dtype, device, seed=17)
+    y = _labels_on_block_edges(y, T, V, H, R)
+    b = torch.randn(V, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+    gb = poison_(torch.empty(V, dtype=dtype, device=device))
+    loss, _, gh, gw, gb_out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), bias=b, grad_bias=True,
+                                                         mode="inplace", vocab_slice=R, dbias=gb)
+    rloss, rgh, rgw, rgb = _ref(h, w, y, bias=b)
+    assert gb_out is gb
+    assert_close(loss, rloss, LOSS_TOL[dtype], "loss")
+    assert_close(gh, rgh, REL_TOL[dtype], "grad_hidden")
+    assert_close(gw, rgw, REL_TOL[dtype], "grad_weight")
+    assert_close(gb, rgb, REL_TOL[dtype], "grad_bias")
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+def test_inplace_ignored_invalid_and_partial_grads(use_triton, device, monkeypatch):
+    """All ignored (mean NaN, sum 0, zero gradients), out-of-range labels (NaN rows), grad_W alone - through the
+    kernels and the fp32 torch path; loss only and no grad_W take the token-chunk path (no (T, V) buffer)."""
+    T, H, V, R = 37, 16, 1000, 8
+    dev = device if use_triton else "cpu"
+    h, w, y = _inputs(T, H, V, torch.float32, dev, seed=4)
+    kw = {"mode": "inplace", "vocab_slice": R, "use_triton": use_triton}
+    y_all = torch.full_like(y, -100)
+    rows = poison_(torch.empty(T, device=dev))
+    loss, _, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_all, _divisor(y_all, dev), loss_rows=rows, **kw)
+    assert torch.isnan(loss) and (rows == 0).all() and (gh == 0).all() and (gw == 0).all()
+    assert K.linear_cross_entropy_fwd(h, w, y_all, torch.ones((), device=dev), **kw)[0].item() == 0.0
+    y_bad = y.clone()
+    y_bad[3], y_bad[5] = V, -7
+    _, rows, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_bad, _divisor(y_bad, dev), **kw)
+    ok = torch.ones(T, dtype=torch.bool, device=dev)
+    ok[[3, 5]] = False
+    assert torch.isnan(rows[3]) and torch.isnan(rows[5]) and torch.isfinite(rows[ok]).all()
+    assert torch.isfinite(gh).all() and torch.isfinite(gw).all()  # as the other modes: softmax, no -1 term
+
+    calls = []
+    for name in ("_fwd_inplace", "_fwd_tokens"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    full = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), **kw)
+    only = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), grad_hidden=False, grad_weight=False, **kw)
+    h_only = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), grad_weight=False, **kw)
+    w_only = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), grad_hidden=False, **kw)
+    assert calls == ["_fwd_inplace", "_fwd_tokens", "_fwd_tokens", "_fwd_inplace"]
+    assert only[2] is None and only[3] is None and h_only[3] is None and w_only[2] is None
+    assert_close(only[0], full[0], 1e-6, "loss only")
+    assert_close(h_only[2], full[2], 1e-6, "grad_hidden alone")
+    assert_close(w_only[3], full[3], 1e-6, "grad_weight alone")
+    _, rgh, rgw, _ = _ref(h, w, y)
+    assert_close(full[2], rgh, 1e-5, "grad_hidden")
+    assert_close(full[3], rgw, 1e-5, "grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_inplace_falls_back_below_hidden(dtype, device, monkeypatch):
+    """T < H: the logits (T*V) cannot hold grad_W (V*H) -> mode "tokens" (one chunk here), same numbers."""
+    calls = []
+    for name in ("_fwd_inplace", "_fwd_tokens"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    T, H, V = 37, 64, 1000
+    h, w, y = _inputs(T, H, V, dtype, device, seed=21)
+    out = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode="inplace")
+    assert calls == ["_fwd_tokens"]
+    _check(out, _ref(h, w, y), dtype)
+    with pytest.raises(ValueError, match="tokens >= hidden"):
+        K.inplace_layout(T, V, H, 128)
+
+
+def _simulate_placement(T, H, V, R, layout=None):
+    """Independent element-level replay of step 4 (lowmem docstring): tag every element of A and B with the row
+    whose logits it holds, replay the blocks in order and check that each block's rows are intact when read, that
+    no write hits a live row, that a direct write misses its own rows, and that A ends up written exactly once."""
+    ld, rows_a, blocks = layout or K.inplace_layout(T, V, H, R)
+    assert ld >= T and ld - T < L._LD_ALIGN and ld % L._LD_ALIGN == 0
+    assert rows_a * ld <= V * H and (rows_a == V or (rows_a + 1) * ld > V * H)  # A holds every row it can
+    free = -1
+    a_tag = torch.full((V * H,), free, dtype=torch.int64)
+    b_tag = torch.full(((V - rows_a) * ld,), free, dtype=torch.int64)
+    rows_of = torch.arange(V, dtype=torch.int64)
+    a_tag[: rows_a * ld].view(rows_a, ld)[:, :T] = rows_of[:rows_a, None]
+    b_tag.view(V - rows_a, ld)[:, :T] = rows_of[rows_a:, None]
+    writes = torch.zeros(V * H, dtype=torch.int64)
+    done = -2
+    for a, b, direct in blocks:
+        src = (a_tag[: rows_a * ld].view(rows_a, ld)[a:b, :T] if b <= rows_a
+               else b_tag.view(V - rows_a, ld)[a - rows_a: b - rows_a, :T])
+        assert torch.equal(src, rows_of[a:b, None].expand(b - a, T)), f"rows {a}:{b} overwritten before use"
+        dst = a_tag[a * H: b * H]
+        live = (dst >= b)  # logits of later rows
+        assert not live.any(), f"block {(a, b)} overwrites live rows"
+        if direct:
+            assert not ((dst >= a) & (dst < b)).any(), f"direct block {(a, b)} overlaps its own rows"
+        else:
+            assert b - a <= R
+        a_tag[a * H: b * H] = done
+        writes[a * H: b * H] += 1
+    assert (writes == 1).all() and (a_tag == done).all()
+    return blocks
+
+
+def test_inplace_placement_invariant():
+    """The layout for many (T, H, V, tmp_rows), replayed element by element; plus interval checks (the layout's
+    own asserts) at real sizes."""
+    n = 0
+    for T in (16, 17, 31, 37, 64, 100, 129):
+        for H in (1, 7, 16, 31, 64):
+            if H > T:
+                continue
+            for V in (1, 2, 3, 50, 257, 1000):
+                for R in (1, 5, 64, 128, 10**6):
+                    _simulate_placement(T, H, V, R)
+                    n += 1
+    assert n > 500
+    # the replay has teeth: layouts that break (a), (c) or (b) are caught
+    ld, rows_a, blocks = K.inplace_layout(37, 1000, 16, 8)
+    for bad in (blocks[::-1], [(a, b, True) for a, b, _ in blocks], blocks[:-1] + [(blocks[-1][0], 999, True)]):
+        with pytest.raises(AssertionError):
+            _simulate_placement(37, 16, 1000, 8, layout=(ld, rows_a, bad))
+    bf16 = torch.bfloat16
+    for T, H, V in ((4096, 2560, 151936), (2560, 2560, 151936), (4095, 2560, 151936), (8192, 4096, 128256),
+                    (65536, 5120, 152064), (5000, 4096, 32000)):
+        R = K.plan_inplace_block(V, H, bf16)
+        ld, rows_a, blocks = K.inplace_layout(T, V, H, R)
+        assert R * H * 2 <= L.INPLACE_TEMP_BYTES and ld % 16 == 0
+        assert (V * H + (V - rows_a) * ld) - T * V <= (ld - T + 1) * V  # A + B ~ the logits
+    # Qwen3-4B x 4096: 2 temp blocks of 3200 rows (16 MiB), 7 direct ones (B's included)
+    ld, rows_a, blocks = K.inplace_layout(4096, 151936, 2560, 3200)
+    assert (ld, rows_a) == (4096, 94960) and [d for *_, d in blocks] == [False] * 2 + [True] * 7
+
+
+def test_plan_inplace_mode():
+    V, H, bf16 = 151936, 2560, torch.bfloat16
+    assert K.plan_inplace_block(V, H, bf16) == 3200  # 16 MiB of temp
+    assert K.plan_mode(4096, V, H, bf16, True) == ("inplace", 3200)  # the default at the headline shape
+    assert K.plan_mode(6000, V, H, bf16, True)[0] == "inplace"  # (T - H) * V * 2 <= 1 GiB up to ~6093 tokens
+    assert K.plan_mode(6200, V, H, bf16, True)[0] == "vocab"
+    assert K.plan_mode(2048, V, H, bf16, True)[0] == "vocab"  # T < H
+    assert K.plan_mode(4096, V, H, bf16, False)[0] == "tokens"  # no grad_W: token chunks
+    assert K.plan_mode(4096, V, H, bf16, True, "inplace", vocab_slice=1000) == ("inplace", 1000)
+    assert K.plan_mode(1024, V, H, bf16, True, "inplace") == ("tokens", 1024)  # T < H: the tokens plan
+    mode, c = K.plan_mode(4096, V, H, bf16, False, "inplace")  # loss only / frozen lm_head: token chunks
+    assert mode == "tokens" and c * V * 2 <= K.AUTO_LOGITS_BYTES + 64 * V * 2
+    assert K.plan_mode(64, 1000, 16, torch.float32, True) == ("inplace", 1000)  # small problems too (T >= H)

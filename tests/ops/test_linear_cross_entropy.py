@@ -2,8 +2,8 @@
 
 Tolerances as in tests/kernels/test_linear_cross_entropy.py: fp32 1e-5 (summation order only); bf16 1e-2 for
 gradients (bf16 logits and dL/dz, then a bf16 GEMM output), 2e-3 for the loss (row errors average out). The same
-for both plans (mode="tokens" / "vocab"): mode="vocab" is forced with small vocab_slice values, so that 1000
-columns make 3 slices (the last one ragged).
+for every plan (mode="tokens" / "vocab" / "inplace"): mode="vocab" is forced with small vocab_slice values, so that
+1000 columns make 3 slices (the last one ragged); mode="inplace" needs tokens >= hidden, so its tests use H = 16.
 """
 import math
 
@@ -299,10 +299,10 @@ def test_torch_compile_aot_eager(plan, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["auto", "tokens"])
+@pytest.mark.parametrize("mode", ["auto", "tokens", "vocab"])
 def test_qwen3_4b_shape_gpu(mode):
     """4096 x 2560 -> 151936 bf16 through the op (autograd, bf16 logits) against the fp32 reference; auto is
-    the vocab plan at this shape."""
+    the inplace plan at this shape."""
     h, w, y = _inputs((1, 4096), 2560, 151936, torch.bfloat16, "cuda", ignore_frac=0.1)
     loss = linear_cross_entropy(h, w, y, mode=mode)
     loss.backward()
@@ -317,3 +317,116 @@ def test_qwen3_4b_grad_accumulation_gpu():
     gw_big = torch.autograd.grad(linear_cross_entropy(h, w, y), w)[0].float()
     gw = sum(torch.autograd.grad(linear_cross_entropy(h[i], w, y[i], normalizer=n), w)[0].float() for i in range(4))
     assert_close(gw, gw_big, REL_TOL[torch.bfloat16], "accumulated grad_weight")
+
+
+# ---------------------------------------------------------------- mode="inplace" (needs T >= H: H = 16 below)
+
+INPLACE = {"mode": "inplace", "vocab_slice": 64}  # 37 tokens x 16 -> 1000: temp block, direct blocks, B's rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("red", ["mean", "sum", "normalizer_tensor"])
+def test_inplace_mode_reductions(red, dtype, device):
+    """Through the op and autograd, leading dims (batch, seq), a non-unit grad_output (scaled in place)."""
+    h, w, y = _inputs((2, 37), 16, 1000, dtype, device, seed=19)
+    kw = {"reduction": red} if red != "normalizer_tensor" else {"normalizer": torch.tensor(61.0, device=device)}
+    loss = linear_cross_entropy(h, w, y, **kw, **INPLACE)
+    (loss * 3 / 7).backward()
+    rloss, rgh, rgw = _ref_grads(h, w, y, **kw)
+    _check(h, w, loss, (rloss, rgh * 3 / 7, rgw * 3 / 7), dtype)
+
+
+def test_inplace_gradient_accumulation_is_exact(device):
+    """As test_gradient_accumulation_is_exact, every call in mode "inplace" (29 tokens >= H = 16)."""
+    dtype, H, V = torch.float32, 16, 1000
+    gen = torch.Generator().manual_seed(8)
+    h_all, w, y_all = _inputs((4, 29), H, V, dtype, device, seed=8)
+    for i in range(4):
+        y_all[i, torch.rand(29, generator=gen).to(device) < 0.15 * i] = -100
+    n_items = (y_all != -100).sum()
+    big = linear_cross_entropy(h_all, w, y_all, **INPLACE)
+    g_h_big, g_w_big = torch.autograd.grad(big, (h_all, w))
+    total, g_h, g_w = 0.0, torch.zeros_like(h_all), torch.zeros_like(w)
+    for i in range(4):
+        loss = linear_cross_entropy(h_all[i], w, y_all[i], normalizer=n_items, **INPLACE)
+        gh, gw = torch.autograd.grad(loss, (h_all, w))
+        total, g_h, g_w = total + loss, g_h + gh, g_w + gw
+    assert_close(total, big, 1e-5, "accumulated loss")
+    assert_close(g_h, g_h_big, 1e-5, "accumulated grad_hidden")
+    assert_close(g_w, g_w_big, 1e-5, "accumulated grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_inplace_tied_embedding_bias_and_all_ignored(dtype, device):
+    """Tied lm_head (grad = lookup's + lm_head's), then a bias, then all labels ignored, in mode "inplace"."""
+    V, H, T = 1000, 16, 37
+    gen = torch.Generator().manual_seed(6)
+    emb = nn.Embedding(V, H).to(dtype).to(device)
+    ids = torch.randint(0, V, (T,), generator=gen).to(device)
+    y = torch.randint(0, V, (T,), generator=gen).to(device)
+    scale = torch.linspace(0.5, 2.0, H, dtype=dtype, device=device)
+    loss = linear_cross_entropy(emb(ids) * scale, emb.weight, y, **INPLACE)
+    loss.backward()
+    w_ref = emb.weight.detach().float().requires_grad_(True)
+    rloss = linear_cross_entropy_ref(nn.functional.embedding(ids, w_ref) * scale.float(), w_ref, y)
+    rloss.backward()
+    assert_close(loss, rloss.detach(), LOSS_TOL[dtype], "loss")
+    assert_close(emb.weight.grad, w_ref.grad, REL_TOL[dtype], "tied weight grad")
+
+    h, w, y = _inputs((T,), H, V, dtype, device, seed=7)
+    b = torch.randn(V, generator=gen).to(dtype).to(device).requires_grad_(True)
+    loss = linear_cross_entropy(h, w, y, bias=b, **INPLACE)
+    loss.backward()
+    hr, wr, br = (t.detach().float().requires_grad_(True) for t in (h, w, b))
+    rloss = linear_cross_entropy_ref(hr, wr, y, bias=br)
+    rloss.backward()
+    assert_close(loss, rloss.detach(), LOSS_TOL[dtype], "loss (bias)")
+    for got, want, name in ((h.grad, hr.grad, "grad_hidden"), (w.grad, wr.grad, "grad_weight"),
+                            (b.grad, br.grad, "grad_bias")):
+        assert_close(got, want, REL_TOL[dtype], name)
+
+    h.grad = w.grad = None
+    y = torch.full_like(y, -100)
+    loss = linear_cross_entropy(h, w, y, reduction="sum", **INPLACE)
+    loss.backward()
+    assert loss.item() == 0.0 and (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_inplace_auto_reference_backend_and_errors(device, monkeypatch):
+    """auto picks "inplace" when grad_W is wanted and T >= H (not without grads); the fp32 reference backend runs
+    the same plan; chunk_tokens does not go with it."""
+    calls = []
+    for name in ("_fwd_inplace", "_fwd_tokens", "_fwd_vocab"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    h, w, y = _inputs((37,), 16, 1000, torch.float32, device, seed=23)
+    loss = linear_cross_entropy(h, w, y)
+    loss.backward()
+    with torch.no_grad():
+        linear_cross_entropy(h, w, y)
+    assert calls == ["_fwd_inplace", "_fwd_tokens"]
+    _check(h, w, loss, _ref_grads(h, w, y), torch.float32)
+
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    hb, wb, yb = _inputs((2, 33), 16, 4099, torch.bfloat16, device, seed=24)
+    loss = linear_cross_entropy(hb, wb, yb, mode="inplace", vocab_slice=100)
+    loss.backward()
+    _check(hb, wb, loss, _ref_grads(hb, wb, yb), torch.bfloat16)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        linear_cross_entropy(h, w, y, mode="inplace", chunk_tokens=16)
+
+
+def test_inplace_opcheck_and_compile(device):
+    h, w, y = _inputs((37,), 16, 1000, torch.float32, device, seed=25)
+    div = (y != -100).sum().float()
+    b = torch.randn(1000, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
+                          (h, w, y, div, b, -100, True, True, True, 0, "inplace", 64))
+    fn = torch.compile(lambda a, c, d: linear_cross_entropy(a, c, d, **INPLACE), backend="aot_eager", fullgraph=True)
+    loss = fn(h, w, y)
+    gh, gw = torch.autograd.grad(loss * 2, (h, w))
+    eloss = linear_cross_entropy(h, w, y, **INPLACE)
+    egh, egw = torch.autograd.grad(eloss * 2, (h, w))
+    assert_close(loss, eloss, 1e-6, "loss")
+    assert_close(gh, egh, 1e-6, "grad_hidden")
+    assert_close(gw, egw, 1e-6, "grad_weight")
