@@ -21,7 +21,11 @@ copy rate measured in this run; bytes = 5 * (|q| + |k|) (fwd reads q, k and writ
 output grads and q, k, writes dq, dk) + 2 * (|cos| + |sin|) (read by each pass); weights, rstd and the dw partials are
 negligible. At the default shape that is ~214 MB, ~50 µs at 4.25 TB/s.
 Each candidate's outputs and four grads are checked against the fp32 math (qk_norm_rope_ref on fp32 copies):
-rel_err columns.
+rel_err columns. Every candidate gets its own copies of all inputs, output grads included: Liger's backward writes
+into the incoming grads in place (its RoPE backward rotates dq/dk where they lie, its RMSNorm backward then stores
+dx there), so over its timing loop the shared grads were overwritten hundreds of times and blew up - which is what
+made the candidate after it (novatune_fused) report dq/dk/dw "errors" of 1e32 on a run where Liger was installed.
+The shared inputs are verified untouched after every candidate (a row records and restores any that changed).
 """
 from __future__ import annotations
 
@@ -134,6 +138,8 @@ def run_candidates(args, fns, inputs, floor_us, gbps):
     ref = [rq.detach(), rk.detach()] + [t.grad for t in leaves]
     del leaves
 
+    names = ["q", "k", "q_weight", "k_weight", "cos", "sin", "grad_q_out", "grad_k_out"]
+    pristine = [t.clone() for t in inputs]  # the shared inputs must not change between candidates
     rows = []
     for name, fn in fns.items():
         row = {"op": "qk_norm_rope", "candidate": name, "shape": f"q({b},{s},{hq},{d}) k({b},{s},{hk},{d})",
@@ -142,11 +148,14 @@ def run_candidates(args, fns, inputs, floor_us, gbps):
             row["absent"] = fn
             rows.append(write_row(args.results, row))
             continue
+        # private copies of everything: a candidate that writes into its inputs or incoming grads (Liger's backward
+        # does, in place, at every call of the timing loop) only corrupts its own copies
         q, k, wq, wk = (t.clone().requires_grad_() for t in (q0, k0, wq0, wk0))
+        c_own, s_own, gq_own, gk_own = (t.clone() for t in (cos, sin, gq0, gk0))
         hf = name in HF_LAYOUT  # (b, h, s, d) views of (b, s, h, d) memory: feed grads with the same layout
-        gq, gk = (gq0.transpose(1, 2), gk0.transpose(1, 2)) if hf else (gq0, gk0)
-        oq, ok = fn(q, k, wq, wk, cos, sin)  # first call: compiles (torch.compile / Triton) outside the timing
-        # clones: Liger's RMSNorm backward works in place on its incoming grad
+        gq, gk = (gq_own.transpose(1, 2), gk_own.transpose(1, 2)) if hf else (gq_own, gk_own)
+        oq, ok = fn(q, k, wq, wk, c_own, s_own)  # first call: compiles (torch.compile / Triton) outside the timing
+        # clones: the correctness call must not see grads a previous call modified, nor modify the timing copies
         grads = torch.autograd.grad((oq, ok), (q, k, wq, wk), (gq.clone(), gk.clone()))
         got = [oq.detach().transpose(1, 2) if hf else oq.detach(), ok.detach().transpose(1, 2) if hf else ok.detach(),
                *grads]
@@ -161,14 +170,19 @@ def run_candidates(args, fns, inputs, floor_us, gbps):
                              "residency": sorted({how for key, (_, how) in RESIDENCY.items()
                                                   if key[0] == "qk_norm_rope_bwd"})}
 
-        def step(fn=fn, leaves=(q, k, wq, wk), grads_out=(gq, gk)):
-            outs = fn(*leaves, cos, sin)
+        def step(fn=fn, leaves=(q, k, wq, wk), grads_out=(gq, gk), tabs=(c_own, s_own)):
+            outs = fn(*leaves, *tabs)
             return torch.autograd.grad(outs, leaves, grads_out)
 
         it = dict(warmup_ms=10, rep_ms=30) if args.quick else {}
         kus = kernel_us(step, **(dict(iters=5, warmup=2) if args.quick else {}))
         wus = wall_us(step, **it)
         row.update(kernel_us=round(kus, 2), wall_us=round(wus, 2), frac_floor=round(floor_us / kus, 3))
+        changed = [n for n, t, p in zip(names, inputs, pristine) if not torch.equal(t, p)]
+        if changed:  # should not happen with private copies; never let it leak into the next candidate's numbers
+            row["mutated_shared_inputs"] = changed
+            for t, p in zip(inputs, pristine):
+                t.copy_(p)
         rows.append(write_row(args.results, row))
         del oq, ok, grads, got
         torch.cuda.empty_cache()
@@ -254,7 +268,9 @@ def main(argv=None):
             print(f"{r['candidate']:20s} absent: {r['absent'][:70]}")
             continue
         err = max(v for kk, v in r.items() if kk.startswith("rel_err_"))
-        print(f"{r['candidate']:20s} {r['kernel_us']:10.1f} {r['wall_us']:10.1f} {r['frac_floor']:8.2f} {err:12.1e}")
+        print(f"{r['candidate']:20s} {r['kernel_us']:10.1f} {r['wall_us']:10.1f} {r['frac_floor']:8.2f} {err:12.1e}"
+              + (f"  (modified shared inputs {r['mutated_shared_inputs']}; restored)"
+                 if "mutated_shared_inputs" in r else ""))
     for r in rows:
         if "config" in r:
             print(f"  novatune_fused launch config: {r['config']}")

@@ -35,15 +35,23 @@ k_out, dq, dk are new contiguous (b, s, h, d) tensors; rstd_q / rstd_k are (b, s
 Forward kernel: one program per work item = (a block of BLOCK_T tokens) x (a block of heads): tiles
 (BLOCK_T, BLOCK_H, BLOCK_D) per half for q and for k (GQA: hk may differ from hq), cos/sin loaded once per token
 (BLOCK_T, BLOCK_D) and broadcast over heads; all loads issued before any store. At Qwen3-4B's shape (32 + 8 heads,
-d 128) an item is one token with all 40 heads (5120 elements, as the RoPE kernel); few heads get several tokens per
-item, very many heads a split.
+d 128) an item is two tokens with all 40 heads (10240 elements) on 4 warps (H200 sweep: 25.9 us vs 28.9 us for one
+token on 8 warps); few heads get more tokens per item, very many heads a split.
 
 Backward kernel: persistent (G ~ resident programs). Program pid runs two phases, q then k; each loops over that
-tensor's items pid, pid + G, ... of `rows` head rows (q: 1 token x 8 heads, k: 1 token x 8 heads at rows = 8),
-issuing the next item's loads before computing the current one, and keeps one fp32 dw accumulator tile. Separate
-phases give each tensor a tile with whole head rows per warp and only one tile's registers live at a time. Each
-program writes its row of a (G, 2, d) fp32 partial buffer ([q | k]); one small kernel sums the G rows in fp32 and
-casts once to each weight's dtype. Deterministic (no atomics).
+tensor's items pid, pid + G, ... of `rows` head rows (default rows = 32: q 1 token x 32 heads, k 4 tokens x 8
+heads), through Triton's cp.async pipeliner (stages 3; stages 0 instead issues the next item's loads into registers
+before computing the current one), and keeps one fp32 dw accumulator tile. Separate phases give each tensor a tile
+with whole head rows per warp and only one tile's registers live at a time. Each program writes its row of a
+(G, 2, d) fp32 partial buffer ([q | k]); one small kernel sums the G rows in fp32 and casts once to each weight's
+dtype. Deterministic (no atomics).
+
+Comparing with another implementation (tests): rstd is computed in another order elsewhere (torch sums the whole row;
+on CUDA torch.rsqrt is not even correctly rounded), so it can differ in its last bits, and then n = round_X(x * rstd)
+flips by one ulp where x * rstd lies next to a rounding boundary (~1e-5 of the elements at Qwen3's shape). The
+output moves by at most ~2^-6 (|a| + |b|) there, which is MANY ulps of y wherever a and b nearly cancel (47 ulps
+seen on the H200): bound such differences by |a| + |b|, never by ulps of y. Given the same rstd the kernel's outputs
+are the reference sequence's bit for bit (16-bit outputs and tables: both products are exact in fp32).
 
 Nothing here imports torch.autograd or transformers.
 """
@@ -59,10 +67,12 @@ from novatune.kernels.rms_norm import RESIDENCY, _persistent_grid, _resident_per
 
 MAX_HEAD_DIM = 256
 # Elements per work item (padded, both halves): forward (q + k tiles) target and the per-token size beyond which
-# heads are split; backward (one tensor's rows). The CPU interpreter runs programs one after another at a large
-# fixed cost each, so there tiles are simply made big.
-_FWD_TILE, _FWD_MAX_TOKEN_TILE = 4096, 8192
-_BWD_TILE = 1024  # per item of one tensor's head rows (qk_norm_rope_bwd_config)
+# heads are split; backward (one tensor's rows); and elements per thread. Set from the H200 sweep at Qwen3-4B's
+# shape (bench/bench_qk_norm_rope.py --sweep, Triton 3.6): forward best 2 tokens x 40 heads (10240 elements) on 4
+# warps, backward best 32 head rows (4096 elements) on 4 warps. The CPU interpreter runs programs one after another
+# at a large fixed cost each, so there tiles are simply made big.
+_FWD_TILE, _FWD_MAX_TOKEN_TILE, _FWD_PER_THREAD = 10240, 8192, 64
+_BWD_TILE, _BWD_PER_THREAD, _BWD_STAGES = 4096, 32, 3  # per item of one tensor's head rows (qk_norm_rope_bwd_config)
 _INTERP_TILE = 65536
 
 
@@ -340,10 +350,11 @@ def _head_blocks(hq: int, hk: int, d: int, split: int) -> tuple[int, int, int, i
 def qk_norm_rope_fwd_config(n_tok: int, hq: int, hk: int, d: int, on_gpu: bool = True, sms: int = 132) -> dict:
     """Default forward launch config: dict(block_t, split, num_warps); one program per work item.
 
-    ~4096 elements per item (Qwen3 32 + 8 heads x 128: one token, all heads, 5120 elements, as the RoPE kernel;
-    ptxas for sm_90: 78 registers at 8 warps, 3 programs per SM), heads split only when one token's tile passes
-    8192 elements (e.g. 64 + 8 heads x 128), several tokens per item when heads are few, but not so many that short
-    inputs leave SMs idle; 16 elements per thread."""
+    ~10240 elements per item, 64 per thread, from the H200 sweep at Qwen3-4B's shape (Triton 3.6; 32 + 8 heads x
+    128, 4096 tokens): best 2 tokens x all heads on 4 warps, 25.9 us (ptxas for sm_90: 168 registers, no spills,
+    3 programs per SM), vs 28.9 us for the former 1 token on 8 warps (78 registers). Heads are split only when one
+    token's tile passes 8192 elements (e.g. 64 + 8 heads x 128), several tokens per item when heads are few, but not
+    so many that short inputs leave SMs idle. Only the Qwen3-4B point is measured; other shapes extrapolate."""
     split = 1
     if on_gpu:
         while split < max(hq, hk) and _item_elems(hq, hk, d, split) > _FWD_MAX_TOKEN_TILE:
@@ -355,7 +366,7 @@ def qk_norm_rope_fwd_config(n_tok: int, hq: int, hk: int, d: int, on_gpu: bool =
     while on_gpu and block_t > 1 and triton.cdiv(n_tok, block_t) * split < 2 * sms:
         block_t //= 2  # short inputs: more, smaller items before fewer, bigger ones
     return {"block_t": block_t, "split": split,
-            "num_warps": max(4, min(16, _floor_pow2(block_t * per_tok // (32 * 16))))}
+            "num_warps": max(4, min(16, _floor_pow2(block_t * per_tok // (32 * _FWD_PER_THREAD))))}
 
 
 def _item_elems(hq, hk, d, split):
@@ -367,18 +378,18 @@ def qk_norm_rope_bwd_config(n_tok: int, hq: int, hk: int, d: int, on_gpu: bool =
     """Default backward config: dict(rows, num_warps, stages) (num_programs comes from the launcher).
 
     The backward runs q and k as two phases of one persistent launch, each over items of `rows` head rows of one
-    tensor: 1024 elements per item (rows = 8 at d = 128: q -> 1 token x 8 heads, split 4; k -> 1 token x 8
-    heads) on 4 warps, 8 elements per thread. Each program keeps x, dy, the prefetched next item (stages 0), the
-    token's cos/sin (both buffers) and the fp32 dw accumulators in registers: ptxas for sm_90 gives 91 registers
-    with Triton 3.6 (80 with 3.9), no spills, i.e. 5 programs (20 warps) per SM and ~40 KB of loads in flight per
-    SM. Every warp holds whole head rows (row reductions stay in the warp: no barrier in the loop) and q and k
-    tiles alike load 8-byte vectors. NOT yet measured on a GPU: bench/bench_qk_norm_rope.py --sweep times rows
-    4..32 x warps 2..16 x stages {0, 1, 3}; rms_norm's backward sweep preferred 16 elements per thread and, for
-    one-row tiles, the cp.async pipeliner. n_tok, hq, hk are accepted for symmetry with the forward (unused)."""
+    tensor. From the H200 sweep at Qwen3-4B's shape (bench/bench_qk_norm_rope.py --sweep, Triton 3.6; rows 4..32 x
+    warps 2..16 x stages {0, 1, 3}): best 4096 elements per item (rows = 32 at d = 128: q -> 1 token x 32 heads,
+    k -> 4 tokens x 8 heads) on 4 warps (32 elements per thread) through the cp.async pipeliner with 3 stages,
+    39.6 us, vs 45.2 us for the former rows 8 / 4 warps / register prefetch (stages 0). ptxas for sm_90: 231
+    registers, no spills, 37 KB shared memory, 2 programs (8 warps) per SM; the launcher sizes the grid from the
+    measured residency. Every warp holds whole head rows (row reductions stay in the warp). n_tok, hq, hk are
+    accepted for symmetry with the forward (unused)."""
     del n_tok, hq, hk
     block_d = triton.next_power_of_2(d // 2)
     rows = max(1, (_BWD_TILE if on_gpu else _INTERP_TILE) // (2 * block_d))
-    return {"rows": rows, "num_warps": max(4, min(16, _floor_pow2(rows * 2 * block_d // (32 * 8)))), "stages": 0}
+    return {"rows": rows, "num_warps": max(4, min(16, _floor_pow2(rows * 2 * block_d // (32 * _BWD_PER_THREAD)))),
+            "stages": _BWD_STAGES}
 
 
 def _rows_tile(h: int, rows: int, n_tok: int) -> tuple[int, int, int]:
