@@ -179,6 +179,11 @@ def run_stack(args) -> dict:
 
         choice = last_choice()
         extra["attention_backend"] = choice.backend if choice else None
+    if args.memory and dev == "cuda":
+        try:
+            extra["memory"] = memory_peak_report(model, batch_kwargs(args.ga), f"{args.memory}_{stack}")
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never lose the timing row over it
+            extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if args.profile and dev == "cuda":
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
@@ -188,6 +193,54 @@ def run_stack(args) -> dict:
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
                 losses=[round(x, 4) for x in losses],
                 patch=report.to_dict() if report is not None else None)
+
+
+def memory_peak_report(model, batch: dict, path: str) -> dict:
+    """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
+    and write the largest live blocks with the Python frames that allocated them (what sets the peak)."""
+    import torch
+
+    model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500000)
+    model(**batch).loss.backward()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    model.zero_grad(set_to_none=True)
+    events = [e for dev_trace in snap["device_traces"] for e in dev_trace if e["action"] in ("alloc", "free_completed")]
+    # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
+    live = {b["address"]: (b["size"], "before the recorded micro-step")
+            for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"}
+    for e in reversed(events):
+        if e["action"] == "alloc":
+            live.pop(e["addr"], None)
+        else:
+            live[e["addr"]] = (e["size"], "before the recorded micro-step")
+    cur = best = sum(v[0] for v in live.values())
+    best_live = dict(live)
+    for e in events:
+        if e["action"] == "alloc":
+            frames = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+                      for f in e.get("frames", []) if "torch/" not in f["filename"] or "nn/modules" in f["filename"]]
+            live[e["addr"]] = (e["size"], " <- ".join(frames[:4]))
+            cur += e["size"]
+            if cur > best:
+                best, best_live = cur, dict(live)
+        elif e["addr"] in live:
+            cur -= live.pop(e["addr"])[0]
+    groups: dict[str, list] = {}
+    for size, where in best_live.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:25]
+    with open(path + ".txt", "w") as f:
+        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB\n")
+        for where, (size, n) in top:
+            f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:220]}\n")
+    return {"peak_replayed_gib": round(best / 2**30, 3),
+            "top": [(round(size / 2**30, 3), where[:160]) for where, (size, _) in top[:8]]}
 
 
 def _category(name: str) -> str:
@@ -249,6 +302,7 @@ def drive(args) -> int:
                "--attention", args.attention, "--ce_mode", args.ce_mode] \
             + (["--no_host_meta"] if args.no_host_meta else []) + (["--fuse_qk"] if args.fuse_qk else []) \
             + (["--profile", args.profile] if args.profile else []) \
+            + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
             + (["--no_ckpt"] if args.no_ckpt else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -299,6 +353,7 @@ def main(argv=None) -> int:
                    help="novatune derives document offsets from CUDA position_ids (one sync per micro-batch) "
                         "instead of receiving the collator's host-side cu_seq_lens_q")
     p.add_argument("--results", default="bench/results/e2e.jsonl")
+    p.add_argument("--memory", default="", help="path prefix: replay one micro-step's allocations to the peak")
     p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
     args = p.parse_args(argv)
     if args.stack:
