@@ -128,7 +128,7 @@ def run_stack(args) -> dict:
         import novatune
 
         report = novatune.patch(model, attention=args.attention, cross_entropy_mode=args.ce_mode,
-                                fuse_qk_norm_rope=args.fuse_qk)
+                                fuse_qk_norm_rope=not args.no_fuse_qk)
         print(report, flush=True)
     if not args.no_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -188,7 +188,7 @@ def run_stack(args) -> dict:
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
                 ckpt=not args.no_ckpt, warm=args.warm, steps=args.steps, attention=args.attention,
-                host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=args.fuse_qk,
+                host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,
                 tok_s=round(tps, 1), model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
                 losses=[round(x, 4) for x in losses],
@@ -222,7 +222,8 @@ def memory_peak_report(model, batch: dict, path: str) -> dict:
     for e in events:
         if e["action"] == "alloc":
             frames = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
-                      for f in e.get("frames", []) if "torch/" not in f["filename"] or "nn/modules" in f["filename"]]
+                      for f in e.get("frames", []) if f["filename"].endswith(".py")
+                      and ("torch/" not in f["filename"] or "nn/modules" in f["filename"])]
             live[e["addr"]] = (e["size"], " <- ".join(frames[:4]))
             cur += e["size"]
             if cur > best:
@@ -300,7 +301,7 @@ def drive(args) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--stack", stack, "--arch", args.arch, "--seq",
                str(args.seq), "--ga", str(args.ga), "--warm", str(args.warm), "--steps", str(args.steps),
                "--attention", args.attention, "--ce_mode", args.ce_mode] \
-            + (["--no_host_meta"] if args.no_host_meta else []) + (["--fuse_qk"] if args.fuse_qk else []) \
+            + (["--no_host_meta"] if args.no_host_meta else []) + (["--no_fuse_qk"] if args.no_fuse_qk else []) \
             + (["--profile", args.profile] if args.profile else []) \
             + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
     p.add_argument("--no_ckpt", action="store_true")
     p.add_argument("--attention", default="auto", help="novatune attention backend")
     p.add_argument("--ce_mode", default="auto", help="novatune fused cross-entropy mode: auto | tokens | vocab")
-    p.add_argument("--fuse_qk", action="store_true", help="novatune: fused q/k-norm + RoPE kernel")
+    p.add_argument("--no_fuse_qk", action="store_true", help="novatune: separate q/k-norm and RoPE kernels")
     p.add_argument("--no_host_meta", action="store_true",
                    help="novatune derives document offsets from CUDA position_ids (one sync per micro-batch) "
                         "instead of receiving the collator's host-side cu_seq_lens_q")
