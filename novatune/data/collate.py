@@ -70,8 +70,13 @@ def model_inputs(batch: dict, device: torch.device | str, packed_kwargs: str | N
     sync), "device" copies it without blocking (stock flash_attention_2 reads it on the GPU), None leaves them out
     (stock sdpa/eager find the documents from position_ids)."""
     dev = torch.device(device)
-    non_blocking = dev.type == "cuda"
-    out = {k: batch[k].to(dev, non_blocking=non_blocking) for k in ("input_ids", "position_ids", "labels")}
+    if dev.type == "cuda":
+        # Pinned sources: a copy from pageable memory makes CUDA synchronise the stream first, which would idle
+        # the GPU once per micro-batch while the host queues the next forward.
+        out = {k: (batch[k] if batch[k].is_pinned() else batch[k].pin_memory()).to(dev, non_blocking=True)
+               for k in ("input_ids", "position_ids", "labels")}
+    else:
+        out = {k: batch[k].to(dev) for k in ("input_ids", "position_ids", "labels")}
     if packed_kwargs:
         cu = batch["cu_seqlens"] if packed_kwargs == "host" else batch["cu_seqlens"].to(dev, non_blocking=True)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu

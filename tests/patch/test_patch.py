@@ -171,3 +171,21 @@ def test_fused_qk_norm_rope_option_equals_stock():
     assert_close(loss, loss_ref, TOL, "loss")
     for name in grads_ref:
         assert_close(grads[name], grads_ref[name], TOL, name)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_tied_lm_head_gradient_accumulates_like_stock(early):
+    """Two micro-batches into the same .grad: the early tied-gradient path (and the plain one) equal stock."""
+    batches = [packed_batch(ROWS, seed=s) for s in (1, 2)]
+    model = tiny_model("qwen3").train()
+
+    def accumulate():
+        model.zero_grad(set_to_none=True)
+        for ids, pos, lab in batches:
+            model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        return model.model.embed_tokens.weight.grad.clone()
+
+    ref = accumulate()
+    report = novatune.patch(model, early_tied_grad=early)
+    assert ("added to .grad early" in report.replaced("cross_entropy")[0].detail) == early
+    assert_close(accumulate(), ref, TOL, "tied embedding gradient")
