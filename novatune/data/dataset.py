@@ -72,7 +72,7 @@ def build_data(dcfg, tokenizer=None, vocab_size: int | None = None, base_dir: Pa
         if top >= vocab_size:
             raise DataError(f"model: token id {top} >= the model's vocab_size {vocab_size}; use the model's own "
                             f"tokenizer (model.tokenizer) or raise model.arch_overrides.vocab_size")
-    rows, stats = pack(docs, dcfg.max_length, dcfg.packing, dcfg.overlong)
+    rows, stats = pack(docs, dcfg.max_length, dcfg.packing, dcfg.overlong, dcfg.packing_strategy)
     if not rows:
         why = (f"{stats.dropped} were dropped as longer than data.max_length={dcfg.max_length}"
                if stats.dropped else f"{stats.empty} have no token to train on")

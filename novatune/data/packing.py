@@ -98,12 +98,44 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(docs: list[Doc], max_length: int, packing: bool = True, overlong: str = "split"
+def greedy_rows(docs: list[Doc], max_length: int, stats: PackStats) -> list[list[Doc]]:
+    """Documents in their order, filling each row to the brim; a document that does not fit is cut at the row's end
+    and its rest starts the next row as a document of its own (TRL's "wrapped" packing; BENCHMARKS.md's reference
+    rows). Rows are 100% full except the last; pieces shorter than 2 tokens carry no loss and are dropped."""
+    rows: list[list[Doc]] = []
+    row: list[Doc] = []
+    used = 0
+    for ids, mask in docs:
+        cut = False
+        while ids:
+            room = max_length - used
+            if room < 2:
+                rows.append(row)
+                row, used, room = [], 0, max_length
+            piece, ids, pmask, mask = ids[:room], ids[room:], mask[:room], mask[room:]
+            cut |= bool(ids)
+            if len(piece) >= 2 and any(pmask[1:]):
+                row.append((piece, pmask))
+                used += len(piece)
+            if ids:
+                rows.append(row)
+                row, used = [], 0
+        stats.split += cut
+    if row:
+        rows.append(row)
+    return [r for r in rows if r]
+
+
+def pack(docs: list[Doc], max_length: int, packing: bool = True, overlong: str = "split", strategy: str = "bfd"
          ) -> tuple[list[list[Doc]], PackStats]:
-    """Rows of documents (each row a list of docs, total length <= max_length) and the statistics."""
+    """Rows of documents (each row a list of docs, total length <= max_length) and the statistics.
+    strategy: "bfd" (best-fit decreasing, whole documents) or "greedy" (in order, cut at row ends)."""
     stats = PackStats(docs_in=len(docs), max_length=max_length)
     docs = handle_overlong(docs, max_length, overlong, stats)
-    if packing:
+    if packing and strategy == "greedy":
+        rows = greedy_rows(docs, max_length, stats)
+        docs = [d for r in rows for d in r]
+    elif packing:
         rows = [[docs[i] for i in b] for b in best_fit_decreasing([len(d[0]) for d in docs], max_length)]
     else:
         rows = [[d] for d in docs]

@@ -123,3 +123,17 @@ def test_packed_documents_never_see_each_other(patched):
     with torch.no_grad():
         out2 = model(**model_inputs(alone, "cpu", "host" if patched else None), use_cache=False).logits
     torch.testing.assert_close(out2[0], out0[0, last], rtol=0, atol=1e-5)
+
+
+def test_greedy_packing_fills_rows_in_order_and_cuts_at_row_ends():
+    """strategy "greedy" (TRL's wrapped packing, the reference benchmark's rows): documents in order, each row
+    filled to max_length, a document that does not fit continues in the next row as its own document."""
+    docs = [(list(range(100 * i, 100 * i + n)), [1] * n) for i, n in enumerate([5, 9, 4, 7, 1, 6])]
+    rows, stats = pack(docs, 10, strategy="greedy")
+    # row 1: 5 + 5 of the 9; row 2: its 4 + 4 + 2 of the 7; row 3: 5 of the 7, (the 1-token doc carries no loss),
+    # 5 of the 6; its last token alone would carry no loss either
+    assert [[d[0] for d in r] for r in rows] == [
+        [[0, 1, 2, 3, 4], [100, 101, 102, 103, 104]],
+        [[105, 106, 107, 108], [200, 201, 202, 203], [300, 301]],
+        [[302, 303, 304, 305, 306], [500, 501, 502, 503, 504]]]
+    assert stats.split == 3 and stats.rows == 3 and stats.efficiency == 1.0
