@@ -65,7 +65,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     hq, hk = q.shape[2], k.shape[2]
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
                            scale=self.scaling, backend=self._novatune_attn_backend)  # (b*s, hq, d)
-    return getattr(self, names.o_proj)(out.view(b, s, hq * d)), None
+    return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
 
 
 def decoder_pre_hook(module, args, kwargs):
