@@ -1,9 +1,10 @@
 """Training stays the same training: tiny Qwen3 and Llama trained 20 optimizer steps on packed rows, patched vs
 stock, from the same init and data. Per-step losses and final weights must agree.
 
-Tolerance: fp32 on the CPU. The two runs differ only in summation order inside the kernels (~1e-7 relative per op);
-AdamW's update normalises gradients, so tiny differences in small gradient entries can move weights by up to ~lr
-per step in the worst case; over 20 steps the loss agrees to ~1e-5 relative and weights to ~1e-4 relative norm.
+Tolerance: fp32 on the CPU. The two runs differ only in summation order inside the kernels (~1e-7 relative per op).
+Measured (this machine, interpreter): per-step loss 1.8e-7 relative, final weights 1.5e-6 (qwen3) / 6.7e-7 (llama)
+relative norm. AdamW divides by sqrt(v), so a tiny difference in a near-zero gradient entry can move that weight by
+up to ~lr per step: the bounds keep ~50x room over the measurement (1e-5 loss, 1e-4 weights) for that, no more.
 """
 import os
 import sys
@@ -63,6 +64,6 @@ def test_twenty_steps_patched_vs_stock(family):
     loss_patched = _train(patched, batches)
     assert loss_stock[-1] < loss_stock[0], "the tiny model should learn something in 20 steps"
     step_err = ((loss_patched - loss_stock).abs() / loss_stock.abs()).max().item()
-    assert step_err < 1e-4, f"per-step loss differs by {step_err:.2e} relative"
+    assert step_err < 1e-5, f"per-step loss differs by {step_err:.2e} relative"
     for (name, p), (_, q) in zip(stock.named_parameters(), patched.named_parameters()):
-        assert rel_err(q, p) < 1e-3, f"{name}: final weights differ by {rel_err(q, p):.2e}"
+        assert rel_err(q, p) < 1e-4, f"{name}: final weights differ by {rel_err(q, p):.2e}"
