@@ -4,12 +4,17 @@
     novatune plan CONFIG [--set ...] [--gpu-mem GiB]                    memory estimate before a run
     novatune env                                                        versions, GPU, kernels, attention backends
 
+More subcommands live beside their implementation (see PLUGGED_COMMANDS): each such module defines
+`add_arguments(parser)`, `HELP` (one line) and `run(args) -> int`, and imports nothing heavy at module level, so
+`novatune --help` stays fast.
+
 Exit codes: 0 ok; 1 `plan` predicts an out-of-memory; 2 a config/data/setup error (the message names the key
 and the fix); 130 interrupted (a checkpoint is saved first: run the same command to resume).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -38,7 +43,11 @@ EPILOG_PLAN = """examples:
 """
 
 
-def _add_config_args(p: argparse.ArgumentParser, optional: bool) -> None:
+# subcommand -> module holding add_arguments(parser), HELP and run(args); imported when the parser is built
+PLUGGED_COMMANDS: dict[str, str] = {}
+
+
+def add_config_args(p: argparse.ArgumentParser, optional: bool) -> None:
     if optional:
         p.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
     else:
@@ -59,19 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="fine-tune a model (no config: the embedded demo)", formatter_class=fmt,
                        epilog=EPILOG_TRAIN, description="Train as configured: prints the resolved config, "
                        "a live progress bar, writes metrics.jsonl, checkpoints and the final export.")
-    _add_config_args(t, optional=True)
+    add_config_args(t, optional=True)
     t.add_argument("--output-dir", help="same as --set checkpoint.output_dir=DIR")
     p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
                        epilog=EPILOG_PLAN, description="Memory estimate: weights, gradients, optimizer states, "
                        "activations with and without gradient checkpointing, logits; warns before an OOM.")
-    _add_config_args(p, optional=False)
+    add_config_args(p, optional=False)
     p.add_argument("--gpu-mem", type=float, metavar="GiB", help="GPU memory to plan for (default: this GPU's)")
     sub.add_parser("env", help="versions, GPU, available kernels and attention backends", formatter_class=fmt,
                    description="Print the environment novatune sees (paste it into bug reports).")
+    for name, module in PLUGGED_COMMANDS.items():
+        mod = importlib.import_module(module)
+        sp = sub.add_parser(name, help=mod.HELP, formatter_class=fmt, description=mod.__doc__,
+                            epilog=getattr(mod, "EPILOG", None))
+        mod.add_arguments(sp)
     return ap
 
 
-def _load(args):
+def load_config(args):
+    """The config named by args.config with args.overrides applied, and the folder relative paths resolve from."""
     from novatune.train.config import load
 
     overrides = list(args.overrides)
@@ -90,7 +105,7 @@ def _load(args):
 def cmd_train(args) -> int:
     from novatune.train.loop import train
 
-    cfg, base = _load(args)
+    cfg, base = load_config(args)
     train(cfg, base_dir=base)
     return 0
 
@@ -98,7 +113,7 @@ def cmd_train(args) -> int:
 def cmd_plan(args) -> int:
     from novatune.train.plan import plan, render
 
-    cfg, base = _load(args)
+    cfg, base = load_config(args)
     est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem)
     print(render(est))
     return 1 if est.get("oom") else 0
@@ -128,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     handlers = {"train": cmd_train, "plan": cmd_plan, "env": cmd_env}
     try:
+        if args.command in PLUGGED_COMMANDS:
+            return importlib.import_module(PLUGGED_COMMANDS[args.command]).run(args)
         return handlers[args.command](args)
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
