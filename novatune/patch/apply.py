@@ -83,7 +83,7 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True, early_tied_grad: bool = True,
-          strict: bool = False) -> PatchReport:
+          swiglu_inplace_backward: bool = True, strict: bool = False) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
@@ -94,6 +94,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     early_tied_grad: with tied embeddings, add the lm_head's gradient into the weight's .grad as soon as the fused
     loss produces it instead of letting autograd hold it until the embedding's backward (-0.72 GiB peak at
     Qwen3-4B). Off for sharded (DTensor) weights; set False if you call torch.autograd.grad on the tied weight.
+    swiglu_inplace_backward: the MLP's backward writes the gate/up gradients over the (dead) gate/up activations,
+    as Liger does: -2 x tokens x intermediate x 2 bytes per layer in the backward (152 MiB at Qwen3-4B x 4096).
+    A second backward through the same graph (retain_graph=True) then raises; set False for that.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
@@ -120,7 +123,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
-                early_tied_grad=early_tied_grad)
+                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
@@ -130,7 +133,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
 
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,
-                cross_entropy, ce_mode, fuse_qk, early_tied_grad) -> None:
+                cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace) -> None:
     config = model.config
     base = getattr(model, spec.base_model_attr, None)
     is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
@@ -158,8 +161,10 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
             elif act not in spec.mlp.activations:
                 report.add(path, "mlp", "skipped", f"hidden_act={act!r} is not SiLU")
             else:
-                _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp)
-                report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM")
+                _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
+                      _novatune_swiglu_inplace=swiglu_inplace)
+                report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM"
+                           + (" (gradients written over gate/up)" if swiglu_inplace else ""))
         elif cls in spec.attention_classes:
             attn_total += 1
             if attention is False or not rope:

@@ -32,7 +32,8 @@ def rms_norm_forward(self, hidden_states):
 
 def swiglu_mlp_forward(self, x):
     names = self._novatune_mlp
-    return swiglu_mlp(x, getattr(self, names.gate_proj), getattr(self, names.up_proj), getattr(self, names.down_proj))
+    return swiglu_mlp(x, getattr(self, names.gate_proj), getattr(self, names.up_proj), getattr(self, names.down_proj),
+                      inplace_backward=self._novatune_swiglu_inplace)
 
 
 def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,

@@ -220,6 +220,75 @@ def test_gpu_real_shape_autograd():
 def test_gpu_compiled_mlp_matches_eager():
     """torch.compile(fullgraph=True) traces the custom ops through their fake impls and gives the same values."""
     mlp = _tiny_qwen3_mlp().cuda()
-    fn = lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj)  # noqa: E731
+    fn = lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj)
     compiled = torch.compile(fn, fullgraph=True)
     _compare_mlps(mlp, compiled, "cuda")
+
+
+# ---- in-place backward (the fused MLP's path) ---------------------------------------------------------------
+
+def _mlp_grads(inplace: bool, dtype, device):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=gen).to(dtype).to(device).requires_grad_(True)
+    wg = (0.3 * torch.randn(127, 64, generator=gen)).to(dtype).to(device).requires_grad_(True)
+    wu = (0.3 * torch.randn(127, 64, generator=gen)).to(dtype).to(device).requires_grad_(True)
+    dy = torch.randn(37, 127, generator=gen).to(dtype).to(device)
+    gate, up = x @ wg.T, x @ wu.T
+    ptrs = {"gate": gate.data_ptr(), "up": up.data_ptr()}
+    seen = {}
+    gate.register_hook(lambda g: seen.__setitem__("dgate", g.data_ptr()))
+    up.register_hook(lambda g: seen.__setitem__("dup", g.data_ptr()))
+    y = swiglu(gate, up, inplace_backward=inplace)
+    y.backward(dy)
+    return (y.detach(), x.grad, wg.grad, wu.grad), ptrs, seen
+
+
+@pytest.mark.parametrize("backend", ["default", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_inplace_backward_same_numbers_in_gate_up_memory(dtype, backend, device, monkeypatch):
+    """inplace_backward gives bit-identical y and gradients (the same kernel, other destinations), and the
+    gradients reaching gate/up ARE gate's/up's memory (the point: no two new activation-sized buffers)."""
+    if backend == "reference":
+        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        device = "cpu"
+    ref, _, _ = _mlp_grads(False, dtype, device)
+    got, ptrs, seen = _mlp_grads(True, dtype, device)
+    for name, a, b in zip(("y", "dx", "dwg", "dwu"), got, ref):
+        assert torch.equal(a, b), name
+    assert seen == {"dgate": ptrs["gate"], "dup": ptrs["up"]}
+
+
+def test_inplace_backward_refuses_a_second_backward(device):
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    gate, up = x * 1.5, x - 0.25  # non-leaf, owned by the op like projection outputs
+    y = swiglu(gate, up, inplace_backward=True)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run twice"):
+        y.sum().backward()
+
+
+def test_inplace_backward_breaks_other_savers_loudly(device):
+    """Another node that saved gate (created earlier, so its backward runs after ours) must fail on the version
+    check, not silently read gradients."""
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    gate, up = x * 1.5, x - 0.25
+    p = gate.pow(2)  # saves gate
+    y = swiglu(gate, up, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (y.sum() + p.sum()).backward()
+
+
+def test_swiglu_mlp_inplace_matches_out_of_place(device):
+    torch.manual_seed(0)
+    lin = [torch.nn.Linear(32, 127, bias=False), torch.nn.Linear(32, 127, bias=False),
+           torch.nn.Linear(127, 32, bias=False)]
+    lin = [m.to(device) for m in lin]
+    x = torch.randn(3, 37, 32, device=device)
+    grads = []
+    for inplace in (True, False):
+        for m in lin:
+            m.zero_grad(set_to_none=True)
+        swiglu_mlp(x, *lin, inplace_backward=inplace).square().sum().backward()
+        grads.append([m.weight.grad.clone() for m in lin])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
