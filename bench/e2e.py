@@ -161,13 +161,23 @@ def run_stack(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return torch.stack(losses).mean()
 
-    losses = [opt_step(k).item() for k in range(args.warm)]
+    if args.diag:
+        install_diagnostics()
+    losses = []
+    for k in range(args.warm):
+        t_w = time.perf_counter()
+        losses.append(opt_step(k).item())
+        if args.diag:
+            print(f"DIAG warm step {k}: {1e3 * (time.perf_counter() - t_w):.1f} ms", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     sync()
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     timed, ends = [], []
+    if dev == "cuda":
+        ends.append(torch.cuda.Event(enable_timing=True))
+        ends[-1].record()
     for k in range(args.warm, args.warm + args.steps):
         timed.append(opt_step(k))
         if dev == "cuda":  # an event per step: per-step times without a host sync inside the timed region
@@ -175,7 +185,7 @@ def run_stack(args) -> dict:
             ends[-1].record()
     sync()
     dt = time.perf_counter() - t0
-    step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(ends, ends[1:])]  # steps 2.. (step 1 has no start)
+    step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(ends, ends[1:])]  # GPU-side time of each timed step
     losses += [float(x) for x in timed]
     tps = args.steps * args.ga * args.seq / dt
     fpt = flops_per_token(cfg, rows)
@@ -199,6 +209,38 @@ def run_stack(args) -> dict:
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
                 losses=[round(x, 4) for x in losses],
                 patch=report.to_dict() if report is not None else None)
+
+
+def install_diagnostics() -> None:
+    """--diag: print every Triton JIT compile (a new specialisation inside the timed steps would be a hiccup) and
+    every garbage collection over 5 ms (a full collection walks the model's and autograd's Python objects)."""
+    import gc
+
+    import triton
+
+    real_compile = triton.compiler.compile
+
+    def logged_compile(src, *a, **kw):
+        t = time.perf_counter()
+        out = real_compile(src, *a, **kw)
+        name = getattr(getattr(src, "fn", None), "__name__", type(src).__name__)
+        print(f"DIAG triton compile {name}: {1e3 * (time.perf_counter() - t):.0f} ms", flush=True)
+        return out
+
+    triton.compiler.compile = logged_compile
+    import triton.runtime.jit as jit
+
+    if getattr(jit, "compile", None) is real_compile:
+        jit.compile = logged_compile
+    t_gc = {}
+
+    def gc_cb(phase, info):
+        if phase == "start":
+            t_gc["t"] = time.perf_counter()
+        elif "t" in t_gc and (dt := 1e3 * (time.perf_counter() - t_gc["t"])) > 5:
+            print(f"DIAG gc generation {info['generation']}: {dt:.0f} ms, {info['collected']} collected", flush=True)
+
+    gc.callbacks.append(gc_cb)
 
 
 def memory_peak_report(model, batch: dict, path: str) -> dict:
@@ -366,11 +408,14 @@ def drive(args) -> int:
                str(args.seq), "--ga", str(args.ga), "--warm", str(args.warm), "--steps", str(args.steps),
                "--attention", args.attention, "--ce_mode", args.ce_mode] \
             + (["--no_host_meta"] if args.no_host_meta else []) + (["--no_fuse_qk"] if args.no_fuse_qk else []) \
-            + (["--profile", args.profile] if args.profile else []) \
+            + (["--profile", args.profile] if args.profile else []) + (["--diag"] if args.diag else []) \
             + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
             + (["--no_ckpt"] if args.no_ckpt else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        for ln in proc.stdout.splitlines():
+            if ln.startswith("DIAG"):
+                print(f"[{stack}] {ln}", flush=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(f"[{stack}] FAILED (exit {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}",
@@ -432,6 +477,7 @@ def main(argv=None) -> int:
                         "instead of receiving the collator's host-side cu_seq_lens_q")
     p.add_argument("--results", default="bench/results/e2e.jsonl")
     p.add_argument("--memory", default="", help="path prefix: replay one micro-step's allocations to the peak")
+    p.add_argument("--diag", action="store_true", help="print Triton compiles, long GCs and warm-up step times")
     p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
     args = p.parse_args(argv)
     if args.stack:
