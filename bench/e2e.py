@@ -171,6 +171,14 @@ def run_stack(args) -> dict:
             print(f"DIAG warm step {k}: {1e3 * (time.perf_counter() - t_w):.1f} ms", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     sync()
+    if not args.no_gc_freeze:
+        # Every stack alike: a full garbage collection walks all of transformers' Python objects and took 170-195 ms
+        # (run 15, --diag), landing at random in some timed step (+10% on that step). Freezing what exists after
+        # the warm-up steps keeps collections short without disabling them (torchtitan disables GC instead).
+        import gc
+
+        gc.collect()
+        gc.freeze()
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -203,7 +211,7 @@ def run_stack(args) -> dict:
     if args.profile and dev == "cuda":
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
-                ckpt=not args.no_ckpt, warm=args.warm, steps=args.steps, attention=args.attention,
+                ckpt=not args.no_ckpt, gc_freeze=not args.no_gc_freeze, warm=args.warm, steps=args.steps, attention=args.attention,
                 host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,
                 tok_s=round(tps, 1), step_ms=step_ms, model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
@@ -409,6 +417,7 @@ def drive(args) -> int:
                "--attention", args.attention, "--ce_mode", args.ce_mode] \
             + (["--no_host_meta"] if args.no_host_meta else []) + (["--no_fuse_qk"] if args.no_fuse_qk else []) \
             + (["--profile", args.profile] if args.profile else []) + (["--diag"] if args.diag else []) \
+            + (["--no_gc_freeze"] if args.no_gc_freeze else []) \
             + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
             + (["--no_ckpt"] if args.no_ckpt else [])
@@ -477,6 +486,8 @@ def main(argv=None) -> int:
                         "instead of receiving the collator's host-side cu_seq_lens_q")
     p.add_argument("--results", default="bench/results/e2e.jsonl")
     p.add_argument("--memory", default="", help="path prefix: replay one micro-step's allocations to the peak")
+    p.add_argument("--no_gc_freeze", action="store_true", help="leave Python's GC as is (full collections in the "
+                   "timed steps, ~0.2 s each)")
     p.add_argument("--diag", action="store_true", help="print Triton compiles, long GCs and warm-up step times")
     p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
     args = p.parse_args(argv)

@@ -44,7 +44,13 @@ EPILOG_PLAN = """examples:
 
 
 # subcommand -> module holding add_arguments(parser), HELP and run(args); imported when the parser is built
-PLUGGED_COMMANDS: dict[str, str] = {}
+PLUGGED_COMMANDS: dict[str, str] = {
+    "eval": "novatune.harness.cli_eval",
+    "report": "novatune.report.cli_report",
+    "bench": "novatune.harness.cli_bench",
+    "validate": "novatune.harness.cli_validate",
+    "tune": "novatune.tune.cli_tune",
+}
 
 
 def add_config_args(p: argparse.ArgumentParser, optional: bool) -> None:

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU must show, in one run on the device machine (see docs/CONTRIBUTING.md):
-#   scripts/gpu_check.sh [tests] [ops] [attention] [e2e] [parity]     (default: all of them)
+#   scripts/gpu_check.sh [tests] [ops] [attention] [e2e] [parity] [proof]   (default: all but proof)
+#   proof: `novatune bench` + `novatune validate` + `novatune report` on the headline config (issue 4), ~6 min
+#   (timeouts 280 + 210 + 60 s); with a 2-stack e2e in the same call the two speedups are compared:
+#   E2E_STACKS=hf_sdpa,novatune PROOF_STEPS=4 scripts/gpu_check.sh e2e proof
+#   eval: `novatune eval` decoding speed on a random Qwen2.5-0.5B (< 2 min; not in the default list).
+#   tune: the kernel engine (issue 5): GPU tests of tests/tune (CUDA extension build + validation), then
+#   `novatune tune examples/qwen3-4b-seed.yaml` (< 5 min); < 6 min in all; not in the default list.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel from ../shared/tools/peer-wheels.sh) are installed into /tmp/site first.
 set -uo pipefail
@@ -44,6 +50,42 @@ if has e2e; then
   timeout 580 python3 bench/e2e.py --stacks ${E2E_STACKS:-hf_sdpa,varlen_liger,novatune} --results "$OUT/e2e.jsonl" \
     2>&1 | tee "$OUT/e2e.log" | tail -n 6
 fi
+if has eval; then
+  # `novatune eval` decoding speed (issue 4): Qwen2.5-0.5B architecture, random init (it never stops early, so every
+  # request decodes all 256 tokens), the bundled 22-problem sample x3 = 66 requests in one batch, greedy, KV cache
+  timeout 170 python3 -m novatune eval --arch qwen2.5-0.5b --max-new-tokens 256 --batch-size 66 --repeat 3 \
+    --label "qwen2.5-0.5b random (speed)" --output "$OUT/eval.json" --results "$OUT/eval.jsonl" 2>&1 \
+    | tee "$OUT/eval.log" | tail -n 14
+  summary+=("novatune eval: exit ${PIPESTATUS[0]}, $(python3 -c "import json; r = json.load(open('$OUT/eval.json')); \
+print(f\"{r['gen_tokens_per_s']:,.0f} generated tok/s ({r['gen_tokens']} tokens, {r['requests']} requests, batch \
+{r['batch_size']}, {r['avg_latency_s']:.2f} s/request)\")" 2>/dev/null || echo 'no eval.json')")
+fi
+if has proof; then
+  # the headline workload through the CLI: each stack in its own process (bench), then parity and the adversarial
+  # checks (validate); run directories go into one archive below ($OUT returns few files, two folders deep)
+  P="$OUT/proof"; rm -rf "$P"; mkdir -p "$P"
+  # --profile: one extra step per stack under torch.profiler after the timed ones (the report's op breakdown)
+  timeout 280 python3 -m novatune bench examples/qwen3-4b-seed.yaml --stacks stock,liger-peer,novatune \
+    --warm 2 --steps ${PROOF_STEPS:-5} --timeout 150 --profile --run-dir "$P/bench" 2>&1 | tee "$OUT/proof_bench.log" | tail -n 12
+  summary+=("novatune bench: exit ${PIPESTATUS[0]}")
+  timeout 210 python3 -m novatune validate examples/qwen3-4b-seed.yaml --steps 4 --run-dir "$P/validate" \
+    2>&1 | tee "$OUT/proof_validate.log" | tail -n 12
+  summary+=("novatune validate: exit ${PIPESTATUS[0]}")
+  timeout 60 python3 -m novatune report "$P/bench" "$P/validate" -o "$P/report" 2>&1 | tee "$OUT/proof_report.log" | tail -n 2
+  summary+=("novatune report: exit ${PIPESTATUS[0]}")
+fi
+if has tune; then
+  # the kernel engine: GPU tests (CUDA extension build + validation of its candidates), then the headline tune run
+  # (< 5 min). The CUDA build lands in ~/.cache/novatune/cuda and is reused by the tune run; the cache JSON, rows,
+  # traces and report go under $OUT (traces/report in tune.tgz).
+  timeout 240 python3 -m pytest -q -s -m gpu tests/tune 2>&1 | tee "$OUT/tune_tests.log" | grep -E "^(rms_norm|swiglu|CUDA)|passed|failed|error" | tail -n 30
+  summary+=("tune gpu tests: $(tail -n 1 "$OUT/tune_tests.log")")
+  t0=$(date +%s)
+  NOVATUNE_TUNE_CACHE="$OUT/tune_cache.json" timeout 330 python3 -m novatune tune examples/qwen3-4b-seed.yaml \
+    --out "$OUT/tune" --results "$OUT/tune.jsonl" 2>&1 | tee "$OUT/tune.log" | tail -n 25
+  summary+=("novatune tune: exit ${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s (process wall, incl. model build)")
+  (cd "$OUT" && tar czf tune.tgz tune 2>/dev/null && rm -rf tune)
+fi
 echo; echo "=== summary ==="
 for s in "${summary[@]}"; do echo "$s"; done
 [ -f "$OUT/ops.jsonl" ] && python3 - "$OUT/ops.jsonl" <<'PY'
@@ -60,6 +102,69 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"e2e {r['arch']:13s} {r['stack']:13s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
           f"x{r.get('x_best_peer') or 0:.3f} peer  {r['peak_gib']:6.2f} GiB  loss {r['losses'][-1]}")
+PY
+[ -d "$OUT/proof" ] && python3 - "$OUT/proof" "$OUT/e2e.jsonl" <<'PY'
+import json, os, sys
+p, e2e = sys.argv[1], sys.argv[2]
+bench = os.path.join(p, "bench", "summary.json")
+if os.path.exists(bench):
+    s = json.load(open(bench))
+    for r in s["rows"]:
+        if r["status"] != "ok":
+            print(f"proof bench    {r['stack']:11s} {r['status']}: {str(r.get('reason'))[:100]}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        print(f"proof bench    {r['stack']:11s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
+              f"MFU {mfu}  {r.get('peak_gib') or 0:6.2f} GiB  loss vs stock {r.get('loss_max_rel_diff_vs_stock') or 0:.1e}")
+    sp = s["speedup"]["novatune_vs_stock"]
+    if sp and os.path.exists(e2e):
+        rows = [json.loads(x) for x in open(e2e) if x.strip()]
+        last = {r["stack"]: r for r in rows if r.get("arch") == "qwen3-4b" and r.get("layers") == 36}
+        if "hf_sdpa" in last and "novatune" in last:
+            ref = last["novatune"]["tok_s"] / last["hf_sdpa"]["tok_s"]
+            print(f"proof speedup  novatune/stock: bench {sp:.3f}, bench/e2e.py {ref:.3f} -> ratio {sp / ref:.3f} "
+                  f"({'within' if abs(sp / ref - 1) <= 0.03 else 'OUTSIDE'} 3%)")
+else:
+    print("proof bench    no summary.json (see proof_bench.log in logs.tgz)")
+val = os.path.join(p, "validate", "validate.json")
+if os.path.exists(val):
+    v = json.load(open(val))
+    print(f"proof validate {'PASSED' if v['passed'] else 'FAILED'} ({v['dtype']}, {v['steps']} steps, layers {v['layers']})")
+    for c in v["checks"]:
+        print(f"  {'PASS' if c['passed'] else 'FAIL'} {c['name']:22s} {c['message'][:150]}")
+else:
+    print("proof validate no validate.json (see proof_validate.log in logs.tgz)")
+PY
+# Chrome traces of a 4B optimizer step are tens of MB (a returned file may hold 16 MiB): the report keeps their
+# op-time table; the traces themselves stay on the machine
+[ -d "$OUT/proof" ] && (cd "$OUT" && tar czf proof.tgz --exclude=traces proof && rm -rf proof)
+[ -f "$OUT/tune.jsonl" ] && python3 - "$OUT/tune.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+summ = [r for r in rows if r.get("bench") == "tune_summary"]
+if not summ:
+    print("tune: no summary row (the run failed before the end; see tune.log)"); sys.exit()
+s = summ[-1]
+print(f"tune ({s.get('device')}): {s['tune_s']} s tune wall (acceptance < 300 s: {'PASS' if s['tune_s'] < 300 else 'FAIL'})")
+print(f"{'op':9s} {'shape':>12s} {'default us':>10s} {'chosen':>18s} {'chosen us':>10s} {'kernel us':>10s} {'floor frac':>10s} {'x HF eager':>10s}")
+for o in s["ops"]:
+    k = o.get("kernel_us", {}).get(o["choice"])
+    print(f"{o['op']:9s} {o['shape']:>12s} {o['default_us'] or 0:10.1f} {o['choice'][:18]:>18s} {o['chosen_us']:10.1f} "
+          f"{k or 0:10.1f} {o['floor_frac'] or 0:10.3f} {o['x_hf_eager'] or 0:10.2f}")
+    if o["op"] == "rms_norm" and o["shape"] == "4096x2560":
+        ok = (o["x_hf_eager"] or 0) >= 5 and (o["floor_frac"] or 0) >= 0.85
+        kfrac = o["floor_us"] / k if k and o.get("floor_us") else 0
+        print(f"  RMSNorm 4096x2560 bar (>= 5x HF eager, >= 0.85 floor, on graph-replay time incl. gaps): "
+              f"{'PASS' if ok else 'FAIL'}; on kernel time (profiler sum, no gaps): {kfrac:.3f}")
+c = s.get("step_check")
+if c:
+    print(f"step: default {c['default_s'] * 1e3:.1f} ms, tuned {c['tuned_s'] * 1e3:.1f} ms ({'kept' if c['kept'] else 'dropped'}; "
+          f"tuned <= default: {'PASS' if c['tuned_s'] <= c['default_s'] or not c['kept'] else 'FAIL'})")
+else:
+    print("step: no non-default choice, nothing to check")
+bad = [r for r in rows if r.get("bench") == "tune" and r.get("family") == "cuda" and r["status"] not in ("timed", "chosen")]
+print(f"cuda candidates: {sum(1 for r in rows if r.get('bench') == 'tune' and r.get('family') == 'cuda') - len(bad)} validated+timed, "
+      f"{len(bad)} not: " + "; ".join(f"{r['op']} {r['candidate']} [{r['check']}] {str(r['reason'])[:80]}" for r in bad[:4]))
 PY
 # at most 8 files come back from the device machine: logs go into one archive, JSONL rows stay plain files
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log gpu.txt 2>/dev/null)

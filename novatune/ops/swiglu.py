@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from novatune.kernels import swiglu as K
+from novatune.ops import _backend
 from novatune.ops._backend import use_triton
 
 
@@ -135,6 +136,11 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
         gate, up = gate.to(dt), up.to(dt)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.swiglu_fwd(gate, up)  # traced: functional, the compiler plans the buffers
+    hook = _backend.OVERRIDE  # an implementation `novatune tune` selected for this shape (None: nothing tuned)
+    if hook is not None:
+        out = hook("swiglu", gate, up, inplace_backward)
+        if out is not None:
+            return out
     return _SwiGLUFunction.apply(gate, up, inplace_backward)
 
 

@@ -21,6 +21,9 @@ class PatchReport:
     entries: list[PatchEntry] = field(default_factory=list)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     reverted: bool = False
+    # implementations chosen by `novatune tune` (novatune.tune.engine.tune_op cache entries: op, shape, choice,
+    # timings, errors, reason, every candidate's verdict), in effect while this patch is applied
+    choices: list[dict] = field(default_factory=list)
 
     def add(self, path: str, kind: str, action: str, detail: str) -> None:
         self.entries.append(PatchEntry(path, kind, action, detail))
@@ -46,6 +49,9 @@ class PatchReport:
             "skipped": [e.__dict__ for e in self.skipped()],
             "notes": [e.detail for e in self.entries if e.action == "note"],
             "implementations": sorted({f"{e.kind}: {e.detail}" for e in self.replaced()}),
+            "tuned": [{k: c.get(k) for k in ("op", "shape", "dtype", "choice", "family", "params", "chosen_us",
+                                             "default_us", "stock_us", "floor_us", "reason", "kept")}
+                      | {"error": _max_error(c)} for c in self.choices],
         }
 
     def __str__(self) -> str:
@@ -63,4 +69,17 @@ class PatchReport:
         for e in self.entries:
             if e.action == "note":
                 lines.append(f"  note: {e.detail}")
+        for c in self.choices:
+            shape = "x".join(map(str, c["shape"]))
+            dflt = f", default {c['default_us']:.1f} µs" if c.get("default_us") else ""
+            err = _max_error(c)
+            lines.append(f"  tuned    {c['op']} {shape} {c['dtype']}: {c['choice']} {c['chosen_us']:.1f} µs{dflt}"
+                         + (f", rel err {err:.1e}" if err is not None else "") + f" ({c['reason']})")
         return "\n".join(lines)
+
+
+def _max_error(choice: dict) -> float | None:
+    """The chosen candidate's largest relative error over outputs, gradients and shapes (from validation)."""
+    rec = next((r for r in choice.get("candidates", []) if r.get("name") == choice.get("choice")), None)
+    errs = list((rec or {}).get("errors", {}).values())
+    return max(errs) if errs else None

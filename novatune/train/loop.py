@@ -11,6 +11,7 @@ detection, and attention would cross documents.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -94,9 +95,15 @@ def resolve_resume(cfg: Config) -> Path | None:
     return p
 
 
-def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None) -> RunResult:
+def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None,
+          model_hook=None, step_hook=None) -> RunResult:
     """Run training as configured. `stop_after` ends the process's loop after that many optimizer steps without
-    exporting, like a killed run (tests use it to check that a resume continues the same loss curve)."""
+    exporting, like a killed run (tests use it to check that a resume continues the same loss curve).
+
+    Hooks for the harness (`novatune bench` / `validate` measure this loop rather than a copy of it):
+    `model_hook(model)` runs once the model is built, prepared and patched, before the optimizer exists (snapshot
+    weights, switch a peer stack's attention); `step_hook(step, micro_batches)` runs after each optimizer step and
+    its metrics row (time and meter the steps)."""
     from rich.console import Console
 
     console = console or Console(soft_wrap=True)
@@ -125,6 +132,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     report = apply_patch(model, cfg.model)
     if report is not None:
         console.print(str(report), highlight=False, markup=False)
+    if model_hook is not None:
+        model_hook(model)
     n_total, n_train = param_counts(model)
     console.print(f"model: {type(model).__name__} {n_total / 1e6:,.2f}M parameters ({n_train / 1e6:,.2f}M "
                   f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
@@ -202,11 +211,21 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 progress.update(step)
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save(step)
+            if step == start_step + 1:
+                # A full garbage collection walks every Python object of transformers, the model and autograd:
+                # 170-195 ms on the GPU machine, landing at random inside training steps (bench/e2e.py --diag,
+                # LOG.md run 15). What exists after the first step lives for the whole run: freeze it, so later
+                # collections only walk new objects. (torchtitan disables the GC instead.)
+                gc.collect()
+                gc.freeze()
+            if step_hook is not None:
+                step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
                 break
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        gc.unfreeze()  # frozen objects are never collected: hand them back once training is over
         progress.close()
         metrics.close()
     for s, l_, _ in pending:

@@ -1,0 +1,66 @@
+"""Train the configured workload with stock HF, the best peer (Liger + torch varlen attention, when installed) and
+novatune, each in its own process from the same init and data; print tokens/s, MFU, peak memory and per-step
+losses side by side, and write a run directory (bench.jsonl rows, summary.json, each stack's metrics).
+
+tokens/s counts the timed optimizer steps after the warm-up steps (synchronised); peak GiB is the allocator's
+peak over the timed steps; MFU divides by a bf16 matmul rate measured once in this run. Rows carry the device,
+versions and git sha. Exit 1 when a stack failed (its row holds the error); a stack that cannot run here (Liger
+not installed) gets a row saying so.
+"""
+from __future__ import annotations
+
+HELP = "stock vs peer vs novatune on the configured workload: tok/s, MFU, memory, losses"
+EPILOG = """examples:
+  novatune bench examples/qwen3-4b-seed.yaml                       # all stacks, writes runs/bench-<time>/
+  novatune bench examples/qwen3-4b-seed.yaml --warm 2 --steps 5 --run-dir /tmp/bench
+  novatune bench examples/qwen3-4b-seed.yaml --stacks stock,novatune --set model.arch_overrides.num_hidden_layers=8
+  novatune report /tmp/bench                                       # the report from the run directory
+"""
+
+
+def add_arguments(p) -> None:
+    from novatune.cli import add_config_args
+
+    add_config_args(p, optional=False)
+    p.add_argument("--stacks", default="stock,liger-peer,novatune",
+                   help="comma list of stock, liger-peer, novatune (default: all three)")
+    p.add_argument("--warm", type=int, default=2, help="warm-up optimizer steps, not timed (default 2, min 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed optimizer steps (default: train.max_steps minus the warm-up)")
+    p.add_argument("--run-dir", help="where the rows go (default: runs/bench-<date-time>)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds allowed per stack")
+    p.add_argument("--profile", action="store_true",
+                   help="one extra step per stack under torch.profiler, after the timed steps: "
+                        "<run-dir>/traces/<stack>.json (the report's op-time breakdown)")
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    from novatune.cli import load_config
+    from novatune.harness.bench import default_run_dir, parse_stacks, render_table, run_bench
+    from novatune.train.config import ConfigError
+
+    try:
+        stacks = parse_stacks(args.stacks)
+    except ValueError as e:
+        raise ConfigError("--stacks", str(e)) from None
+    if args.warm < 1:
+        raise ConfigError("--warm", f"must be >= 1, got {args.warm}", "BENCHMARKS.md asks for >= 2 warm-up steps")
+    cfg, _ = load_config(args)  # config errors surface here, before any process starts
+    steps = args.steps if args.steps is not None else (cfg.train.max_steps or 0) - args.warm
+    if steps < 1:
+        raise ConfigError("--steps", f"{steps} timed steps (train.max_steps={cfg.train.max_steps}, --warm "
+                          f"{args.warm})", "pass --steps N (N >= 1)")
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("bench")
+    summary = run_bench(args.config, list(args.overrides), stacks, run_dir, args.warm, steps, args.timeout,
+                        args.profile)
+    print()
+    print(render_table(summary))
+    print(f"run directory: {run_dir}")
+    sp = summary["speedup"]
+    print(json.dumps({"bench": str(run_dir), "exit_code": summary["exit_code"],
+                      **{r["stack"]: (r["tok_s"] if r["status"] == "ok" else r["status"]) for r in summary["rows"]},
+                      **sp}))
+    return summary["exit_code"]

@@ -1,0 +1,95 @@
+"""The best peer stack (BENCHMARKS.md): Liger-Kernel's fused ops + torch's varlen attention, wired into HF the way
+bench/e2e.py and shared/reference/anchor_e2e.py wire it, so `novatune bench` measures the same peer as the anchors.
+
+* Liger: `apply_liger_kernel_to_<model_type>(rope, rms_norm, swiglu, fused_linear_cross_entropy)`, called before
+  the model is built (it swaps the modeling module's classes/forwards, process-wide: each bench stack runs in its
+  own process for this reason).
+* Attention: an `AttentionInterface` entry "peer_varlen" that finds document starts from position_ids on the
+  device (one host sync per batch, cached across layers) and calls `torch.nn.attention.varlen.varlen_attn`, whose
+  signature changed in every torch release (2.10 `is_causal`; 2.11 `window_size=(-1, 0)`; 2.12 `enable_gqa`).
+"""
+from __future__ import annotations
+
+import inspect
+
+PEER_ATTENTION = "peer_varlen"
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer stack cannot run here (Liger not installed, or torch without varlen_attn); the message says why."""
+
+
+def liger_version() -> str | None:
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("liger-kernel")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def apply_liger(model_type: str) -> str:
+    """Liger's kernels for one HF family (before the model is built); returns the function name applied."""
+    try:
+        import liger_kernel.transformers as lk
+    except ImportError as e:
+        raise PeerUnavailable(f"liger_kernel is not importable ({e}); pip install liger-kernel") from None
+    name = f"apply_liger_kernel_to_{model_type}"
+    fn = getattr(lk, name, None)
+    if fn is None:
+        raise PeerUnavailable(f"liger_kernel has no {name} (model_type {model_type!r} is not supported by Liger)")
+    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    return name
+
+
+def register_peer_varlen() -> str:
+    """Register the peer's varlen attention with transformers' AttentionInterface; returns its name."""
+    import torch
+    from transformers import AttentionInterface
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        raise PeerUnavailable(f"torch {torch.__version__} has no torch.nn.attention.varlen ({e})") from None
+    sig = inspect.signature(varlen_attn).parameters
+    cache: dict = {}
+
+    def meta(position_ids):
+        # every layer gets the same position_ids tensor: derive cu_seqlens once per batch (one host sync for max)
+        key = (position_ids.data_ptr(), position_ids.shape)
+        if cache.get("key") != key:
+            pos = position_ids.view(-1)
+            starts = torch.nonzero(pos == 0).view(-1).to(torch.int32)
+            cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device, dtype=torch.int32)])
+            cache.update(key=key, cu=cu, mx=int((cu[1:] - cu[:-1]).max()))
+        return cache["cu"], cache["mx"]
+
+    def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
+        cu, mx = meta(kw["position_ids"])
+        q = query.transpose(1, 2).reshape(b * s, hq, d)
+        k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+        v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        extra = {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)}
+        if "enable_gqa" in sig:
+            extra["enable_gqa"] = True
+        elif key.shape[1] != hq:
+            k = k.repeat_interleave(hq // key.shape[1], dim=1)
+            v = v.repeat_interleave(hq // key.shape[1], dim=1)
+        out = varlen_attn(q, k, v, cu, cu, mx, mx, scale=scaling, **extra)
+        return out.view(b, s, hq, d), None
+
+    AttentionInterface.register(PEER_ATTENTION, varlen_forward)
+    return PEER_ATTENTION
+
+
+def use_peer_attention(model) -> None:
+    """Switch a built model to the registered peer attention (HF's official dynamic switch)."""
+    model.set_attn_implementation(PEER_ATTENTION)
+    if model.config._attn_implementation != PEER_ATTENTION:
+        raise PeerUnavailable(f"{type(model).__name__} kept attention {model.config._attn_implementation!r}: it "
+                              f"cannot switch its attention implementation dynamically")

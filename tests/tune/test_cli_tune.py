@@ -1,0 +1,73 @@
+"""`novatune tune` end to end on a tiny CPU config, then `novatune.patch` reading what it recorded; and
+`novatune.patch(model, tune=True)` tuning in place. Families are narrowed (no torch.compile, no CUDA) to keep it
+to seconds on two cores."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import novatune
+from novatune.ops import _backend
+from novatune.tune import patching, select
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = Path(__file__).with_name("tiny_tune.yaml")
+sys.path.insert(0, str(ROOT / "tests" / "patch"))
+from tiny_models import packed_batch, tiny_model  # noqa: E402
+
+
+def test_tune_cli_writes_cache_rows_traces_report_and_patch_reads_it(tmp_path):
+    cache = tmp_path / "cache.json"
+    rows = tmp_path / "rows.jsonl"
+    out = tmp_path / "out"
+    env = dict(os.environ, NOVATUNE_TUNE_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)  # CPU ops then run their fp32 references (the interpreter is slow)
+    r = subprocess.run([sys.executable, "-m", "novatune", "tune", str(CONFIG), "--out", str(out), "--results",
+                        str(rows), "--families", "eager,native,default", "--iters", "5", "--check-reps", "1"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    ops = {o["op"]: o for o in summary["ops"]}
+    assert set(ops) == {"rms_norm", "swiglu"}
+    assert ops["rms_norm"]["shape"] == "64x64" and ops["swiglu"]["shape"] == "64x96"
+    for f in ("trace_before.json", "trace_after.json", "tune_report.md", "tune_entries.json"):
+        assert (out / f).stat().st_size > 0, f
+    report = (out / "tune_report.md").read_text()
+    assert "## Choices" in report and "Targets ranked by possible gain" in report and "hf_eager" in report
+    lines = [json.loads(x) for x in rows.read_text().splitlines()]
+    cand_rows = [x for x in lines if x["bench"] == "tune"]
+    assert {x["candidate"] for x in cand_rows} >= {"hf_eager", "novatune_default", "torch_native"}
+    assert sum(x["chosen"] for x in cand_rows) == 2 and lines[-1]["bench"] == "tune_summary"
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == 2 and all(e["env"]["device"] == "cpu" for e in entries.values())
+
+    # patch() reads the cache: non-default choices are installed and listed in the PatchReport
+    os.environ["NOVATUNE_TUNE_CACHE"] = str(cache)
+    rep = novatune.patch(tiny_model("qwen3"))
+    non_default = [e for e in entries.values() if e["choice"] != "novatune_default" and e["kept"]]
+    assert len(rep.choices) == len(non_default)
+    if non_default:
+        assert isinstance(_backend.OVERRIDE, select.Dispatcher) and "tuned" in str(rep)
+        assert rep.to_dict()["tuned"][0]["choice"] == non_default[0]["choice"]
+    rep.revert()
+    assert not isinstance(_backend.OVERRIDE, select.Dispatcher)
+
+
+def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
+    monkeypatch.setattr(patching, "FAMILIES", {"eager", "native", "default"})
+    monkeypatch.setattr(patching, "ITERS", 5)
+    model = tiny_model("qwen3")
+    rep = novatune.patch(model, tune=True, tune_tokens=24)
+    cache = json.loads((tmp_path / "tune_cache.json").read_text())["entries"]
+    assert {(e["op"], tuple(e["shape"])) for e in cache.values()} == {("rms_norm", (24, 64)), ("swiglu", (24, 96))}
+    names = {e["op"]: {c["name"] for c in e["candidates"]} for e in cache.values()}
+    assert names == {"rms_norm": {"hf_eager", "torch_native", "novatune_default"},
+                     "swiglu": {"hf_eager", "novatune_default"}}
+    assert len(rep.choices) == sum(e["choice"] != "novatune_default" and e["kept"] for e in cache.values())
+    ids, pos, lab = packed_batch([[13, 11]])  # 24 tokens: the tuned shapes
+    model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss.backward()
+    rep.revert()
+    assert _backend.OVERRIDE is None
