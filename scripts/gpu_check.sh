@@ -47,7 +47,8 @@ if has parity; then
   done
 fi
 if has e2e; then
-  timeout 580 python3 bench/e2e.py --stacks ${E2E_STACKS:-hf_sdpa,varlen_liger,novatune} --results "$OUT/e2e.jsonl" \
+  timeout 580 python3 bench/e2e.py --stacks ${E2E_STACKS:-hf_sdpa,varlen_liger,novatune} --steps ${E2E_STEPS:-6} \
+    --results "$OUT/e2e.jsonl" \
     2>&1 | tee "$OUT/e2e.log" | tail -n 6
 fi
 if has eval; then
@@ -71,7 +72,8 @@ if has proof; then
   timeout 210 python3 -m novatune validate examples/qwen3-4b-seed.yaml --steps 4 --run-dir "$P/validate" \
     2>&1 | tee "$OUT/proof_validate.log" | tail -n 12
   summary+=("novatune validate: exit ${PIPESTATUS[0]}")
-  timeout 60 python3 -m novatune report "$P/bench" "$P/validate" -o "$P/report" 2>&1 | tee "$OUT/proof_report.log" | tail -n 2
+  ev=(); [ -f "$OUT/eval.json" ] && ev=(--eval "$OUT/eval.json")  # `eval` ran first in this call: its table too
+  timeout 60 python3 -m novatune report "$P/bench" "$P/validate" "${ev[@]}" -o "$P/report" 2>&1 | tee "$OUT/proof_report.log" | tail -n 2
   summary+=("novatune report: exit ${PIPESTATUS[0]}")
 fi
 if has tune; then

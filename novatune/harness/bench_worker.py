@@ -56,7 +56,7 @@ class StepMeter:
 
                 torch.cuda.reset_peak_memory_stats()
             self.t0 = now
-        elif step <= self.warm + self.steps:
+        elif self.warm < step <= self.warm + self.steps:  # steps 1..warm are warm-up: neither timed nor counted
             self.tokens.append(sum(mb["num_tokens"] for mb in mbs))
             self.keys += sum(mb["attn_keys"] for mb in mbs)
             if step == self.warm + self.steps:

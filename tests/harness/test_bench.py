@@ -26,3 +26,17 @@ def test_ratios_and_table_with_an_absent_peer():
     table = render_table({"rows": rows, "warm": 1, "speedup": sp})
     assert "liger-peer  absent  liger_kernel is not installed" in table
     assert "16,000" in table and "2.000" in table and "60.0%" in table
+
+
+def test_step_meter_counts_only_the_timed_steps():
+    """Warm-up steps (1..warm) are neither timed nor counted: tokens / time must cover the same `steps` steps."""
+    from novatune.harness.bench_worker import StepMeter
+
+    meter = StepMeter(warm=2, steps=3, device_type="cpu")
+    meter.model_hook(object())
+    mb = {"num_tokens": 100, "attn_keys": 10.0}
+    for step in range(1, 6):
+        meter.step_hook(step, [mb, mb])
+    assert meter.tokens == [200, 200, 200]
+    assert meter.t0 is not None and meter.t1 is not None and meter.t1 >= meter.t0
+    assert len(meter.step_s) == 5
