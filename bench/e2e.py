@@ -14,7 +14,6 @@ matmul rate measured by the driver in the same run. Rows go to bench/results/e2e
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -71,56 +70,19 @@ def flops_per_token(cfg, rows) -> float:
     return 6 * count_matmul_params(cfg) + attention_flops_per_token(cfg, ctx / len(rows))
 
 
-def register_peer_varlen():
-    """The peer's wiring of torch varlen_attn into HF (as in shared/reference/anchor_e2e.py)."""
-    import torch
-    from torch.nn.attention.varlen import varlen_attn
-    from transformers import AttentionInterface
-
-    sig = inspect.signature(varlen_attn).parameters
-    cache = {}
-
-    def meta(position_ids):
-        key = (position_ids.data_ptr(), position_ids.shape)
-        if cache.get("key") != key:
-            pos = position_ids.view(-1)
-            starts = torch.nonzero(pos == 0).view(-1).to(torch.int32)
-            cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device, dtype=torch.int32)])
-            cache.update(key=key, cu=cu, mx=int((cu[1:] - cu[:-1]).max()))
-        return cache["cu"], cache["mx"]
-
-    def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        b, hq, s, d = query.shape
-        cu, mx = meta(kw["position_ids"])
-        q = query.transpose(1, 2).reshape(b * s, hq, d)
-        k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-        v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-        extra = {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)}
-        if "enable_gqa" in sig:
-            extra["enable_gqa"] = True
-        elif key.shape[1] != hq:
-            k = k.repeat_interleave(hq // key.shape[1], dim=1)
-            v = v.repeat_interleave(hq // key.shape[1], dim=1)
-        out = varlen_attn(q, k, v, cu, cu, mx, mx, scale=scaling, **extra)
-        return out.view(b, s, hq, d), None
-
-    AttentionInterface.register("peer_varlen", varlen_forward)
-
-
 def run_stack(args) -> dict:
     import torch
 
     stack = args.stack
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
             "varlen_liger": "peer_varlen", "novatune": "sdpa"}[stack]
-    if attn == "peer_varlen":
-        register_peer_varlen()
-    if stack.endswith("liger"):
-        import liger_kernel.transformers as lk
+    from novatune.harness import peer  # the peer's wiring, shared with `novatune bench`
 
-        fam = {"qwen3-4b": "qwen3", "qwen3-8b": "qwen3", "llama-3.2-1b": "llama", "qwen2.5-0.5b": "qwen2"}[args.arch]
-        getattr(lk, f"apply_liger_kernel_to_{fam}")(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                                     fused_linear_cross_entropy=True)
+    if attn == "peer_varlen":
+        attn = peer.register_peer_varlen()
+    if stack.endswith("liger"):
+        peer.apply_liger({"qwen3-4b": "qwen3", "qwen3-8b": "qwen3", "llama-3.2-1b": "llama",
+                          "qwen2.5-0.5b": "qwen2"}[args.arch])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build_model(args.arch, args.layers, attn, dev)
     report = None

@@ -110,11 +110,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return torch.ops.novatune.rms_norm_fwd(x, weight, eps)[0]
-    hook = _backend.OVERRIDE  # an implementation `novatune tune` selected for this shape (None: nothing tuned)
-    if hook is not None:
-        out = hook("rms_norm", x, weight, eps)
-        if out is not None:
-            return out
+    # an implementation `novatune tune` selected for this shape (OVERRIDE is None: nothing tuned, one global read)
+    if (hook := _backend.OVERRIDE) is not None and (out := hook("rms_norm", x, weight, eps)) is not None:
+        return out
     return _RMSNormFunction.apply(x, weight, eps)
 
 

@@ -136,11 +136,9 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
         gate, up = gate.to(dt), up.to(dt)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.swiglu_fwd(gate, up)  # traced: functional, the compiler plans the buffers
-    hook = _backend.OVERRIDE  # an implementation `novatune tune` selected for this shape (None: nothing tuned)
-    if hook is not None:
-        out = hook("swiglu", gate, up, inplace_backward)
-        if out is not None:
-            return out
+    # an implementation `novatune tune` selected for this shape (OVERRIDE is None: nothing tuned, one global read)
+    if (hook := _backend.OVERRIDE) is not None and (out := hook("swiglu", gate, up, inplace_backward)) is not None:
+        return out
     return _SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
