@@ -21,7 +21,9 @@ p, li { line-height: 1.5; font-size: 14.5px; }
 table { border-collapse: collapse; margin: 10px 0 14px; font-size: 13.5px; }
 th, td { border: 1px solid #d9dde2; padding: 5px 10px; text-align: right; white-space: nowrap; }
 th { background: #eef1f4; white-space: normal; vertical-align: bottom; }
-.tablewrap { overflow-x: auto; } td:first-child, th:first-child { text-align: left; }
+.tablewrap { overflow-x: auto; max-width: 100%; } td:first-child, th:first-child { text-align: left; }
+table.wide { font-size: 12.5px; } table.wide th, table.wide td { padding: 4px 7px; }
+td.txt { white-space: normal; overflow-wrap: anywhere; min-width: 12em; } .txt { text-align: left; }
 tr:nth-child(even) td { background: #fafbfc; }
 code { background: #f0f2f4; padding: 1px 4px; border-radius: 3px; font-size: 12.5px; }
 pre { background: #f0f2f4; padding: 10px; overflow-x: auto; font-size: 12px; }
@@ -35,6 +37,27 @@ def _inline_html(text: str) -> str:
     t = html.escape(text, quote=False)
     t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
     return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+
+
+WIDE_COLS = 7   # tables with this many columns or more get a smaller font and tighter cells (table.wide)
+WRAP_CHARS = 28  # a cell longer than this (a message, a kernel name) may wrap (td.txt) instead of widening the page
+
+
+def _table_html(headers, rows) -> str:
+    """A table that fits the page: columns of long text (messages, kernel names) wrap and are left-aligned, wide
+    tables are set smaller, and whatever is still too wide scrolls inside its own box (.tablewrap) rather than
+    running off the page."""
+    cells = [[str(c) for c in r] for r in rows]
+    txt = {j for r in cells for j, t in enumerate(r) if len(t) > WRAP_CHARS}
+
+    def cell(tag: str, j: int, t: str) -> str:
+        attr = ' class="txt"' if j in txt else ""
+        return f"<{tag}{attr}>{_inline_html(t)}</{tag}>"
+
+    head = "".join(cell("th", j, str(h)) for j, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(cell("td", j, t) for j, t in enumerate(r)) + "</tr>" for r in cells)
+    cls = ' class="wide"' if len(headers) >= WIDE_COLS else ""
+    return f'<div class="tablewrap"><table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _md_cell(v) -> str:
@@ -88,9 +111,7 @@ def render_html(title: str, blocks: list[tuple]) -> str:
         elif kind == "pre":
             body.append(f"<pre>{html.escape(b[1])}</pre>")
         elif kind == "table":
-            head = "".join(f"<th>{_inline_html(str(h))}</th>" for h in b[1])
-            rows = "".join("<tr>" + "".join(f"<td>{_inline_html(str(c))}</td>" for c in r) + "</tr>" for r in b[2])
-            body.append(f'<div class="tablewrap"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>')
+            body.append(_table_html(b[1], b[2]))
         elif kind == "img":
             data = base64.b64encode(b[2]).decode("ascii")
             body.append(f'<img alt="{html.escape(b[3])}" src="data:image/png;base64,{data}">')

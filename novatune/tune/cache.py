@@ -117,9 +117,13 @@ def selection_from_cache(cache: TuneCache, device) -> tuple[dict, list[dict], li
     env = environment(device)
     table, used, notes = {}, [], []
     dev_type = torch.device(device).type
+    from novatune.tune.opspecs import OPS
+
     for e in cache.matching(env):
         if not e.get("kept", False) or e.get("choice") in (None, "novatune_default"):
             continue
+        if e["op"] not in OPS or OPS[e["op"]].applied_by != "dispatch":
+            continue  # model-level settings (CE mode, attention backend): novatune.tune.model_choices
         dtype = getattr(torch, e["dtype"].split("/")[0])
         found = [c for c in candidates(e["op"], e["shape"], dtype, dev_type) if c.name == e["choice"]]
         if not found or found[0].params != e.get("params", {}):

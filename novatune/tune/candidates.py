@@ -36,6 +36,7 @@ class Candidate:
     kernels: Callable[[], object] | None = None     # -> object with fwd/bwd taking out buffers (kernel families)
     deterministic: bool = True                       # run-twice bitwise identity is promised (and checked)
     unavailable: str | None = None
+    selectable: bool = True                          # False: a baseline only (patch cannot apply it)
     _fn: Callable | None = field(default=None, repr=False)
 
     @property
@@ -279,7 +280,13 @@ def swiglu_candidates(shape, dtype: torch.dtype, device: str, families=None) -> 
     return [c for c in out if families is None or c.family in families]
 
 
-REGISTRY: dict[str, Callable] = {"rms_norm": rms_norm_candidates, "swiglu": swiglu_candidates}
+from novatune.tune.candidates_model import (  # noqa: E402 - needs Candidate defined above
+    attention_candidates,
+    linear_ce_candidates,
+)
+
+REGISTRY: dict[str, Callable] = {"rms_norm": rms_norm_candidates, "swiglu": swiglu_candidates,
+                                 "linear_cross_entropy": linear_ce_candidates, "attention": attention_candidates}
 
 
 def candidates(op: str, shape, dtype: torch.dtype, device: str, families=None) -> list[Candidate]:

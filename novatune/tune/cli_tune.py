@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
                    help="seconds after which no new candidate is started (the run then finishes its checks)")
     p.add_argument("--profile-micro", type=int, default=2, help="micro-batches in the profiled step")
     p.add_argument("--check-reps", type=int, default=3, help="alternated default/tuned full steps in the final check")
+    p.add_argument("--allow-more-memory", action="store_true",
+                   help="let a linear cross-entropy mode be chosen even if its peak memory exceeds the default "
+                        "mode's (by default it is not: peak memory <= the default's is part of the promise)")
 
 
 def _families(text: str) -> set[str]:
@@ -67,6 +70,7 @@ def run(args) -> int:
         prepare,
     )
     from novatune.train.optim import build_optimizer
+    from novatune.tune import model_choices
     from novatune.tune import report as rep
     from novatune.tune import select
     from novatune.tune.cache import TuneCache, environment
@@ -132,29 +136,45 @@ def run(args) -> int:
     env = environment(device)
     deadline = t_start + args.budget
     entries, table, floors = [], {}, {}
-    for (op, shape, dt, _dev), count in sorted(recd.seen.items(), key=lambda kv: -kv[1]):
-        if op not in OPS:
-            continue
+    work = [(op, shape, dt, count / 2)  # recorded over the warm-up and the profiled step
+            for (op, shape, dt, _dev), count in sorted(recd.seen.items(), key=lambda kv: -kv[1]) if op in OPS]
+    # model-level ops (CE mode, attention backend): shapes from the config and the first micro-batch's documents
+    mb0 = mbs[0]
+    tokens = int(mb0["input_ids"].numel())
+    docs = int((mb0["position_ids"] == 0).sum()) if "position_ids" in mb0 else int(mb0["input_ids"].shape[0])
+    n_layers = int(getattr(model.config, "num_hidden_layers", 1))
+    work += [(op, shape, dt, 1.0 if op == "linear_cross_entropy" else float(n_layers))
+             for op, shape, dt in model_choices.model_op_shapes(model, tokens, docs)]
+    for op, shape, dt, calls in work:
         entry, cands = tune_op(op, shape, getattr(torch, dt.split("/")[0]), device, families=families,
-                               iters=args.iters, bandwidth_gbps=bw, deadline=deadline, env=env)
-        entry["calls_per_step"] = count / 2  # recorded over the warm-up and the profiled step
+                               iters=args.iters, bandwidth_gbps=bw, deadline=deadline, env=env,
+                               allow_more_memory=args.allow_more_memory)
+        entry["calls_per_step"] = calls
         entries.append(entry)
-        kind = {"rms_norm": "norm", "swiglu": "activation"}[op]
+        kind = {"rms_norm": "norm", "swiglu": "activation", "linear_cross_entropy": "loss",
+                "attention": "attention"}.get(op, op)
         if entry.get("floor_us"):
             floors[kind] = floors.get(kind, 0.0) + entry["floor_us"] * entry["calls_per_step"]
-        if entry["choice"] != "novatune_default":
+        if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):
             table[(op, tuple(shape), dt, device.type)] = cands[entry["choice"]].functional()
+    picked = model_choices.pick_entries(entries, model, tokens)
+    settings = model_choices.toggler(model, picked) if any(
+        model_choices.setting_of(e) for e in picked.values()) else None
     if not entries:
         notes.append("the profiled step dispatched no tunable op (is model.patch on?)")
     targets = rank_targets(before, floors)
 
     select.install(select.Dispatcher(table))
+    if settings:
+        settings(True)
     after = profile_steps(prof_step, model, steps=1, trace=str(out_dir / "trace_after.json"), warmup=1)
     select.install(None)
+    if settings:
+        settings(False)
     print("after tuning:\n" + after.table(), flush=True)
     check = None
-    if table:
-        check = step_check(full_step, table, reps=args.check_reps)
+    if table or settings:
+        check = step_check(full_step, table, reps=args.check_reps, settings=settings)
         print(f"whole-step check: {check['reason']}", flush=True)
         for e in entries:
             e.update(kept=check["kept"], kept_reason=check["reason"], step_check=check)

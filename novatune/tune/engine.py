@@ -15,7 +15,7 @@ import torch
 
 from novatune.tune import select
 from novatune.tune.candidates import Candidate, candidates
-from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
+from novatune.tune.measure import input_sets, kernel_us, peak_extra_bytes, time_fwd_bwd
 from novatune.tune.opspecs import OPS, shape_str
 from novatune.tune.validate import validate
 
@@ -23,8 +23,11 @@ from novatune.tune.validate import validate
 _ORDER = {"eager": 0, "default": 1, "native": 2, "triton": 3, "cuda": 4, "compile": 5}
 
 
-def odd_shapes(shape, device_type: str) -> list:
-    """The real shape first, then odd row counts at the same width (1 row; 37 rows; more on a GPU)."""
+def odd_shapes(shape, device_type: str, spec=None) -> list:
+    """The real shape first, then odd row counts at the same width (1 row; 37 rows; more on a GPU); ops with
+    their own rule (spec.odd_shapes: cross-entropy, attention) use it."""
+    if spec is not None and spec.odd_shapes is not None:
+        return spec.odd_shapes(tuple(shape), device_type)
     rows, n = shape
     extra = [(1, n), (37, n)] + ([(4097, n)] if device_type == "cuda" and rows > 4097 else [])
     return [tuple(shape)] + [s for s in extra if s != tuple(shape)]
@@ -32,15 +35,18 @@ def odd_shapes(shape, device_type: str) -> list:
 
 def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters: int = 100, warmup: int = 10,
             bandwidth_gbps: float | None = None, deadline: float | None = None, env: dict | None = None,
-            log: Callable = print) -> tuple[dict, dict[str, Candidate]]:
-    """(cache entry, {name: candidate}) for `op` at `shape`. The entry's "choice" is the selected candidate."""
+            allow_more_memory: bool = False, log: Callable = print) -> tuple[dict, dict[str, Candidate]]:
+    """(cache entry, {name: candidate}) for `op` at `shape`. The entry's "choice" is the selected candidate.
+    Every timed candidate's peak extra memory is recorded (`peak_bytes`, CUDA); for ops with a memory rule a
+    candidate above the default's peak is not chosen unless `allow_more_memory`. Baselines (`selectable=False`:
+    what patch cannot apply) are validated and timed for the report but never chosen."""
     device = torch.device(device)
     spec = OPS[op]
     allc = candidates(op, shape, dtype, device.type)
     stock = next(c for c in allc if c.family == "eager")
     cands = sorted((c for c in allc if families is None or c.family in families or c is stock),
                    key=lambda c: _ORDER[c.family])
-    shapes = odd_shapes(shape, device.type)
+    shapes = odd_shapes(shape, device.type, spec)
     floor_us = spec.floor_bytes(shape, dtype) / (bandwidth_gbps * 1e3) if bandwidth_gbps else None
     sets = input_sets(spec, shape, dtype, device)
     records, measured = [], []
@@ -61,14 +67,25 @@ def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters:
             records.append(rec)
             continue
         t = time_fwd_bwd(spec, c.functional(), sets, iters=iters, warmup=warmup)
+        peak = peak_extra_bytes(spec, c.functional(), sets)
         rec.update(status="timed", checks=v.checks, timing=t.to_dict(), median_us=round(t.median_us, 3),
-                   spread_us=round(t.spread_us, 3))
+                   spread_us=round(t.spread_us, 3), peak_bytes=peak)
+        if not c.selectable:
+            rec["note"] = "baseline (patch cannot apply it): timed for comparison, never chosen"
         if floor_us:
             rec["floor_frac"] = round(floor_us / t.median_us, 3)
         log(f"  {op} {shape_str(shape)} {c.name:18s} {t.median_us:9.2f} µs ± {t.spread_us:.2f}  [{t.mode}]"
             + (f"  {floor_us / t.median_us:.2f} of floor" if floor_us else ""))
         records.append(rec)
-        measured.append(select.Measured(c.name, c.complexity, t.median_us, t.spread_us))
+        if c.selectable:
+            measured.append(select.Measured(c.name, c.complexity, t.median_us, t.spread_us, peak))
+    memory_note = None
+    if spec.memory_rule and measured:
+        measured, excluded, memory_note = select.memory_filter(measured, "novatune_default", allow_more_memory)
+        for rec in records:
+            if rec["name"] in excluded:
+                rec["excluded"] = excluded[rec["name"]]
+                log(f"  {op} {shape_str(shape)} {rec['name']:18s} not eligible: {excluded[rec['name']]}")
     if not measured:
         raise RuntimeError(f"tune {op} {shape_str(shape)}: no candidate passed validation, not even the stock one: "
                            + "; ".join(f"{r['name']}: {r.get('reason')}" for r in records))
@@ -94,14 +111,19 @@ def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters:
         "chosen_us": timed[choice.name]["median_us"], "default_us": timed.get("novatune_default", {}).get("median_us"),
         "stock_us": timed.get("hf_eager", {}).get("median_us"), "floor_us": round(floor_us, 3) if floor_us else None,
         "kernel_us": {k: round(v, 2) for k, v in kus.items()}, "candidates": records, "kept": True,
+        "applied_by": spec.applied_by, "memory_rule": memory_note,
+        "chosen_peak_bytes": timed[choice.name].get("peak_bytes"),
+        "default_peak_bytes": timed.get("novatune_default", {}).get("peak_bytes"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return entry, by_name
 
 
-def step_check(step: Callable[[], object], table: dict, reps: int = 3, sync: bool = True) -> dict:
+def step_check(step: Callable[[], object], table: dict, reps: int = 3, sync: bool = True,
+               settings: Callable[[bool], None] | None = None) -> dict:
     """Time `step` with the defaults and with `table` installed, alternated (default, tuned, default, ...) after
-    one warm-up of each; the selection is kept when the tuned median is not slower than the default median."""
+    one warm-up of each; the selection is kept when the tuned median is not slower than the default median.
+    `settings(on)` switches the model-level choices (cross-entropy mode, attention backend) with the table."""
     def timed() -> float:
         if sync and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -118,11 +140,15 @@ def step_check(step: Callable[[], object], table: dict, reps: int = 3, sync: boo
         for r in range(reps + 1):
             for name, hook in (("default", None), ("tuned", tuned)):
                 select.install(hook)
+                if settings is not None:
+                    settings(name == "tuned")
                 t = timed()
                 if r > 0:  # r == 0 is the warm-up of each
                     times[name].append(t)
     finally:
         select.install(prev)
+        if settings is not None:
+            settings(False)
     d, t = statistics.median(times["default"]), statistics.median(times["tuned"])
     keep = t <= d
     return {"default_s": round(d, 4), "tuned_s": round(t, 4), "default_all": [round(x, 4) for x in times["default"]],

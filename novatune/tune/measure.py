@@ -61,8 +61,25 @@ def input_sets(spec: OpSpec, shape, dtype, device, seed: int = 0, max_sets: int 
     for i in range(k):
         inputs = first if i == 0 else spec.make_inputs(shape, dtype, device, gen)
         leaves = {n: (v.detach().requires_grad_(True) if n in spec.tensor_args else v) for n, v in inputs.items()}
-        sets.append((leaves, torch.randn(shape, generator=gen).to(device=device, dtype=dtype)))
+        sets.append((leaves, torch.randn(spec.grad_shape(shape), generator=gen).to(device=device, dtype=dtype)))
     return sets
+
+
+def peak_extra_bytes(spec: OpSpec, fn, sets: list) -> int | None:
+    """Peak memory one fwd+bwd of fn allocates beyond what is live before it (torch.cuda.max_memory_allocated
+    delta; the gradients it returns included). None off CUDA (the CPU allocator keeps no peak)."""
+    leaves, dy = sets[0]
+    device = next(v for v in leaves.values() if isinstance(v, torch.Tensor)).device
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    grads = _stepper(spec, fn, [(leaves, dy)])(0)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del grads
+    return int(peak)
 
 
 def _stepper(spec: OpSpec, fn, sets):

@@ -29,6 +29,15 @@ class OpSpec:
     poison_call: Callable               # (kernels, inputs, dy) -> {name: tensor written into poisoned buffers}
     noncontiguous: Callable             # inputs -> same values, strided layouts
     layout: str                         # the layout timed (what the cache key records)
+    dy_shape: Callable | None = None    # shape -> the incoming gradient's shape (None: the shape itself)
+    odd_shapes: Callable | None = None  # (shape, device type) -> shapes to validate, the real one first
+    nan_rule: Callable | None = None    # (inputs, ref_nan, got_nan) -> reason or None (None: exact NaN pattern)
+    nan_arg: str | None = None          # the input the NaN check poisons (None: the first tensor argument)
+    applied_by: str = "dispatch"        # "dispatch": the ops' OVERRIDE hook; "patch": a setting on the model
+    memory_rule: bool = False           # never pick a candidate whose peak memory exceeds the default's
+
+    def grad_shape(self, shape) -> tuple:
+        return tuple(self.dy_shape(shape)) if self.dy_shape is not None else tuple(shape)
 
 
 def _fill_like(t: Tensor) -> Tensor:
@@ -125,13 +134,13 @@ SWIGLU = OpSpec(
     poison_call=_swiglu_poison, noncontiguous=_swiglu_noncontig, layout="contiguous",
 )
 
-OPS: dict[str, OpSpec] = {s.name: s for s in (RMS_NORM, SWIGLU)}
+from novatune.tune.opspecs_model import ATTENTION, LINEAR_CE  # noqa: E402 - needs OpSpec defined above
+
+OPS: dict[str, OpSpec] = {s.name: s for s in (RMS_NORM, SWIGLU, LINEAR_CE, ATTENTION)}
 
 # Ops the profiler can see but the registry has no candidates for yet, with why (listed in the report).
 NOT_IN_REGISTRY = {
     "rope / qk_norm_rope": "no candidates registered yet (the fused q/k-norm + RoPE kernel is used as is)",
-    "linear_cross_entropy": "no candidates registered yet (mode chosen by patch(cross_entropy_mode='auto'))",
-    "attention": "no candidates registered yet (backend chosen by patch(attention='auto'))",
 }
 
 

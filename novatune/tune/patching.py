@@ -1,5 +1,6 @@
 """`novatune.patch(model, tune=...)`: read the tune cache (default) or tune the model's ops now, install the
-selection, and list every choice in the PatchReport.
+selection, and list every choice in the PatchReport. The model-level choices (linear cross-entropy mode,
+attention backend: novatune.tune.model_choices) are set on the patched model itself where patch left "auto".
 
 The selection is process-wide (the ops' dispatch hook is keyed by op, shape, dtype and device, like a kernel
 autotuner's cache), so a second patched model with the same shapes shares it; report.revert() restores the hook
@@ -17,6 +18,8 @@ from novatune.tune.cache import CacheError, TuneCache, environment, selection_fr
 TUNE_BUDGET_S = 240.0  # patch(tune=True): op tuning stops starting new candidates after this long
 FAMILIES = None        # patch(tune=True) tries every family (tests narrow this to keep CPU runs short)
 ITERS = 100            # timed fwd+bwd calls per candidate
+ALLOW_MORE_MEMORY = False  # True: a CE mode may be picked even if its peak memory exceeds the default mode's
+DOC_TOKENS = 1024      # patch(tune=True) times attention on rows of tokens // DOC_TOKENS documents
 
 
 def apply_tuning(model: torch.nn.Module, report, tune, tokens: int) -> None:
@@ -39,14 +42,26 @@ def apply_tuning(model: torch.nn.Module, report, tune, tokens: int) -> None:
     table, used, notes = selection_from_cache(cache, device)
     for note in notes:
         report.add("", "tune", "note", note)
-    if not table:
-        return
-    prev = select.installed()
-    merged = dict(prev.table if prev else {})
-    merged.update(table)
-    select.install(select.Dispatcher(merged))
+    if table:
+        prev = select.installed()
+        merged = dict(prev.table if prev else {})
+        merged.update(table)
+        select.install(select.Dispatcher(merged))
+        report.choices.extend(used)
+        report._undo.append(lambda: select.install(prev))
+    _apply_model_choices(model, report, cache, device, tokens)
+
+
+def _apply_model_choices(model, report, cache: TuneCache, device, tokens: int) -> None:
+    """The cross-entropy mode and attention backend recorded for this model's shapes, set where patch left "auto"."""
+    from novatune.tune import model_choices
+
+    picked = model_choices.pick_entries(cache.matching(environment(device)), model, tokens)
+    used, notes, undo = model_choices.apply(model, picked)
+    for note in notes:
+        report.add("", "tune", "note", note)
     report.choices.extend(used)
-    report._undo.append(lambda: select.install(prev))
+    report._undo.append(undo)
 
 
 def _synthetic_batch(model, tokens: int, device) -> dict:
@@ -69,13 +84,21 @@ def tune_model(model: torch.nn.Module, cache: TuneCache, tokens: int, budget_s: 
     env = environment(device)
     deadline = time.perf_counter() + budget_s
     entries, table, notes = [], {}, []
-    for op, shape, dtype, _dev in rec.seen:
+    from novatune.tune import model_choices
+
+    seen = [(op, shape, dtype) for op, shape, dtype, _dev in rec.seen]
+    # the model-level ops (CE mode, attention backend) at this batch's shapes; docs: a packed-row stand-in
+    seen += model_choices.model_op_shapes(model, tokens, docs=max(1, tokens // DOC_TOKENS))
+    for op, shape, dtype in seen:
         entry, cands = tune_op(op, shape, getattr(torch, dtype.split("/")[0]), device, env=env, deadline=deadline,
-                               families=FAMILIES, iters=ITERS, log=log)
+                               families=FAMILIES, iters=ITERS, allow_more_memory=ALLOW_MORE_MEMORY, log=log)
         entries.append(entry)
-        if entry["choice"] != "novatune_default":
+        if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):
             table[(op, tuple(shape), dtype, device.type)] = cands[entry["choice"]].functional()
-    if table:
+    picked = model_choices.pick_entries(entries, model, tokens)
+    settings = model_choices.toggler(model, picked) if any(
+        model_choices.setting_of(e) for e in picked.values()) else None
+    if table or settings:
         saved = {p: p.grad for p in model.parameters()}
 
         def step():
@@ -83,7 +106,7 @@ def tune_model(model: torch.nn.Module, cache: TuneCache, tokens: int, budget_s: 
             for p in model.parameters():
                 p.grad = None
         try:
-            check = step_check(step, table)
+            check = step_check(step, table, settings=settings)
         finally:
             for p, g in saved.items():
                 p.grad = g

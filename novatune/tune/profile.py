@@ -5,12 +5,17 @@
     prof.by_module    {"Qwen3MLP": µs, "Linear": µs, ...} (innermost module whose forward launched the work)
     prof.gaps_us      wall - busy per step (CUDA: launch gaps, the GPU idle while the host catches up)
 
-What is counted: on CUDA, every GPU kernel's duration (torch.profiler's device events, attached by the profiler to
-the CPU op that launched them); on the CPU, each aten op's self CPU time. Op kind comes from the kernel (or op)
-name, falling back to the launching op's name, then to the module's type. Module type: a record_function range ("nt_module::<Type>") is
-pushed around every module's forward by hooks installed only while profiling; backward work is attributed to the
-module of its forward op through the autograd sequence number the profiler records on both (so recomputed forwards
-under gradient checkpointing are attributed too). Busy = union of kernel intervals; gaps = wall - busy.
+What is counted: on CUDA, every GPU kernel / memcpy / memset once (torch.profiler's device events; not the
+gpu_user_annotation spans kineto draws for record_function ranges, which shadow the kernels inside them), linked to
+the CPU op that launched it; on the CPU, each aten op's self CPU time. So the kinds sum to busy (where kernels on
+several streams overlap, a kernel is credited only with what earlier-started kernels do not already cover).
+Kind: work launched inside torch.optim's Optimizer.step / zero_grad ranges (or by clip_grad_norm_'s foreach ops,
+outside the model) is "optimizer", and nothing else is; other work is classified by the kernel (or op) name,
+falling back to the launching op's name, then to the module's type. Module type: a record_function range
+("nt_module::<Type>") is pushed around every module's forward by hooks installed only while profiling; backward work
+is attributed to the module of its forward op through the autograd sequence number the profiler records on both;
+a module range inside a backward node is a forward recomputed under gradient checkpointing ("<Type> [recompute]").
+Busy = union of kernel intervals; gaps = wall - busy.
 Traces: prof.export_chrome_trace (Chrome / Perfetto JSON).
 """
 from __future__ import annotations
@@ -41,11 +46,20 @@ KINDS = [
 _COMPILED = [(k, re.compile(p, re.IGNORECASE)) for k, p in KINDS]
 
 
-def classify(name: str) -> str | None:
+def classify(name: str, skip: tuple = ()) -> str | None:
     for kind, rx in _COMPILED:
-        if rx.search(name):
+        if kind not in skip and rx.search(name):
             return kind
     return None
+
+
+_NOT_OPT = ("optimizer",)  # outside an optimizer's context, an optimizer-looking name is not optimizer work
+_OPT_RANGE = re.compile(r"Optimizer\.(step|zero_grad)#")  # torch.optim's record_function around step / zero_grad
+_OPT_OP = re.compile(r"clip_grad|_foreach_|_fused_(adam|sgd)|multi_tensor", re.IGNORECASE)
+_CPU = torch.autograd.DeviceType.CPU
+_WORK_TYPES = {"kernel", "gpu_memcpy", "gpu_memset"}  # kineto activity types of real GPU work
+_RUNTIME_TYPES = {"cuda_runtime", "cuda_driver", "privateuse1_runtime", "privateuse1_driver"}
+_RUNTIME_NAME = re.compile(r"(cuda|cu|hip|nccl)[A-Z]")
 
 
 @dataclass
@@ -72,7 +86,7 @@ class Profile:
         lines = [f"profile ({self.device}, {self.steps} step(s)): wall {self.wall_us / 1e3:.1f} ms/step, busy "
                  f"{self.busy_us / 1e3:.1f} ms, gaps {self.gaps_us / 1e3:.1f} ms "
                  f"({100 * self.gaps_us / max(self.wall_us, 1e-9):.0f}%)"]
-        total = sum(self.by_kind.values()) or 1.0
+        total = self.busy_us or sum(self.by_kind.values()) or 1.0  # the kinds sum to busy
         for k, v in sorted(self.by_kind.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {k:12s} {v / 1e3:9.2f} ms  {100 * v / total:5.1f}%")
         return "\n".join(lines)
@@ -101,7 +115,11 @@ class module_ranges:
 
         for m in self.model.modules():
             self.handles.append(m.register_forward_pre_hook(pre))
-            self.handles.append(m.register_forward_hook(post))
+            # always_call: close the range when forward raises too. Non-reentrant gradient checkpointing stops a
+            # recomputed forward with an exception once the saved tensors it needs are back; without this, the
+            # ranges of the modules it was in stay open, on the CPU side and in CUPTI's per-thread annotation
+            # stack, and everything after them is nested under a stale module
+            self.handles.append(m.register_forward_hook(post, always_call=True))
         return self
 
     def __exit__(self, *exc):
@@ -120,62 +138,119 @@ def _module_of(evt) -> str | None:
     return None
 
 
-def _backward_seq(evt) -> int | None:
-    e = evt
-    while e is not None:
-        if e.name.startswith(BWD_PREFIX):
-            return e.sequence_nr if e.sequence_nr >= 0 else None
-        e = e.cpu_parent
-    return None
+def _is_runtime(evt) -> bool:
+    """A CPU-side CUDA runtime/driver call (cudaLaunchKernel, cuLaunchKernelEx, ...), not a torch op: its id is a
+    CUPTI correlation id, a different number space from the torch op ids that kernels are linked to."""
+    at = getattr(evt, "activity_type", None)
+    return at in _RUNTIME_TYPES if at else bool(_RUNTIME_NAME.match(evt.name))
 
 
-def _interval_union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
+def _is_range(evt) -> bool:
+    """A record_function range (nt_module::*, Optimizer.step#*, ...), whose GPU shadow must not count as work."""
+    return bool(getattr(evt, "is_user_annotation", False)) or evt.name.startswith(MODULE_PREFIX) or "#" in evt.name
+
+
+def _device_activities(events, cpu_ops):
+    """(activity, launching op or None) for every GPU kernel / memcpy / memset, each once. Left out: the
+    gpu_user_annotation spans kineto draws for record_function ranges (first to last kernel of a range, gaps
+    included; they shadow the real kernels) and anything else that is not work the GPU did."""
+    ranges = {e.name for e in cpu_ops if _is_range(e)}
+    acts = []
+    for e in events:
+        if e.device_type == _CPU:
             continue
-        total += e - max(s, end)
-        end = e
-    return total
+        at = getattr(e, "activity_type", None)
+        if (at not in _WORK_TYPES) if at else (getattr(e, "is_user_annotation", False) or e.name in ranges):
+            continue
+        acts.append(e)
+    by_id: dict[int, object] = {}
+    for e in cpu_ops:  # kernels are linked to the innermost torch op; ranges and runtime calls are never launchers
+        if not _is_runtime(e) and not _is_range(e):
+            by_id.setdefault(e.id, e)
+    if all(getattr(a, "linked_correlation_id", None) is not None for a in acts):
+        return [(a, by_id.get(a.linked_correlation_id) if a.linked_correlation_id > 0 else None) for a in acts]
+    # older torch: no link on the device event; match the (name, duration) pairs torch appended to each op
+    queue: dict[tuple, list] = defaultdict(list)
+    for e in by_id.values():
+        for k in e.kernels:
+            queue[(k.name, round(k.duration, 3))].append(e)
+    out = []
+    for a in acts:
+        q = queue.get((a.name, round(a.time_range.end - a.time_range.start, 3)))
+        out.append((a, q.pop(0) if q else None))
+    return out
+
+
+def _context(op, seq_module: dict) -> tuple[str | None, str, bool]:
+    """(module, tag, optimizer?) of the op that launched some work, from its enclosing CPU events. Module: the
+    innermost nt_module range, or for backward work the module of the forward op with the autograd sequence number
+    of the enclosing backward node (tag " [bwd]"); a module range inside a backward node is a recomputed forward
+    (gradient checkpointing, tag " [recompute]"). Optimizer: inside torch.optim's Optimizer.step / zero_grad range,
+    or an optimizer-side op (clip_grad_norm_'s _foreach_norm / _foreach_mul_) outside the model's forward and
+    backward."""
+    chain = []
+    e = op
+    while e is not None:
+        chain.append(e)
+        e = e.cpu_parent
+    mod, tag = None, ""
+    for i, e in enumerate(chain):
+        if e.name.startswith(MODULE_PREFIX):
+            mod = e.name[len(MODULE_PREFIX):]
+            tag = " [recompute]" if any(c.name.startswith(BWD_PREFIX) for c in chain[i + 1:]) else ""
+            break
+        if e.name.startswith(BWD_PREFIX) and e.sequence_nr >= 0:
+            mod = seq_module.get((getattr(e, "fwd_thread", None), e.sequence_nr)) or seq_module.get(e.sequence_nr)
+            tag = " [bwd]"
+            break
+    in_model = bool(tag) or mod is not None
+    opt = any(_OPT_RANGE.match(c.name) for c in chain) or (
+        not in_model and any(_OPT_OP.search(c.name) for c in chain))
+    return mod, tag, opt
 
 
 def analyze(events, steps: int, wall_us: float, device: str) -> Profile:
-    """Attribute the profiler's events (prof.events()) to kinds and modules, per step."""
+    """Attribute the profiler's events (prof.events()) to kinds and modules, per step. Each GPU activity (CPU: each
+    aten op's self time) is counted once, so the kinds sum to the busy time; where kernels on several streams
+    overlap, a kernel is credited only with the time no earlier-started kernel already covers."""
     cuda = device == "cuda"
-    seq_module: dict[int, str] = {}
-    for e in events:  # forward ops: their autograd sequence number -> the module that ran them
-        if e.device_type == torch.autograd.DeviceType.CPU and e.sequence_nr >= 0 and not e.name.startswith(BWD_PREFIX):
+    cpu_ops = [e for e in events if e.device_type == _CPU and not e.is_async]
+    seq_module: dict = {}
+    for e in cpu_ops:  # forward ops: (thread, autograd sequence number) -> the module that ran them
+        if e.sequence_nr >= 0 and not e.name.startswith(BWD_PREFIX):
             mod = _module_of(e)
             if mod is not None:
+                seq_module.setdefault((e.thread, e.sequence_nr), mod)
                 seq_module.setdefault(e.sequence_nr, mod)
+    if cuda:
+        items, covered = [], float("-inf")
+        for a, op in sorted(_device_activities(events, cpu_ops), key=lambda ao: ao[0].time_range.start):
+            s, t = a.time_range.start, a.time_range.end
+            items.append((a.name, op, max(0.0, t - max(s, covered))))
+            covered = max(covered, t)
+    else:
+        items = [(e.name, e, e.self_cpu_time_total) for e in cpu_ops if e.name.startswith("aten::")]
     by_kind: dict[str, float] = defaultdict(float)
     by_module: dict[str, float] = defaultdict(float)
-    busy, intervals = 0.0, []
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU:
-            if cuda:
-                intervals.append((e.time_range.start, e.time_range.end))
-            continue
-        if cuda:
-            items = [(k.name, k.duration) for k in e.kernels]
-        elif e.name.startswith("aten::"):
-            items = [(e.name, e.self_cpu_time_total)]  # self time: nested aten ops are not counted twice
+    ctx_cache: dict[int, tuple] = {}
+    for name, op, dur in items:
+        if op is None:  # launched outside any torch op: only its name says what it is
+            mod, tag, opt = None, "", classify(name) == "optimizer"
         else:
-            items = []
-        if not items:
-            continue
-        seq = _backward_seq(e)
-        mod = seq_module.get(seq) if seq is not None else _module_of(e)
-        for name, dur in items:
+            if id(op) not in ctx_cache:
+                ctx_cache[id(op)] = _context(op, seq_module)
+            mod, tag, opt = ctx_cache[id(op)]
+        if opt:
+            kind, label = "optimizer", "(optimizer)"
+        else:
             # kernel name, else the launching op's name, else the module's type (HF eager RMSNorm is pow/mean/
-            # rsqrt/mul kernels: they are norm work because Qwen3RMSNorm ran them)
-            kind = classify(name) or classify(e.name) or (classify(mod) if mod else None) or "other"
-            by_kind[kind] += dur
-            label = mod or "(outside modules)"
-            by_module[label + (" [bwd]" if seq is not None else "")] += dur
-            busy += dur if not cuda else 0.0
-    if cuda:
-        busy = _interval_union(intervals)
+            # rsqrt/mul kernels: they are norm work because Qwen3RMSNorm ran them); never "optimizer" here
+            kind = (classify(name, _NOT_OPT) or (classify(op.name, _NOT_OPT) if op is not None else None)
+                    or (classify(mod, _NOT_OPT) if mod else None) or "other")
+            label = (mod or "(outside modules)") + tag
+        by_kind[kind] += dur
+        by_module[label] += dur
+    busy = sum(d for _, _, d in items)
     n = max(steps, 1)
     return Profile(steps, wall_us / n, busy / n, {k: v / n for k, v in by_kind.items()},
                    {k: v / n for k, v in by_module.items()}, device)

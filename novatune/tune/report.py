@@ -48,6 +48,8 @@ def write_rows(path, entries: list[dict], extra: dict) -> None:
                              "timing_mode": (c.get("timing") or {}).get("mode"),
                              "kernel_us": c.get("kernel_us"), "floor_us": e.get("floor_us"),
                              "floor_frac": c.get("floor_frac"), "errors": c.get("errors"),
+                             "peak_bytes": c.get("peak_bytes"), "excluded": c.get("excluded"),
+                             "memory_rule": e.get("memory_rule"),
                              "chosen": c["status"] == "chosen", "kept": e.get("kept"), **extra})
     write_row(path, {"bench": "tune_summary", "ops": summary_rows(entries), **extra})
 
@@ -83,16 +85,19 @@ def markdown(*, config: str, device: str, before, after, targets: list[dict], en
     md += ["", "## Choices", "", "```", summary_table(entries, check, tune_s), "```", ""]
     for e in entries:
         md += [f"### {e['op']} {shape_str(e['shape'])} {e['dtype']} -> {e['choice']}", "",
-               f"{e['reason']}" + ("" if e.get("kept", True) else f" - dropped: {e.get('kept_reason')}"), "",
+               f"{e['reason']}" + ("" if e.get("kept", True) else f" - dropped: {e.get('kept_reason')}")
+               + (f" ({e['memory_rule']})" if e.get("memory_rule") else ""), "",
                "| candidate | family | status | µs (median ± IQR) | wall µs | kernel µs | floor frac | max rel err |"
-               " reason |", "|---|---|---|---|---|---|---|---|---|"]
+               " peak MiB | reason |", "|---|---|---|---|---|---|---|---|---|---|"]
         for c in e["candidates"]:
             t = f"{c['median_us']:.2f} ± {c['spread_us']:.2f}" if c.get("median_us") is not None else "-"
             err = max(c["errors"].values()) if c.get("errors") else None
             md.append(f"| {c['name']} | {c['family']} | {c['status']} | {t} | "
                       f"{_us((c.get('timing') or {}).get('wall_us'))} | {_us(c.get('kernel_us'))} | "
                       f"{c.get('floor_frac', '-')} | {f'{err:.1e}' if err is not None else '-'} | "
-                      f"{(('[' + c['check'] + '] ') if c.get('check') else '') + (c.get('reason') or '')} |")
+                      f"{_us(c['peak_bytes'] / 2**20) if c.get('peak_bytes') is not None else '-'} | "
+                      f"{(('[' + c['check'] + '] ') if c.get('check') else '') + (c.get('reason') or '')}"
+                      f"{c.get('excluded') or c.get('note') or ''} |")
         md.append("")
     if check:
         md += ["## Whole-step check", "", f"{check['reason']} (default {check['default_all']} s, tuned "

@@ -3,7 +3,8 @@
 choose(): the fastest validated candidate wins only if it beats the runner-up by more than the measured spread
 (the larger of the two interquartile ranges); otherwise every candidate within that margin of the fastest is a
 tie and the simplest of them (lowest family complexity: eager < native < default < triton < compile < cuda) wins,
-so a change of implementation always has a measured reason.
+so a change of implementation always has a measured reason. For ops with a memory rule (linear cross-entropy),
+`memory_filter` first drops the candidates whose peak memory exceeds the default's.
 
 Dispatch: `install(table)` sets novatune.ops._backend.OVERRIDE to a Dispatcher. The public functionals
 (novatune.ops.rms_norm, novatune.ops.swiglu) call it first; it looks up (op, shape signature) and runs the selected
@@ -26,6 +27,28 @@ class Measured:
     complexity: int
     median_us: float
     spread_us: float
+    peak_bytes: int | None = None   # peak extra memory of one fwd+bwd (CUDA only; None when not measured)
+
+
+def memory_filter(measured: list[Measured], default: str, allow_more: bool = False
+                  ) -> tuple[list[Measured], dict[str, str], str]:
+    """(allowed, {excluded name: why}, note) under the memory rule: a candidate whose peak memory exceeds the
+    default's is not eligible ("peak memory <= the peer's" is part of the promise) unless `allow_more`. The rule
+    is not applied (note says why) when the default's peak was not measured (off CUDA, or the default failed)."""
+    ref = next((m for m in measured if m.name == default), None)
+    if allow_more:
+        return list(measured), {}, "memory rule off (--allow-more-memory)"
+    if ref is None or ref.peak_bytes is None:
+        return list(measured), {}, (f"memory rule not applied: no peak-memory figure for {default}"
+                                    + (" (not measured off CUDA)" if ref is not None else " (not validated/timed)"))
+    allowed, excluded = [], {}
+    for m in measured:
+        if m.peak_bytes is not None and m.peak_bytes > ref.peak_bytes:
+            excluded[m.name] = (f"peak memory {m.peak_bytes / 2**20:.1f} MiB > {default}'s "
+                                f"{ref.peak_bytes / 2**20:.1f} MiB (memory rule; --allow-more-memory lifts it)")
+        else:
+            allowed.append(m)
+    return allowed, excluded, f"memory rule: peak <= {default}'s {ref.peak_bytes / 2**20:.1f} MiB"
 
 
 @dataclass

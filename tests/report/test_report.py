@@ -137,6 +137,22 @@ def test_html_is_self_contained(built_report):
         assert text in page
 
 
+def test_wide_tables_fit_the_page():
+    """Every table scrolls in its own box; a 9-column table (the weight-change table) is set smaller; columns of
+    long text (validate's messages, kernel names) may wrap instead of pushing the table off the page."""
+    from novatune.report.html import render_html
+
+    long_msg = "per-step loss: max relative difference 3.77e-05 <= tolerance 5.80e-04 (floor 5.80e-05)"
+    page = render_html("t", [("table", [f"c{i}" for i in range(9)], [["0", "mlp.up_proj.weight"] + ["0.1"] * 7]),
+                             ("table", ["check", "message"], [["loss_parity", long_msg], ["same_init", "-"]])])
+    tables = re.findall(r'<div class="tablewrap"><table([^>]*)>(.*?)</table></div>', page)
+    assert len(tables) == 2
+    assert tables[0][0] == ' class="wide"' and 'class="txt"' not in tables[0][1]
+    assert tables[1][0] == "" and tables[1][1].count('<td class="txt">') == 2  # the whole message column
+    assert '<th class="txt">message</th>' in tables[1][1]
+    assert "overflow-x: auto" in page and "table.wide" in page
+
+
 def test_absent_inputs_are_named(tmp_path):
     from novatune.cli import main
 
