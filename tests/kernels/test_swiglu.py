@@ -68,8 +68,8 @@ def test_bwd_ref_matches_autograd():
     assert_close(rdu, u.grad, 1e-6, "dup closed form")
 
 
-@pytest.mark.parametrize("block,warps,numel", [(4096, 8, 2 * 4096), (1024, 4, 4 * 1024), (4096, 8, 37 * 127),
-                                               (1024, 4, 37 * 127)], ids=["even4096", "even1024", "masked4096",
+@pytest.mark.parametrize("block,warps,numel", [(512, 4, 2 * 4096), (1024, 4, 4 * 1024), (512, 4, 37 * 127),
+                                               (1024, 4, 37 * 127)], ids=["even512", "even1024", "masked512",
                                                                           "masked1024"])
 def test_gpu_configs(block, warps, numel, device):
     """The two GPU configs of default_config (the interpreter defaults to one big block), each with the EVEN
