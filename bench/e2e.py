@@ -10,6 +10,16 @@ for every stack; each stack runs in its own process (memory and caches don't lea
 tokens/s = trained tokens / wall time of the timed optimizer steps (after --warm warm-up steps), synchronised.
 peak GiB = torch.cuda.max_memory_allocated() over the timed steps. MFU = tok/s x FLOPs/token / the 8192^3 bf16
 matmul rate measured by the driver in the same run. Rows go to bench/results/e2e.jsonl.
+
+LoRA (--lora R): every stack trains PEFT LoRA r=R, alpha 2R, no dropout, on the seven projections of every layer,
+wired as shared/reference/anchor_e2e.py --lora wires it (gradient checkpointing, then enable_input_require_grads,
+then get_peft_model; PEFT's default fp32 adapters on the bf16 model); the optimizer gets the trainable parameters.
+hf_sdpa is then "PEFT stock", varlen_liger the peer + PEFT, novatune `novatune.patch` on the PEFT model (fused
+LoRA linears included). novatune_full is novatune with full fine-tuning even under --lora, so "LoRA faster than
+our own full fine-tuning" is measured in the same run:
+
+    python bench/e2e.py --lora 16 --stacks hf_sdpa,varlen_liger,novatune,novatune_full
+MFU under --lora counts the frozen matmuls at 4 x params (forward + input gradient) and the adapters at 6 x.
 """
 from __future__ import annotations
 
@@ -21,7 +31,8 @@ import subprocess
 import sys
 import time
 
-STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune")
+STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune", "novatune_full")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the anchor's
 
 
 def build_model(arch: str, layers: int | None, attn: str, device: str):
@@ -59,15 +70,27 @@ def make_rows(n_rows: int, seq: int, vocab: int, seed: int = 1):
     return rows
 
 
-def flops_per_token(cfg, rows) -> float:
-    """BENCHMARKS.md: 6 x matmul params (incl. lm_head) + attention, causal within documents."""
+def flops_per_token(cfg, rows, lora_params: int = 0) -> float:
+    """BENCHMARKS.md: 6 x matmul params (incl. lm_head) + attention, causal within documents. LoRA (lora_params >
+    0): frozen matmuls 4 x (forward + input gradient), the adapters 6 x (as novatune.train.metrics counts)."""
     from novatune.train.arch import attention_flops_per_token, count_matmul_params
 
     ctx = 0.0
     for _, pos, _ in rows:
         starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
         ctx += sum((starts[i + 1] - starts[i]) ** 2 / 2 for i in range(len(starts) - 1)) / len(pos)
-    return 6 * count_matmul_params(cfg) + attention_flops_per_token(cfg, ctx / len(rows))
+    dense = 4 * count_matmul_params(cfg) + 6 * lora_params if lora_params else 6 * count_matmul_params(cfg)
+    return dense + attention_flops_per_token(cfg, ctx / len(rows))
+
+
+def add_peft_lora(model, r: int):
+    """PEFT LoRA exactly as the anchor adds it (module docstring); adapters seeded so every stack gets the same."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model.enable_input_require_grads()
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LORA_TARGETS))
 
 
 def run_stack(args) -> dict:
@@ -75,7 +98,7 @@ def run_stack(args) -> dict:
 
     stack = args.stack
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
-            "varlen_liger": "peer_varlen", "novatune": "sdpa"}[stack]
+            "varlen_liger": "peer_varlen", "novatune": "sdpa", "novatune_full": "sdpa"}[stack]
     from novatune.harness import peer  # the peer's wiring, shared with `novatune bench`
 
     if attn == "peer_varlen":
@@ -85,22 +108,33 @@ def run_stack(args) -> dict:
                           "qwen2.5-0.5b": "qwen2"}[args.arch])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build_model(args.arch, args.layers, attn, dev)
+    lora = args.lora if stack != "novatune_full" else 0
     report = None
-    if stack == "novatune":
+
+    def novatune_patch(m):
         import novatune
 
-        report = novatune.patch(model, attention=args.attention, cross_entropy_mode=args.ce_mode,
-                                fuse_qk_norm_rope=not args.no_fuse_qk)
-        print(report, flush=True)
+        rep = novatune.patch(m, attention=args.attention, cross_entropy_mode=args.ce_mode,
+                             fuse_qk_norm_rope=not args.no_fuse_qk)
+        print(rep, flush=True)
+        return rep
+
+    if stack.startswith("novatune") and not lora:
+        report = novatune_patch(model)
     if not args.no_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        model = add_peft_lora(model, lora)  # after checkpointing, as the anchor and novatune's trainer order it
+        if stack == "novatune":
+            report = novatune_patch(model)  # patch goes last: it sees the LoRA layers
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(dev == "cuda"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-5, fused=(dev == "cuda"))
     rows = make_rows(args.ga * (args.warm + args.steps), args.seq, cfg.vocab_size)
     # The same feed for every stack: pinned host tensors copied without blocking the host (a trainer's prefetch).
     pin = (lambda x: x.pin_memory()) if dev == "cuda" else (lambda x: x)  # noqa: E731
     host = [tuple(pin(torch.tensor([x])) for x in row) for row in rows]
-    host_meta = stack == "novatune" and not args.no_host_meta
+    host_meta = stack.startswith("novatune") and not args.no_host_meta
 
     def batch_kwargs(i):
         ids, pos, lab = (x.to(dev, non_blocking=True) for x in host[i])
@@ -158,9 +192,9 @@ def run_stack(args) -> dict:
     step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(ends, ends[1:])]  # GPU-side time of each timed step
     losses += [float(x) for x in timed]
     tps = args.steps * args.ga * args.seq / dt
-    fpt = flops_per_token(cfg, rows)
+    fpt = flops_per_token(cfg, rows, sum(p.numel() for p in trainable) if lora else 0)
     extra = {}
-    if stack == "novatune":
+    if stack.startswith("novatune"):
         from novatune.attention.backends import last_choice
 
         choice = last_choice()
@@ -173,6 +207,7 @@ def run_stack(args) -> dict:
     if args.profile and dev == "cuda":
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
+                lora=lora, trainable_params=sum(p.numel() for p in trainable),
                 ckpt=not args.no_ckpt, gc_freeze=not args.no_gc_freeze, warm=args.warm, steps=args.steps, attention=args.attention,
                 host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,
                 tok_s=round(tps, 1), step_ms=step_ms, model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
@@ -382,7 +417,7 @@ def drive(args) -> int:
             + (["--no_gc_freeze"] if args.no_gc_freeze else []) \
             + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
-            + (["--no_ckpt"] if args.no_ckpt else [])
+            + (["--no_ckpt"] if args.no_ckpt else []) + (["--lora", str(args.lora)] if args.lora else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         for ln in proc.stdout.splitlines():
             if ln.startswith("DIAG"):
@@ -408,7 +443,7 @@ def drive(args) -> int:
             pooled.setdefault(stack, []).append(res["tok_s"])
     mean = {k: sum(v) / len(v) for k, v in pooled.items()}
     base = mean.get("hf_sdpa")
-    peers = [k for k in mean if k not in ("hf_sdpa", "novatune")]
+    peers = [k for k in mean if k != "hf_sdpa" and not k.startswith("novatune")]
     best_peer = max(peers, key=lambda k: mean[k]) if peers else None
     ok = [res for _, res in runs if res]
     for r in ok:
@@ -440,6 +475,8 @@ def main(argv=None) -> int:
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no_ckpt", action="store_true")
+    p.add_argument("--lora", type=int, default=0, help="PEFT LoRA rank on every stack (0: full fine-tuning); "
+                   "novatune_full stays full fine-tuning")
     p.add_argument("--attention", default="auto", help="novatune attention backend")
     p.add_argument("--ce_mode", default="auto", help="novatune fused cross-entropy mode: auto | tokens | vocab")
     p.add_argument("--no_fuse_qk", action="store_true", help="novatune: separate q/k-norm and RoPE kernels")

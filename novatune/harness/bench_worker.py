@@ -150,7 +150,7 @@ def run_stack(args) -> dict:
         "stack": stack, "status": "ok", "reason": None, "description": STACKS[stack]["description"],
         "config": args.config or "<demo>", "overrides": list(args.overrides), "stack_overrides": STACKS[stack][
             "overrides"], "warm": args.warm, "steps": args.steps,
-        "tok_s": round(tps, 1), "timed_s": round(timed_s, 4), "timed_tokens": tokens, "tokens_per_step": meter.tokens,
+        "tok_s": round(tps, 1), "timed_s": round(timed_s, 6), "timed_tokens": tokens, "tokens_per_step": meter.tokens,
         "step_s": [round(x, 4) for x in meter.step_s], "gflop_per_tok": _sig(fpt / 1e9),
         "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
         "peak_tflops": peak, "peak_tflops_source": source,

@@ -4,31 +4,34 @@
                                                x_l = x, or dropout(x) for the LoRA branch only (PEFT's order)
 
 No Triton here on purpose: every product is a cuBLAS (or CPU BLAS) GEMM. What the fused version saves over PEFT's
-eager module is passes over (tokens x out) and (tokens x in) memory and launches, not FLOPs:
+eager module is passes over (tokens x out) and (tokens x in) memory and launches, not FLOPs. The scaling s never
+costs a kernel: it is the GEMMs' alpha (addmm(..., alpha=s), applied in fp32 in the epilogue).
 
-forward (2 GEMMs on the big shapes + 1 tiny):
-    xs = s · (x_l Aᵀ)                       (tokens, r)   kept for the backward (tiny)
-    y  = xs Bᵀ (+ b)                        (tokens, out) K = r GEMM, bias in its epilogue
+forward (the big GEMM + 2 with K or N = r):
+    xa = x_l Aᵀ                             (tokens, r)   kept for the backward (tiny)
+    y  = s · xa Bᵀ (+ b)                    (tokens, out) K = r GEMM, bias in its epilogue
     y += x Wᵀ                               the big GEMM accumulates into y (beta = 1): its read of y hides under
                                             a compute-bound GEMM, where PEFT's `base + lora * s` is three more
-                                            memory-bound passes (and fp32 ones when the adapters are fp32)
+                                            memory-bound passes (fp32 ones when the adapters are fp32)
 backward (dy: (tokens, out); nothing else of that size is ever allocated):
-    g  = s · (dy B)                         (tokens, r)
-    dB = dyᵀ xs                             (out, r)      = s · dyᵀ (x_l Aᵀ)
-    dA = gᵀ x_l                             (r, in)
-    dx = g A ; dx += dy W                   K = r GEMM first, then the big GEMM accumulates into it (as forward)
-                                            with dropout, dx_l = g A is returned separately (autograd routes it
-                                            through the dropout) and dx = dy W
+    g  = dy B                               (tokens, r)
+    dB = s · dyᵀ xa                         (out, r)
+    dA = s · gᵀ x_l                         (r, in)
+    dx = s · g A ; dx += dy W               K = r GEMM first, then the big GEMM accumulates into it (as forward);
+                                            with dropout, dx_l = s · g A is returned separately (autograd routes
+                                            it through the dropout) and dx = dy W
     no dW (W is frozen) unless asked for: dW = dyᵀ x;  db = Σ_tokens dy when the bias trains
 
 Precision: the GEMMs run in x's dtype (bf16 in training) with fp32 accumulation inside BLAS; A and B are cast to
-that dtype per call (r x in and out x r: a few hundred KiB), so adapters PEFT keeps in fp32 cost no fp32 GEMM or
-fp32 (tokens x out) temporary. dA and dB come out of bf16 GEMMs (fp32 accumulate, one rounding) and are returned
-in the adapters' own dtype. The forward rounds xs once and the LoRA term once more before the final sum; all of
-this is a few bf16 ulps relative to the output (tests/kernels/test_lora.py states the tolerances).
+that dtype (r x in and out x r: a few hundred KiB; the op layer casts once per forward and keeps the casts for the
+backward), so adapters PEFT keeps in fp32 cost no fp32 GEMM and no fp32 (tokens x out) temporary. dA and dB come
+out of bf16 GEMMs (fp32 accumulate, one rounding) and are returned in the adapters' own dtype. The forward rounds
+xa once and the LoRA term once more before the final sum: a few bf16 ulps relative to the output
+(tests/kernels/test_lora.py states the tolerances).
 
 Launchers take 2-D operands (callers flatten leading dims) and optional preallocated `out=` / `dx=` buffers so
-tests can poison them and check every element is written. No torch.autograd, no transformers (ARCHITECTURE.md).
+tests can poison them and check every element is written (a beta = 0 GEMM never reads its output's old values).
+No torch.autograd, no transformers (ARCHITECTURE.md).
 """
 from __future__ import annotations
 
@@ -66,65 +69,69 @@ def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Te
         raise ValueError(f"lora_linear: x_lora {tuple(x_lora.shape)} must have x's shape {tuple(x.shape)}")
 
 
+def _scaled_mm(m1: Tensor, m2: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
+    """scaling · m1 m2 in one GEMM: addmm with beta = 0 (its input is ignored, never read) and alpha = scaling."""
+    if out is None:
+        out = m1.new_empty(m1.shape[0], m2.shape[1])
+    return out.addmm_(m1, m2, beta=0, alpha=scaling)
+
+
 def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float,
                     x_lora: Tensor | None = None, out: Tensor | None = None,
                     order: str = "lora_first") -> tuple[Tensor, Tensor]:
-    """(y, xs): y (tokens, out) in x's dtype; xs = s · x_l Aᵀ (tokens, r) in x's dtype, for the backward.
+    """(y, xa): y (tokens, out) in x's dtype; xa = x_l Aᵀ (tokens, r) in x's dtype, for the backward.
 
     order: "lora_first" (default: the K = r GEMM writes y, the big GEMM accumulates into it) or "base_first"
     (big GEMM writes y, the K = r GEMM accumulates: one more memory-bound read of y; kept for bench_lora.py)."""
     _check(x, weight, lora_a, lora_b, x_lora)
     cd = x.dtype
-    a, b = lora_a.to(cd), lora_b.to(cd)  # tiny casts; no-ops when the adapters already have x's dtype
-    xl = x if x_lora is None else x_lora.to(cd)
-    xs = torch.mm(xl, a.t())  # (tokens, r)
-    xs.mul_(scaling)  # folded into the saved tensor: dB = dyᵀ xs needs no extra scaling
-    bias = None if bias is None else bias.to(cd)
+    a, b = lora_a.to(cd), lora_b.to(cd)  # no-ops when the caller passes them in x's dtype (the op layer does)
+    xa = torch.mm(x if x_lora is None else x_lora.to(cd), a.t())  # (tokens, r)
     if order == "lora_first":
         if bias is None:
-            y = torch.mm(xs, b.t(), out=out)
+            y = _scaled_mm(xa, b.t(), scaling, out)
         else:
-            y = torch.addmm(bias, xs, b.t(), out=out)
-        y.addmm_(x, weight.t())  # (tokens, out): big GEMM with beta = 1
+            y = torch.addmm(bias.to(cd), xa, b.t(), alpha=scaling, out=out)
+        y.addmm_(x, weight.t())  # (tokens, out): the big GEMM with beta = 1
     elif order == "base_first":
         if bias is None:
             y = torch.mm(x, weight.t(), out=out)
         else:
-            y = torch.addmm(bias, x, weight.t(), out=out)
-        y.addmm_(xs, b.t())
+            y = torch.addmm(bias.to(cd), x, weight.t(), out=out)
+        y.addmm_(xa, b.t(), alpha=scaling)
     else:
         raise ValueError(f"lora_linear_fwd: order={order!r}, choose one of {ORDERS}")
-    return y, xs
+    return y, xa
 
 
-def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xs: Tensor,
+def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, xa: Tensor,
                     scaling: float, x_lora: Tensor | None = None, *, need_dx: bool = True, need_da: bool = True,
                     need_db: bool = True, need_dweight: bool = False, dbias_dtype: torch.dtype | None = None,
-                    dx: Tensor | None = None):
+                    adapter_dtype: torch.dtype | None = None, dx: Tensor | None = None):
     """(dx, dx_lora, dweight, dbias, da, db); entries not asked for (or with no x_lora: dx_lora) are None.
     need_dx covers both input gradients (x's and, with dropout, x_lora's: both come from the same activation).
 
-    dx, dx_lora: x's / x_lora's dtype; dweight: W's; dbias (only when dbias_dtype is given, the bias's dtype):
-    summed in fp32; da, db: the adapters' own dtypes.
-    With x_lora (dropout), dx = dy W only and dx_lora = s (dy B) A: the caller's autograd adds the two through the
-    dropout. Without it, dx = s (dy B) A + dy W in one buffer (the big GEMM accumulates into it)."""
+    dx, dx_lora: x's / x_lora's dtype; dweight: W's; dbias (only when dbias_dtype is given, in that dtype): summed
+    in fp32; da, db: adapter_dtype (default: lora_a's dtype; the op layer passes pre-cast adapters and the
+    parameters' dtype here). With x_lora (dropout), dx = dy W only and dx_lora = s (dy B) A: the caller's autograd
+    adds the two through the dropout. Without it, dx = s (dy B) A + dy W in one buffer."""
     _check(x, weight, lora_a, lora_b, x_lora)
     cd = x.dtype
+    adt = lora_a.dtype if adapter_dtype is None else adapter_dtype
     dy = dy.to(cd)
     a, b = lora_a.to(cd), lora_b.to(cd)
     xl = x if x_lora is None else x_lora.to(cd)
-    # g is needed by dA, and by dx (its LoRA part) unless dx is not wanted at all
-    g = torch.mm(dy, b).mul_(scaling) if (need_da or need_dx) else None  # (tokens, r): reads dy once
-    db = torch.mm(dy.t(), xs).to(lora_b.dtype) if need_db else None  # (out, r): reads dy again; s is inside xs
-    da = torch.mm(g.t(), xl).to(lora_a.dtype) if need_da else None  # (r, in)
+    g = torch.mm(dy, b) if (need_da or need_dx) else None  # (tokens, r): reads dy once
+    db = _scaled_mm(dy.t(), xa, scaling).to(adt) if need_db else None  # (out, r): reads dy again
+    da = _scaled_mm(g.t(), xl, scaling).to(adt) if need_da else None  # (r, in)
     dx_out = dx_lora = None
     if x_lora is not None:
         if need_dx:
             # the LoRA branch's input gradient, routed through the dropout by the caller's autograd
-            dx_lora = torch.mm(g, a).to(x_lora.dtype)  # (tokens, in)
+            dx_lora = _scaled_mm(g, a, scaling).to(x_lora.dtype)  # (tokens, in)
             dx_out = torch.mm(dy, weight, out=dx)
     elif need_dx:
-        dx_out = torch.mm(g, a, out=dx)  # K = r GEMM writes dx ...
+        dx_out = _scaled_mm(g, a, scaling, dx)  # K = r GEMM writes dx ...
         dx_out.addmm_(dy, weight)  # ... the big GEMM accumulates into it
     dweight = torch.mm(dy.t(), x).to(weight.dtype) if need_dweight else None
     dbias = dy.sum(0, dtype=torch.float32).to(dbias_dtype) if dbias_dtype is not None else None

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from novatune.patch import forwards
+from novatune.patch.lora import apply_lora
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
@@ -83,7 +84,7 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True, early_tied_grad: bool = True,
-          swiglu_inplace_backward: bool = True, strict: bool = False, tune: bool | str = "cache",
+          swiglu_inplace_backward: bool = True, lora: bool = True, strict: bool = False, tune: bool | str = "cache",
           tune_tokens: int = 4096) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
@@ -98,6 +99,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     swiglu_inplace_backward: the MLP's backward writes the gate/up gradients over the (dead) gate/up activations,
     as Liger does: -2 x tokens x intermediate x 2 bytes per layer in the backward (152 MiB at Qwen3-4B x 4096).
     A second backward through the same graph (retain_graph=True) then raises; set False for that.
+    lora: PEFT LoRA Linear layers on the attention/MLP projections run novatune.ops.lora_linear (one vanilla
+    adapter, plain nn.Linear base; dropout > 0 keeps PEFT's exact random draws); anything else stays PEFT's and
+    is listed as skipped (novatune/patch/lora.py).
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
@@ -129,6 +133,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward)
+    apply_lora(model, spec, report, enabled=lora, bind=_bind)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))

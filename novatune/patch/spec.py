@@ -31,6 +31,28 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """PEFT's LoRA layer layout (peft.tuners.lora.layer.Linear wraps a projection in place). The same for every
+    family today; a field of FamilySpec so a family (or a PEFT release) with other names changes data, not code.
+
+    A module is a LoRA layer when it has `lora_a` and `base_layer` (PEFT's LoraLayer protocol: this also finds the
+    quantised and embedding variants, so they can be reported as skipped); it is fusable only when its class is
+    one of `classes` in `module` and the base layer's class is one of `base_classes` (a plain nn.Linear)."""
+
+    module: str = "peft.tuners.lora.layer"
+    classes: tuple[str, ...] = ("Linear",)
+    base_module: str = "torch.nn.modules.linear"  # with base_classes: torch.nn.Linear exactly (bnb's
+    base_classes: tuple[str, ...] = ("Linear",)  # Linear4bit and other quantised subclasses live elsewhere)
+    base_layer: str = "base_layer"
+    lora_a: str = "lora_A"  # ModuleDict adapter -> nn.Linear(in, r, bias=False)
+    lora_b: str = "lora_B"  # ModuleDict adapter -> nn.Linear(r, out)
+    scaling: str = "scaling"  # dict adapter -> alpha / r (or alpha / sqrt(r) with rsLoRA)
+    dropout: str = "lora_dropout"  # ModuleDict adapter -> nn.Dropout or nn.Identity
+    use_dora: str = "use_dora"  # dict adapter -> bool
+    variants: str = "lora_variant"  # dict adapter -> DoRA/aLoRA/... variant object (newer PEFT)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     model_types: tuple[str, ...]  # config.model_type values this spec covers
@@ -40,6 +62,7 @@ class FamilySpec:
     norm_eps_attr: str = "variance_epsilon"
     attention: AttentionSpec = field(default_factory=AttentionSpec)
     mlp: MLPSpec = field(default_factory=MLPSpec)
+    lora: LoRASpec = field(default_factory=LoRASpec)
     base_model_attr: str = "model"  # CausalLM -> decoder stack
     lm_head_attr: str = "lm_head"
     notes: str = ""

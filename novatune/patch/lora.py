@@ -1,0 +1,135 @@
+"""PEFT LoRA projections -> novatune's fused LoRA linear (novatune.ops.lora_linear), bound per instance.
+
+`novatune.patch` finds every PEFT LoRA layer (FamilySpec.lora says how to recognise one) and, on each attention
+and MLP projection whose adapter the fused op computes exactly, binds `lora_linear_forward` on the instance (as
+apply.py's `_bind` does for the other modules; revert restores PEFT's forward). Everything else is reported as
+skipped with the reason: DoRA and other variants, several active adapters, merged adapters, quantised or custom
+base layers (QLoRA), a bias in lora_B, fan_in_fan_out (Conv1D) layers, LoRA outside the projections (lm_head,
+embeddings). The SwiGLU MLP and the attention forwards *call* the projection modules, so they pick the fused
+forward up with no change.
+
+The bound forward computes what PEFT's `Linear.forward` computes for one active vanilla adapter:
+    result = base_layer(x) + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling
+dropout = nn.Identity (or any dropout in eval mode): the fast path, x feeds both branches.
+dropout active: the exact path - PEFT's own call sequence `dropout(self._cast_input_dtype(x, A.dtype))`, so the
+same random numbers are drawn in the same order and a seeded run matches PEFT stock mask for mask; the dropped x
+is the LoRA branch's input only.
+Per call, PEFT's stock forward runs instead whenever the layer's state stops matching what was checked at patch
+time (adapters disabled, merged, another active adapter, a variant added) or the call is outside the fast path's
+contract (extra args such as `adapter_names`, autocast, an input dtype other than the base weight's): those are
+PEFT's semantics, not ours to re-implement, and the report's detail line says so.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from novatune.ops.lora import lora_linear
+from novatune.patch.report import PatchReport
+from novatune.patch.spec import FamilySpec, LoRASpec
+
+RUNTIME_NOTE = ("fused LoRA layers run PEFT's own forward for any call made with adapters disabled, merged or "
+                "switched, under autocast, or with extra arguments (adapter_names)")
+
+
+def is_lora_layer(module: nn.Module, names: LoRASpec) -> bool:
+    return hasattr(module, names.lora_a) and hasattr(module, names.base_layer)
+
+
+def skip_reason(module: nn.Module, names: LoRASpec) -> str | None:
+    """Why the fused forward cannot stand in for this LoRA layer's forward, or None when it can."""
+    cls = type(module)
+    if cls.__module__ != names.module or cls.__name__ not in names.classes:
+        return (f"LoRA layer {cls.__module__}.{cls.__name__} is not a plain PEFT LoRA Linear "
+                f"(quantised/other LoRA layers are not fused yet)")
+    base = getattr(module, names.base_layer)
+    if type(base).__module__ != names.base_module or type(base).__name__ not in names.base_classes:
+        return f"base layer is {type(base).__module__}.{type(base).__name__}, not a plain nn.Linear (quantised?)"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out (Conv1D-style transposed weight)"
+    if getattr(module, "merged", False):
+        return "adapter merged into the base weight (the stock forward is a single GEMM already)"
+    active = list(getattr(module, "active_adapters", []))
+    if len(active) != 1:
+        return f"{len(active)} active adapters (the fused forward computes exactly one)"
+    adapter = active[0]
+    if adapter not in getattr(module, names.lora_a):
+        return f"active adapter {adapter!r} has no LoRA weights on this layer"
+    if getattr(module, names.use_dora, {}).get(adapter, False) or adapter in getattr(module, names.variants, {}):
+        return f"adapter {adapter!r} is a LoRA variant (DoRA/aLoRA/...), not vanilla LoRA"
+    la, lb = getattr(module, names.lora_a)[adapter], getattr(module, names.lora_b)[adapter]
+    if not (isinstance(la, nn.Linear) and isinstance(lb, nn.Linear)):
+        return f"lora_A/lora_B are {type(la).__name__}/{type(lb).__name__}, not nn.Linear"
+    if lb.bias is not None or la.bias is not None:
+        return "bias in lora_A/lora_B (lora_bias=True) is not fused"
+    if not isinstance(getattr(module, names.scaling).get(adapter), (int, float)):
+        return f"scaling for {adapter!r} is not a number"
+    if getattr(module, "cast_input_dtype_enabled", True) is False:
+        return "input dtype casting disabled (peft.helpers.disable_input_dtype_casting)"
+    return None
+
+
+def _projections(model: nn.Module, spec: FamilySpec) -> dict[int, str]:
+    """id(module) -> "attention"/"mlp" for every projection slot of the family's attention and MLP modules."""
+    slots = {}
+    attn_names = (spec.attention.q_proj, spec.attention.k_proj, spec.attention.v_proj, spec.attention.o_proj)
+    mlp_names = (spec.mlp.gate_proj, spec.mlp.up_proj, spec.mlp.down_proj)
+    for module in model.modules():
+        cls = type(module).__name__
+        names = attn_names if cls in spec.attention_classes else mlp_names if cls in spec.mlp_classes else ()
+        for n in names:
+            proj = getattr(module, n, None)
+            if proj is not None:
+                slots[id(proj)] = "attention" if names is attn_names else "mlp"
+    return slots
+
+
+def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabled: bool, bind) -> None:
+    """Bind the fused LoRA forward on every fusable LoRA projection; report the rest. `bind` is apply._bind."""
+    names = spec.lora
+    slots = None
+    for path, module in model.named_modules():
+        if not is_lora_layer(module, names):
+            continue
+        if slots is None:
+            slots = _projections(model, spec)
+        if not enabled:
+            report.add(path, "lora", "skipped", "lora=False")
+            continue
+        if id(module) not in slots:
+            report.add(path, "lora", "skipped", "LoRA outside the attention/MLP projections keeps PEFT's forward")
+            continue
+        why = skip_reason(module, names)
+        if why is not None:
+            report.add(path, "lora", "skipped", why)
+            continue
+        adapter = module.active_adapters[0]
+        r = getattr(module, names.lora_a)[adapter].out_features
+        drop = getattr(module, names.dropout)[adapter]
+        p = float(getattr(drop, "p", 0.0)) if not isinstance(drop, nn.Identity) else 0.0
+        bind(module, lora_linear_forward, report, _novatune_lora=names, _novatune_lora_adapter=adapter)
+        mode = "no dropout: fast path" if p == 0.0 else f"dropout {p:g}: exact path (PEFT's dropout, LoRA branch)"
+        report.add(path, "lora", "replaced", f"fused LoRA linear ({slots[id(module)]}, r={r}, {mode})")
+    if report.replaced("lora"):
+        report.add("", "note", "note", RUNTIME_NOTE)
+
+
+def lora_linear_forward(self, x, *args, **kwargs):
+    """PEFT LoRA Linear forward for one vanilla adapter through novatune.ops.lora_linear (module docstring)."""
+    names, adapter = self._novatune_lora, self._novatune_lora_adapter
+    base = getattr(self, names.base_layer)
+    weight = base.weight
+    if (args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [adapter]
+            or adapter in getattr(self, names.variants, ()) or x.dtype != weight.dtype
+            or torch.is_autocast_enabled(x.device.type)):
+        return self._novatune_stock_forward(x, *args, **kwargs)
+    lora_a = getattr(self, names.lora_a)[adapter].weight  # (r, in)
+    lora_b = getattr(self, names.lora_b)[adapter].weight  # (out, r)
+    scaling = getattr(self, names.scaling)[adapter]
+    drop = getattr(self, names.dropout)[adapter]
+    if isinstance(drop, nn.Identity) or not drop.training:  # PEFT's Dropout in eval draws no random numbers
+        return lora_linear(x, weight, base.bias, lora_a, lora_b, scaling)
+    # exact path: PEFT's cast then dropout, drawing the same random numbers as PEFT stock
+    x_lora = drop(self._cast_input_dtype(x, lora_a.dtype) if hasattr(self, "_cast_input_dtype")
+                  else x.to(lora_a.dtype))
+    return lora_linear(x, weight, base.bias, lora_a, lora_b, scaling, x_lora=x_lora)
