@@ -79,27 +79,22 @@ def swiglu_variants(rows: int, cols: int, out: str, only_shipped: bool = False) 
             K.swiglu_bwd(dy, g, u, block=block, num_warps=warps)
         return step
 
-    def hinted(block, warps):
+    def variant(fwd, bwd, block, warps):  # an experimental kernel pair, checked before it is timed
         y, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
         grid = (triton.cdiv(n, block),)
 
         def step():
-            _fwd_hint[grid](g, u, y, BLOCK=block, num_warps=warps)
-            _bwd_hint[grid](dy, g, u, dg, du, BLOCK=block, num_warps=warps)
+            fwd[grid](g, u, y, BLOCK=block, num_warps=warps)
+            bwd[grid](dy, g, u, dg, du, BLOCK=block, num_warps=warps)
         step()
-        assert rel_err(y, y_ref) < 4e-3, "hinted fwd wrong"
+        assert rel_err(y, y_ref) < 4e-3, f"{fwd.__name__} wrong"
         return step
+
+    def hinted(block, warps):
+        return variant(_fwd_hint, _bwd_hint, block, warps)
 
     def inductor_style(block, warps):
-        y, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
-        grid = (triton.cdiv(n, block),)
-
-        def step():
-            _fwd_ind[grid](g, u, y, BLOCK=block, num_warps=warps)
-            _bwd_ind[grid](dy, g, u, dg, du, BLOCK=block, num_warps=warps)
-        step()
-        assert rel_err(y, y_ref) < 4e-3, "inductor-style fwd wrong"
-        return step
+        return variant(_fwd_ind, _bwd_ind, block, warps)
 
     ref_c = torch.compile(lambda a, b: torch.nn.functional.silu(a) * b)
     gl, ul = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
