@@ -29,6 +29,11 @@ out of bf16 GEMMs (fp32 accumulate, one rounding) and are returned in the adapte
 xa once and the LoRA term once more before the final sum: a few bf16 ulps relative to the output
 (tests/kernels/test_lora.py states the tolerances).
 
+The base weight W is either a dense tensor or a dequantise-on-the-fly stand-in (QLoRA: novatune.ops.nf4.DequantWeight,
+any object with `.shape`, `.dtype` and `__call__() -> dense W`): each big GEMM materialises it just before and drops
+it right after (`_dense`), so the forward holds one dequantised weight for the length of one GEMM and the backward
+dequantises again instead of keeping it (dx = dy·dequant(W) + s·(dy B)A; never a W gradient).
+
 Launchers take 2-D operands (callers flatten leading dims) and optional preallocated `out=` / `dx=` buffers so
 tests can poison them and check every element is written (a beta = 0 GEMM never reads its output's old values).
 No torch.autograd, no transformers (ARCHITECTURE.md).
@@ -69,6 +74,12 @@ def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Te
         raise ValueError(f"lora_linear: x_lora {tuple(x_lora.shape)} must have x's shape {tuple(x.shape)}")
 
 
+def _dense(weight) -> Tensor:
+    """The dense (out, in) base weight: the tensor itself, or a fresh dequantisation (a temporary the caller's
+    GEMM consumes; freed when the expression ends, so the caching allocator reuses its block for the next one)."""
+    return weight if isinstance(weight, Tensor) else weight()
+
+
 def _scaled_mm(m1: Tensor, m2: Tensor, scaling: float, out: Tensor | None = None) -> Tensor:
     """scaling · m1 m2 in one GEMM: addmm with beta = 0 (its input is ignored, never read) and alpha = scaling."""
     if out is None:
@@ -92,12 +103,12 @@ def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tens
             y = _scaled_mm(xa, b.t(), scaling, out)
         else:
             y = torch.addmm(bias.to(cd), xa, b.t(), alpha=scaling, out=out)
-        y.addmm_(x, weight.t())  # (tokens, out): the big GEMM with beta = 1
+        y.addmm_(x, _dense(weight).t())  # (tokens, out): the big GEMM with beta = 1
     elif order == "base_first":
         if bias is None:
-            y = torch.mm(x, weight.t(), out=out)
+            y = torch.mm(x, _dense(weight).t(), out=out)
         else:
-            y = torch.addmm(bias.to(cd), x, weight.t(), out=out)
+            y = torch.addmm(bias.to(cd), x, _dense(weight).t(), out=out)
         y.addmm_(xa, b.t(), alpha=scaling)
     else:
         raise ValueError(f"lora_linear_fwd: order={order!r}, choose one of {ORDERS}")
@@ -116,6 +127,8 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_
     parameters' dtype here). With x_lora (dropout), dx = dy W only and dx_lora = s (dy B) A: the caller's autograd
     adds the two through the dropout. Without it, dx = s (dy B) A + dy W in one buffer."""
     _check(x, weight, lora_a, lora_b, x_lora)
+    if need_dweight and not isinstance(weight, Tensor):
+        raise ValueError("lora_linear_bwd: a quantised (dequantise-on-the-fly) base weight is frozen: no dW")
     cd = x.dtype
     adt = lora_a.dtype if adapter_dtype is None else adapter_dtype
     dy = dy.to(cd)
@@ -129,10 +142,10 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_
         if need_dx:
             # the LoRA branch's input gradient, routed through the dropout by the caller's autograd
             dx_lora = _scaled_mm(g, a, scaling).to(x_lora.dtype)  # (tokens, in)
-            dx_out = torch.mm(dy, weight, out=dx)
+            dx_out = torch.mm(dy, _dense(weight), out=dx)
     elif need_dx:
         dx_out = _scaled_mm(g, a, scaling, dx)  # K = r GEMM writes dx ...
-        dx_out.addmm_(dy, weight)  # ... the big GEMM accumulates into it
+        dx_out.addmm_(dy, _dense(weight))  # ... the big GEMM accumulates into it
     dweight = torch.mm(dy.t(), x).to(weight.dtype) if need_dweight else None
     dbias = dy.sum(0, dtype=torch.float32).to(dbias_dtype) if dbias_dtype is not None else None
     return dx_out, dx_lora, dweight, dbias, da, db

@@ -116,13 +116,17 @@ class _LoRALinearFunction(torch.autograd.Function):
         # adapters on a bf16 model are not cast again there (2 launches fewer; 2 x r x (in + out) bytes kept)
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
         y, xa = _fwd_impl(x, weight, bias, a, b, scaling, x_lora)
-        ctx.save_for_backward(x, weight, bias, a, b, xa, x_lora)
+        dense = isinstance(weight, Tensor)
+        # QLoRA: the NF4 stand-in is kept on ctx (its packed storage is the module's own; nothing new is held)
+        ctx.save_for_backward(x, weight if dense else None, bias, a, b, xa, x_lora)
+        ctx.weight_obj = None if dense else weight
         ctx.scaling, ctx.adapter_dtype = scaling, lora_a.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, bias, a, b, xa, x_lora = ctx.saved_tensors
+        weight = weight if ctx.weight_obj is None else ctx.weight_obj
         nx, nw, nb, na, nbb, _, nxl = ctx.needs_input_grad
         dx, dxl, dw, dbias, da, db = _bwd_impl(dy, x, weight, bias, a, b, xa, ctx.scaling, x_lora,
                                                nx or nxl, nw, nb, na, nbb, ctx.adapter_dtype)
@@ -136,7 +140,15 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
 
     x: (..., in) with W's dtype; weight (out, in); bias (out,) or None; lora_a (r, in); lora_b (out, r), any
     float dtype (cast to x's for the GEMMs; their gradients come back in their own dtype); x_lora: x's shape
-    (e.g. dropout(x)), any float dtype. Returns (..., out) in x's dtype."""
+    (e.g. dropout(x)), any float dtype. Returns (..., out) in x's dtype.
+
+    weight may also be a dequantise-on-the-fly stand-in (QLoRA: novatune.ops.nf4.DequantWeight, frozen; math in
+    novatune/kernels/lora.py): eager only for now, since the registered ops take tensors."""
+    if not isinstance(weight, Tensor):
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("lora_linear: a quantised base weight (QLoRA) runs eagerly only; call it "
+                                      "outside torch.compile (mark the layer with torch.compiler.disable)")
+        return _LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), x_lora)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.lora_linear_fwd(x, weight, bias, lora_a, lora_b, float(scaling), x_lora)[0]
     return _LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), x_lora)

@@ -2,9 +2,12 @@
 
 `novatune.patch` finds every PEFT LoRA layer (FamilySpec.lora says how to recognise one) and, on each attention
 and MLP projection whose adapter the fused op computes exactly, binds `lora_linear_forward` on the instance (as
-apply.py's `_bind` does for the other modules; revert restores PEFT's forward). Everything else is reported as
-skipped with the reason: DoRA and other variants, several active adapters, merged adapters, quantised or custom
-base layers (QLoRA), a bias in lora_B, fan_in_fan_out (Conv1D) layers, LoRA outside the projections (lm_head,
+apply.py's `_bind` does for the other modules; revert restores PEFT's forward). QLoRA layers (PEFT's bnb
+Linear4bit over a bitsandbytes NF4 Linear4bit) are fused too: the base weight goes to the op as a
+novatune.ops.nf4.DequantWeight, dequantised (bit-identical to bnb's dequantize_4bit, in the layer's compute dtype)
+for each GEMM and dropped after it, as bnb's own matmul_4bit does, but with the LoRA GEMMs fused around it.
+Everything else is reported as skipped with the reason: DoRA and other variants, several active adapters, merged
+adapters, other quantised or custom base layers (FP4, 8-bit), a bias in lora_B, fan_in_fan_out (Conv1D) layers, LoRA outside the projections (lm_head,
 embeddings). The SwiGLU MLP and the attention forwards *call* the projection modules, so they pick the fused
 forward up with no change.
 
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from novatune.ops.lora import lora_linear
+from novatune.ops.nf4 import DequantWeight, from_bnb
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec, LoRASpec
 
@@ -36,15 +40,29 @@ def is_lora_layer(module: nn.Module, names: LoRASpec) -> bool:
     return hasattr(module, names.lora_a) and hasattr(module, names.base_layer)
 
 
+def is_qlora_layer(module: nn.Module, names: LoRASpec) -> bool:
+    cls = type(module)
+    return cls.__module__ == names.qlora_module and cls.__name__ in names.qlora_classes
+
+
 def skip_reason(module: nn.Module, names: LoRASpec) -> str | None:
     """Why the fused forward cannot stand in for this LoRA layer's forward, or None when it can."""
     cls = type(module)
-    if cls.__module__ != names.module or cls.__name__ not in names.classes:
-        return (f"LoRA layer {cls.__module__}.{cls.__name__} is not a plain PEFT LoRA Linear "
-                f"(quantised/other LoRA layers are not fused yet)")
     base = getattr(module, names.base_layer)
-    if type(base).__module__ != names.base_module or type(base).__name__ not in names.base_classes:
-        return f"base layer is {type(base).__module__}.{type(base).__name__}, not a plain nn.Linear (quantised?)"
+    bcls = type(base)
+    if is_qlora_layer(module, names):
+        if bcls.__module__ != names.qlora_base_module or bcls.__name__ not in names.qlora_base_classes:
+            return f"QLoRA base layer is {bcls.__module__}.{bcls.__name__}, not a bitsandbytes Linear4bit"
+        qs = getattr(base.weight, "quant_state", None)
+        if qs is None or qs.quant_type != "nf4":
+            return f"4-bit base weight is {getattr(qs, 'quant_type', 'not quantised')}, not NF4"
+        if getattr(base, "compute_dtype", None) is None:
+            return "bitsandbytes Linear4bit without a compute_dtype"
+    elif cls.__module__ != names.module or cls.__name__ not in names.classes:
+        return (f"LoRA layer {cls.__module__}.{cls.__name__} is not a plain PEFT LoRA Linear or an NF4 QLoRA "
+                f"Linear4bit (other quantised LoRA layers are not fused)")
+    elif bcls.__module__ != names.base_module or bcls.__name__ not in names.base_classes:
+        return f"base layer is {bcls.__module__}.{bcls.__name__}, not a plain nn.Linear (quantised?)"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D-style transposed weight)"
     if getattr(module, "merged", False):
@@ -109,7 +127,9 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
         p = float(getattr(drop, "p", 0.0)) if not isinstance(drop, nn.Identity) else 0.0
         bind(module, lora_linear_forward, report, _novatune_lora=names, _novatune_lora_adapter=adapter)
         mode = "no dropout: fast path" if p == 0.0 else f"dropout {p:g}: exact path (PEFT's dropout, LoRA branch)"
-        report.add(path, "lora", "replaced", f"fused LoRA linear ({slots[id(module)]}, r={r}, {mode})")
+        kind = "fused QLoRA linear (NF4 dequantised per GEMM, " if is_qlora_layer(module, names) else \
+            "fused LoRA linear ("
+        report.add(path, "lora", "replaced", f"{kind}{slots[id(module)]}, r={r}, {mode})")
     if report.replaced("lora"):
         report.add("", "note", "note", RUNTIME_NOTE)
 
@@ -119,10 +139,15 @@ def lora_linear_forward(self, x, *args, **kwargs):
     names, adapter = self._novatune_lora, self._novatune_lora_adapter
     base = getattr(self, names.base_layer)
     weight = base.weight
+    quant = getattr(weight, "quant_state", None)
+    # QLoRA: the GEMMs run in the base layer's compute dtype (bnb casts x to it); the fast path takes x already in it
+    dense_dtype = base.compute_dtype if quant is not None else weight.dtype
     if (args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [adapter]
-            or adapter in getattr(self, names.variants, ()) or x.dtype != weight.dtype
+            or adapter in getattr(self, names.variants, ()) or x.dtype != dense_dtype
             or torch.is_autocast_enabled(x.device.type)):
         return self._novatune_stock_forward(x, *args, **kwargs)
+    if quant is not None:
+        weight = DequantWeight(from_bnb(weight), dense_dtype)  # views bnb's storage; dequantised per GEMM
     lora_a = getattr(self, names.lora_a)[adapter].weight  # (r, in)
     lora_b = getattr(self, names.lora_b)[adapter].weight  # (out, r)
     scaling = getattr(self, names.scaling)[adapter]

@@ -43,6 +43,11 @@ class LoRASpec:
     classes: tuple[str, ...] = ("Linear",)
     base_module: str = "torch.nn.modules.linear"  # with base_classes: torch.nn.Linear exactly (bnb's
     base_classes: tuple[str, ...] = ("Linear",)  # Linear4bit and other quantised subclasses live elsewhere)
+    # QLoRA: PEFT's bitsandbytes LoRA layer over a bnb NF4 Linear4bit (fused with a dequantise-on-the-fly weight)
+    qlora_module: str = "peft.tuners.lora.bnb"
+    qlora_classes: tuple[str, ...] = ("Linear4bit",)
+    qlora_base_module: str = "bitsandbytes.nn.modules"
+    qlora_base_classes: tuple[str, ...] = ("Linear4bit",)
     base_layer: str = "base_layer"
     lora_a: str = "lora_A"  # ModuleDict adapter -> nn.Linear(in, r, bias=False)
     lora_b: str = "lora_B"  # ModuleDict adapter -> nn.Linear(r, out)

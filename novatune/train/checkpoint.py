@@ -11,8 +11,10 @@ It is written to a temporary folder beside it and renamed into place (atomic on 
 saving leaves either the complete checkpoint or none; `latest()` ignores leftovers. The newest `keep` are kept.
 
 The export (`<output_dir>/final/`) loads with `from_pretrained`: full fine-tuning writes the model and tokenizer;
-LoRA writes `final/adapter/` (PEFT) and `final/merged/` (adapter merged into the base weights). The novatune patch
-is reverted before saving, so the exported model is a plain transformers model.
+LoRA writes `final/adapter/` (PEFT) and `final/merged/` (adapter merged into the base weights). QLoRA writes the
+same two folders; its merged model is dense (NF4 base weights dequantised, delta added in fp32, saved in the
+compute dtype: novatune/train/qlora.py's merged_model), where PEFT's merge_and_unload would re-quantise the sum to
+NF4. The novatune patch is reverted before saving, so the exported model is a plain transformers model.
 """
 from __future__ import annotations
 
@@ -116,8 +118,11 @@ def load(path: str | Path, model, optimizer, scheduler, device: torch.device) ->
     return state
 
 
-def export(model, tokenizer, output_dir: str | Path, lora: bool, merged: bool = True) -> list[Path]:
-    """Final weights loadable with from_pretrained; returns the folders written."""
+def export(model, tokenizer, output_dir: str | Path, lora: bool, merged: bool = True, qlora: bool = False,
+           merged_dtype: torch.dtype = torch.bfloat16) -> list[Path]:
+    """Final weights loadable with from_pretrained; returns the folders written. qlora: the base weights are
+    bnb NF4 (implies lora); the merged model is dequantised and saved in merged_dtype."""
+    lora = lora or qlora
     out = Path(output_dir) / "final"
     tmp = Path(output_dir) / f".tmp-final-{os.getpid()}"
     if tmp.exists():
@@ -135,7 +140,12 @@ def export(model, tokenizer, output_dir: str | Path, lora: bool, merged: bool = 
         if lora:
             model.save_pretrained(str(tmp / "adapter"))
             written.append("adapter")
-            if merged:
+            if merged and qlora:
+                from novatune.train.qlora import merged_model as dense_merge
+
+                dense_merge(model, merged_dtype).save_pretrained(str(tmp / "merged"))
+                written.append("merged")
+            elif merged:
                 merged_model = model.merge_and_unload()
                 merged_model.save_pretrained(str(tmp / "merged"))
                 written.append("merged")

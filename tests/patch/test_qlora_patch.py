@@ -1,0 +1,103 @@
+"""novatune.patch on PEFT QLoRA models (bitsandbytes NF4 Linear4bit bases): every projection is fused, loss and
+every LoRA gradient equal PEFT + bitsandbytes stock, no dequantised weight is kept for the backward, revert works.
+
+Tolerances: fp32 compute on the CPU: both sides multiply by the same dequantised W (bit-identical dequantisation,
+tests/kernels/test_nf4.py); only the order of the LoRA products differs -> 1e-5 (REL_TOL fp32). bf16 compute:
+both run bf16 GEMMs on the same W, rounding at different points (PEFT rounds each Linear's output, the fused op
+rounds x A^T and accumulates into one buffer), so the two bf16 runs differ by bf16 noise of either (~2.5e-2 on a
+LoRA grad here); judged as tests/patch/test_lora_patch.py does: against an fp32-compute copy with the same NF4
+codes, novatune's bf16 run must be no further from it than PEFT + bnb's own bf16 run (x 1.5 + 5e-3, the
+criterion of test_lora_patch.py's bf16 test; measured here: 3.1e-2 vs PEFT + bnb's 2.0e-2 on the worst grad).
+"""
+import pytest
+import torch
+
+import novatune
+from novatune.harness.numerics import assert_close
+from novatune.patch import lora as lora_patch
+
+from tiny_models import packed_batch
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes", reason="qlora needs bitsandbytes: pip install bitsandbytes")
+
+LORA_ONLY = dict(rms_norm=False, swiglu=False, attention=False, cross_entropy=False)
+# intermediate 128 (not 96): bnb 0.50.2's native CPU dequantize_4bit mis-handles rows like 96 elements (see
+# tests/train/test_merge_export.py); the stock side of this comparison runs it
+ARCH = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, use_cache=False)
+
+
+def _qlora(dtype):
+    """bf16 init (same seed) quantised to NF4 with compute `dtype`: the codes do not depend on `dtype` (bnb's
+    quantiser works on the fp32 values of the bf16 weights), so an fp32 copy is the bf16 run's exact reference."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from novatune.train.qlora import quantize_linears_
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**ARCH), dtype=torch.bfloat16).to(dtype)
+    quantize_linears_(model, dtype)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    return peft.get_peft_model(model, cfg).train()
+
+
+def _loss_and_grads(model, batch):
+    ids, pos, lab = batch
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=lab)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+BATCH = packed_batch([[5, 17, 1, 9], [32]], vocab=ARCH["vocab_size"])
+
+
+def test_qlora_fused_matches_peft_bnb_fp32():
+    pm = _qlora(torch.float32)
+    batch, tol = BATCH, 1e-5
+    loss_ref, grads_ref = _loss_and_grads(pm, batch)
+    report = novatune.patch(pm, **LORA_ONLY)
+    assert len(report.replaced("lora")) == 7 * ARCH["num_hidden_layers"], report
+    assert not report.skipped("lora")
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.__dict__["forward"].__func__ is lora_patch.lora_linear_forward
+    assert any("QLoRA" in str(r) for r in report.replaced("lora"))
+    loss, grads = _loss_and_grads(pm, batch)
+    assert_close(loss, loss_ref, tol, "loss")
+    assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * ARCH["num_hidden_layers"]
+    assert all("lora_" in n for n in grads), "only the adapters train (no W gradient)"
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], tol, name)
+    report.revert()
+    assert "forward" not in q.__dict__
+    loss_back, _ = _loss_and_grads(pm, batch)
+    assert torch.equal(loss_back, loss_ref)
+
+
+def test_qlora_fused_bf16_no_further_from_fp32_than_stock():
+    from novatune.harness.numerics import rel_err
+
+    ref_loss, ref_grads = _loss_and_grads(_qlora(torch.float32), BATCH)
+    pm = _qlora(torch.bfloat16)
+    stock_loss, stock_grads = _loss_and_grads(pm, BATCH)
+    novatune.patch(pm, **LORA_ONLY)
+    loss, grads = _loss_and_grads(pm, BATCH)
+    assert rel_err(loss, ref_loss) <= 1.5 * rel_err(stock_loss, ref_loss) + 5e-3
+    for name, g in ref_grads.items():
+        ours, stock = rel_err(grads[name], g), rel_err(stock_grads[name], g)
+        assert ours <= 1.5 * stock + 5e-3, f"{name}: novatune {ours:.2e} vs PEFT+bnb {stock:.2e} from fp32"
+
+
+def test_dequantised_weight_never_saved_for_backward():
+    """The fused forward saves x, the adapters and x A^T; no (out, in) dense weight reaches autograd's saved set."""
+    pm = _qlora(torch.float32)
+    novatune.patch(pm, **LORA_ONLY)
+    layer = pm.base_model.model.model.layers[0].mlp.up_proj  # (128, 64)
+    x = torch.randn(3, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = layer(x)
+    assert saved and (128, 64) not in saved and (64, 128) not in saved, saved
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
