@@ -20,6 +20,31 @@ our own full fine-tuning" is measured in the same run:
 
     python bench/e2e.py --lora 16 --stacks hf_sdpa,varlen_liger,novatune,novatune_full
 MFU under --lora counts the frozen matmuls at 4 x params (forward + input gradient) and the adapters at 6 x.
+
+QLoRA (--qlora R): BENCHMARKS.md's QLoRA workload (defaults: --arch qwen3-8b --seq 2048). The random-init model's
+linears (all but lm_head) are quantised in place to bitsandbytes NF4 with double quantisation, bf16 compute
+(novatune.train.qlora.quantize_linears_, as the trainer's model.arch path does), then the --lora wiring above with
+rank R. hf_sdpa is then "PEFT + bitsandbytes stock" in BENCHMARKS' faster recipe: no prepare_model_for_kbit_training
+(its fp32 casts of embeddings, norms and lm_head halve the speed); novatune is the same model patched (fused QLoRA
+linears: NF4 dequantised per GEMM). Rows add weights_gib (allocated after quantisation + PEFT, before the first
+step: NF4 linears, bf16 embeddings/norms/lm_head, fp32 adapters). novatune_full has no meaning here (refused).
+
+    python bench/e2e.py --qlora 16 --stacks hf_sdpa,novatune --steps 3
+
+Under 7 GiB peak (the acceptance), where the bytes are (Qwen3-8B, 2048 tokens, r16; novatune plan's terms): NF4
+linears 3.3 GiB, bf16 embeddings + untied lm_head 2.3 GiB, fp32 adapters + grads + AdamW 0.65 GiB, checkpointed
+layer inputs 0.56 GiB + one layer's recompute ~0.5 GiB; stock adds ~3.5 GiB of fp32 logits, which novatune's fused
+cross-entropy never makes: `novatune plan examples/qlora.yaml` estimates ~7.5 GiB patched, still over. The two
+frozen (V, H) bf16 matrices are what is left to shrink, each ~0.86 GiB saved in NF4:
+  * lm_head in NF4, dequantised per vocab slice inside the fused cross-entropy: the "vocab" mode already walks
+    W in (Vc, H) row slices (twice: statistics, then gradients), and a frozen lm_head needs no grad_W, so each
+    slice would be nf4_dequantize'd into one (Vc, H) buffer just before its GEMM. Not a small change: the
+    registered op takes W as a Tensor (schema), kernels/linear_cross_entropy.py is at the 600-line limit, and
+    the double-quantised absmax must be sliced on 256-block boundaries (Vc*H/64 a multiple of 256: true for
+    H=4096 when Vc is a multiple of 4). Left for the lead.
+  * embed_tokens in NF4 with a gather-then-dequantise forward (rows of H/64 blocks; no gradient since frozen),
+    or kept in pinned host memory with the gather done from the collator's host-side input_ids.
+Either one alone brings the estimate to ~6.6 GiB; both to ~5.8 GiB.
 """
 from __future__ import annotations
 
@@ -108,6 +133,10 @@ def run_stack(args) -> dict:
                           "qwen2.5-0.5b": "qwen2"}[args.arch])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build_model(args.arch, args.layers, attn, dev)
+    if args.qlora:
+        from novatune.train.qlora import quantize_linears_
+
+        quantize_linears_(model, torch.bfloat16)  # bf16 weights freed layer by layer as their NF4 copies appear
     lora = args.lora if stack != "novatune_full" else 0
     report = None
 
@@ -129,6 +158,8 @@ def run_stack(args) -> dict:
             report = novatune_patch(model)  # patch goes last: it sees the LoRA layers
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # what the model holds before the first step (QLoRA: NF4 linears + the rest + adapters): the "weights GiB"
+    weights_gib = round(torch.cuda.memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0
     opt = torch.optim.AdamW(trainable, lr=1e-5, fused=(dev == "cuda"))
     rows = make_rows(args.ga * (args.warm + args.steps), args.seq, cfg.vocab_size)
     # The same feed for every stack: pinned host tensors copied without blocking the host (a trainer's prefetch).
@@ -207,7 +238,8 @@ def run_stack(args) -> dict:
     if args.profile and dev == "cuda":
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
-                lora=lora, trainable_params=sum(p.numel() for p in trainable),
+                lora=lora, qlora=bool(args.qlora), weights_gib=weights_gib,
+                trainable_params=sum(p.numel() for p in trainable),
                 ckpt=not args.no_ckpt, gc_freeze=not args.no_gc_freeze, warm=args.warm, steps=args.steps, attention=args.attention,
                 host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,
                 tok_s=round(tps, 1), step_ms=step_ms, model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
@@ -417,7 +449,8 @@ def drive(args) -> int:
             + (["--no_gc_freeze"] if args.no_gc_freeze else []) \
             + (["--memory", args.memory] if args.memory else []) \
             + (["--layers", str(args.layers)] if args.layers else []) \
-            + (["--no_ckpt"] if args.no_ckpt else []) + (["--lora", str(args.lora)] if args.lora else [])
+            + (["--no_ckpt"] if args.no_ckpt else []) \
+            + (["--qlora", str(args.qlora)] if args.qlora else ["--lora", str(args.lora)] if args.lora else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         for ln in proc.stdout.splitlines():
             if ln.startswith("DIAG"):
@@ -433,8 +466,8 @@ def drive(args) -> int:
         res["matmul_tflops_measured"] = round(peak, 1)
         res["run_index"] = len(runs)
         runs.append((stack, res))
-        print(f"[{stack}] {res['tok_s']:.0f} tok/s, peak {res['peak_gib']} GiB, step ms {res['step_ms']}, "
-              f"losses {res['losses']}", flush=True)
+        print(f"[{stack}] {res['tok_s']:.0f} tok/s, peak {res['peak_gib']} GiB, weights {res['weights_gib']} GiB, "
+              f"step ms {res['step_ms']}, losses {res['losses']}", flush=True)
     # a stack run more than once (alternated order, BENCHMARKS.md: run the pair twice under 5%) is pooled: the
     # ratios use the mean tok/s of its runs; each run's row keeps its own figure
     pooled = {}
@@ -453,10 +486,11 @@ def drive(args) -> int:
         r["x_best_peer"] = round(m / mean[best_peer], 3) if best_peer else None
         r["best_peer"] = best_peer
         write_row(args.results, {"bench": "e2e", **r})
-    print(f"\n{'stack':14s} {'tok/s':>9s} {'x stock':>8s} {'x peer':>7s} {'MFU':>6s} {'peak GiB':>9s}  losses")
+    print(f"\n{'stack':14s} {'tok/s':>9s} {'x stock':>8s} {'x peer':>7s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'wts GiB':>8s}  losses")
     for r in ok:
         print(f"{r['stack']:14s} {r['tok_s']:9.0f} {r['x_stock'] or 0:8.3f} {r['x_best_peer'] or 0:7.3f} "
-              f"{r['mfu']:6.3f} {r['peak_gib']:9.2f}  {r['losses']}")
+              f"{r['mfu']:6.3f} {r['peak_gib']:9.2f} {r['weights_gib']:8.2f}  {r['losses']}")
         if r.get("profile"):
             print(f"{'':14s} profile: {r['profile']}")
     if any(len(v) > 1 for v in pooled.values()):
@@ -468,15 +502,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stacks", default="hf_sdpa,varlen_liger,novatune", help=f"driver mode: comma list of {STACKS}")
     p.add_argument("--stack", choices=STACKS, help="run one stack in this process and print RESULT <json>")
-    p.add_argument("--arch", default="qwen3-4b", help="a name from novatune.train.arch.ARCHS")
+    p.add_argument("--arch", default=None, help="a name from novatune.train.arch.ARCHS (default qwen3-4b; "
+                   "--qlora: qwen3-8b)")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the architecture's)")
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096; --qlora: 2048)")
     p.add_argument("--ga", type=int, default=4)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no_ckpt", action="store_true")
     p.add_argument("--lora", type=int, default=0, help="PEFT LoRA rank on every stack (0: full fine-tuning); "
                    "novatune_full stays full fine-tuning")
+    p.add_argument("--qlora", type=int, default=0, help="QLoRA rank: NF4 base weights (bitsandbytes) + PEFT LoRA "
+                   "r=R on every stack (module docstring)")
     p.add_argument("--attention", default="auto", help="novatune attention backend")
     p.add_argument("--ce_mode", default="auto", help="novatune fused cross-entropy mode: auto | tokens | vocab")
     p.add_argument("--no_fuse_qk", action="store_true", help="novatune: separate q/k-norm and RoPE kernels")
@@ -490,6 +527,19 @@ def main(argv=None) -> int:
     p.add_argument("--diag", action="store_true", help="print Triton compiles, long GCs and warm-up step times")
     p.add_argument("--profile", default="", help="path prefix: profile one micro-step per stack (trace + table)")
     args = p.parse_args(argv)
+    args.arch = args.arch or ("qwen3-8b" if args.qlora else "qwen3-4b")
+    args.seq = args.seq or (2048 if args.qlora else 4096)
+    if args.qlora:
+        if args.lora and args.lora != args.qlora:
+            p.error(f"--qlora {args.qlora} sets the LoRA rank; drop --lora {args.lora}")
+        named = [args.stack] if args.stack else args.stacks.split(",")
+        if "novatune_full" in named:
+            p.error("--qlora: novatune_full (full fine-tuning) cannot train 4-bit weights; drop it from --stacks")
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from novatune.train.qlora import require_bnb
+
+        require_bnb()  # before any process is spawned: "qlora needs bitsandbytes: pip install bitsandbytes"
+        args.lora = args.qlora
     if args.stack:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         print("RESULT " + json.dumps(run_stack(args)), flush=True)

@@ -7,6 +7,9 @@
 #   eval: `novatune eval` decoding speed on a random Qwen2.5-0.5B (< 2 min; not in the default list).
 #   tune: the kernel engine (issue 5): GPU tests of tests/tune (CUDA extension build + validation), then
 #   `novatune tune examples/qwen3-4b-seed.yaml` (< 5 min); < 6 min in all; not in the default list.
+#   qlora: issue 6's QLoRA (not in the default list; needs the bitsandbytes wheel in .whl/): the NF4 / QLoRA-patch /
+#   merged-export GPU tests, then bench/e2e.py --qlora 16 (Qwen3-8B architecture, 2048-token rows, PEFT + bnb stock
+#   vs novatune) and the acceptance figures (peak <= 7 GiB, >= 2x stock tok/s, loss parity); < 6 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel from ../shared/tools/peer-wheels.sh) are installed into /tmp/site first.
 set -uo pipefail
@@ -87,6 +90,32 @@ if has tune; then
     --out "$OUT/tune" --results "$OUT/tune.jsonl" 2>&1 | tee "$OUT/tune.log" | tail -n 25
   summary+=("novatune tune: exit ${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s (process wall, incl. model build)")
   (cd "$OUT" && tar czf tune.tgz tune 2>/dev/null && rm -rf tune)
+fi
+if has qlora; then
+  python3 -c "import bitsandbytes, peft; print('bitsandbytes', bitsandbytes.__version__, 'peft', peft.__version__)" \
+    2>&1 | tail -n 1 | tee -a "$OUT/gpu.txt"
+  # no -m gpu: these files carry no gpu marker; on the GPU their `device` fixture runs every test on CUDA
+  timeout 120 python3 -m pytest -q tests/kernels/test_nf4.py tests/patch/test_qlora_patch.py \
+    tests/train/test_merge_export.py 2>&1 | tee "$OUT/qlora_tests.log" | tail -n 15
+  summary+=("qlora gpu tests: $(tail -n 1 "$OUT/qlora_tests.log")")
+  timeout 230 python3 bench/e2e.py --qlora 16 --stacks hf_sdpa,novatune --steps 3 --results "$OUT/qlora.jsonl" \
+    2>&1 | tee "$OUT/qlora_e2e.log" | tail -n 5
+  summary+=("bench/e2e.py --qlora 16: exit ${PIPESTATUS[0]}")
+  [ -f "$OUT/qlora.jsonl" ] && python3 - "$OUT/qlora.jsonl" <<'PY'
+import json, sys
+rows = {r["stack"]: r for r in map(json.loads, open(sys.argv[1])) if r.get("qlora")}
+for r in rows.values():
+    print(f"qlora {r['arch']} seq {r['seq']} r{r['lora']} {r['stack']:9s} {r['tok_s']:8.0f} tok/s  "
+          f"x{r.get('x_stock') or 0:.3f} stock  peak {r['peak_gib']:6.2f} GiB  weights {r['weights_gib']:5.2f} GiB  "
+          f"losses {r['losses']}")
+st, nt = rows.get("hf_sdpa"), rows.get("novatune")
+if st and nt:
+    rel = max(abs(a - b) / abs(b) for a, b in zip(nt["losses"], st["losses"]))
+    ok = lambda c: "PASS" if c else "FAIL"  # noqa: E731
+    print(f"qlora acceptance: peak {nt['peak_gib']:.2f} GiB <= 7 {ok(nt['peak_gib'] <= 7)}; "
+          f"tok/s x{nt['tok_s'] / st['tok_s']:.3f} stock >= 2 {ok(nt['tok_s'] >= 2 * st['tok_s'])}; "
+          f"loss max rel diff {rel:.1e} (bf16 noise: < 1e-2) {ok(rel < 1e-2)}")
+PY
 fi
 echo; echo "=== summary ==="
 for s in "${summary[@]}"; do echo "$s"; done

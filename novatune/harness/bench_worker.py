@@ -131,7 +131,7 @@ def run_stack(args) -> dict:
     tps = tokens / timed_s
     model = meter.model
     flops_cfg = getattr(model, "get_base_model", lambda: model)().config
-    fpt = flops_per_token(flops_cfg, meter.keys / max(1, tokens), 0.0 if cfg.method.type == "lora" else 1.0)
+    fpt = flops_per_token(flops_cfg, meter.keys / max(1, tokens), 0.0 if cfg.method.type in ("lora", "qlora") else 1.0)
     peak, source = args.peak_tflops, args.peak_source
     if not peak:
         from novatune.train.metrics import peak_tflops

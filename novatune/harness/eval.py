@@ -372,8 +372,9 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     cfg = from_dict(yaml.safe_load(state["config"]))
     mcfg = dataclasses.replace(cfg.model, attention=attn)
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
-    model = build_model(mcfg, device, dtype, tok, Path.cwd(), seed=getattr(cfg.train, "seed", 0))
-    if cfg.method.type == "lora":
+    qlora = cfg.method.type == "qlora"
+    model = build_model(mcfg, device, dtype, tok, Path.cwd(), seed=getattr(cfg.train, "seed", 0), qlora=qlora)
+    if cfg.method.type in ("lora", "qlora"):
         model = add_lora(model, cfg.method)
     weights = load_file(str(ck / "weights.safetensors"), device=str(device))
     params = dict(model.named_parameters())
@@ -385,7 +386,11 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     with torch.no_grad():
         for name, t in weights.items():
             params[name].copy_(t)
-    if cfg.method.type == "lora":
+    if qlora:  # dense merge (NF4 dequantised + delta): decoding then runs plain bf16/fp32 GEMMs
+        from novatune.train.qlora import merged_model
+
+        model = merged_model(model, dtype).to(device)
+    elif cfg.method.type == "lora":
         model = model.merge_and_unload()
     return model, tok
 

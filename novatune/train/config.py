@@ -75,7 +75,8 @@ class DataConfig:
 
 @dataclass
 class MethodConfig:
-    type: Literal["full", "lora"] = "full"
+    # qlora: LoRA over bitsandbytes NF4 base weights (double quantisation, blocksize 64; novatune/train/qlora.py)
+    type: Literal["full", "lora", "qlora"] = "full"
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
@@ -111,7 +112,7 @@ class CheckpointConfig:
     save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
     keep: int = 2  # newest N checkpoints kept
     resume: str = "auto"  # auto (latest in output_dir) | never | <path to a checkpoint>
-    export: bool = True  # final weights loadable with from_pretrained (LoRA: adapter/ and merged/)
+    export: bool = True  # final weights loadable with from_pretrained (LoRA/QLoRA: adapter/ and merged/)
     export_merged: bool = True
 
 

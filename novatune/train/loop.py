@@ -44,7 +44,8 @@ class RunResult:
     resumed_from: Path | None = None
     patch_report: object = None
     pack_stats: object = None
-    model: object = None  # the trained model (patch reverted after an export; LoRA: merged after export_merged)
+    model: object = None  # the trained model (patch reverted after an export; LoRA: merged after export_merged,
+    # QLoRA: still the PEFT model on NF4 weights: its merged export is a separate dense copy)
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):
@@ -127,7 +128,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
     console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed)
+    qlora = cfg.method.type == "qlora"
+    model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed, qlora=qlora)
     model = prepare(model, cfg)
     report = apply_patch(model, cfg.model)
     if report is not None:
@@ -158,7 +160,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report, pack_stats=data.stats)
     mode = _packed_kwargs_mode(cfg, report)
-    lora = cfg.method.type == "lora"
+    lora = cfg.method.type in ("lora", "qlora")
     frac = 0.0 if lora else 1.0  # LoRA: base matmuls do forward + input grads only (4x); adapters are tiny
     flops_cfg = getattr(model, "get_base_model", lambda: model)().config
     peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
@@ -242,7 +244,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         if cfg.checkpoint.export:
             if report is not None:
                 report.revert()  # export a plain transformers model
-            result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged)
+            # QLoRA: merged/ is dense (NF4 dequantised + delta) in the run's compute dtype
+            result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
+                                          qlora=qlora, merged_dtype=dtype)
             console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
     result.model = model
     result.wall_s = time.perf_counter() - t_start

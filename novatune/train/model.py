@@ -3,6 +3,12 @@
 Order matters and is fixed here: model -> gradient checkpointing -> LoRA (PEFT) -> novatune.patch -> optimizer.
 The patch goes last so it sees the final module tree (it patches instances, and unwraps PEFT itself); it keeps
 every parameter, so the optimizer and checkpoints are unaffected by it.
+
+QLoRA (method.type qlora) differs in two places: the model's linears are bitsandbytes NF4 (`model.name`: loaded
+with novatune.train.qlora.bnb_config; `model.arch`: built, then quantised in place), and PEFT's
+prepare_model_for_kbit_training is deliberately NOT called (its fp32 casts of embeddings, norms and lm_head halve
+the speed: BENCHMARKS.md's QLoRA anchor); only the one piece of it training needs is done here (input grads under
+gradient checkpointing, `prepare`).
 """
 from __future__ import annotations
 
@@ -80,8 +86,9 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
 
 
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
-                seed: int = 0):
-    """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`."""
+                seed: int = 0, qlora: bool = False):
+    """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`.
+    qlora: every linear but lm_head is a bitsandbytes NF4 Linear4bit computing in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(mcfg, tokenizer, base_dir)
@@ -92,10 +99,24 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
         # built directly on the device in the target dtype: a 4B model never exists in fp32 on the host
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if qlora:
+            from novatune.train.qlora import quantize_linears_
+
+            quantize_linears_(model, dtype)  # layer by layer: the peak is the model in `dtype`, once
     else:
         path = resolve_path(mcfg.name, base_dir)
-        model = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else mcfg.name, config=config,
-                                                     dtype=dtype, attn_implementation=attn).to(device)
+        where = str(path) if path.exists() else mcfg.name
+        if qlora:
+            from novatune.train.qlora import bnb_config
+
+            # transformers quantises while loading; a 4-bit model cannot be .to()-moved afterwards, so it is
+            # placed by device_map (one device: the whole model there)
+            model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, attn_implementation=attn,
+                                                         quantization_config=bnb_config(dtype),
+                                                         device_map={"": device})
+        else:
+            model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
+                                                         attn_implementation=attn).to(device)
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
         raise SetupError(f"model: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{model.config.vocab_size}; use the model's tokenizer or set "
@@ -125,7 +146,14 @@ def prepare(model, cfg):
     if cfg.memory.gradient_checkpointing:
         # non-reentrant: works with frozen inputs (LoRA) and passes kwargs (position_ids, cu_seqlens) through
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.method.type == "lora":
+        if cfg.method.type == "qlora":
+            # The one step of PEFT's prepare_model_for_kbit_training kept (its fp32 casts are not: module
+            # docstring): the frozen embedding's output requires grad, so each checkpointed layer has a
+            # differentiable input, as with reentrant checkpointing it must. Non-reentrant checkpointing would
+            # cope without it; it is kept so the trainer runs the graph of the stock PEFT + bitsandbytes recipe
+            # that bench/e2e.py --qlora compares against (cost: one (tokens, hidden) gradient per micro-batch).
+            model.enable_input_require_grads()
+    if cfg.method.type in ("lora", "qlora"):
         model = add_lora(model, cfg.method)
     return model
 
@@ -170,7 +198,14 @@ def apply_patch(model, mcfg):
     return fn(model, **opts)
 
 
+def param_numel(p) -> int:
+    """Elements of the weight a parameter stands for: a bitsandbytes 4-bit Params4bit holds two per byte
+    (its own numel is the packed bytes), its quant_state keeps the real shape."""
+    qs = getattr(p, "quant_state", None)
+    return qs.shape.numel() if qs is not None else p.numel()
+
+
 def param_counts(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(param_numel(p) for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable

@@ -12,6 +12,16 @@ The model is built on the meta device (no memory, exact parameter count). Estima
   logits       stock HF: tokens x vocab x 12 bytes (bf16 logits, fp32 upcast, fp32 log-softmax and its gradient);
                novatune.patch's fused linear cross-entropy never materialises them (~0).
 
+QLoRA (method.type qlora): every linear but lm_head is bitsandbytes NF4 with double quantisation, exactly as
+novatune.train.qlora builds it, per quantised tensor of n weights:
+               n/2 (two 4-bit codes per byte) + n/64 (uint8 absmax per 64-weight block) + 4 x n/(64*256) (fp32
+               second-level scales per 256 absmax) + per tensor 4 (fp32 offset) + 16 x 4 (NF4 code table) +
+               256 x 4 (8-bit absmax code table)
+               embeddings, norms and lm_head stay in the compute dtype; the adapters, their gradients and both
+               AdamW states are fp32 (PEFT keeps adapters in fp32 over 4-bit and bf16 bases); plus one dequantised
+               weight (the largest linear, compute dtype) alive at a time: bnb's matmul_4bit and novatune's fused
+               QLoRA linear both dequantise per GEMM and drop the copy after it.
+
 Checked against BENCHMARKS.md's H200 peaks (headline workload, checkpointing on): stock 38.5 GiB estimated vs 39.0
 measured; with fused cross-entropy 31.5 vs 32.2 (varlen + Liger); LoRA r16 16.2 vs 17.0 (stock) and 9.3 vs 9.8.
 Without checkpointing the patched model needs less than estimated (fused norms/SwiGLU keep fewer copies).
@@ -22,6 +32,24 @@ from pathlib import Path
 
 GiB = 2**30
 HEADROOM = 0.92  # CUDA context, allocator fragmentation and workspace take the rest
+# bitsandbytes' NF4 layout as novatune.train.qlora quantises (blocksize 64, double quantisation of the absmax in
+# blocks of 256 with an 8-bit dynamic code); see the module docstring for the per-tensor sum
+NF4_BLOCK, ABSMAX_BLOCK = 64, 256
+NF4_CODE, ABSMAX_CODE = 16, 256  # fp32 entries of each tensor's two code tables
+
+
+def nf4_bytes(n: int) -> int:
+    """Bytes bitsandbytes holds for one NF4 double-quantised tensor of n weights (module docstring)."""
+    blocks = -(-n // NF4_BLOCK)
+    return -(-n // 2) + blocks + 4 * -(-blocks // ABSMAX_BLOCK) + 4 * (1 + NF4_CODE + ABSMAX_CODE)
+
+
+def _quantised_linears(model) -> list[int]:
+    """Weight counts of the linears novatune.train.qlora.quantize_linears_ turns into NF4 (all but lm_head)."""
+    import torch.nn as nn
+
+    return [m.weight.numel() for name, m in model.named_modules()
+            if type(m) is nn.Linear and name.rsplit(".", 1)[-1] != "lm_head"]
 
 
 def _lora_params(model, targets: list[str], r: int) -> int:
@@ -49,9 +77,16 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
         model = AutoModelForCausalLM.from_config(mconf)
     n_params = sum(p.numel() for p in model.parameters())
     b = 4 if cfg.model.dtype == "fp32" else 2  # auto: bf16 on the GPU
-    lora = cfg.method.type == "lora"
+    qlora = cfg.method.type == "qlora"
+    lora = cfg.method.type in ("lora", "qlora")
     adapters = _lora_params(model, cfg.method.targets, cfg.method.r) if lora else 0
     trainable = adapters if lora else n_params
+    quant = _quantised_linears(model) if qlora else []
+    # QLoRA: fp32 adapters (module docstring); LoRA keeps the figure the anchors above were checked with
+    tb = 4 if qlora else b
+    weights = (n_params + adapters) * b
+    if qlora:
+        weights = (n_params - sum(quant)) * b + sum(nf4_bytes(n) for n in quant) + adapters * tb
     h, i_sz, L, V = mconf.hidden_size, mconf.intermediate_size, mconf.num_hidden_layers, mconf.vocab_size
     hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
     q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
@@ -62,12 +97,13 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
     logits_stock = tokens * V * 12
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
-        "dtype_bytes": b, "tokens_per_micro_batch": tokens,
-        "weights": (n_params + adapters) * b, "gradients": trainable * b, "optimizer": 2 * trainable * b,
+        "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
+        "quantised_params": sum(quant), "dequant": max(quant, default=0) * b,
+        "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
     }
-    static = est["weights"] + est["gradients"] + est["optimizer"]
+    static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     act = act_ckpt if cfg.memory.gradient_checkpointing else act_full
     logits = 0 if cfg.model.patch else logits_stock
     est["peak"] = static + act + logits
@@ -92,6 +128,10 @@ def _advice(cfg, est: dict) -> list[str]:
         tips.append(f"--set model.patch=true (fused cross-entropy saves ~{est['logits_stock'] / GiB:.1f} GiB)")
     if cfg.method.type == "full":
         tips.append("--set method.type=lora (gradients and optimizer states for the adapters only)")
+    if cfg.method.type == "lora":
+        per = nf4_bytes(est["params"]) / est["params"]
+        tips.append(f"--set method.type=qlora (NF4 base weights: ~{per:.2f} bytes per weight instead of "
+                    f"{est['dtype_bytes']})")
     if cfg.train.micro_batch > 1:
         tips.append("lower train.micro_batch and raise train.grad_accum (same tokens per optimizer step)")
     tips.append("lower data.max_length")
@@ -105,12 +145,15 @@ def render(est: dict) -> str:
     ck = est["gradient_checkpointing"]
     n = est["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    wdesc = (f"NF4 linears ({est['quantised_params'] / n:.0%} of the weights), {est['dtype_bytes']}-byte rest, "
+             f"fp32 adapters" if est["qlora"] else f"{est['dtype_bytes']}-byte weights")
     lines = [f"novatune plan: {est['model']}, {size} parameters "
-             f"({est['trainable'] / 1e6:,.1f}M trainable), {est['dtype_bytes']}-byte weights, "
+             f"({est['trainable'] / 1e6:,.1f}M trainable), {wdesc}, "
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
              f"  optimizer states (AdamW)     {g(est['optimizer'])}",
+             *([f"  dequantised weight (1 live)  {g(est['dequant'])}"] if est["qlora"] else []),
              f"  activations, no checkpointing {g(est['activations_no_ckpt'])}" + ("" if ck else "   <- this run"),
              f"  activations, checkpointing   {g(est['activations_ckpt'])}" + ("   <- this run" if ck else ""),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"

@@ -1,7 +1,7 @@
 """Cross-field rules of the config, checked before anything heavy runs. Each failure names the key and the fix.
 
 Single-field type and enum checks happen when the config is built (config.py); here: ranges, the model/arch
-choice, data paths, loss_on vs format, LoRA settings.
+choice, data paths, loss_on vs format, LoRA/QLoRA settings.
 """
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ MIN_MAX_LENGTH = 16
 def _positive(value, key: str, what: str = "a positive integer") -> None:
     if value is None or value < 1:
         raise ConfigError(key, f"must be {what}, got {value!r}", f"set {key} to 1 or more")
+
+
+def _check_qlora(cfg: Config) -> None:
+    import importlib.util
+
+    from novatune.train.qlora import BNB_FIX
+
+    if importlib.util.find_spec("bitsandbytes") is None:  # a broken install is caught when the model is built
+        raise ConfigError("method.type", BNB_FIX, "pip install bitsandbytes, or set method.type: lora")
+    m = cfg.model
+    if m.dtype == "fp32" and m.device in ("cuda", "auto"):
+        import torch
+
+        if m.device == "cuda" or torch.cuda.is_available():
+            # fp32 compute dequantises every NF4 weight into an fp32 buffer and runs fp32 GEMMs: twice the bytes
+            # and a fraction of the bf16 tensor-core rate, which is what QLoRA exists to avoid. The CPU keeps fp32
+            # (tests: bitsandbytes' CPU backend computes in any dtype).
+            raise ConfigError("model.dtype", "qlora needs bf16 compute on CUDA (fp32 makes every dequantised "
+                              "weight and GEMM fp32)", "set model.dtype: bf16 (or auto)")
 
 
 def validate(cfg: Config, base_dir: Path | None = None) -> Config:
@@ -75,7 +94,9 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         raise ConfigError("data.format", f"synthetic sources are pre-tokenized; format {d.format!r} cannot apply",
                           "set data.format: auto (or tokens)")
     # method
-    if cfg.method.type == "lora":
+    if cfg.method.type == "qlora":
+        _check_qlora(cfg)
+    if cfg.method.type in ("lora", "qlora"):
         _positive(cfg.method.r, "method.r")
         if cfg.method.alpha <= 0:
             raise ConfigError("method.alpha", f"must be > 0, got {cfg.method.alpha}", "set method.alpha, e.g. 2 x r")

@@ -103,7 +103,8 @@ def run(args) -> int:
     tokenizer = load_tokenizer(cfg.model, base)
     mconf = model_config(cfg.model, tokenizer, base)
     data = build_data(cfg.data, tokenizer, mconf.vocab_size, base)
-    model = prepare(build_model(cfg.model, device, dtype, tokenizer, base, seed=cfg.train.seed), cfg)
+    model = prepare(build_model(cfg.model, device, dtype, tokenizer, base, seed=cfg.train.seed,
+                                qlora=cfg.method.type == "qlora"), cfg)
     patch_report = apply_patch(model, cfg.model)
     select.install(None)  # time the built-in defaults first, whatever an older cache selected
     if patch_report is not None and patch_report.choices:

@@ -90,8 +90,8 @@ def test_bad_enum():
     assert "train.schedule" in msg and "'cosine'" in msg and "linear" in msg
     msg = _err(lambda: from_dict({"data": {"loss_on": "assistants"}}))
     assert "data.loss_on" in msg and "assistant" in msg
-    msg = _err(lambda: from_dict({"method": {"type": "qlora"}}))
-    assert "method.type" in msg and "lora" in msg
+    msg = _err(lambda: from_dict({"method": {"type": "qlroa"}}))  # qlora is a method since issue 6
+    assert "method.type" in msg and "'qlora'" in msg
 
 
 def test_missing_data_path(tmp_path):
