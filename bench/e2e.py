@@ -34,17 +34,18 @@ step: NF4 linears, bf16 embeddings/norms/lm_head, fp32 adapters). novatune_full 
 Under 7 GiB peak (the acceptance), where the bytes are (Qwen3-8B, 2048 tokens, r16; novatune plan's terms): NF4
 linears 3.3 GiB, bf16 embeddings + untied lm_head 2.3 GiB, fp32 adapters + grads + AdamW 0.65 GiB, checkpointed
 layer inputs 0.56 GiB + one layer's recompute ~0.5 GiB; stock adds ~3.5 GiB of fp32 logits, which novatune's fused
-cross-entropy never makes: `novatune plan examples/qlora.yaml` estimates ~7.5 GiB patched, still over. The two
-frozen (V, H) bf16 matrices are what is left to shrink, each ~0.86 GiB saved in NF4:
+cross-entropy never makes. novatune (this stack only; rows: nf4_embedding) also holds the untied input embedding in
+NF4 (novatune.train.qlora.quantize_embeddings_, the trainer's method.quantize_embeddings default: rows dequantised as
+gathered), 0.86 GiB saved: `novatune plan examples/qlora.yaml` estimates ~6.6 GiB patched (7.5 without). The
+frozen (V, H) matrices, each ~0.86 GiB saved in NF4 (lm_head's is left):
   * lm_head in NF4, dequantised per vocab slice inside the fused cross-entropy: the "vocab" mode already walks
     W in (Vc, H) row slices (twice: statistics, then gradients), and a frozen lm_head needs no grad_W, so each
     slice would be nf4_dequantize'd into one (Vc, H) buffer just before its GEMM. Not a small change: the
     registered op takes W as a Tensor (schema), kernels/linear_cross_entropy.py is at the 600-line limit, and
     the double-quantised absmax must be sliced on 256-block boundaries (Vc*H/64 a multiple of 256: true for
     H=4096 when Vc is a multiple of 4). Left for the lead.
-  * embed_tokens in NF4 with a gather-then-dequantise forward (rows of H/64 blocks; no gradient since frozen),
-    or kept in pinned host memory with the gather done from the collator's host-side input_ids.
-Either one alone brings the estimate to ~6.6 GiB; both to ~5.8 GiB.
+  * embed_tokens in NF4 with a gather-then-dequantise forward: done (novatune.ops.nf4.NF4Embedding).
+Both bring the estimate to ~5.8 GiB.
 """
 from __future__ import annotations
 
@@ -133,10 +134,14 @@ def run_stack(args) -> dict:
                           "qwen2.5-0.5b": "qwen2"}[args.arch])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = build_model(args.arch, args.layers, attn, dev)
+    nf4_embedding = False
     if args.qlora:
-        from novatune.train.qlora import quantize_linears_
+        from novatune.train.qlora import quantize_embeddings_, quantize_linears_
 
         quantize_linears_(model, torch.bfloat16)  # bf16 weights freed layer by layer as their NF4 copies appear
+        if stack == "novatune":  # novatune's recipe (the trainer's default); stock stays PEFT + bnb's bf16 table
+            print(quantize_embeddings_(model, torch.bfloat16), flush=True)
+            nf4_embedding = type(model.get_input_embeddings()).__name__ == "NF4Embedding"
     lora = args.lora if stack != "novatune_full" else 0
     report = None
 
@@ -238,7 +243,7 @@ def run_stack(args) -> dict:
     if args.profile and dev == "cuda":
         extra["profile"] = profile_micro_step(model, batch_kwargs(0), f"{args.profile}_{stack}")
     return dict(stack=stack, arch=args.arch, **extra, layers=cfg.num_hidden_layers, seq=args.seq, ga=args.ga,
-                lora=lora, qlora=bool(args.qlora), weights_gib=weights_gib,
+                lora=lora, qlora=bool(args.qlora), nf4_embedding=nf4_embedding, weights_gib=weights_gib,
                 trainable_params=sum(p.numel() for p in trainable),
                 ckpt=not args.no_ckpt, gc_freeze=not args.no_gc_freeze, warm=args.warm, steps=args.steps, attention=args.attention,
                 host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,

@@ -31,6 +31,11 @@ With double quantisation W' uses a' (the 8-bit absmax) instead of absmax: |W - l
 |level| |absmax - a'| <= g / 2 * absmax[b] + |absmax[b] - a'[b]|, and |absmax - a'| <= g2 / 2 * absmax2 (g2: the
 dynamic map's largest gap), again plus fp32 roundings. tests/kernels/test_nf4.py checks these per element.
 
+Embedding gather (nf4_embedding / nf4_embedding_ref): rows `ids` of a 2-D (V, H) table, out[t, c] = the value of
+flat element ids[t] * H + c, with that element's own byte, nibble, block (e // 64) and second-level scale
+((e // 64) // 256): any H works (H % 64 != 0: rows start mid-block; H odd: mid-byte), and the result is
+nf4_dequantize_ref(t)[ids] bit for bit while reading only the gathered rows.
+
 No torch.autograd, no transformers, no bitsandbytes import here (ARCHITECTURE.md): ops/nf4.py reads bnb's state.
 """
 from __future__ import annotations
@@ -145,17 +150,34 @@ def _blockwise_absmax_codes(x: Tensor, levels: Tensor, blocksize: int, pad_to_ev
     return torch.bucketize(scaled, bounds), absmax
 
 
-def nf4_quantize_ref(w: Tensor, blocksize: int = 64, double_quant: bool = True) -> NF4Tensor:
+def nf4_quantize_ref(w: Tensor, blocksize: int = 64, double_quant: bool = True,
+                     chunk: int | None = None) -> NF4Tensor:
     """Quantise like bitsandbytes' quantize_4bit(quant_type="nf4", compress_statistics=double_quant), plain
-    PyTorch in fp32. The result dequantises with nf4_dequantize_ref or nf4_dequantize (Triton)."""
+    PyTorch in fp32. The result dequantises with nf4_dequantize_ref or nf4_dequantize (Triton).
+
+    chunk: quantise at most this many elements at a time (a multiple of 2 * blocksize), for large tensors: the
+    reference's temporaries are ~20 bytes per element (fp32 copy, scaled values, int64 codes), 12 GiB for a
+    152k x 4096 embedding at once. Chunks hold whole blocks and whole bytes, and the double quantisation (whose
+    offset is the mean over ALL blocks) runs once on the gathered absmax, so the result is bit-identical."""
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"nf4_quantize_ref: blocksize {blocksize} is not one of {BLOCKSIZES}")
     if w.dtype not in OUT_DTYPES:
         raise TypeError(f"nf4_quantize_ref: w must be bf16, fp16 or fp32, got {w.dtype}")
+    if chunk is not None and (chunk <= 0 or chunk % (2 * blocksize)):
+        raise ValueError(f"nf4_quantize_ref: chunk {chunk} must be a positive multiple of 2 x blocksize "
+                         f"({2 * blocksize}): whole blocks and whole bytes per chunk")
     code = nf4_code(w.device)
-    q, absmax = _blockwise_absmax_codes(w, code, blocksize, pad_to_even=True)
-    q8 = q.to(torch.uint8)
-    packed = (q8[0::2] << 4) | q8[1::2]  # first element of each pair in the high nibble
+    flat = w.reshape(-1)
+    step = chunk or max(flat.numel(), 1)
+    packed_parts, absmax_parts = [], []
+    for s in range(0, max(flat.numel(), 1), step):
+        q, am = _blockwise_absmax_codes(flat[s:s + step], code, blocksize, pad_to_even=True)
+        q8 = q.to(torch.uint8)
+        packed_parts.append((q8[0::2] << 4) | q8[1::2])  # first element of each pair in the high nibble
+        absmax_parts.append(am)
+        del q, q8
+    packed = packed_parts[0] if len(packed_parts) == 1 else torch.cat(packed_parts)
+    absmax = absmax_parts[0] if len(absmax_parts) == 1 else torch.cat(absmax_parts)
     out = NF4Tensor(packed=packed, absmax=absmax, shape=torch.Size(w.shape), dtype=w.dtype, code=code,
                     blocksize=blocksize)
     if double_quant:
@@ -184,17 +206,48 @@ def nf4_dequantize_ref(t: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor
     return (t.code[q] * scale).to(dtype or t.dtype).view(t.shape)
 
 
+def _check_rows(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    check(t)
+    if len(t.shape) != 2:
+        raise ValueError(f"nf4 embedding: the table is 2-D (num_embeddings, dim), got shape {tuple(t.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"nf4 embedding: ids must be int32 or int64, got {ids.dtype}")
+    dtype = dtype or t.dtype
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"nf4 embedding: output dtype must be one of {OUT_DTYPES}, got {dtype}")
+    if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]):
+        # checked where it costs no device sync; on the GPU the kernel writes NaN rows instead (see there)
+        raise IndexError(f"nf4 embedding: ids must lie in [0, {t.shape[0]}), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    return dtype
+
+
+def nf4_embedding_ref(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Rows `ids` of a 2-D NF4 table, dequantised: equals nf4_dequantize_ref(t, dtype)[ids] bit for bit (the same
+    fp32 products, per element), but touches only those rows' bytes and blocks. Element (r, c) is element r*H + c
+    of the flattened table, so any H works: when H % 64 != 0 a row starts mid-block (and, H odd, mid-byte)."""
+    dtype = _check_rows(t, ids, dtype)
+    H = t.shape[1]
+    e = ids.reshape(-1, 1).long() * H + torch.arange(H, device=ids.device)  # (T, H) flat element indices
+    byte = t.packed[e // 2]
+    q = torch.where(e % 2 == 0, byte >> 4, byte & 0xF).long()
+    blk = e // t.blocksize
+    if t.nested:
+        a = t.code2[t.absmax[blk].long()] * t.absmax2[blk // t.blocksize2]  # absmax_ref's two roundings, per block
+        a = a + t.offset.reshape(())
+    else:
+        a = t.absmax[blk]
+    return (t.code[q] * a).to(dtype).view(*ids.shape, H)
+
+
 # ------------------------------------------------------------------------------------------- Triton kernel
 @triton.jit
-def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, n,
-                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                        BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: an 8B-parameter tensor passes 2^31 elements
-    i = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) output elements
-    mask = i < n
+def _nf4_values(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, i, mask,
+                BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+    """fp32 dequantised values of flat elements `i` (int64, any shape), bnb's roundings (module docstring)."""
     byte = tl.load(packed_ptr + i // 2, mask=mask, other=0).to(tl.int32)  # each byte read twice, from L1
     nib = tl.where(i % 2 == 0, byte >> 4, byte & 0xF)  # even element: high nibble
-    level = tl.load(code_ptr + nib, mask=mask, other=0.0)  # (BLOCK,) fp32 NF4 level
+    level = tl.load(code_ptr + nib, mask=mask, other=0.0)  # fp32 NF4 level
     blk = i // BLOCKSIZE
     if NESTED:
         qa = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
@@ -203,16 +256,50 @@ def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr
         a = a + tl.load(offset_ptr)  # ... and once more, as bnb
     else:
         a = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
-    w = level * a  # (BLOCK,) fp32, rounded once
+    return level * a  # fp32, rounded once
+
+
+@triton.jit
+def _store_out(out_ptr, idx, w, mask, BF16_BITS: tl.constexpr):
     if BF16_BITS:
         # fp32 -> bf16 round-to-nearest-even on the bits, stored through an int16 view of the output: the same
         # result as cvt.rn.bf16.f32 on the GPU, and the Triton interpreter (which truncates in .to(bf16)) computes
-        # it too, so the CPU tests check the bits the GPU writes. (Finite inputs: absmax is finite.)
+        # it too, so the CPU tests check the bits the GPU writes. (NaN stays NaN: 0x7FC0xxxx -> 0x7FC0.)
         bits = w.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(out_ptr + i, bits.to(tl.int16), mask=mask)
+        tl.store(out_ptr + idx, bits.to(tl.int16), mask=mask)
     else:
-        tl.store(out_ptr + i, w.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + idx, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_dequant_kernel(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, n,
+                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+                        BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: an 8B-parameter tensor passes 2^31 elements
+    i = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) output elements
+    mask = i < n
+    w = _nf4_values(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, i, mask,
+                    BLOCKSIZE, BLOCKSIZE2, NESTED)
+    _store_out(out_ptr, i, w, mask, BF16_BITS)
+
+
+@triton.jit
+def _nf4_embedding_kernel(ids_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+                          T, V, H, BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
+                          BF16_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    # a (BLOCK_T tokens, BLOCK_H columns) tile: out[t, c] = dequant(flat element ids[t] * H + c)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = tl.load(ids_ptr + tok, mask=tok < T, other=0).to(tl.int64)
+    valid = (row >= 0) & (row < V)  # an out-of-range id reads nothing and gets a NaN row (wrapper docstring)
+    out_mask = (tok < T)[:, None] & (col < H)[None, :]
+    mask = out_mask & valid[:, None]
+    i = row[:, None] * H + col[None, :]
+    w = _nf4_values(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, i, mask,
+                    BLOCKSIZE, BLOCKSIZE2, NESTED)
+    w = tl.where(valid[:, None], w, float("nan"))
+    _store_out(out_ptr, tok[:, None] * H + col[None, :], w, out_mask, BF16_BITS)
 
 
 def _launch_kwargs() -> dict:
@@ -247,3 +334,37 @@ def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor |
                               BLOCKSIZE=t.blocksize, BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16,
                               BLOCK=block, **_launch_kwargs())
     return out
+
+
+def nf4_embedding(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+    """Triton gather-dequantise: rows `ids` of the 2-D NF4 table t, shape ids.shape + (H,), in `dtype` (default
+    t.dtype); bit-identical to nf4_embedding_ref (and to nf4_dequantize(t)[ids]). Only the gathered rows' bytes and
+    scales are read. Ids on the CPU are range-checked (IndexError); on the GPU that check would cost a device sync
+    per forward, so an out-of-range id instead yields a NaN row (loud in the loss), never a read out of bounds."""
+    dtype = _check_rows(t, ids, dtype or (out.dtype if out is not None else None))
+    H = t.shape[1]
+    shape = (*ids.shape, H)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=t.packed.device)
+    elif out.dtype != dtype or out.shape != torch.Size(shape) or not out.is_contiguous():
+        raise ValueError(f"nf4_embedding: out must be a contiguous {dtype} tensor of shape {shape}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if ids.numel() and H:
+        _embedding_launch(t, ids.reshape(-1).contiguous(), out, dtype)
+    return out
+
+
+def _embedding_launch(t: NF4Tensor, flat_ids: Tensor, out: Tensor, dtype: torch.dtype) -> None:
+    """The launch itself, ids unchecked (the tests drive the kernel's out-of-range NaN rows through it)."""
+    (V, H), T = t.shape, flat_ids.numel()
+    a2 = t.absmax2 if t.nested else t.absmax  # placeholders for the unused pointers (never read: NESTED=False)
+    c2 = t.code2 if t.nested else t.code
+    off = t.offset.reshape(1) if t.nested else t.code
+    block_h = min(triton.next_power_of_2(H), 1024)
+    block_t = max(1, 4096 // block_h)  # ~4096 elements per program: whole 64-element blocks for H >= 64
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    bf16 = dtype == torch.bfloat16
+    _nf4_embedding_kernel[grid](flat_ids, t.packed, t.absmax, t.code, a2, c2, off,
+                                out.view(torch.int16) if bf16 else out, T, V, H, BLOCKSIZE=t.blocksize,
+                                BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16, BLOCK_T=block_t,
+                                BLOCK_H=block_h, **_launch_kwargs())

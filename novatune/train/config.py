@@ -81,6 +81,10 @@ class MethodConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    # qlora only (null: true for qlora): the frozen input embedding in NF4 too, rows dequantised as gathered
+    # (novatune.ops.nf4.NF4Embedding; Qwen3-8B: 1.16 -> 0.30 GiB). Skipped, with a printed reason, when the
+    # embedding is tied to lm_head (lm_head stays dense, so the shared table must too).
+    quantize_embeddings: Optional[bool] = None
 
 
 @dataclass

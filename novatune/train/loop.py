@@ -130,6 +130,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     qlora = cfg.method.type == "qlora"
     model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed, qlora=qlora)
+    if qlora and cfg.method.quantize_embeddings:
+        from novatune.train.qlora import quantize_embeddings_
+
+        # before prepare(): enable_input_require_grads hooks the module get_input_embeddings() returns then
+        console.print(quantize_embeddings_(model, dtype), highlight=False, markup=False)
     model = prepare(model, cfg)
     report = apply_patch(model, cfg.model)
     if report is not None:

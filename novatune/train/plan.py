@@ -17,7 +17,9 @@ novatune.train.qlora builds it, per quantised tensor of n weights:
                n/2 (two 4-bit codes per byte) + n/64 (uint8 absmax per 64-weight block) + 4 x n/(64*256) (fp32
                second-level scales per 256 absmax) + per tensor 4 (fp32 offset) + 16 x 4 (NF4 code table) +
                256 x 4 (8-bit absmax code table)
-               embeddings, norms and lm_head stay in the compute dtype; the adapters, their gradients and both
+               method.quantize_embeddings (default for qlora) puts the input embedding in the same NF4 layout
+               (the same per-tensor sum, V x H weights) unless it is tied to lm_head;
+               norms, lm_head (and a tied embedding) stay in the compute dtype; the adapters, their gradients and both
                AdamW states are fp32 (PEFT keeps adapters in fp32 over 4-bit and bf16 bases); plus one dequantised
                weight (the largest linear, compute dtype) alive at a time: bnb's matmul_4bit and novatune's fused
                QLoRA linear both dequantise per GEMM and drop the copy after it.
@@ -82,11 +84,16 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
     adapters = _lora_params(model, cfg.method.targets, cfg.method.r) if lora else 0
     trainable = adapters if lora else n_params
     quant = _quantised_linears(model) if qlora else []
+    emb = model.get_input_embeddings().weight
+    # quantize_embeddings None means "not validated yet": qlora's default, true (validate.py)
+    emb_nf4 = (emb.numel() if qlora and cfg.method.quantize_embeddings is not False
+               and not getattr(mconf, "tie_word_embeddings", False) else 0)
     # QLoRA: fp32 adapters (module docstring); LoRA keeps the figure the anchors above were checked with
     tb = 4 if qlora else b
     weights = (n_params + adapters) * b
     if qlora:
-        weights = (n_params - sum(quant)) * b + sum(nf4_bytes(n) for n in quant) + adapters * tb
+        weights = ((n_params - sum(quant) - emb_nf4) * b + sum(nf4_bytes(n) for n in quant)
+                   + (nf4_bytes(emb_nf4) if emb_nf4 else 0) + adapters * tb)
     h, i_sz, L, V = mconf.hidden_size, mconf.intermediate_size, mconf.num_hidden_layers, mconf.vocab_size
     hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
     q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
@@ -98,7 +105,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
-        "quantised_params": sum(quant), "dequant": max(quant, default=0) * b,
+        "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": max(quant, default=0) * b,
         "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
@@ -145,8 +152,10 @@ def render(est: dict) -> str:
     ck = est["gradient_checkpointing"]
     n = est["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    wdesc = (f"NF4 linears ({est['quantised_params'] / n:.0%} of the weights), {est['dtype_bytes']}-byte rest, "
-             f"fp32 adapters" if est["qlora"] else f"{est['dtype_bytes']}-byte weights")
+    emb = " + NF4 input embedding" if est["nf4_embedding_params"] else ""
+    share = (est["quantised_params"] + est["nf4_embedding_params"]) / n
+    wdesc = (f"NF4 linears{emb} ({share:.0%} of the weights), {est['dtype_bytes']}-byte rest, fp32 adapters"
+             if est["qlora"] else f"{est['dtype_bytes']}-byte weights")
     lines = [f"novatune plan: {est['model']}, {size} parameters "
              f"({est['trainable'] / 1e6:,.1f}M trainable), {wdesc}, "
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",

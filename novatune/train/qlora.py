@@ -9,6 +9,11 @@
   two copies). lm_head stays in bf16 as transformers' bnb integration leaves it (llm_int8_skip_modules default).
   PEFT's prepare_model_for_kbit_training is NOT called: it casts embeddings, lm_head and norms to fp32, which
   halves QLoRA speed (BENCHMARKS.md's QLoRA anchor: 2,504 vs 4,888 tok/s) for no accuracy the bf16 loss needs.
+* `quantize_embeddings_(model, dtype)`: the frozen input embedding in NF4 as well (novatune.ops.nf4.NF4Embedding:
+  the same layout, rows dequantised as they are gathered), unless it is tied to lm_head (which stays dense, so the
+  shared table must too): Qwen3-8B's untied 152k x 4096 table is 1.16 GiB in bf16, 0.30 GiB in NF4, the step that
+  brings the QLoRA workload under 7 GiB. Applied after quantize_linears_ (or the quantised load), before gradient
+  checkpointing and enable_input_require_grads, whose hook goes on get_input_embeddings(): the NF4 module.
 * `merged_model(peft_model, dtype)`: a plain transformers model with every LoRA delta merged into the
   *dequantised* base weight (fp32 sum, one cast to `dtype`), ready for save_pretrained / from_pretrained. PEFT's
   own merge_and_unload re-quantises the sum to NF4 (a second quantisation error, and a 4-bit checkpoint); here the
@@ -66,6 +71,34 @@ def quantize_linears_(model: nn.Module, dtype: torch.dtype, skip: tuple[str, ...
     return len(targets)
 
 
+def quantize_embeddings_(model: nn.Module, dtype: torch.dtype) -> str:
+    """Replace the input embedding by an NF4Embedding computing in `dtype` (module docstring); returns a line
+    saying what was done, or why nothing was (tied to lm_head, or not a plain nn.Embedding) for the run's log."""
+    from novatune.ops.nf4 import NF4Embedding
+
+    emb = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is emb), "input embeddings")
+    if isinstance(emb, NF4Embedding):
+        return f"embeddings: {name} already NF4"
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(head, "weight", None) is getattr(emb, "weight", 0):
+        return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: tied to lm_head, which "
+                f"stays dense (quantising the shared table would change lm_head's weights too)")
+    if type(emb) is not nn.Embedding:
+        return (f"embeddings: {name} kept dense: {type(emb).__name__} is not a plain nn.Embedding (its forward may "
+                f"scale or transform the rows, which NF4Embedding would drop)")
+    dense_mib = emb.weight.numel() * emb.weight.element_size() / 2**20
+    q = NF4Embedding.from_embedding(emb, dtype)
+    q.train(emb.training)
+    model.set_input_embeddings(q)
+    if model.get_input_embeddings() is not q:  # enable_input_require_grads hooks whatever this returns
+        raise SetupError(f"embeddings: {type(model).__name__}.set_input_embeddings did not install the NF4 table; "
+                         f"set method.quantize_embeddings: false")
+    nf4_mib = sum(b.numel() * b.element_size() for b in q.buffers()) / 2**20
+    return (f"embeddings: {name} {q.num_embeddings}x{q.embedding_dim} in NF4 ({nf4_mib:,.0f} MiB, was "
+            f"{dense_mib:,.0f} MiB)")
+
+
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """fp32 (out, in) weight of an nn.Linear or a bnb NF4 Linear4bit (dequantised: bnb's exact values)."""
     w = layer.weight
@@ -94,7 +127,10 @@ def _lora_delta(layer: nn.Module) -> torch.Tensor:
 
 
 def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """State dict of the plain (unquantised, unwrapped) model: LoRA layers -> W + delta, NF4 layers dequantised."""
+    """State dict of the plain (unquantised, unwrapped) model: LoRA layers -> W + delta, NF4 layers and the NF4
+    embedding dequantised."""
+    from novatune.ops.nf4 import NF4Embedding
+
     base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
     out: dict[str, torch.Tensor] = {}
     done: list[str] = []  # module paths already emitted whole (their children are PEFT's / bnb's internals)
@@ -109,6 +145,9 @@ def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]
             out[pre + "weight"] = (w if delta is None else w + delta).to(dtype)
             if inner.bias is not None:
                 out[pre + "bias"] = inner.bias.detach().to(dtype)
+            done.append(path)
+        elif isinstance(mod, NF4Embedding):
+            out[pre + "weight"] = mod.dequantize(dtype)  # a normal dense embedding in the export (one fp32 -> dtype cast)
             done.append(path)
         elif getattr(getattr(mod, "weight", None), "quant_state", None) is not None:
             out[pre + "weight"] = dense_weight(mod).to(dtype)

@@ -96,6 +96,11 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     # method
     if cfg.method.type == "qlora":
         _check_qlora(cfg)
+        if cfg.method.quantize_embeddings is None:
+            cfg.method.quantize_embeddings = True
+    elif cfg.method.quantize_embeddings:
+        raise ConfigError("method.quantize_embeddings", f"NF4 embeddings are part of qlora, not "
+                          f"{cfg.method.type}", "set method.type: qlora, or drop method.quantize_embeddings")
     if cfg.method.type in ("lora", "qlora"):
         _positive(cfg.method.r, "method.r")
         if cfg.method.alpha <= 0:

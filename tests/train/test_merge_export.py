@@ -4,7 +4,7 @@ export loads with from_pretrained as a plain transformers model whose logits equ
 Tolerances (CPU, fp32 compute):
 * LoRA: PEFT's merge_and_unload sums W + s·BA in fp32 and the merged GEMM is x(W + s·BA)ᵀ instead of xWᵀ + s(xAᵀ)Bᵀ:
   reassociation only, relative error ~1e-6 over 2 layers -> 1e-5 (REL_TOL fp32).
-* QLoRA: the adapter model computes with bnb's dequantised W in fp32 (compute dtype fp32 here), the merged model
+* QLoRA (NF4 linears and NF4 input embedding): the adapter model computes with bnb's dequantised W in fp32 (compute dtype fp32 here), the merged model
   with dequant(W) + s·BA stored in fp32: the same reassociation -> 1e-5. A bf16 export adds one rounding of each
   merged weight (2^-9 relative) and bf16 GEMMs: judged at 2e-2 (several chained bf16 roundings over 2 layers).
 """
@@ -56,11 +56,16 @@ def test_lora_merged_export_matches_adapter(tmp_path):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_qlora_merged_export_is_dense_and_matches_adapter(tmp_path, dtype, tol):
     pytest.importorskip("bitsandbytes", reason="qlora needs bitsandbytes: pip install bitsandbytes")
-    from novatune.train.qlora import quantize_linears_
+    from novatune.kernels.nf4 import nf4_dequantize_ref, nf4_quantize_ref
+    from novatune.ops.nf4 import NF4Embedding
+    from novatune.train.qlora import quantize_embeddings_, quantize_linears_
 
     model = _model()
+    dense_emb = model.model.embed_tokens.weight.detach().clone()
     n = quantize_linears_(model, torch.float32)  # compute in fp32 on the CPU: the comparison is about the merge
     assert n == 7 * ARCH["num_hidden_layers"]
+    assert "in NF4" in quantize_embeddings_(model, torch.float32)  # untied (ARCH): the table goes NF4 too
+    assert isinstance(model.get_input_embeddings(), NF4Embedding)
     pm = _peft(model)
     pm.train()  # bnb repacks eval-mode CPU layers for inference (another layout); train mode with no_grad instead
     want = _logits(pm, IDS)
@@ -68,6 +73,9 @@ def test_qlora_merged_export_is_dense_and_matches_adapter(tmp_path, dtype, tol):
     merged = AutoModelForCausalLM.from_pretrained(str(written[1])).eval()
     assert merged.dtype == dtype and getattr(merged.config, "quantization_config", None) is None
     assert all(type(m) is not type(model.model.layers[0].mlp.up_proj) for m in merged.modules())
+    # the export holds a normal dense embedding: the NF4 table dequantised (one cast to the export dtype)
+    assert type(merged.model.embed_tokens) is torch.nn.Embedding
+    assert torch.equal(merged.model.embed_tokens.weight, nf4_dequantize_ref(nf4_quantize_ref(dense_emb), dtype))
     got = _logits(merged.float() if dtype == torch.float32 else merged, IDS)
     assert_close(got, want, tol, "merged logits")
     # the adapter folder is PEFT's: it loads back onto a base model

@@ -120,6 +120,33 @@ def test_qlora_model_name_loads_4bit(make_cfg, tmp_path):
         all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_qlora_nf4_embeddings_train_and_export_dense(make_cfg):
+    # untied (Qwen3-8B is): the default method.quantize_embeddings puts the input embedding in NF4; gradient
+    # checkpointing on, so enable_input_require_grads' hook must sit on the NF4 module for the adapters to train
+    from transformers import AutoModelForCausalLM
+
+    from novatune.ops.nf4 import NF4Embedding
+
+    cfg = qcfg(make_cfg, "emb", model={"arch_overrides": dict(ARCH, tie_word_embeddings=False)},
+               train={"max_steps": 4, "lr": 3e-2}, memory={"gradient_checkpointing": True})
+    assert cfg.method.quantize_embeddings is True
+    run = train(cfg, console=quiet())
+    base = run.model.get_base_model()
+    emb = base.get_input_embeddings()
+    assert isinstance(emb, NF4Embedding) and emb._forward_hooks, "enable_input_require_grads hooked the NF4 table"
+    assert not any("embed" in n for n, _ in base.named_parameters())
+    losses = [run.losses[s] for s in sorted(run.losses)]
+    assert losses[-1] < losses[0] - 0.1, losses
+    dense = AutoModelForCausalLM.from_pretrained(str(run.exported[1])).eval()
+    assert type(dense.model.embed_tokens) is torch.nn.Embedding
+    assert torch.equal(dense.model.embed_tokens.weight, emb.dequantize(torch.float32))
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        want = run.model(input_ids=ids, use_cache=False).logits
+        got = dense(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # reassociation only (test above)
+
+
 def test_qlora_config_errors(make_cfg, monkeypatch):
     import importlib.util
 
@@ -133,17 +160,24 @@ def test_qlora_config_errors(make_cfg, monkeypatch):
         qcfg(make_cfg, "fp32cuda", model={"device": "cuda", "dtype": "fp32"})
     with pytest.raises(ConfigError, match="method.r"):
         qcfg(make_cfg, "r0", method={**QLORA, "r": 0})
+    with pytest.raises(ConfigError, match="method.quantize_embeddings"):
+        qcfg(make_cfg, "lora_emb", method={"type": "lora", "quantize_embeddings": True})
 
 
-def test_plan_qlora_weights_match_the_real_model(make_cfg):
+@pytest.mark.parametrize("tied", [True, False])
+def test_plan_qlora_weights_match_the_real_model(make_cfg, tied):
     from novatune.train.plan import plan
+    from novatune.train.qlora import quantize_embeddings_
 
     # wide enough that the per-tensor constants (code tables, offset) do not dominate, small enough to build fast
-    arch = dict(ARCH, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    arch = dict(ARCH, hidden_size=256, intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=tied)
     cfg = qcfg(make_cfg, "plan", model={"arch_overrides": arch})
     est = plan(cfg)
-    model = prepare(build_model(cfg.model, torch.device("cpu"), torch.float32, load_tokenizer(cfg.model),
-                                qlora=True), cfg)
+    assert bool(est["nf4_embedding_params"]) == (not tied)
+    model = build_model(cfg.model, torch.device("cpu"), torch.float32, load_tokenizer(cfg.model), qlora=True)
+    note = quantize_embeddings_(model, torch.float32)  # as the trainer does (method.quantize_embeddings default)
+    assert ("tied to lm_head" in note) == tied, note
+    model = prepare(model, cfg)
     seen, measured = set(), 0
 
     def add(t):
@@ -165,16 +199,24 @@ def test_plan_qlora_weights_match_the_real_model(make_cfg):
 
 def test_plan_qlora_example_matches_the_anchor():
     from novatune.train.config import load
-    from novatune.train.plan import GiB, plan, render
+    from novatune.train.plan import GiB, nf4_bytes, plan, render
 
     repo = Path(__file__).resolve().parents[2]
-    stock = plan(load(repo / "examples" / "qlora.yaml", ["model.patch=false"]), gpu_mem_gib=24)
+    stock = plan(load(repo / "examples" / "qlora.yaml", ["model.patch=false", "method.quantize_embeddings=false"]),
+                 gpu_mem_gib=24)
     # BENCHMARKS.md's QLoRA anchor (H200, PEFT + bnb without the fp32 cast): weights 5.83 GiB, peak 11.04 GiB
     assert stock["weights"] / GiB == pytest.approx(5.83, rel=0.02)
     assert stock["peak"] / GiB == pytest.approx(11.04, rel=0.05)
     assert 40e6 < stock["trainable"] < 48e6  # r16 on the seven projections of 36 layers: 43.6M
-    text = render(plan(load(repo / "examples" / "qlora.yaml"), gpu_mem_gib=24))
-    assert "NF4 linears" in text and "dequantised weight" in text
+    est = plan(load(repo / "examples" / "qlora.yaml"), gpu_mem_gib=24)
+    # the untied 151936 x 4096 input embedding in NF4: 1.16 GiB bf16 -> 0.30 GiB, under the 7 GiB acceptance
+    n = 151936 * 4096
+    assert est["nf4_embedding_params"] == n
+    assert stock["weights"] - est["weights"] == 2 * n - nf4_bytes(n)
+    assert nf4_bytes(n) / GiB == pytest.approx(0.30, abs=0.005)
+    assert est["peak"] < 7 * GiB
+    text = render(est)
+    assert "NF4 linears + NF4 input embedding" in text and "dequantised weight" in text
 
 
 def test_cli_train_qlora(tmp_path):
