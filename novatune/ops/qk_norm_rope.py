@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from novatune.kernels import qk_norm_rope as _k
+from novatune.ops import _backend
 from novatune.ops._backend import use_triton
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_fwd", "qk_norm_rope_bwd"]
@@ -154,4 +155,8 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     _check(q, k, q_weight, k_weight, cos, sin)
     if torch.compiler.is_compiling():
         return tuple(torch.ops.novatune.qk_norm_rope_fwd(q, k, q_weight, k_weight, eps, cos, sin)[:2])
+    # an implementation `novatune tune` selected for this shape (OVERRIDE is None: nothing tuned, one global read)
+    if (hook := _backend.OVERRIDE) is not None and (
+            out := hook("qk_norm_rope", q, k, q_weight, k_weight, eps, cos, sin)) is not None:
+        return out
     return _QKNormRopeFunction.apply(q, k, q_weight, k_weight, eps, cos, sin)

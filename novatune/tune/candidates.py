@@ -284,9 +284,14 @@ from novatune.tune.candidates_model import (  # noqa: E402 - needs Candidate def
     attention_candidates,
     linear_ce_candidates,
 )
+from novatune.tune.candidates_rope import (  # noqa: E402 - needs Candidate defined above
+    qk_norm_rope_candidates,
+    rope_candidates,
+)
 
 REGISTRY: dict[str, Callable] = {"rms_norm": rms_norm_candidates, "swiglu": swiglu_candidates,
-                                 "linear_cross_entropy": linear_ce_candidates, "attention": attention_candidates}
+                                 "linear_cross_entropy": linear_ce_candidates, "attention": attention_candidates,
+                                 "rope": rope_candidates, "qk_norm_rope": qk_norm_rope_candidates}
 
 
 def candidates(op: str, shape, dtype: torch.dtype, device: str, families=None) -> list[Candidate]:

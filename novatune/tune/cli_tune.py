@@ -153,7 +153,7 @@ def run(args) -> int:
         entry["calls_per_step"] = calls
         entries.append(entry)
         kind = {"rms_norm": "norm", "swiglu": "activation", "linear_cross_entropy": "loss",
-                "attention": "attention"}.get(op, op)
+                "attention": "attention", "rope": "RoPE", "qk_norm_rope": "RoPE"}.get(op, op)
         if entry.get("floor_us"):
             floors[kind] = floors.get(kind, 0.0) + entry["floor_us"] * entry["calls_per_step"]
         if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from novatune.tune.opspecs import OpSpec
+from novatune.tune.opspecs import OpSpec, make_dy
 
 
 @dataclass
@@ -61,7 +61,7 @@ def input_sets(spec: OpSpec, shape, dtype, device, seed: int = 0, max_sets: int 
     for i in range(k):
         inputs = first if i == 0 else spec.make_inputs(shape, dtype, device, gen)
         leaves = {n: (v.detach().requires_grad_(True) if n in spec.tensor_args else v) for n, v in inputs.items()}
-        sets.append((leaves, torch.randn(spec.grad_shape(shape), generator=gen).to(device=device, dtype=dtype)))
+        sets.append((leaves, make_dy(spec, shape, dtype, device, gen)))
     return sets
 
 

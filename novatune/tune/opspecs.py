@@ -35,9 +35,24 @@ class OpSpec:
     nan_arg: str | None = None          # the input the NaN check poisons (None: the first tensor argument)
     applied_by: str = "dispatch"        # "dispatch": the ops' OVERRIDE hook; "patch": a setting on the model
     memory_rule: bool = False           # never pick a candidate whose peak memory exceeds the default's
+    # names of the outputs: one ("out") for most ops; ops returning a tuple (rope: (q_embed, k_embed)) name each,
+    # and their dy_shape returns one shape per output (the incoming gradient is then a tuple too)
+    outputs: tuple[str, ...] = ("out",)
 
     def grad_shape(self, shape) -> tuple:
         return tuple(self.dy_shape(shape)) if self.dy_shape is not None else tuple(shape)
+
+
+def make_dy(spec: OpSpec, shape, dtype, device, gen):
+    """A random incoming gradient for one fwd+bwd at `shape`: a tensor, or a tuple of one per output."""
+    if len(spec.outputs) == 1:
+        return torch.randn(spec.grad_shape(shape), generator=gen).to(device=device, dtype=dtype)
+    return tuple(torch.randn(tuple(s), generator=gen).to(device=device, dtype=dtype) for s in spec.dy_shape(shape))
+
+
+def map_dy(f: Callable, dy):
+    """f applied to a gradient that may be a tuple (multi-output ops)."""
+    return tuple(f(t) for t in dy) if isinstance(dy, tuple) else f(dy)
 
 
 def _fill_like(t: Tensor) -> Tensor:
@@ -135,13 +150,13 @@ SWIGLU = OpSpec(
 )
 
 from novatune.tune.opspecs_model import ATTENTION, LINEAR_CE  # noqa: E402 - needs OpSpec defined above
+from novatune.tune.opspecs_rope import QK_NORM_ROPE, ROPE  # noqa: E402 - needs OpSpec defined above
 
-OPS: dict[str, OpSpec] = {s.name: s for s in (RMS_NORM, SWIGLU, LINEAR_CE, ATTENTION)}
+OPS: dict[str, OpSpec] = {s.name: s for s in (RMS_NORM, SWIGLU, LINEAR_CE, ATTENTION, ROPE, QK_NORM_ROPE)}
 
-# Ops the profiler can see but the registry has no candidates for yet, with why (listed in the report).
-NOT_IN_REGISTRY = {
-    "rope / qk_norm_rope": "no candidates registered yet (the fused q/k-norm + RoPE kernel is used as is)",
-}
+# Ops the profiler can see but the registry has no candidates for yet, with why (listed in the report). Empty
+# now that rope and qk_norm_rope have candidates; kept so the report can name future gaps.
+NOT_IN_REGISTRY: dict[str, str] = {}
 
 
 def signature(op: str, shape, dtype: str, device_type: str) -> tuple:

@@ -26,7 +26,7 @@ import torch
 
 from novatune.harness.numerics import rel_err
 from novatune.tune.candidates import Candidate
-from novatune.tune.opspecs import OpSpec, shape_str
+from novatune.tune.opspecs import OpSpec, make_dy, map_dy, shape_str
 
 FACTOR = 2.0
 UNIT_ROUNDOFF = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # fp32: reductions
@@ -62,10 +62,18 @@ def _leaves(spec: OpSpec, inputs: dict, fp32: bool = False) -> dict:
 
 def run_fwd_bwd(spec: OpSpec, fn, leaves: dict, dy: torch.Tensor) -> dict:
     """{"out": y, <tensor arg>: its gradient} for one forward + backward of fn on `leaves` (from _leaves).
-    dy is cloned per call: a candidate that overwrites its incoming gradient must not corrupt later checks."""
+    dy is cloned per call: a candidate that overwrites its incoming gradient must not corrupt later checks.
+    Multi-output ops (spec.outputs, e.g. rope's (q_embed, k_embed)) return a tuple and take a tuple dy."""
     y = fn(*leaves.values())
-    grads = torch.autograd.grad(y, [leaves[k] for k in spec.tensor_args], dy.clone(), allow_unused=True)
-    res = {"out": y.detach()}
+    grads = torch.autograd.grad(y, [leaves[k] for k in spec.tensor_args], map_dy(torch.clone, dy),
+                                allow_unused=True)
+    if len(spec.outputs) == 1:
+        res = {"out": y.detach()}
+    else:
+        if not isinstance(y, (tuple, list)) or len(y) != len(spec.outputs):
+            raise Rejected("values", f"returned {type(y).__name__}, expected a tuple of {len(spec.outputs)} "
+                                     f"outputs {spec.outputs}")
+        res = {name: t.detach() for name, t in zip(spec.outputs, y)}
     for k, g in zip(spec.tensor_args, grads):
         res[k] = g if g is not None else torch.zeros_like(leaves[k])
     return res
@@ -73,7 +81,7 @@ def run_fwd_bwd(spec: OpSpec, fn, leaves: dict, dy: torch.Tensor) -> dict:
 
 def reference(spec: OpSpec, inputs: dict, dy: torch.Tensor) -> dict:
     """The fp32 reference's output and gradients (fp32 copies of the inputs)."""
-    return run_fwd_bwd(spec, spec.reference, _leaves(spec, inputs, fp32=True), dy.float())
+    return run_fwd_bwd(spec, spec.reference, _leaves(spec, inputs, fp32=True), map_dy(torch.Tensor.float, dy))
 
 
 def _poison_allocator(device, nbytes: int) -> None:
@@ -99,7 +107,8 @@ def _compare(tag: str, got: dict, ref: dict, bounds: dict, verdict: Verdict, che
         key = f"{tag}:{name}"
         verdict.errors[key] = max(err, verdict.errors.get(key, 0.0))
         if err > bounds[name]:
-            what = "forward output" if name == "out" else f"gradient of {name}"
+            what = (("forward output" + ("" if name == "out" else f" {name}")) if name.startswith("out")
+                    else f"gradient of {name}")
             raise Rejected(check, f"{tag} {what}: relative error {err:.3e} > bound {bounds[name]:.3e} "
                                   f"(stock error x{FACTOR:g}, at least the dtype's unit roundoff)")
 
@@ -133,7 +142,7 @@ def validate(spec: OpSpec, cand: Candidate, stock: Candidate, shapes: list, dtyp
             fresh = [spec.make_inputs(shape, dtype, device, gen) for _ in range(2)]
             refs, bounds_per = [], []
             for inputs in fresh:
-                dy = torch.randn(spec.grad_shape(shape), generator=gen).to(device=device, dtype=dtype)
+                dy = make_dy(spec, shape, dtype, device, gen)
                 ref = reference(spec, inputs, dy)
                 st = run_fwd_bwd(spec, stock_fn, _leaves(spec, inputs), dy)
                 floor = UNIT_ROUNDOFF.get(dtype, 1e-2)

@@ -31,21 +31,26 @@ def test_tune_cli_writes_cache_rows_traces_report_and_patch_reads_it(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     ops = {o["op"]: o for o in summary["ops"]}
-    assert set(ops) == {"rms_norm", "swiglu", "linear_cross_entropy", "attention"}
+    # qk_norm_rope: the tiny Qwen3's fused q/k-norm + RoPE (tokens, hq, hk, head_dim), seen through the dispatch hook
+    assert set(ops) == {"rms_norm", "swiglu", "linear_cross_entropy", "attention", "qk_norm_rope"}
     assert ops["rms_norm"]["shape"] == "64x64" and ops["swiglu"]["shape"] == "64x96"
+    assert ops["qk_norm_rope"]["shape"] == "64x4x2x16"
     assert ops["linear_cross_entropy"]["shape"] == "64x64x257"
     assert ops["attention"]["shape"].startswith("64x4x2x16x")  # tokens, hq, hk, head_dim, the batch's documents
     for f in ("trace_before.json", "trace_after.json", "tune_report.md", "tune_entries.json"):
         assert (out / f).stat().st_size > 0, f
     report = (out / "tune_report.md").read_text()
     assert "## Choices" in report and "Targets ranked by possible gain" in report and "hf_eager" in report
+    assert "### qk_norm_rope 64x4x2x16" in report
+    rope_rows = [x for x in report.splitlines() if x.startswith("| RoPE |")]  # the profiler's RoPE kind
+    assert any("candidate registry" in x for x in rope_rows) and not any("no candidates" in x for x in rope_rows)
     lines = [json.loads(x) for x in rows.read_text().splitlines()]
     cand_rows = [x for x in lines if x["bench"] == "tune"]
     assert {x["candidate"] for x in cand_rows} >= {"hf_eager", "novatune_default", "torch_native"}
-    assert sum(x["chosen"] for x in cand_rows) == 4 and lines[-1]["bench"] == "tune_summary"
+    assert sum(x["chosen"] for x in cand_rows) == 5 and lines[-1]["bench"] == "tune_summary"
     assert all("peak_bytes" in x for x in cand_rows)  # None on the CPU (no allocator peak)
     entries = json.loads(cache.read_text())["entries"]
-    assert len(entries) == 4 and all(e["env"]["device"] == "cpu" for e in entries.values())
+    assert len(entries) == 5 and all(e["env"]["device"] == "cpu" for e in entries.values())
 
     # patch() reads the cache: non-default choices are installed and listed in the PatchReport
     os.environ["NOVATUNE_TUNE_CACHE"] = str(cache)
@@ -73,13 +78,14 @@ def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
     cache = json.loads((tmp_path / "tune_cache.json").read_text())["entries"]
     assert {(e["op"], tuple(e["shape"])) for e in cache.values()} == {
         ("rms_norm", (24, 64)), ("swiglu", (24, 96)), ("linear_cross_entropy", (24, 64, 257)),
-        ("attention", (24, 4, 2, 16, 1))}
+        ("attention", (24, 4, 2, 16, 1)), ("qk_norm_rope", (24, 4, 2, 16))}
     names = {e["op"]: {c["name"] for c in e["candidates"]} for e in cache.values()}
     assert names == {"rms_norm": {"hf_eager", "torch_native", "novatune_default"},
                      "swiglu": {"hf_eager", "novatune_default"},
                      "linear_cross_entropy": {"hf_eager", "novatune_default"},
                      "attention": {"hf_eager", "novatune_default", "backend_reference", "backend_sdpa_docs",
-                                   "backend_varlen"}}  # varlen: skipped on the CPU, with its reason
+                                   "backend_varlen"},  # varlen: skipped on the CPU, with its reason
+                     "qk_norm_rope": {"hf_eager", "novatune_default"}}
     assert len(rep.choices) == sum(e["choice"] != "novatune_default" and e["kept"] for e in cache.values())
     ids, pos, lab = packed_batch([[13, 11]])  # 24 tokens: the tuned shapes
     model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss.backward()
