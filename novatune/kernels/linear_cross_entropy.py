@@ -126,18 +126,26 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
     loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))
     tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
 
-    if WRITE_GRAD:
-        # Pass 2: dL/dz = (softmax - onehot) / D, stored over the logits in the input dtype; 0 on ignored rows.
-        d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
-        inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
-        lse_ref = tl.where(active, lse, 0.0)
-        for off in range(0, V, BLOCK_V):
-            c = off + cols
-            z = tl.load(z_rows + c, mask=active[:, None] & (c < V), other=0.0).to(tl.float32)
-            p = tl.exp(z - lse_ref[:, None])
-            g = tl.where(c == label[:, None], p - 1.0, p) * inv[:, None]
-            g = tl.where(active[:, None], g, 0.0)
-            tl.store(z_rows + c, g.to(z_ptr.dtype.element_ty), mask=in_range[:, None] & (c < V))
+    if WRITE_GRAD:  # pass 2
+        _grad_over_logits(z_rows, cols, V, label, lse, active, in_range, divisor_ptr, z_ptr.dtype.element_ty,
+                          BLOCK_V)
+
+
+@triton.jit
+def _grad_over_logits(z_rows, cols, n_cols, label_col, lse, active, in_range, divisor_ptr, Z_DTYPE: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """z <- dL/dz = (softmax - onehot) / D over the rows' n_cols logits, in place, in the logits' dtype; 0 on
+    ignored rows. label_col: each row's label column in these logits (may lie outside them: no -1 term then)."""
+    d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
+    inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
+    lse_ref = tl.where(active, lse, 0.0)
+    for off in range(0, n_cols, BLOCK_V):
+        c = off + cols
+        z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=0.0).to(tl.float32)
+        p = tl.exp(z - lse_ref[:, None])
+        g = tl.where(c == label_col[:, None], p - 1.0, p) * inv[:, None]
+        g = tl.where(active[:, None], g, 0.0)
+        tl.store(z_rows + c, g.to(Z_DTYPE), mask=in_range[:, None] & (c < n_cols))
 
 
 @triton.jit
@@ -198,16 +206,8 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
     if GRAD:
         if not FINAL:
             lse = tl.load(m_ptr, mask=active, other=0.0)
-        d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
-        inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
-        lse_ref = tl.where(active, lse, 0.0)
-        for off in range(0, n_cols, BLOCK_V):
-            c = off + cols
-            z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=0.0).to(tl.float32)
-            p = tl.exp(z - lse_ref[:, None])
-            g = tl.where(c == local[:, None], p - 1.0, p) * inv[:, None]
-            g = tl.where(active[:, None], g, 0.0)
-            tl.store(z_rows + c, g.to(z_ptr.dtype.element_ty), mask=in_range[:, None] & (c < n_cols))
+        _grad_over_logits(z_rows, cols, n_cols, local, lse, active, in_range, divisor_ptr,
+                          z_ptr.dtype.element_ty, BLOCK_V)
 
 
 @triton.jit

@@ -100,16 +100,15 @@ def _rope_default() -> Callable:
     return lambda q, k, cos, sin, unsqueeze_dim=1: _RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
 
 
+def _launchers(fwd: Callable, bwd: Callable, fwd_cfg: dict, bwd_cfg: dict) -> SimpleNamespace:
+    """A kernel pair with fixed launch configs: .fwd / .bwd take the launchers' own arguments (outputs included)."""
+    return SimpleNamespace(fwd=lambda *a, **kw: fwd(*a, **kw, **fwd_cfg), bwd=lambda *a, **kw: bwd(*a, **kw, **bwd_cfg))
+
+
 def _rope_triton_kernels(cfg: dict):
     from novatune.kernels import rope as K
 
-    def fwd(q, k, cos, sin, u, q_out=None, k_out=None):
-        return K.rope_fwd(q, k, cos, sin, u, q_out, k_out, **cfg)
-
-    def bwd(dq_embed, dk_embed, cos, sin, u, dq=None, dk=None):
-        return K.rope_bwd(dq_embed, dk_embed, cos, sin, u, dq, dk, **cfg)
-
-    return SimpleNamespace(fwd=fwd, bwd=bwd)
+    return _launchers(K.rope_fwd, K.rope_bwd, cfg, cfg)
 
 
 def rope_candidates(shape, dtype: torch.dtype, device: str, families=None) -> list[Candidate]:
@@ -142,13 +141,7 @@ def _qk_default() -> Callable:
 def _qk_triton_kernels(fwd_cfg: dict, bwd_cfg: dict):
     from novatune.kernels import qk_norm_rope as K
 
-    def fwd(q, k, wq, wk, eps, cos, sin, **outs):
-        return K.qk_norm_rope_fwd(q, k, wq, wk, eps, cos, sin, **outs, **fwd_cfg)
-
-    def bwd(dq_out, dk_out, q, k, wq, wk, rq, rk, cos, sin, **outs):
-        return K.qk_norm_rope_bwd(dq_out, dk_out, q, k, wq, wk, rq, rk, cos, sin, **outs, **bwd_cfg)
-
-    return SimpleNamespace(fwd=fwd, bwd=bwd)
+    return _launchers(K.qk_norm_rope_fwd, K.qk_norm_rope_bwd, fwd_cfg, bwd_cfg)
 
 
 def qk_norm_rope_candidates(shape, dtype: torch.dtype, device: str, families=None) -> list[Candidate]:

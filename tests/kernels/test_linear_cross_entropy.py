@@ -285,6 +285,25 @@ def test_vocab_gpu_tiling_and_bias(dtype, device, monkeypatch):
     _check(out, _ref(h, w, y, bias=b), dtype)
 
 
+def _check_ignored_and_bad_labels(h, w, y, dev, kw, **bad_kw):
+    """All labels ignored: mean NaN (0/0), sum 0, loss rows and gradients exactly 0 (rows poisoned first). Labels V
+    and -7 (out of range): NaN loss rows there, finite elsewhere. Returns the out-of-range call's outputs."""
+    T, V = y.numel(), w.shape[0]
+    y_all = torch.full_like(y, -100)
+    rows = poison_(torch.empty(T, device=dev))
+    loss, _, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_all, _divisor(y_all, dev), loss_rows=rows, **kw)
+    assert torch.isnan(loss) and (rows == 0).all() and (gh == 0).all() and (gw == 0).all()
+    assert K.linear_cross_entropy_fwd(h, w, y_all, torch.ones((), device=dev), **kw)[0].item() == 0.0
+    y_bad = y.clone()
+    y_bad[3], y_bad[5] = V, -7
+    out = K.linear_cross_entropy_fwd(h, w, y_bad, _divisor(y_bad, dev), **kw, **bad_kw)
+    rows = out[1]
+    ok = torch.ones(T, dtype=torch.bool, device=dev)
+    ok[[3, 5]] = False
+    assert torch.isnan(rows[3]) and torch.isnan(rows[5]) and torch.isfinite(rows[ok]).all()
+    return out
+
+
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
 def test_vocab_ignored_invalid_and_partial_grads(use_triton, device):
     """All ignored (mean NaN, sum 0, zero gradients), an out-of-range label (NaN row), loss only (pass 2
@@ -294,18 +313,7 @@ def test_vocab_ignored_invalid_and_partial_grads(use_triton, device):
     dev = device if use_triton else "cpu"
     h, w, y = _inputs(T, H, V, torch.float32, dev, seed=4)
     kw = {"mode": "vocab", "vocab_slice": Vc, "use_triton": use_triton}
-    y_all = torch.full_like(y, -100)
-    rows = poison_(torch.empty(T, device=dev))
-    loss, _, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_all, _divisor(y_all, dev), loss_rows=rows, **kw)
-    assert torch.isnan(loss) and (rows == 0).all() and (gh == 0).all() and (gw == 0).all()
-    assert K.linear_cross_entropy_fwd(h, w, y_all, torch.ones((), device=dev), **kw)[0].item() == 0.0
-    y_bad = y.clone()
-    y_bad[3], y_bad[5] = V, -7
-    _, rows, *_ = K.linear_cross_entropy_fwd(h, w, y_bad, _divisor(y_bad, dev), grad_hidden=False,
-                                             grad_weight=False, **kw)
-    ok = torch.ones(T, dtype=torch.bool, device=dev)
-    ok[[3, 5]] = False
-    assert torch.isnan(rows[3]) and torch.isnan(rows[5]) and torch.isfinite(rows[ok]).all()
+    _check_ignored_and_bad_labels(h, w, y, dev, kw, grad_hidden=False, grad_weight=False)
 
     full = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), **kw)
     only = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, dev), grad_hidden=False, grad_weight=False, **kw)
@@ -457,17 +465,7 @@ def test_inplace_ignored_invalid_and_partial_grads(use_triton, device, monkeypat
     dev = device if use_triton else "cpu"
     h, w, y = _inputs(T, H, V, torch.float32, dev, seed=4)
     kw = {"mode": "inplace", "vocab_slice": R, "use_triton": use_triton}
-    y_all = torch.full_like(y, -100)
-    rows = poison_(torch.empty(T, device=dev))
-    loss, _, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_all, _divisor(y_all, dev), loss_rows=rows, **kw)
-    assert torch.isnan(loss) and (rows == 0).all() and (gh == 0).all() and (gw == 0).all()
-    assert K.linear_cross_entropy_fwd(h, w, y_all, torch.ones((), device=dev), **kw)[0].item() == 0.0
-    y_bad = y.clone()
-    y_bad[3], y_bad[5] = V, -7
-    _, rows, gh, gw, _ = K.linear_cross_entropy_fwd(h, w, y_bad, _divisor(y_bad, dev), **kw)
-    ok = torch.ones(T, dtype=torch.bool, device=dev)
-    ok[[3, 5]] = False
-    assert torch.isnan(rows[3]) and torch.isnan(rows[5]) and torch.isfinite(rows[ok]).all()
+    _, _, gh, gw, _ = _check_ignored_and_bad_labels(h, w, y, dev, kw)
     assert torch.isfinite(gh).all() and torch.isfinite(gw).all()  # as the other modes: softmax, no -1 term
 
     calls = []
