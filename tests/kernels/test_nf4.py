@@ -15,8 +15,9 @@ from novatune.ops import nf4 as ops_nf4
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # numel: 1 and 7 (short single block), 64*5 (whole blocks), 64*256 + 37 (not a multiple of 64; 257 blocks: a second
-# absmax2 block of one value), 129 x 67 (odd numel: a padding nibble; 2-D)
-SHAPES = [(1,), (7,), (320,), (64 * 256 + 37,), (129, 67)]
+# absmax2 block of one value), 129 x 67 (odd numel: a padding nibble; 2-D; the byte-per-element kernel),
+# 64*256 + 38 and 130 x 67 (even numel, short last block: the byte-per-pair kernel's masks)
+SHAPES = [(1,), (7,), (320,), (64 * 256 + 37,), (64 * 256 + 38,), (129, 67), (130, 67)]
 MAX_GAP = max(b - a for a, b in zip(K.NF4_LEVELS, K.NF4_LEVELS[1:]))  # -1 -> -0.696: 0.3038
 
 
@@ -49,6 +50,20 @@ def test_triton_equals_reference_exactly(shape, dtype, nested, device):
     got = K.nf4_dequantize(t_dev, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all(), "every element written"
     assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("blocksize", [32, 128, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_other_blocksizes_and_an_odd_offset_out(blocksize, dtype, device):
+    # the byte-per-pair kernel tiles (blocks, blocksize / 2 bytes): other block sizes change both tile dims; an out
+    # that starts at an odd element cannot be viewed as words and takes the byte-per-element kernel
+    t = K.nf4_quantize_ref(_weights((3 * blocksize + 10,), dtype), blocksize=blocksize)
+    ref = K.nf4_dequantize_ref(t)
+    t_dev = K.NF4Tensor(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in t.__dict__.items()})
+    assert torch.equal(K.nf4_dequantize(t_dev).cpu(), ref)
+    base = poison_(torch.empty(t.numel + 1, dtype=dtype, device=device))
+    got = K.nf4_dequantize(t_dev, out=base[1:])
+    assert torch.equal(got.cpu(), ref) and torch.isnan(base[:1].float()).all(), "nothing written before out"
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
