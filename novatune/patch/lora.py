@@ -134,6 +134,19 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
         report.add("", "note", "note", RUNTIME_NOTE)
 
 
+def _dequant_weight(module: nn.Module, weight, quant, dtype: torch.dtype) -> DequantWeight:
+    """The layer's NF4 stand-in (views bnb's storage; dequantised per GEMM), built once per (weight, quant state,
+    storage, dtype): reading bnb's state costs ~tens of µs of host time per call, and a QLoRA micro-step makes
+    ~750 of these calls on a host-bound step. A new Params4bit (`.to()`, re-quantisation, a loaded checkpoint)
+    changes the key and rebuilds it."""
+    key = (id(weight), id(quant), weight.data_ptr(), dtype)
+    cached = getattr(module, "_novatune_nf4", None)
+    if cached is None or cached[0] != key:
+        cached = (key, DequantWeight(from_bnb(weight), dtype))
+        module._novatune_nf4 = cached
+    return cached[1]
+
+
 def lora_linear_forward(self, x, *args, **kwargs):
     """PEFT LoRA Linear forward for one vanilla adapter through novatune.ops.lora_linear (module docstring)."""
     names, adapter = self._novatune_lora, self._novatune_lora_adapter
@@ -147,7 +160,7 @@ def lora_linear_forward(self, x, *args, **kwargs):
             or torch.is_autocast_enabled(x.device.type)):
         return self._novatune_stock_forward(x, *args, **kwargs)
     if quant is not None:
-        weight = DequantWeight(from_bnb(weight), dense_dtype)  # views bnb's storage; dequantised per GEMM
+        weight = _dequant_weight(self, weight, quant, dense_dtype)
     lora_a = getattr(self, names.lora_a)[adapter].weight  # (r, in)
     lora_b = getattr(self, names.lora_b)[adapter].weight  # (out, r)
     scaling = getattr(self, names.scaling)[adapter]

@@ -101,3 +101,23 @@ def test_dequantised_weight_never_saved_for_backward():
     assert saved and (128, 64) not in saved and (64, 128) not in saved, saved
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_nf4_stand_in_built_once_and_rebuilt_for_a_new_weight():
+    # the NF4 view of bnb's state is cached per layer (host time); a re-quantised base weight must not reuse it
+    import bitsandbytes as bnb
+
+    pm = _qlora(torch.float32)
+    novatune.patch(pm, **LORA_ONLY)
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    _loss_and_grads(pm, BATCH)
+    first = q._novatune_nf4[1]
+    loss1, _ = _loss_and_grads(pm, BATCH)
+    assert q._novatune_nf4[1] is first, "reused across calls"
+    base = q.base_layer
+    dense = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state) * 2  # a different weight
+    base.weight = bnb.nn.Params4bit(dense.to(torch.bfloat16), requires_grad=False, quant_type="nf4",
+                                    compress_statistics=True)._quantize("cpu")
+    loss2, _ = _loss_and_grads(pm, BATCH)
+    assert q._novatune_nf4[1] is not first and q._novatune_nf4[1].t.packed.data_ptr() == base.weight.data_ptr()
+    assert not torch.equal(loss1, loss2)
