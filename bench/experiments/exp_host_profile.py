@@ -32,7 +32,26 @@ def main() -> None:
         y = lora_linear(xg, w, None, la, lb, 2.0)
         torch.autograd.grad(y, (xg, la, lb), grad_outputs=b)
 
-    for name, fn in (("dense", lambda: f(dense)), ("nf4", lambda: f(dq)), ("dequant", lambda: dq())):
+    class Cached:  # a Python stand-in that returns the dense weight: the object path without a Triton launch
+        shape, dtype, device = dense.shape, dense.dtype, dense.device
+
+        def __call__(self):
+            return dense
+
+    class ViaTorch:  # a stand-in whose "dequantisation" is one aten op (a copy) instead of a Triton launch
+        shape, dtype, device = dense.shape, dense.dtype, dense.device
+
+        def __call__(self):
+            return dense.clone()
+
+    def fwd_only(w):
+        with torch.no_grad():
+            lora_linear(xg, w, None, la, lb, 2.0)
+
+    cases = (("dense", lambda: f(dense)), ("nf4", lambda: f(dq)), ("cached object", lambda: f(Cached())),
+             ("clone object", lambda: f(ViaTorch())), ("dense fwd no_grad", lambda: fwd_only(dense)),
+             ("nf4 fwd no_grad", lambda: fwd_only(dq)), ("dequant", lambda: dq()))
+    for name, fn in cases:
         for _ in range(30):
             fn()
         torch.cuda.synchronize()
