@@ -44,13 +44,40 @@ def main() -> None:
         def __call__(self):
             return dense.clone()
 
+    from novatune.kernels import rms_norm as KR
+
+    xr = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+    wr = torch.randn(128, device=dev, dtype=torch.bfloat16)
+
+    class TritonObject:  # a stand-in that launches some other Triton kernel (RMSNorm fwd) then returns dense
+        shape, dtype, device = dense.shape, dense.dtype, dense.device
+
+        def __call__(self):
+            KR.rms_norm_fwd(xr, wr)
+            return dense
+
+    class NoFusionFlag:  # the NF4 kernel launched without the enable_fp_fusion=False option
+        shape, dtype, device = dense.shape, dense.dtype, dense.device
+
+        def __call__(self):
+            import novatune.kernels.nf4 as mod
+            saved = mod._launch_kwargs
+            mod._launch_kwargs = lambda: {}
+            try:
+                return KN.nf4_dequantize(t)
+            finally:
+                mod._launch_kwargs = saved
+
     def fwd_only(w):
         with torch.no_grad():
             lora_linear(xg, w, None, la, lb, 2.0)
 
     cases = (("dense", lambda: f(dense)), ("nf4", lambda: f(dq)), ("cached object", lambda: f(Cached())),
              ("clone object", lambda: f(ViaTorch())), ("dense fwd no_grad", lambda: fwd_only(dense)),
-             ("nf4 fwd no_grad", lambda: fwd_only(dq)), ("dequant", lambda: dq()))
+             ("nf4 fwd no_grad", lambda: fwd_only(dq)), ("dequant", lambda: dq()),
+             ("triton-object", lambda: f(TritonObject())), ("nf4 no fusion flag", lambda: f(NoFusionFlag())),
+             ("nf4 fwd grad", lambda: lora_linear(xg, dq, None, la, lb, 2.0)),
+             ("dense fwd grad", lambda: lora_linear(xg, dense, None, la, lb, 2.0)))
     for name, fn in cases:
         for _ in range(30):
             fn()
