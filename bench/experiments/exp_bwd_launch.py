@@ -1,0 +1,65 @@
+"""Experiment (LOG.md, session 3): why does a Triton launch inside the QLoRA linear's backward cost ~450 µs of host
+time (exp_host_profile.py) when the same launch costs ~30 µs in the forward?
+
+Custom autograd Functions whose backward runs a given sequence (cuBLAS mm, a Triton launch, both), timed as
+fwd+bwd host µs per call; the same sequences called directly on the main thread for comparison.
+
+    python bench/experiments/exp_bwd_launch.py
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+
+def host_us(fn, n=300, warmup=30):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main() -> None:
+    from novatune.kernels import rms_norm as KR
+
+    dev = "cuda"
+    a = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(128, device=dev, dtype=torch.bfloat16)
+    m = torch.randn(128, 128, device=dev, dtype=torch.bfloat16)
+    seqs = {
+        "nothing": lambda: None,
+        "mm": lambda: torch.mm(a, m),
+        "triton": lambda: KR.rms_norm_fwd(a, w),
+        "mm+triton": lambda: (torch.mm(a, m), KR.rms_norm_fwd(a, w)),
+        "triton+mm": lambda: (KR.rms_norm_fwd(a, w), torch.mm(a, m)),
+        "mm+triton+mm": lambda: (torch.mm(a, m), KR.rms_norm_fwd(a, w), torch.mm(a, m)),
+    }
+    x = a.clone().requires_grad_(True)
+    threads = {}
+    for name, seq in seqs.items():
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 1
+
+            @staticmethod
+            def backward(ctx, g):
+                threads.setdefault(name, threading.current_thread().name)
+                seq()
+                return g
+
+        direct = host_us(seq)
+        bwd = host_us(lambda: torch.autograd.grad(F.apply(x), x, grad_outputs=a))
+        print(f"{name:14s} direct {direct:7.1f} us   fwd+bwd through autograd {bwd:7.1f} us   backward thread "
+              f"{threads.get(name)}")
+
+
+if __name__ == "__main__":
+    main()
