@@ -60,6 +60,46 @@ def main() -> None:
         print(f"{name:14s} direct {direct:7.1f} us   fwd+bwd through autograd {bwd:7.1f} us   backward thread "
               f"{threads.get(name)}")
 
+    # the LoRA linear's shape of autograd: three differentiable inputs (two fp32 leaves), a saved tensor, the
+    # real LoRA op's backward vs the same with the Triton launch swapped for an aten copy
+    from novatune.ops import lora_linear
+
+    la = torch.randn(16, 128, device=dev, requires_grad=True)
+    lb = torch.randn(128, 16, device=dev, requires_grad=True)
+    dense = torch.randn(128, 128, device=dev, dtype=torch.bfloat16) * 0.02
+
+    class Obj:
+        shape, dtype, device = dense.shape, dense.dtype, dense.device
+
+        def __init__(self, how):
+            self.how = how
+
+        def __call__(self):
+            if self.how == "triton":
+                KR.rms_norm_fwd(a, w)
+            elif self.how == "triton+sync-free event":
+                KR.rms_norm_fwd(a, w)
+                torch.cuda.current_stream().record_event()
+            return dense
+
+    for how in ("none", "triton", "triton+sync-free event"):
+        o = Obj(how)
+        for wrt in ((x,), (x, la, lb), (la, lb)):
+            us = host_us(lambda: torch.autograd.grad(lora_linear(x, o, None, la, lb, 2.0), wrt, grad_outputs=a))
+            print(f"lora_linear fwd+bwd, stand-in {how:24s} grads of {len(wrt)} inputs: {us:7.1f} us")
+    for how in ("none", "triton"):
+        o = Obj(how)
+        y = lora_linear(x, o, None, la, lb, 2.0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            y = lora_linear(x, o, None, la, lb, 2.0)
+        t1 = time.perf_counter()
+        torch.autograd.grad(y, x, grad_outputs=a)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"stand-in {how}: forward {(t1 - t0) / 100 * 1e6:.1f} us/call; one backward {(t2 - t1) * 1e6:.1f} us")
+
 
 if __name__ == "__main__":
     main()
