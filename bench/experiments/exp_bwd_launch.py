@@ -82,6 +82,46 @@ def main() -> None:
                 torch.cuda.current_stream().record_event()
             return dense
 
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def ctx() -> int:
+        c = ctypes.c_void_p()
+        cu.cuCtxGetCurrent(ctypes.byref(c))
+        return c.value or 0
+
+    log = []
+
+    class Probe(Obj):
+        def __call__(self):
+            log.append(("enter", threading.current_thread().name, ctx()))
+            KR.rms_norm_fwd(a, w)
+            log.append(("after triton", ctx()))
+            torch.mm(a, m)
+            log.append(("after mm", ctx()))
+            return dense
+
+    for _ in range(2):
+        torch.autograd.grad(lora_linear(x, Probe("x"), None, la, lb, 2.0), x, grad_outputs=a)
+    print("main thread context", ctx(), "| backward:", log)
+
+    class Primed(Obj):
+        primed = set()
+
+        def __call__(self):
+            tid = threading.get_ident()
+            if tid not in Primed.primed:  # bind the device's primary context to this thread (runtime API call)
+                torch.cuda.set_device(torch.cuda.current_device())
+                torch.cuda.current_stream().synchronize()
+                Primed.primed.add(tid)
+            KR.rms_norm_fwd(a, w)
+            return dense
+
+    o = Primed("primed")
+    us = host_us(lambda: torch.autograd.grad(lora_linear(x, o, None, la, lb, 2.0), x, grad_outputs=a))
+    print(f"lora_linear fwd+bwd, stand-in triton after priming the thread's context: {us:7.1f} us")
+
     for how in ("none", "triton", "triton+sync-free event"):
         o = Obj(how)
         for wrt in ((x,), (x, la, lb), (la, lb)):
