@@ -122,6 +122,18 @@ def main() -> None:
     us = host_us(lambda: torch.autograd.grad(lora_linear(x, o, None, la, lb, 2.0), x, grad_outputs=a))
     print(f"lora_linear fwd+bwd, stand-in triton after priming the thread's context: {us:7.1f} us")
 
+    from torch.profiler import ProfilerActivity, profile
+
+    o = Obj("triton")
+    for _ in range(10):
+        torch.autograd.grad(lora_linear(x, o, None, la, lb, 2.0), x, grad_outputs=a)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            torch.autograd.grad(lora_linear(x, o, None, la, lb, 2.0), x, grad_outputs=a)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+
     for how in ("none", "triton", "triton+sync-free event"):
         o = Obj(how)
         for wrt in ((x,), (x, la, lb), (la, lb)):
