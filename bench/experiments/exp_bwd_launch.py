@@ -33,7 +33,15 @@ def main() -> None:
     a = torch.randn(64, 128, device=dev, dtype=torch.bfloat16)
     w = torch.randn(128, device=dev, dtype=torch.bfloat16)
     m = torch.randn(128, 128, device=dev, dtype=torch.bfloat16)
+    b16 = torch.randn(128, 16, device=dev, dtype=torch.bfloat16)
+    o16 = torch.empty(64, 16, device=dev, dtype=torch.bfloat16)
     seqs = {
+        "mm N=16": lambda: torch.mm(a, b16),
+        "triton+mm N=16": lambda: (KR.rms_norm_fwd(a, w), torch.mm(a, b16)),
+        "addmm_ b0 N=16": lambda: o16.addmm_(a, b16, beta=0),
+        "triton+addmm_ b0 N=16": lambda: (KR.rms_norm_fwd(a, w), o16.addmm_(a, b16, beta=0)),
+        "mm out= N=16": lambda: torch.mm(a, b16, out=o16),
+        "triton+mm out= N=16": lambda: (KR.rms_norm_fwd(a, w), torch.mm(a, b16, out=o16)),
         "nothing": lambda: None,
         "mm": lambda: torch.mm(a, m),
         "triton": lambda: KR.rms_norm_fwd(a, w),
