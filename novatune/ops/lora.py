@@ -115,6 +115,8 @@ class _LoRALinearFunction(torch.autograd.Function):
         # adapters cast to x's dtype once (no-ops when they have it) and kept for the backward: PEFT's fp32
         # adapters on a bf16 model are not cast again there (2 launches fewer; 2 x r x (in + out) bytes kept)
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        if not isinstance(weight, Tensor) and weight.keep_for_backward:
+            weight = weight()  # QLoRA inside a checkpointed layer: this dense W also serves the backward's dx GEMM
         y, xa = _fwd_impl(x, weight, bias, a, b, scaling, x_lora)
         dense = isinstance(weight, Tensor)
         # QLoRA: the NF4 stand-in is kept on ctx (its packed storage is the module's own; nothing new is held)

@@ -81,6 +81,11 @@ class DequantWeight:
             raise ValueError(f"DequantWeight: a linear weight is 2-D (out, in), got shape {tuple(t.shape)}")
         self.t, self.dtype, self.shape = t, dtype, t.shape
         self.device = t.packed.device
+        # True: the forward keeps the dequantised W for its backward instead of dequantising again there. Set
+        # per call by the patch only inside a gradient-checkpointed layer (novatune/patch/lora.py): there the
+        # first forward's saved tensors are not kept, and the recomputed forward's are freed by the backward
+        # that follows it, so at most one layer's dense weights are ever held.
+        self.keep_for_backward = False
 
     def __call__(self) -> Tensor:
         return nf4_dequantize(self.t, self.dtype)  # (out, in), dropped by the caller after one GEMM

@@ -125,13 +125,26 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
         r = getattr(module, names.lora_a)[adapter].out_features
         drop = getattr(module, names.dropout)[adapter]
         p = float(getattr(drop, "p", 0.0)) if not isinstance(drop, nn.Identity) else 0.0
-        bind(module, lora_linear_forward, report, _novatune_lora=names, _novatune_lora_adapter=adapter)
+        bind(module, lora_linear_forward, report, _novatune_lora=names, _novatune_lora_adapter=adapter,
+             _novatune_ckpt_owner=(_checkpoint_owner(model, path),), _novatune_nf4=None)
         mode = "no dropout: fast path" if p == 0.0 else f"dropout {p:g}: exact path (PEFT's dropout, LoRA branch)"
         kind = "fused QLoRA linear (NF4 dequantised per GEMM, " if is_qlora_layer(module, names) else \
             "fused LoRA linear ("
         report.add(path, "lora", "replaced", f"{kind}{slots[id(module)]}, r={r}, {mode})")
     if report.replaced("lora"):
         report.add("", "note", "note", RUNTIME_NOTE)
+
+
+def _checkpoint_owner(model: nn.Module, path: str) -> nn.Module | None:
+    """The nearest enclosing module with HF's `gradient_checkpointing` switch (transformers 5: the decoder layer,
+    a GradientCheckpointingLayer; older versions: the base model), or None. Read at every QLoRA forward, so
+    turning checkpointing on or off after patching is seen."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner = model.get_submodule(".".join(parts[:i])) if i else model
+        if hasattr(owner, "gradient_checkpointing"):
+            return owner
+    return None
 
 
 def _dequant_weight(module: nn.Module, weight, quant, dtype: torch.dtype) -> DequantWeight:
@@ -161,6 +174,10 @@ def lora_linear_forward(self, x, *args, **kwargs):
         return self._novatune_stock_forward(x, *args, **kwargs)
     if quant is not None:
         weight = _dequant_weight(self, weight, quant, dense_dtype)
+        owner = self._novatune_ckpt_owner[0]
+        # HF checkpoints a layer when its `gradient_checkpointing` is on and it trains (GradientCheckpointingLayer)
+        weight.keep_for_backward = bool(owner is not None and owner.training
+                                        and getattr(owner, "gradient_checkpointing", False))
     lora_a = getattr(self, names.lora_a)[adapter].weight  # (r, in)
     lora_b = getattr(self, names.lora_b)[adapter].weight  # (out, r)
     scaling = getattr(self, names.scaling)[adapter]

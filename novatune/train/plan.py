@@ -21,8 +21,9 @@ novatune.train.qlora builds it, per quantised tensor of n weights:
                (the same per-tensor sum, V x H weights) unless it is tied to lm_head;
                norms, lm_head (and a tied embedding) stay in the compute dtype; the adapters, their gradients and both
                AdamW states are fp32 (PEFT keeps adapters in fp32 over 4-bit and bf16 bases); plus one dequantised
-               weight (the largest linear, compute dtype) alive at a time: bnb's matmul_4bit and novatune's fused
-               QLoRA linear both dequantise per GEMM and drop the copy after it.
+               weight (the largest linear, compute dtype) alive at a time: bnb's matmul_4bit dequantises per GEMM
+               and drops the copy after it; novatune's fused QLoRA linear does too, except inside a checkpointed
+               layer, where the recomputed forward's dense weights serve the backward: one layer's linears.
 
 Checked against BENCHMARKS.md's H200 peaks (headline workload, checkpointing on): stock 38.5 GiB estimated vs 39.0
 measured; with fused cross-entropy 31.5 vs 32.2 (varlen + Liger); LoRA r16 16.2 vs 17.0 (stock) and 9.3 vs 9.8.
@@ -102,10 +103,15 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
     act_full = L * per_layer
     act_ckpt = L * tokens * h * b + per_layer
     logits_stock = tokens * V * 12
+    # dequantised weights alive at once: one GEMM's (stock, or novatune without checkpointing); novatune inside a
+    # checkpointed layer keeps the recomputed forward's dense W for the backward: one layer's linears
+    dequant = max(quant, default=0) * b
+    if qlora and cfg.model.patch and cfg.memory.gradient_checkpointing:
+        dequant = sum(quant) // L * b
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
-        "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": max(quant, default=0) * b,
+        "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
         "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
@@ -162,7 +168,7 @@ def render(est: dict) -> str:
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
              f"  optimizer states (AdamW)     {g(est['optimizer'])}",
-             *([f"  dequantised weight (1 live)  {g(est['dequant'])}"] if est["qlora"] else []),
+             *([f"  dequantised weights (live)   {g(est['dequant'])}"] if est["qlora"] else []),
              f"  activations, no checkpointing {g(est['activations_no_ckpt'])}" + ("" if ck else "   <- this run"),
              f"  activations, checkpointing   {g(est['activations_ckpt'])}" + ("   <- this run" if ck else ""),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"

@@ -121,3 +121,39 @@ def test_nf4_stand_in_built_once_and_rebuilt_for_a_new_weight():
     loss2, _ = _loss_and_grads(pm, BATCH)
     assert q._novatune_nf4[1] is not first and q._novatune_nf4[1].t.packed.data_ptr() == base.weight.data_ptr()
     assert not torch.equal(loss1, loss2)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_dequantised_weight_kept_for_the_backward_only_under_checkpointing(checkpointing, monkeypatch):
+    # inside a checkpointed layer the recomputed forward's dense W serves the backward (one dequantisation fewer
+    # per linear); without checkpointing every layer would hold its dense W until the backward: never kept then
+    from novatune.ops import nf4 as ops_nf4
+
+    pm = _qlora(torch.float32)
+    if checkpointing:
+        pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_ref, grads_ref = _loss_and_grads(pm, BATCH)
+    novatune.patch(pm, **LORA_ONLY)
+    calls = {"n": 0}
+    real = ops_nf4.nf4_dequantize
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops_nf4, "nf4_dequantize", counting)
+    ids, pos, lab = BATCH
+    pm.zero_grad(set_to_none=True)
+    loss = pm(input_ids=ids, position_ids=pos, labels=lab).loss
+    calls["n"] = 0
+    loss.backward()
+    grads = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
+    linears = 7 * ARCH["num_hidden_layers"]
+    # dequantisations during the backward: checkpointed, one per linear (the recomputed forward's, kept for dx);
+    # not checkpointed, one per linear that needs dx (layer 0's q/k/v read the frozen embeddings: no dx)
+    assert calls["n"] == (linears if checkpointing else linears - 3), calls
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    assert q._novatune_nf4[1].keep_for_backward is checkpointing
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], 1e-5, name)
