@@ -101,3 +101,31 @@ def test_cuda_sources_compile_for_sm90():
                                     jobs))
         for cmd, r in zip(jobs, results):
             assert r.returncode == 0, f"{' '.join(cmd[:3])}...: {r.stderr[-3000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rope", "qk_norm_rope"])
+def test_rope_candidates_compile_validate_and_time_on_the_gpu(op):
+    # every registered candidate (Triton launch variants, torch.compile of the reference, HF eager) at Qwen3-4B's
+    # shape (4096 tokens, 32 q / 8 kv heads of 128) and the odd ones, bf16; then timed through the engine's
+    # CUDA-graph path: a candidate that cannot be captured or compiled would fail here, not in a user's tune run
+    from novatune.tune.engine import odd_shapes
+    from novatune.tune.measure import input_sets, time_fwd_bwd
+    from novatune.tune.validate import validate
+
+    shape = (4096, 32, 8, 128)
+    spec = OPS[op]
+    allc = candidates(op, shape, torch.bfloat16, "cuda")
+    stock = next(c for c in allc if c.family == "eager")
+    assert {c.family for c in allc} >= {"eager", "triton", "compile"}, [c.name for c in allc]
+    sets = input_sets(spec, shape, torch.bfloat16, "cuda", max_sets=2)
+    bad = {}
+    for c in allc:
+        v = validate(spec, c, stock, odd_shapes(shape, "cuda", spec), torch.bfloat16, "cuda")
+        if not v.ok:
+            bad[c.name] = f"[{v.check}] {v.reason}"
+            continue
+        t = time_fwd_bwd(spec, c.functional(), sets, iters=20, warmup=3)
+        print(op, c.name, f"{t.median_us:.1f} us [{t.mode}]", f"max err {max(v.errors.values(), default=0):.2e}")
+        assert t.median_us > 0
+    assert not bad, bad
