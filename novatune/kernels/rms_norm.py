@@ -204,16 +204,20 @@ def rms_norm_bwd_config(n_rows: int, n_cols: int, num_sms: int, resident_per_sm:
     the launcher measures it from the compiled kernel's register and shared-memory use), then lowered to the
     smallest G with the same number of row blocks per program (4096 blocks over 264 -> 256 programs of 16), which
     keeps the (G, N) fp32 partial buffer small: 2.6 MB for N = 2560, 256 KB for N = 128.
-    stages 0 = prefetch one block ahead in registers; >= 2 = Triton's cp.async pipeliner with that many stages.
+    stages 0 = prefetch one block ahead in registers; >= 2 = Triton's cp.async pipeliner with that many stages
+    (one-row tiles: 4, i.e. three rows of x and dy in flight per program through shared memory).
     """
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(n_rows, 1))))
     # Measured on the H200 (bench_rms_norm --sweep, 751c797): 4096 x 2560 bwd 23.8 µs with one row on 8 warps and
     # Triton's pipeliner (stages 3) vs 33.3 µs for 16 warps with register prefetch; 131072 x 128 bwd 30.8 µs with
     # 32-row tiles on 8 warps vs 32.9 for 16-row tiles. Both are 16 elements per thread.
+    # stages 4 for one-row tiles: measured through the tune engine (CUDA-graph replay over rotated inputs, H200,
+    # bench/experiments/exp_rms_floor.py, 60e6848) fwd+bwd 37.55 µs graph / 33.38 kernel vs 39.14 / 35.14 at
+    # stages 3; 5 stages measured the same as 4 (37.66 / 33.65)
     return {"block_m": block_m, "num_warps": _num_warps_for(block_m * block_n, 16),
             "num_programs": _persistent_grid(triton.cdiv(n_rows, block_m), num_sms, resident_per_sm),
-            "stages": 3 if block_m == 1 else 0}
+            "stages": 4 if block_m == 1 else 0}
 
 
 def _persistent_grid(n_blocks: int, num_sms: int, per_sm: int) -> int:

@@ -195,11 +195,12 @@ def rms_norm_candidates(shape, dtype: torch.dtype, device: str, families=None) -
         Candidate("rms_norm", "torch_compile", "compile", make=lambda: _compiled(hf_rms_norm), deterministic=False),
     ]
     # Triton launch variants around the defaults (novatune.kernels.rms_norm.*_config): more rows per program,
-    # other warp counts, register prefetch (stages 0) vs Triton's cp.async pipeliner (stages 3).
+    # other warp counts, register prefetch (stages 0) vs Triton's cp.async pipeliner (stages 3-5).
     if n >= 1024:
         tvars = [({}, dict(block_m=2, num_warps=8, stages=3)), ({}, dict(block_m=1, num_warps=4, stages=3)),
                  ({}, dict(block_m=2, num_warps=16, stages=0)), ({}, dict(block_m=1, num_warps=16, stages=3)),
-                 (dict(block_m=2, num_warps=8), dict(block_m=2, num_warps=8, stages=3))]
+                 (dict(block_m=2, num_warps=8), dict(block_m=2, num_warps=8, stages=3)),
+                 ({}, dict(stages=3)), ({}, dict(stages=5))]
     else:
         tvars = [({}, dict(block_m=32, num_warps=8, stages=0)), ({}, dict(block_m=64, num_warps=8, stages=0)),
                  ({}, dict(block_m=32, num_warps=4, stages=0)), (dict(block_m=64, num_warps=8), {})]
