@@ -52,7 +52,9 @@ def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters:
     records, measured = [], []
     for c in cands:
         rec = {"name": c.name, "family": c.family, "params": c.params}
-        if deadline is not None and time.perf_counter() > deadline and c is not stock:
+        # past the budget only the stock baseline (for the report) and novatune's default (the fallback choice:
+        # a tune that runs out of time keeps the defaults, it does not fail) are still validated and timed
+        if deadline is not None and time.perf_counter() > deadline and c is not stock and c.family != "default":
             rec.update(status="skipped", check="budget", reason="tune time budget spent before this candidate")
             records.append(rec)
             continue

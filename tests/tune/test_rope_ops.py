@@ -159,3 +159,15 @@ def test_selection_is_applied_through_the_dispatch_hook():
         qk_norm_rope(*q_args)
     assert set(rec.seen) == set(table)
     assert _backend.OVERRIDE is prev
+
+
+def test_spent_budget_keeps_the_default_instead_of_failing():
+    # a tune that runs out of time before an op must still end with a choice for it: the stock baseline and
+    # novatune's default are validated and timed, every other candidate is skipped with the reason
+    entry, _ = engine.tune_op("rope", SHAPE, torch.float32, "cpu", iters=3, warmup=1, deadline=0.0,
+                              log=lambda *_: None)
+    assert entry["choice"] == "novatune_default"
+    status = {r["name"]: r["status"] for r in entry["candidates"]}
+    assert status["hf_eager"] == "timed" and status["novatune_default"] == "chosen"
+    skipped = [r for r in entry["candidates"] if r["status"] == "skipped"]
+    assert skipped and all(r["check"] == "budget" for r in skipped), skipped
