@@ -310,7 +310,8 @@ def _nf4_dequant_pairs_kernel(packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, cod
                               NESTED: tl.constexpr, OUT_KIND: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
     # A (quant blocks, bytes per block) tile: each byte is loaded once (16-byte vectors), its two nibbles become
     # two output elements written as one word (out viewed as int32 / int64), and each block's scale is computed
-    # once per block instead of once per element. The byte-per-element kernel above ran ~N x slower (LOG.md).
+    # once per block instead of once per element: 15.2 µs vs 40.6 for the byte-per-element kernel above on a 4096 x
+    # 4096 weight (H200; bitsandbytes' CUDA kernel 23.5; LOG.md run 27).
     HALF: tl.constexpr = BLOCKSIZE // 2
     blk = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)  # (BPP,)
     j = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BPP, HALF) byte index == output pair index
