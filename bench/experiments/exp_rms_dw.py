@@ -102,23 +102,25 @@ def _copy_2r1w_kernel(X, DY, DX, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 _WORKSPACE: dict = {}  # (device, N) -> (fp32 acc (N,), int32 counter (1,)); zeroed once, re-zeroed by the kernel
 
 
-def atomic_bwd_config(dy, x, weight, num_programs=None) -> dict:
+def atomic_bwd_config(dy, x, weight, num_programs=None, stages=None) -> dict:
     """The shipped backward's launch config, forced onto the pipelined path (stages 3 where it says 0), with G
     sized from the residency of the shipped kernel at those stages (same loop and footprint but for the tail)."""
     over = {"num_programs": num_programs} if num_programs else {}
+    if stages:
+        over["stages"] = stages
     cfg = K.rms_norm_bwd_launch_config(dy, x, weight, **over)
     if cfg["stages"] < 2:
         cfg = K.rms_norm_bwd_launch_config(dy, x, weight, stages=3, **over)
     return cfg
 
 
-def rms_norm_bwd_atomic(dy, x, weight, rstd, *, num_programs=None, dx=None, dw=None):
+def rms_norm_bwd_atomic(dy, x, weight, rstd, *, num_programs=None, stages=None, dx=None, dw=None):
     """(dx, dw) as K.rms_norm_bwd, in one kernel. Not safe for concurrent calls with the same N on two streams
     (shared workspace); fine for this experiment."""
     n = x.shape[-1]
     x2, dy2 = K._rows_view(x, n), K._rows_view(dy, n)
     rows = x2.shape[0]
-    cfg = atomic_bwd_config(dy, x, weight, num_programs)
+    cfg = atomic_bwd_config(dy, x, weight, num_programs, stages)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
     dw = torch.empty(n, dtype=weight.dtype, device=x.device) if dw is None else dw
     key = (x.device, n)

@@ -4,12 +4,14 @@ profiler's kernel sum over the same rotation)?
 
 exp_rms_dw.py timed kernels on one L2-resident input (fwd 8.25 µs = 1.2x the "floor"): flattering. Here every
 figure goes through novatune.tune.measure, as issue 5's 0.85 line is judged, with:
-  * novatune_default: the shipped fwd + bwd (persistent bwd + partial-sum kernel);
-  * atomic_dw: shipped fwd + the one-launch backward of exp_rms_dw.py (dweight reduced by fp32 atomics);
+  * novatune_default: the shipped fwd + bwd (persistent bwd + partial-sum kernel; stages 4 since 4eddc5c);
+  * atomic_dw: shipped fwd + the one-launch backward of exp_rms_dw.py (dweight reduced by fp32 atomics), at the
+    shipped backward's config (stages 4 since 4eddc5c) and at stages 3;
   * bwd configs the earlier sweeps did not try (cp.async stages 4 and 5; 16 warps at stages 3 and 4);
   * calibration: an op with RMSNorm's exact big-tensor traffic and launch count but no math (fwd reads x and
     writes y; bwd reads x and dy, writes dx; dweight a tiny zero fill): the most any fwd+bwd pair of kernels
-    can reach at this size through this measurement.
+    can reach at this size through this measurement; calibration_2_launches writes the zero dweight inside the
+    backward launch (the real op's minimum of two launches; calibration_no_math has a third, a zero fill).
 
     python bench/experiments/exp_rms_floor.py --results bench/results/experiments.jsonl
 """
@@ -20,6 +22,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from novatune.harness.results import write_row
 from novatune.harness.timing import copy_bandwidth_gbps
@@ -46,6 +50,37 @@ def _op(bwd):
             return dx, dw, None
 
     return lambda x, weight, eps: F.apply(x, weight, eps)
+
+
+@triton.jit
+def _copy_2r1w_dw_kernel(X, DY, DX, DW, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # exp_rms_dw's backward calibration plus dweight (zeros) written by program 0 in the same launch: the real op's
+    # minimum of two launches per fwd+bwd, no third kernel for dweight
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    s = tl.load(X + offs, mask=mask).to(tl.float32) + tl.load(DY + offs, mask=mask).to(tl.float32)
+    tl.store(DX + offs, s.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
+    if tl.program_id(0) == 0:
+        tl.store(DW + cols, tl.zeros([BLOCK_N], dtype=tl.float32).to(DW.dtype.element_ty), mask=cols < N)
+
+
+class _Calibration2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y = torch.empty_like(x)
+        X.copy_1r1w(x, y)
+        ctx.save_for_backward(x, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        grid, meta = X._copy_grid(x)
+        _copy_2r1w_dw_kernel[grid](x, dy.contiguous(), dx, dw, x.shape[0], x.shape[1], **meta)
+        return dx, dw, None
 
 
 class _Calibration(torch.autograd.Function):
@@ -78,11 +113,14 @@ def main(argv=None) -> None:
         "novatune_default": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r)),
         "atomic_dw": _op(lambda dy, x, w, r: X.rms_norm_bwd_atomic(dy, x, w, r)),
         "atomic_dw_G264": _op(lambda dy, x, w, r: X.rms_norm_bwd_atomic(dy, x, w, r, num_programs=264)),
+        "bwd_stages3": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, stages=3)),
         "bwd_stages4": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, stages=4)),
         "bwd_stages5": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, stages=5)),
         "bwd_16warps_stages3": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, num_warps=16, stages=3)),
         "bwd_16warps_stages4": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, num_warps=16, stages=4)),
+        "atomic_dw_stages3": _op(lambda dy, x, w, r: X.rms_norm_bwd_atomic(dy, x, w, r, stages=3)),
         "calibration_no_math": lambda x, weight, eps: _Calibration.apply(x, weight, eps),
+        "calibration_2_launches": lambda x, weight, eps: _Calibration2.apply(x, weight, eps),
     }
     print(f"RMSNorm {shape[0]}x{shape[1]} bf16: floor {floor:.2f} µs (copy bw {bw:.0f} GB/s), {len(sets)} rotated "
           f"input sets")

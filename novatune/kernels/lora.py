@@ -32,7 +32,8 @@ xa once and the LoRA term once more before the final sum: a few bf16 ulps relati
 The base weight W is either a dense tensor or a dequantise-on-the-fly stand-in (QLoRA: novatune.ops.nf4.DequantWeight,
 any object with `.shape`, `.dtype` and `__call__() -> dense W`): each big GEMM materialises it just before and drops
 it right after (`_dense`), so the forward holds one dequantised weight for the length of one GEMM and the backward
-dequantises again instead of keeping it (dx = dy·dequant(W) + s·(dy B)A; never a W gradient).
+dequantises again instead of keeping it (dx = dy·dequant(W) + s·(dy B)A; never a W gradient). Callers that may
+hold the dense weight (novatune.ops.lora inside a checkpointed layer) pass it as a tensor to both instead.
 
 Launchers take 2-D operands (callers flatten leading dims) and optional preallocated `out=` / `dx=` buffers so
 tests can poison them and check every element is written (a beta = 0 GEMM never reads its output's old values).

@@ -5,7 +5,10 @@ and MLP projection whose adapter the fused op computes exactly, binds `lora_line
 apply.py's `_bind` does for the other modules; revert restores PEFT's forward). QLoRA layers (PEFT's bnb
 Linear4bit over a bitsandbytes NF4 Linear4bit) are fused too: the base weight goes to the op as a
 novatune.ops.nf4.DequantWeight, dequantised (bit-identical to bnb's dequantize_4bit, in the layer's compute dtype)
-for each GEMM and dropped after it, as bnb's own matmul_4bit does, but with the LoRA GEMMs fused around it.
+for each GEMM and dropped after it, as bnb's own matmul_4bit does, but with the LoRA GEMMs fused around it. Inside a
+gradient-checkpointed layer (training) the recomputed forward's dense weight is kept for the backward's dx GEMM
+instead: one dequantisation fewer per linear, at most one layer's dense weights alive (the first forward's saved
+tensors are not kept under checkpointing). The NF4 view of bnb's state is built once per weight.
 Everything else is reported as skipped with the reason: DoRA and other variants, several active adapters, merged
 adapters, other quantised or custom base layers (FP4, 8-bit), a bias in lora_B, fan_in_fan_out (Conv1D) layers, LoRA outside the projections (lm_head,
 embeddings). The SwiGLU MLP and the attention forwards *call* the projection modules, so they pick the fused

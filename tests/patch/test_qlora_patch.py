@@ -1,5 +1,6 @@
 """novatune.patch on PEFT QLoRA models (bitsandbytes NF4 Linear4bit bases): every projection is fused, loss and
-every LoRA gradient equal PEFT + bitsandbytes stock, no dequantised weight is kept for the backward, revert works.
+every LoRA gradient equal PEFT + bitsandbytes stock, no dequantised weight is kept for the backward (unless inside a
+checkpointed layer, where the recomputed forward's one serves it), revert works.
 
 Tolerances: fp32 compute on the CPU: both sides multiply by the same dequantised W (bit-identical dequantisation,
 tests/kernels/test_nf4.py); only the order of the LoRA products differs -> 1e-5 (REL_TOL fp32). bf16 compute:
