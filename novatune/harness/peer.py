@@ -46,6 +46,31 @@ def apply_liger(model_type: str) -> str:
     return name
 
 
+class PackedMeta:
+    """(cu_seqlens, max_seqlen) of a packed batch from its position_ids, computed once per batch (one host sync for
+    the max) and reused by every layer, which all receive the same position_ids tensor (the recompute under
+    checkpointing too: it replays the saved kwargs).
+
+    Keyed on the tensor's identity, holding a reference to it. An address key (data_ptr, shape), used here until
+    ba63b8f, went stale: the next micro-batch's position_ids is allocated where the freed previous one was, so
+    the peer attended over another row's documents with no error (and none of the host syncs it should pay)."""
+
+    def __init__(self):
+        self.pos = self.cu = self.mx = None
+        self.misses = 0
+
+    def __call__(self, position_ids):
+        import torch
+
+        if self.pos is not position_ids:
+            pos = position_ids.view(-1)
+            starts = torch.nonzero(pos == 0).view(-1).to(torch.int32)
+            cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device, dtype=torch.int32)])
+            self.pos, self.cu, self.mx = position_ids, cu, int((cu[1:] - cu[:-1]).max())
+            self.misses += 1
+        return self.cu, self.mx
+
+
 def register_peer_varlen() -> str:
     """Register the peer's varlen attention with transformers' AttentionInterface; returns its name."""
     import torch
@@ -56,17 +81,7 @@ def register_peer_varlen() -> str:
     except ImportError as e:
         raise PeerUnavailable(f"torch {torch.__version__} has no torch.nn.attention.varlen ({e})") from None
     sig = inspect.signature(varlen_attn).parameters
-    cache: dict = {}
-
-    def meta(position_ids):
-        # every layer gets the same position_ids tensor: derive cu_seqlens once per batch (one host sync for max)
-        key = (position_ids.data_ptr(), position_ids.shape)
-        if cache.get("key") != key:
-            pos = position_ids.view(-1)
-            starts = torch.nonzero(pos == 0).view(-1).to(torch.int32)
-            cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device, dtype=torch.int32)])
-            cache.update(key=key, cu=cu, mx=int((cu[1:] - cu[:-1]).max()))
-        return cache["cu"], cache["mx"]
+    meta = PackedMeta()
 
     def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
