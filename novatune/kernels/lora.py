@@ -150,3 +150,82 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_
     dweight = torch.mm(dy.t(), x).to(weight.dtype) if need_dweight else None
     dbias = dy.sum(0, dtype=torch.float32).to(dbias_dtype) if dbias_dtype is not None else None
     return dx_out, dx_lora, dweight, dbias, da, db
+
+
+# ----------------------------------------------------------------------------------------------- grouped
+# Several LoRA linears reading the same input (an attention layer's q/k/v): member i has W_i (out_i, in), A_i
+# (r_i, in), B_i (out_i, r_i), one common scaling s. One launch sequence for the group instead of one per member:
+#     xa = x A_catᵀ                     (tokens, R)   one GEMM for every member's x A_iᵀ (A_cat = A_i stacked)
+#     W_cat = W_i stacked               (O, in)       dequantised straight into its rows (QLoRA), no copy after
+#     Y[:, cols_i] = s · xa_i B_iᵀ      member by member, into one (tokens, O) buffer
+#     Y += x W_catᵀ                     one big GEMM for all members
+# and the outputs are Y's column blocks. Backward, with dy_i for each member:
+#     G[:, r_i] = dy_i B_i ;  dB_i = s · dy_iᵀ xa_i ;  dA_cat = s · Gᵀ x (one GEMM) ;
+#     dx = s · G A_cat (one GEMM, K = R) + Σ_i dy_i W_i   (accumulated in one fp32-accumulated buffer)
+# Per member the products are the single-linear ones above; dx sums the members inside GEMMs instead of in bf16
+# afterwards (autograd adding three separate dx), which only removes roundings.
+
+
+def _dense_into(weight, out: Tensor) -> Tensor:
+    """The dense weight written into `out` (a row block of W_cat): a copy, or a dequantisation straight into it
+    (a stand-in with `.into(out)`, e.g. novatune.ops.nf4.DequantWeight)."""
+    return out.copy_(weight) if isinstance(weight, Tensor) else weight.into(out)
+
+
+def lora_group_fwd(x: Tensor, weights: list, lora_as: list[Tensor], lora_bs: list[Tensor], scaling: float):
+    """(Y, xa, W_cat, A_cat, B_casts) for members sharing x (tokens, in): Y (tokens, Σ out_i) with member i in its
+    column block (in order), xa (tokens, Σ r_i), W_cat (Σ out_i, in) the stacked dense weights, A_cat and B_casts
+    the adapters in x's dtype (what the backward needs). Every product in x's dtype, fp32 accumulation."""
+    for w, a, b in zip(weights, lora_as, lora_bs):
+        _check(x, w, a, b, None)
+    cd, (tokens, n_in) = x.dtype, x.shape
+    a_cat = torch.cat(list(lora_as)).to(cd)  # (R, in): one cast for all members
+    b_casts = [b.to(cd) for b in lora_bs]
+    outs = [w.shape[0] for w in weights]
+    w_cat = x.new_empty(sum(outs), n_in)
+    y = x.new_empty(tokens, sum(outs))
+    xa = torch.mm(x, a_cat.t())  # (tokens, R)
+    o = r = 0
+    for w, b, n in zip(weights, b_casts, outs):
+        _dense_into(w, w_cat[o:o + n])
+        k = b.shape[1]
+        y[:, o:o + n].addmm_(xa[:, r:r + k], b.t(), beta=0, alpha=scaling)  # writes the block, reads nothing
+        o, r = o + n, r + k
+    y.addmm_(x, w_cat.t())
+    return y, xa, w_cat, a_cat, b_casts
+
+
+def lora_group_bwd(dys: list[Tensor], x: Tensor, weights: list, w_cat: Tensor | None, a_cat: Tensor,
+                   b_casts: list[Tensor], xa: Tensor, scaling: float, *, need_dx: bool = True, need_da: bool = True,
+                   need_db: bool = True, adapter_dtype: torch.dtype | None = None):
+    """(dx, [dA_i], [dB_i]) for lora_group_fwd's members; w_cat None: the weights are densified again (QLoRA
+    outside a checkpointed layer). Entries not asked for are None. dA_i / dB_i in adapter_dtype (default
+    A_cat's), dx in x's dtype."""
+    cd, adt = x.dtype, adapter_dtype or a_cat.dtype
+    ranks = [b.shape[1] for b in b_casts]
+    outs = [b.shape[0] for b in b_casts]
+    dys = [dy.to(cd) for dy in dys]
+    g = x.new_empty(x.shape[0], sum(ranks)) if (need_da or need_dx) else None
+    dbs = [None] * len(dys)
+    r = 0
+    for i, (dy, b, k) in enumerate(zip(dys, b_casts, ranks)):
+        if g is not None:
+            g[:, r:r + k].addmm_(dy, b, beta=0)  # (tokens, r_i)
+        if need_db:
+            dbs[i] = _scaled_mm(dy.t(), xa[:, r:r + k], scaling).to(adt)  # (out_i, r_i)
+        r += k
+    das = list(_scaled_mm(g.t(), x, scaling).to(adt).split(ranks)) if need_da else [None] * len(dys)
+    dx = None
+    if need_dx:
+        if w_cat is None:
+            w_cat = x.new_empty(sum(outs), x.shape[1])
+            o = 0
+            for w, n in zip(weights, outs):
+                _dense_into(w, w_cat[o:o + n])
+                o += n
+        dx = _scaled_mm(g, a_cat, scaling)  # the members' LoRA terms summed inside one GEMM (K = R)
+        o = 0
+        for dy, n in zip(dys, outs):
+            dx.addmm_(dy, w_cat[o:o + n])
+            o += n
+    return dx, das, dbs

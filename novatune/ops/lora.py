@@ -28,7 +28,7 @@ from torch import Tensor
 
 from novatune.kernels import lora as K
 
-__all__ = ["lora_linear", "lora_linear_fwd", "lora_linear_bwd"]
+__all__ = ["lora_linear", "lora_linear_fwd", "lora_linear_bwd", "lora_linear_group"]
 
 
 def _flat(t: Tensor | None) -> Tensor | None:
@@ -154,3 +154,50 @@ def lora_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, 
     if torch.compiler.is_compiling():
         return torch.ops.novatune.lora_linear_fwd(x, weight, bias, lora_a, lora_b, float(scaling), x_lora)[0]
     return _LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), x_lora)
+
+
+# ----------------------------------------------------------------------------------------------- grouped (eager)
+class _LoRAGroupFunction(torch.autograd.Function):
+    """Several LoRA linears on one input (novatune/kernels/lora.py, "grouped"); outputs are column blocks of one
+    buffer. The stacked dense weights are kept for the backward only when the members' stand-ins say so (QLoRA
+    inside a checkpointed layer, as _LoRALinearFunction), else densified again there."""
+
+    @staticmethod
+    def forward(ctx, x, weights, scaling, *adapters):
+        n = len(weights)
+        x2 = _flat(x)
+        y, xa, w_cat, a_cat, b_casts = K.lora_group_fwd(x2, weights, adapters[:n], adapters[n:], scaling)
+        # dense members are copied into W_cat: never held (the backward copies again); stand-ins as they say
+        keep = all(not isinstance(w, Tensor) and w.keep_for_backward for w in weights)
+        ctx.save_for_backward(x2, xa, a_cat, w_cat if keep else None, *b_casts)
+        ctx.weights, ctx.scaling, ctx.n, ctx.x_shape = (None if keep else weights), scaling, n, x.shape
+        ctx.adapter_dtypes = [a.dtype for a in adapters]
+        outs = [w.shape[0] for w in weights]
+        return tuple(y.view(*x.shape[:-1], sum(outs)).split(outs, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, xa, a_cat, w_cat, *b_casts = ctx.saved_tensors
+        n = ctx.n
+        # an output nobody used gets no gradient (None): it contributes nothing
+        dys = [torch.zeros(x2.shape[0], b.shape[0], dtype=x2.dtype, device=x2.device) if dy is None
+               else dy.reshape(-1, dy.shape[-1]) for dy, b in zip(dys, b_casts)]
+        need_x, _, _, *need_ad = ctx.needs_input_grad
+        dx, das, dbs = K.lora_group_bwd(dys, x2, ctx.weights, w_cat, a_cat, b_casts, xa, ctx.scaling,
+                                        need_dx=need_x, need_da=any(need_ad[:n]), need_db=any(need_ad[n:]),
+                                        adapter_dtype=ctx.adapter_dtypes[0])
+        das = [None if d is None else d.to(t) for d, t in zip(das, ctx.adapter_dtypes[:n])]
+        dbs = [None if d is None else d.to(t) for d, t in zip(dbs, ctx.adapter_dtypes[n:])]
+        return (None if dx is None else dx.view(ctx.x_shape)), None, None, *das, *dbs
+
+
+def lora_linear_group(x: Tensor, weights: list, lora_as: list[Tensor], lora_bs: list[Tensor],
+                      scaling: float) -> tuple[Tensor, ...]:
+    """lora_linear for several members sharing x and one scaling (an attention layer's q/k/v): one tuple of
+    outputs, member i's (..., out_i) a column block of one buffer (last dim contiguous, rows strided). Eager only;
+    no bias, no dropout (the patch groups only members on that fast path)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("lora_linear_group runs eagerly only")
+    if not (len(weights) == len(lora_as) == len(lora_bs)) or not weights:
+        raise ValueError(f"lora_linear_group: {len(weights)} weights, {len(lora_as)} A, {len(lora_bs)} B")
+    return _LoRAGroupFunction.apply(x, list(weights), float(scaling), *lora_as, *lora_bs)

@@ -90,6 +90,10 @@ class DequantWeight:
     def __call__(self) -> Tensor:
         return nf4_dequantize(self.t, self.dtype)  # (out, in), dropped by the caller after one GEMM
 
+    def into(self, out: Tensor) -> Tensor:
+        """Dequantise into a preallocated contiguous (out, in) buffer (a row block of a grouped op's W_cat)."""
+        return nf4_dequantize(self.t, self.dtype, out=out)
+
     def __repr__(self) -> str:
         return f"DequantWeight(nf4 {tuple(self.shape)} -> {self.dtype})"
 

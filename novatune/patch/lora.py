@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from novatune.ops.lora import lora_linear
+from novatune.ops.lora import lora_linear, lora_linear_group
 from novatune.ops.nf4 import DequantWeight, from_bnb
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec, LoRASpec
@@ -136,6 +136,9 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
         report.add(path, "lora", "replaced", f"{kind}{slots[id(module)]}, r={r}, {mode})")
     if report.replaced("lora"):
         report.add("", "note", "note", RUNTIME_NOTE)
+    if any("QLoRA" in str(r) for r in report.replaced("lora")):
+        report.add("", "note", "note", "QLoRA q/k/v projections of a layer run as one grouped op (one stacked "
+                                       "dequantised weight, one GEMM) under novatune's attention forward")
 
 
 def _checkpoint_owner(model: nn.Module, path: str) -> nn.Module | None:
@@ -163,31 +166,64 @@ def _dequant_weight(module: nn.Module, weight, quant, dtype: torch.dtype) -> Deq
     return cached[1]
 
 
-def lora_linear_forward(self, x, *args, **kwargs):
-    """PEFT LoRA Linear forward for one vanilla adapter through novatune.ops.lora_linear (module docstring)."""
+def _fast_path(self, x):
+    """(weight, lora_a, lora_b, scaling, dropout) for the fused op on this call, or None when PEFT's stock forward
+    must run (the layer's state or the call left the fast path's contract: module docstring)."""
     names, adapter = self._novatune_lora, self._novatune_lora_adapter
     base = getattr(self, names.base_layer)
     weight = base.weight
     quant = getattr(weight, "quant_state", None)
     # QLoRA: the GEMMs run in the base layer's compute dtype (bnb casts x to it); the fast path takes x already in it
     dense_dtype = base.compute_dtype if quant is not None else weight.dtype
-    if (args or kwargs or self.disable_adapters or self.merged or self.active_adapters != [adapter]
+    if (self.disable_adapters or self.merged or self.active_adapters != [adapter]
             or adapter in getattr(self, names.variants, ()) or x.dtype != dense_dtype
             or torch.is_autocast_enabled(x.device.type)):
-        return self._novatune_stock_forward(x, *args, **kwargs)
+        return None
     if quant is not None:
         weight = _dequant_weight(self, weight, quant, dense_dtype)
         owner = self._novatune_ckpt_owner[0]
         # HF checkpoints a layer when its `gradient_checkpointing` is on and it trains (GradientCheckpointingLayer)
         weight.keep_for_backward = bool(owner is not None and owner.training
                                         and getattr(owner, "gradient_checkpointing", False))
-    lora_a = getattr(self, names.lora_a)[adapter].weight  # (r, in)
-    lora_b = getattr(self, names.lora_b)[adapter].weight  # (out, r)
-    scaling = getattr(self, names.scaling)[adapter]
     drop = getattr(self, names.dropout)[adapter]
+    return (weight, getattr(self, names.lora_a)[adapter].weight, getattr(self, names.lora_b)[adapter].weight,
+            getattr(self, names.scaling)[adapter], drop)
+
+
+def lora_linear_forward(self, x, *args, **kwargs):
+    """PEFT LoRA Linear forward for one vanilla adapter through novatune.ops.lora_linear (module docstring)."""
+    fast = None if (args or kwargs) else _fast_path(self, x)
+    if fast is None:
+        return self._novatune_stock_forward(x, *args, **kwargs)
+    weight, lora_a, lora_b, scaling, drop = fast  # lora_a (r, in), lora_b (out, r)
+    bias = getattr(self, self._novatune_lora.base_layer).bias
     if isinstance(drop, nn.Identity) or not drop.training:  # PEFT's Dropout in eval draws no random numbers
-        return lora_linear(x, weight, base.bias, lora_a, lora_b, scaling)
+        return lora_linear(x, weight, bias, lora_a, lora_b, scaling)
     # exact path: PEFT's cast then dropout, drawing the same random numbers as PEFT stock
     x_lora = drop(self._cast_input_dtype(x, lora_a.dtype) if hasattr(self, "_cast_input_dtype")
                   else x.to(lora_a.dtype))
-    return lora_linear(x, weight, base.bias, lora_a, lora_b, scaling, x_lora=x_lora)
+    return lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_lora=x_lora)
+
+
+def grouped_qlora(modules, x) -> tuple | None:
+    """The outputs of several fused QLoRA projections of the same input (an attention layer's q/k/v) from one
+    grouped op (novatune.ops.lora_linear_group: one stacked dequantised weight, one big GEMM, one x·Aᵀ GEMM), or
+    None when any member must take its own forward: not a fused LoRA layer, off the fast path, not NF4, a bias, an
+    active dropout, or scalings that differ. Same products as the members' own forwards; it saves launches and
+    host time, which is what a QLoRA step is short of (LOG.md, session 3)."""
+    members = []
+    for m in modules:
+        if getattr(m.__dict__.get("forward"), "__func__", None) is not lora_linear_forward:
+            return None  # not (or no longer) a fused LoRA layer
+        fast = _fast_path(m, x)
+        if fast is None:
+            return None
+        weight, lora_a, lora_b, scaling, drop = fast
+        if (not isinstance(weight, DequantWeight) or getattr(m, m._novatune_lora.base_layer).bias is not None
+                or not (isinstance(drop, nn.Identity) or not drop.training)):
+            return None
+        members.append(fast)
+    if len({f[3] for f in members}) != 1:
+        return None
+    return lora_linear_group(x, [f[0] for f in members], [f[1] for f in members], [f[2] for f in members],
+                             members[0][3])

@@ -158,3 +158,26 @@ def test_dequantised_weight_kept_for_the_backward_only_under_checkpointing(check
     assert_close(loss, loss_ref, 1e-5, "loss")
     for name in grads_ref:
         assert_close(grads[name], grads_ref[name], 1e-5, name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_qkv_grouped_in_the_patched_attention_equals_peft_bnb(checkpointing, monkeypatch):
+    # with novatune's attention forward on packed rows, each layer's q/k/v QLoRA projections run as one grouped op
+    # (one stacked dequantised weight, one big GEMM); loss and every LoRA gradient still equal PEFT + bnb stock's
+    pm = _qlora(torch.float32)
+    if checkpointing:
+        pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_ref, grads_ref = _loss_and_grads(pm, BATCH)
+    report = novatune.patch(pm, rms_norm=False, swiglu=False, cross_entropy=False)
+    assert report.replaced("attention")
+    calls = []
+    real = lora_patch.lora_linear_group
+    monkeypatch.setattr(lora_patch, "lora_linear_group", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loss, grads = _loss_and_grads(pm, BATCH)
+    layers = ARCH["num_hidden_layers"]
+    assert len(calls) == layers * (2 if checkpointing else 1), "one grouped call per layer forward (+ recompute)"
+    # fp32: the patched attention (varlen reference on the CPU) vs sdpa with HF's packed mask: summation order
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], 1e-5, name)
