@@ -234,6 +234,23 @@ def _device_limits(device_index: int) -> tuple[int, int, int, int]:
             getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
 
 
+@functools.lru_cache(maxsize=None)
+def _block_smem(device_index: int) -> int:
+    p = torch.cuda.get_device_properties(device_index)
+    return getattr(p, "shared_memory_per_block_optin", 0) or 163 * 1024  # torch without the field: an A100's
+
+
+def _fit_stages(stages: int, bytes_per_stage: int, device: torch.device) -> int:
+    """The most cp.async stages (<= `stages`) whose buffers (stages - 1 tiles of x and dy) fit one program's shared
+    memory on this device, or 0 (register prefetch) when not even 2 do: 4 stages of a 16384-wide bf16 row need
+    197 KB (an H100/H200 block may use 227 KB, an A100's 164 KB)."""
+    limit = _block_smem(torch.device(device).index if torch.device(device).index is not None
+                        else torch.cuda.current_device())
+    while stages >= 2 and (stages - 1) * bytes_per_stage > limit - 4096:  # 4 KB for the compiler's own scratch
+        stages -= 1
+    return stages if stages >= 2 else 0
+
+
 def num_sms(device: torch.device) -> int:
     """SMs of a CUDA device; 4 for the CPU interpreter (small, so the persistent loop really loops in tests)."""
     if device.type == "cuda":
@@ -357,6 +374,9 @@ def _bwd_launch_config(args: list, block_m, num_warps, num_programs, stages) -> 
     bm = block_m or cfg["block_m"]
     meta = dict(BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), STAGES=cfg["stages"] if stages is None else stages,
                 SOFT_RNE=not x2.is_cuda, num_warps=num_warps or cfg["num_warps"])
+    if x2.is_cuda and meta["STAGES"] >= 2 and stages is None:
+        meta["STAGES"] = _fit_stages(meta["STAGES"], bm * meta["BLOCK_N"] * (x2.element_size() + dy2.element_size()),
+                                     x2.device)
     n_blocks = triton.cdiv(rows, bm)
     if num_programs is None:
         key = (x2.device, dy2.dtype, x2.dtype, w.dtype, *meta.values())

@@ -115,7 +115,7 @@ class _LoRALinearFunction(torch.autograd.Function):
         # adapters cast to x's dtype once (no-ops when they have it) and kept for the backward: PEFT's fp32
         # adapters on a bf16 model are not cast again there (2 launches fewer; 2 x r x (in + out) bytes kept)
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        if not isinstance(weight, Tensor) and weight.keep_for_backward:
+        if not isinstance(weight, Tensor) and getattr(weight, "keep_for_backward", False) and ctx.needs_input_grad[0]:
             weight = weight()  # QLoRA inside a checkpointed layer: this dense W also serves the backward's dx GEMM
         y, xa = _fwd_impl(x, weight, bias, a, b, scaling, x_lora)
         dense = isinstance(weight, Tensor)
@@ -168,7 +168,8 @@ class _LoRAGroupFunction(torch.autograd.Function):
         x2 = _flat(x)
         y, xa, w_cat, a_cat, b_casts = K.lora_group_fwd(x2, weights, adapters[:n], adapters[n:], scaling)
         # dense members are copied into W_cat: never held (the backward copies again); stand-ins as they say
-        keep = all(not isinstance(w, Tensor) and w.keep_for_backward for w in weights)
+        keep = ctx.needs_input_grad[0] and all(not isinstance(w, Tensor) and getattr(w, "keep_for_backward", False)
+                                               for w in weights)
         ctx.save_for_backward(x2, xa, a_cat, w_cat if keep else None, *b_casts)
         ctx.weights, ctx.scaling, ctx.n, ctx.x_shape = (None if keep else weights), scaling, n, x.shape
         ctx.adapter_dtypes = [a.dtype for a in adapters]
@@ -200,4 +201,7 @@ def lora_linear_group(x: Tensor, weights: list, lora_as: list[Tensor], lora_bs: 
         raise NotImplementedError("lora_linear_group runs eagerly only")
     if not (len(weights) == len(lora_as) == len(lora_bs)) or not weights:
         raise ValueError(f"lora_linear_group: {len(weights)} weights, {len(lora_as)} A, {len(lora_bs)} B")
+    if any(isinstance(w, Tensor) and w.requires_grad for w in weights):
+        raise ValueError("lora_linear_group: the base weights are frozen here (no W gradient); a weight that "
+                         "requires grad needs lora_linear per member")
     return _LoRAGroupFunction.apply(x, list(weights), float(scaling), *lora_as, *lora_bs)

@@ -54,7 +54,12 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     projections = (getattr(self, names.q_proj), getattr(self, names.k_proj), getattr(self, names.v_proj))
     # QLoRA: the three projections in one grouped op when they all take the fused fast path (fewer launches and
     # less host time); anything else calls each module
-    qkv = grouped_qlora(projections, hidden_states) or tuple(p(hidden_states) for p in projections)
+    qkv = grouped_qlora(projections, hidden_states)
+    if qkv is not None and not self._novatune_fuse_qk_norm:
+        # q/k/v are blocks of one buffer; the attention saves v, and without the fused q/k-norm nothing else keeps
+        # q and k (RoPE saves cos/sin only): a copy of v lets the buffer go after RoPE
+        qkv = (qkv[0], qkv[1], qkv[2].contiguous())
+    qkv = qkv or tuple(p(hidden_states) for p in projections)
     q, k, v = (t.view(b, s, -1, d) for t in qkv)  # (b, s, hq, d), (b, s, hk, d), (b, s, hk, d)
     cos, sin = position_embeddings  # (b, s, d), per token: packed documents restart their positions
     if self._novatune_fuse_qk_norm:

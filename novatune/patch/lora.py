@@ -137,8 +137,9 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
     if report.replaced("lora"):
         report.add("", "note", "note", RUNTIME_NOTE)
     if any("QLoRA" in str(r) for r in report.replaced("lora")):
-        report.add("", "note", "note", "QLoRA q/k/v projections of a layer run as one grouped op (one stacked "
-                                       "dequantised weight, one GEMM) under novatune's attention forward")
+        report.add("", "note", "note", "with novatune's attention forward (attention=True), a layer's QLoRA q/k/v "
+                                       "projections run as one grouped op (one stacked dequantised weight, one "
+                                       "GEMM) unless a module hook or an off-fast-path call needs their own forward")
 
 
 def _checkpoint_owner(model: nn.Module, path: str) -> nn.Module | None:
@@ -155,15 +156,16 @@ def _checkpoint_owner(model: nn.Module, path: str) -> nn.Module | None:
 
 def _dequant_weight(module: nn.Module, weight, quant, dtype: torch.dtype) -> DequantWeight:
     """The layer's NF4 stand-in (views bnb's storage; dequantised per GEMM), built once per (weight, quant state,
-    storage, dtype): reading bnb's state costs ~tens of µs of host time per call, and a QLoRA micro-step makes
+    storage, dtype), compared by identity: reading bnb's state costs ~tens of µs of host time per call, and a QLoRA micro-step makes
     ~750 of these calls on a host-bound step. A new Params4bit (`.to()`, re-quantisation, a loaded checkpoint)
     changes the key and rebuilds it."""
-    key = (id(weight), id(quant), weight.data_ptr(), dtype)
     cached = getattr(module, "_novatune_nf4", None)
-    if cached is None or cached[0] != key:
-        cached = (key, DequantWeight(from_bnb(weight), dtype))
+    if (cached is None or cached[0] is not weight or cached[1] is not quant or cached[2] != weight.data_ptr()
+            or cached[3] != dtype):
+        # holds weight and quant (so neither id can be reused while cached); rebuilt when either is replaced
+        cached = (weight, quant, weight.data_ptr(), dtype, DequantWeight(from_bnb(weight), dtype))
         module._novatune_nf4 = cached
-    return cached[1]
+    return cached[4]
 
 
 def _fast_path(self, x):
@@ -205,16 +207,26 @@ def lora_linear_forward(self, x, *args, **kwargs):
     return lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_lora=x_lora)
 
 
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as M
+
+    return bool(M._global_forward_pre_hooks or M._global_forward_hooks)
+
+
 def grouped_qlora(modules, x) -> tuple | None:
     """The outputs of several fused QLoRA projections of the same input (an attention layer's q/k/v) from one
     grouped op (novatune.ops.lora_linear_group: one stacked dequantised weight, one big GEMM, one x·Aᵀ GEMM), or
     None when any member must take its own forward: not a fused LoRA layer, off the fast path, not NF4, a bias, an
     active dropout, or scalings that differ. Same products as the members' own forwards; it saves launches and
     host time, which is what a QLoRA step is short of (LOG.md, session 3)."""
+    if _global_module_hooks():
+        return None
     members = []
     for m in modules:
         if getattr(m.__dict__.get("forward"), "__func__", None) is not lora_linear_forward:
             return None  # not (or no longer) a fused LoRA layer
+        if m._forward_pre_hooks or m._forward_hooks:
+            return None  # the op does not call the module: its hooks (PEFT's adapter_names, FSDP, users') must run
         fast = _fast_path(m, x)
         if fast is None:
             return None

@@ -199,3 +199,26 @@ def test_real_shapes_speed_sanity_gpu(rows, n):
     floor_us = 5 * rows * n * 2 / copy_bandwidth_gbps() / 1e3
     us = kernel_us(step)
     assert floor_us / us >= 0.35, f"{us:.1f} µs vs floor {floor_us:.1f} µs"
+
+
+def test_pipeline_stages_fit_the_devices_shared_memory(monkeypatch):
+    # the backward's cp.async stages hold (stages - 1) tiles of x and dy in shared memory: capped per device so a
+    # wide row launches on an A100 (164 KB per block) as on an H100 (227 KB), falling back to register prefetch
+    from types import SimpleNamespace
+
+    from novatune.kernels import rms_norm as K
+
+    def props(kb):
+        return lambda device: SimpleNamespace(shared_memory_per_block_optin=kb * 1024)
+
+    row = 16384 * (2 + 2)  # one bf16 row of x and of dy
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props(227))
+    K._block_smem.cache_clear()
+    assert K._fit_stages(4, 4096 * 4, "cuda:0") == 4  # N = 2560 (4096 padded): 16 KB per stage
+    assert K._fit_stages(4, row, "cuda:0") == 4  # 3 x 64 KB = 192 KB fits 227
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props(164))
+    K._block_smem.cache_clear()
+    assert K._fit_stages(4, row, "cuda:0") == 3  # 2 x 64 KB
+    assert K._fit_stages(4, 2 * row, "cuda:0") == 2  # 128 KB
+    assert K._fit_stages(4, 4 * row, "cuda:0") == 0  # not even one tile: register prefetch
+    K._block_smem.cache_clear()

@@ -112,15 +112,15 @@ def test_nf4_stand_in_built_once_and_rebuilt_for_a_new_weight():
     novatune.patch(pm, **LORA_ONLY)
     q = pm.base_model.model.model.layers[0].self_attn.q_proj
     _loss_and_grads(pm, BATCH)
-    first = q._novatune_nf4[1]
+    first = q._novatune_nf4[-1]
     loss1, _ = _loss_and_grads(pm, BATCH)
-    assert q._novatune_nf4[1] is first, "reused across calls"
+    assert q._novatune_nf4[-1] is first, "reused across calls"
     base = q.base_layer
     dense = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state) * 2  # a different weight
     base.weight = bnb.nn.Params4bit(dense.to(torch.bfloat16), requires_grad=False, quant_type="nf4",
                                     compress_statistics=True)._quantize("cpu")
     loss2, _ = _loss_and_grads(pm, BATCH)
-    assert q._novatune_nf4[1] is not first and q._novatune_nf4[1].t.packed.data_ptr() == base.weight.data_ptr()
+    assert q._novatune_nf4[-1] is not first and q._novatune_nf4[-1].t.packed.data_ptr() == base.weight.data_ptr()
     assert not torch.equal(loss1, loss2)
 
 
@@ -154,7 +154,7 @@ def test_dequantised_weight_kept_for_the_backward_only_under_checkpointing(check
     # not checkpointed, one per linear that needs dx (layer 0's q/k/v read the frozen embeddings: no dx)
     assert calls["n"] == (linears if checkpointing else linears - 3), calls
     q = pm.base_model.model.model.layers[0].self_attn.q_proj
-    assert q._novatune_nf4[1].keep_for_backward is checkpointing
+    assert q._novatune_nf4[-1].keep_for_backward is checkpointing
     assert_close(loss, loss_ref, 1e-5, "loss")
     for name in grads_ref:
         assert_close(grads[name], grads_ref[name], 1e-5, name)
@@ -173,9 +173,25 @@ def test_qkv_grouped_in_the_patched_attention_equals_peft_bnb(checkpointing, mon
     calls = []
     real = lora_patch.lora_linear_group
     monkeypatch.setattr(lora_patch, "lora_linear_group", lambda *a, **k: calls.append(1) or real(*a, **k))
-    loss, grads = _loss_and_grads(pm, BATCH)
+    from novatune.ops import nf4 as ops_nf4
+
+    dequants = {"n": 0}
+    real_dq = ops_nf4.nf4_dequantize
+    monkeypatch.setattr(ops_nf4, "nf4_dequantize", lambda *a, **k: dequants.__setitem__("n", dequants["n"] + 1)
+                        or real_dq(*a, **k))
+    ids, pos, lab = BATCH
+    pm.zero_grad(set_to_none=True)
+    loss = pm(input_ids=ids, position_ids=pos, labels=lab).loss
+    fwd_calls, dequants["n"] = len(calls), 0
+    loss.backward()
+    loss = loss.detach()
+    grads = {n: p.grad.detach().clone() for n, p in pm.named_parameters() if p.grad is not None}
     layers = ARCH["num_hidden_layers"]
-    assert len(calls) == layers * (2 if checkpointing else 1), "one grouped call per layer forward (+ recompute)"
+    assert fwd_calls == layers and len(calls) == layers * (2 if checkpointing else 1), "one per forward (+ recompute)"
+    # dequantisations in the backward: checkpointed, the recompute's (7 per layer) and none more (the stacked q/k/v
+    # and each o/gate/up/down weight kept for dx); not checkpointed, every linear that needs dx again (layer 0's
+    # q/k/v read the frozen embeddings: no dx, no dequantisation)
+    assert dequants["n"] == 7 * layers - (0 if checkpointing else 3), dequants
     # fp32: the patched attention (varlen reference on the CPU) vs sdpa with HF's packed mask: summation order
     assert_close(loss, loss_ref, 1e-5, "loss")
     assert grads.keys() == grads_ref.keys()
