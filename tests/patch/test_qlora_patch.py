@@ -197,3 +197,22 @@ def test_qkv_grouped_in_the_patched_attention_equals_peft_bnb(checkpointing, mon
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
         assert_close(grads[name], grads_ref[name], 1e-5, name)
+
+
+def test_a_hook_on_a_projection_keeps_its_own_forward(monkeypatch):
+    # the grouped op does not call the q/k/v modules: a hook on one of them (PEFT's adapter_names pre-hook, FSDP,
+    # a user's) must see its module run, so the layer falls back to one call per projection
+    pm = _qlora(torch.float32)
+    novatune.patch(pm, rms_norm=False, swiglu=False, cross_entropy=False)
+    seen = []
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    handle = q.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    calls = []
+    real = lora_patch.lora_linear_group
+    monkeypatch.setattr(lora_patch, "lora_linear_group", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loss_hooked, _ = _loss_and_grads(pm, BATCH)
+    assert seen and len(calls) == ARCH["num_hidden_layers"] - 1, "layer 0 ungrouped, the others grouped"
+    handle.remove()
+    loss_plain, _ = _loss_and_grads(pm, BATCH)
+    assert len(calls) == 2 * ARCH["num_hidden_layers"] - 1
+    assert_close(loss_hooked, loss_plain, 1e-6, "same loss either way")
