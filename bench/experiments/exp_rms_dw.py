@@ -88,14 +88,19 @@ def _copy_1r1w_kernel(X, Y, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _copy_2r1w_kernel(X, DY, DX, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The backward's traffic (read x and dy, write dx), one add so neither load is dead
+def _copy_2r1w_kernel(X, DY, DX, DW, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WRITE_DW: tl.constexpr):
+    # The backward's traffic (read x and dy, write dx), one add so neither load is dead; WRITE_DW: program 0 also
+    # writes a zero dweight in the same launch (the real op's minimum of two launches per fwd+bwd)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     s = tl.load(X + offs, mask=mask).to(tl.float32) + tl.load(DY + offs, mask=mask).to(tl.float32)
     tl.store(DX + offs, s.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
+    if WRITE_DW:
+        if tl.program_id(0) == 0:
+            tl.store(DW + cols, tl.zeros([BLOCK_N], dtype=tl.float32).to(DW.dtype.element_ty), mask=cols < N)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -149,9 +154,10 @@ def copy_1r1w(x, y):
     _copy_1r1w_kernel[grid](x, y, x.shape[0], x.shape[1], **meta)
 
 
-def copy_2r1w(x, dy, dx):
+def copy_2r1w(x, dy, dx, dw=None):
     grid, meta = _copy_grid(x)
-    _copy_2r1w_kernel[grid](x, dy, dx, x.shape[0], x.shape[1], **meta)
+    _copy_2r1w_kernel[grid](x, dy, dx, dx if dw is None else dw, x.shape[0], x.shape[1], WRITE_DW=dw is not None,
+                            **meta)
 
 
 # ----------------------------------------------------------------------------------------------- checks

@@ -22,8 +22,6 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 from novatune.harness.results import write_row
 from novatune.harness.timing import copy_bandwidth_gbps
@@ -52,51 +50,26 @@ def _op(bwd):
     return lambda x, weight, eps: F.apply(x, weight, eps)
 
 
-@triton.jit
-def _copy_2r1w_dw_kernel(X, DY, DX, DW, n_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # exp_rms_dw's backward calibration plus dweight (zeros) written by program 0 in the same launch: the real op's
-    # minimum of two launches per fwd+bwd, no third kernel for dweight
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    s = tl.load(X + offs, mask=mask).to(tl.float32) + tl.load(DY + offs, mask=mask).to(tl.float32)
-    tl.store(DX + offs, s.to(DX.dtype.element_ty), mask=mask, cache_modifier=".cs")
-    if tl.program_id(0) == 0:
-        tl.store(DW + cols, tl.zeros([BLOCK_N], dtype=tl.float32).to(DW.dtype.element_ty), mask=cols < N)
+def _calibration(in_launch_dw: bool):
+    """RMSNorm's traffic with no math: fwd copies x to y, bwd reads x and dy and writes dx; dweight is zero, written
+    inside the backward launch (in_launch_dw) or by a separate fill kernel."""
+    class Calibration(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, eps):
+            y = torch.empty_like(x)
+            X.copy_1r1w(x, y)
+            ctx.save_for_backward(x, w)
+            return y
 
+        @staticmethod
+        def backward(ctx, dy):
+            x, w = ctx.saved_tensors
+            dx = torch.empty_like(x)
+            dw = torch.empty_like(w) if in_launch_dw else torch.zeros_like(w)
+            X.copy_2r1w(x, dy.contiguous(), dx, dw if in_launch_dw else None)
+            return dx, dw, None
 
-class _Calibration2(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        y = torch.empty_like(x)
-        X.copy_1r1w(x, y)
-        ctx.save_for_backward(x, w)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
-        grid, meta = X._copy_grid(x)
-        _copy_2r1w_dw_kernel[grid](x, dy.contiguous(), dx, dw, x.shape[0], x.shape[1], **meta)
-        return dx, dw, None
-
-
-class _Calibration(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        y = torch.empty_like(x)
-        X.copy_1r1w(x, y)
-        ctx.save_for_backward(x, w)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        X.copy_2r1w(x, dy.contiguous(), dx)
-        return dx, torch.zeros_like(w), None
+    return lambda x, weight, eps: Calibration.apply(x, weight, eps)
 
 
 def main(argv=None) -> None:
@@ -119,8 +92,8 @@ def main(argv=None) -> None:
         "bwd_16warps_stages3": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, num_warps=16, stages=3)),
         "bwd_16warps_stages4": _op(lambda dy, x, w, r: K.rms_norm_bwd(dy, x, w, r, num_warps=16, stages=4)),
         "atomic_dw_stages3": _op(lambda dy, x, w, r: X.rms_norm_bwd_atomic(dy, x, w, r, stages=3)),
-        "calibration_no_math": lambda x, weight, eps: _Calibration.apply(x, weight, eps),
-        "calibration_2_launches": lambda x, weight, eps: _Calibration2.apply(x, weight, eps),
+        "calibration_no_math": _calibration(in_launch_dw=False),
+        "calibration_2_launches": _calibration(in_launch_dw=True),
     }
     print(f"RMSNorm {shape[0]}x{shape[1]} bf16: floor {floor:.2f} µs (copy bw {bw:.0f} GB/s), {len(sets)} rotated "
           f"input sets")
