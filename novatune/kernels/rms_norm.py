@@ -244,8 +244,8 @@ def _fit_stages(stages: int, bytes_per_stage: int, device: torch.device) -> int:
     """The most cp.async stages (<= `stages`) whose buffers (stages - 1 tiles of x and dy) fit one program's shared
     memory on this device, or 0 (register prefetch) when not even 2 do: 4 stages of a 16384-wide bf16 row need
     197 KB (Triton 3.9's sm_90 compile) (an H100/H200 block may use 227 KB, an A100's 164 KB)."""
-    limit = _block_smem(torch.device(device).index if torch.device(device).index is not None
-                        else torch.cuda.current_device())
+    index = torch.device(device).index
+    limit = _block_smem(index if index is not None else torch.cuda.current_device())
     while stages >= 2 and (stages - 1) * bytes_per_stage > limit - 4096:  # 4 KB for the compiler's own scratch
         stages -= 1
     return stages if stages >= 2 else 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod  # the global-hook registries (read per grouped call)
 
 from novatune.ops.lora import lora_linear, lora_linear_group
 from novatune.ops.nf4 import DequantWeight, from_bnb
@@ -208,9 +209,7 @@ def lora_linear_forward(self, x, *args, **kwargs):
 
 
 def _global_module_hooks() -> bool:
-    from torch.nn.modules import module as M
-
-    return bool(M._global_forward_pre_hooks or M._global_forward_hooks)
+    return bool(_module_mod._global_forward_pre_hooks or _module_mod._global_forward_hooks)
 
 
 def grouped_qlora(modules, x) -> tuple | None:
