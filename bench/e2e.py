@@ -16,7 +16,8 @@ wired as shared/reference/anchor_e2e.py --lora wires it (gradient checkpointing,
 then get_peft_model; PEFT's default fp32 adapters on the bf16 model); the optimizer gets the trainable parameters.
 hf_sdpa is then "PEFT stock", varlen_liger the peer + PEFT, novatune `novatune.patch` on the PEFT model (fused
 LoRA linears included). novatune_full is novatune with full fine-tuning even under --lora, so "LoRA faster than
-our own full fine-tuning" is measured in the same run:
+our own full fine-tuning" is measured in the same run. novatune_eager is novatune with cuda_graphs=False (the
+A/B of novatune/patch/graphs.py, which applies to LoRA/QLoRA stacks):
 
     python bench/e2e.py --lora 16 --stacks hf_sdpa,varlen_liger,novatune,novatune_full
 MFU under --lora counts the frozen matmuls at 4 x params (forward + input gradient) and the adapters at 6 x.
@@ -57,7 +58,7 @@ import subprocess
 import sys
 import time
 
-STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune", "novatune_full")
+STACKS = ("hf_sdpa", "hf_flex", "varlen_liger", "flex_liger", "novatune", "novatune_full", "novatune_eager")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # the anchor's
 
 
@@ -124,7 +125,8 @@ def run_stack(args) -> dict:
 
     stack = args.stack
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
-            "varlen_liger": "peer_varlen", "novatune": "sdpa", "novatune_full": "sdpa"}[stack]
+            "varlen_liger": "peer_varlen", "novatune": "sdpa", "novatune_full": "sdpa",
+            "novatune_eager": "sdpa"}[stack]
     from novatune.harness import peer  # the peer's wiring, shared with `novatune bench`
 
     if attn == "peer_varlen":
@@ -139,7 +141,7 @@ def run_stack(args) -> dict:
         from novatune.train.qlora import quantize_embeddings_, quantize_linears_
 
         quantize_linears_(model, torch.bfloat16)  # bf16 weights freed layer by layer as their NF4 copies appear
-        if stack == "novatune":  # novatune's recipe (the trainer's default); stock stays PEFT + bnb's bf16 table
+        if stack in ("novatune", "novatune_eager"):  # novatune's recipe (the trainer's default); stock stays PEFT + bnb's bf16 table
             print(quantize_embeddings_(model, torch.bfloat16), flush=True)
             nf4_embedding = type(model.get_input_embeddings()).__name__ == "NF4Embedding"
     lora = args.lora if stack != "novatune_full" else 0
@@ -149,7 +151,8 @@ def run_stack(args) -> dict:
         import novatune
 
         rep = novatune.patch(m, attention=args.attention, cross_entropy_mode=args.ce_mode,
-                             fuse_qk_norm_rope=not args.no_fuse_qk)
+                             fuse_qk_norm_rope=not args.no_fuse_qk,
+                             cuda_graphs=False if stack == "novatune_eager" else "auto")
         print(rep, flush=True)
         return rep
 
@@ -159,7 +162,7 @@ def run_stack(args) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         model = add_peft_lora(model, lora)  # after checkpointing, as the anchor and novatune's trainer order it
-        if stack == "novatune":
+        if stack in ("novatune", "novatune_eager"):
             report = novatune_patch(model)  # patch goes last: it sees the LoRA layers
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -235,6 +238,11 @@ def run_stack(args) -> dict:
 
         choice = last_choice()
         extra["attention_backend"] = choice.backend if choice else None
+        from novatune.patch.apply import _find_state
+
+        found = _find_state(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        if found is not None and found[1].graphs is not None:
+            extra["cuda_graphs"] = found[1].graphs.stats()
     if args.memory and dev == "cuda":
         try:
             extra["memory"] = memory_peak_report(model, batch_kwargs(args.ga), f"{args.memory}_{stack}")
@@ -249,6 +257,8 @@ def run_stack(args) -> dict:
                 host_meta=host_meta, ce_mode=args.ce_mode, fuse_qk=not args.no_fuse_qk,
                 tok_s=round(tps, 1), step_ms=step_ms, model_tflops=round(tps * fpt / 1e12, 1), gflop_per_tok=round(fpt / 1e9, 2),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else 0.0,
+                # CUDA graphs replay inside a private pool that max_memory_allocated does not see: reserved does
+                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if dev == "cuda" else 0.0,
                 losses=[round(x, 4) for x in losses],
                 patch=report.to_dict() if report is not None else None)
 
@@ -492,10 +502,10 @@ def drive(args) -> int:
         r["best_peer"] = best_peer
         write_row(args.results, {"bench": "e2e", **r})
     print(f"\n{'stack':14s} {'tok/s':>9s} {'x stock':>8s} {'x peer':>7s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'wts GiB':>8s}  losses")
+          f"{'rsv GiB':>8s} {'wts GiB':>8s}  losses")
     for r in ok:
         print(f"{r['stack']:14s} {r['tok_s']:9.0f} {r['x_stock'] or 0:8.3f} {r['x_best_peer'] or 0:7.3f} "
-              f"{r['mfu']:6.3f} {r['peak_gib']:9.2f} {r['weights_gib']:8.2f}  {r['losses']}")
+              f"{r['mfu']:6.3f} {r['peak_gib']:9.2f} {r['peak_reserved_gib']:8.2f} {r['weights_gib']:8.2f}  {r['losses']}")
         if r.get("profile"):
             print(f"{'':14s} profile: {r['profile']}")
     if any(len(v) > 1 for v in pooled.values()):

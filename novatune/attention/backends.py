@@ -24,6 +24,7 @@ requested backend that cannot run raises BackendUnavailable naming what to do.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -70,6 +71,26 @@ _BROKEN: dict[str, str] = {}  # backends that raised during an automatic choice:
 def last_choice() -> AttentionChoice | None:
     """The choice made by the most recent `varlen_attention` call (None before the first call)."""
     return _LAST
+
+
+@contextlib.contextmanager
+def isolated_choices():
+    """Backends that raise inside this block are not remembered as broken for later automatic choices, and the
+    last choice is restored after it: a failed CUDA-graph warm-up or capture (novatune/patch/graphs.py) says
+    nothing about the backend's eager use. Yields a list that receives the choices made inside the block."""
+    global _LAST
+    broken, last, seen = dict(_BROKEN), _LAST, []
+    _WATCHERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHERS.remove(seen)
+        _BROKEN.clear()
+        _BROKEN.update(broken)
+        _LAST = last
+
+
+_WATCHERS: list[list] = []
 
 
 # ------------------------------------------------------------------------------------------------ varlen (FA2)
@@ -276,6 +297,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
             raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
         out = _IMPLS[backend](q, k, v, packed, scale)
         _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend))
+        _record(_LAST)
         return out
     skipped: list[tuple[str, str]] = []
     order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
@@ -296,8 +318,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
         reason = f"first usable in AUTO_ORDER[{q.device.type!r}]" + (
             f"; FELL BACK: {', '.join(failed)} raised (see skipped)" if failed else "")
         _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name))
+        _record(_LAST)
         return out
     raise RuntimeError(f"no attention backend could run: {skipped}")  # unreachable: reference always runs
+
+
+def _record(choice: AttentionChoice) -> None:
+    for seen in _WATCHERS:
+        seen.append(choice)
 
 
 def _detail(name: str) -> str:

@@ -147,6 +147,23 @@ class PackedBatch:
         return pb
 
     @classmethod
+    def graph_static(cls, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int, seq_len: int) -> "PackedBatch":
+        """A PackedBatch over a FIXED device buffer, for CUDA-graph capture (novatune/patch/graphs.py).
+
+        `cu_seqlens` (int32, (slots + 1,), on the GPU) is refilled before each replay with one batch's offsets,
+        its unused tail repeating the total (empty documents, which FlashAttention's varlen kernels skip);
+        `max_seqlen` is an upper bound of every batch replayed through it. The host lists (`lengths`) are
+        unknown here, so only the varlen backend can run on it (the graph code checks that it did)."""
+        pb = cls.__new__(cls)
+        pb.device = cu_seqlens.device
+        pb.batch, pb.seq_len, pb.total_tokens = int(batch), int(seq_len), int(batch) * int(seq_len)
+        pb.lengths, pb.num_docs, pb.max_seqlen = None, cu_seqlens.numel() - 1, int(max_seqlen)
+        pb.one_doc_per_row = False  # several (possibly empty) slots per row: never plain per-row causal SDPA
+        pb.cu_seqlens_cpu, pb.cu_seqlens = None, cu_seqlens
+        pb._doc_ids, pb._block_masks = {}, {}
+        return pb
+
+    @classmethod
     def from_kwargs(cls, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                     batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> "PackedBatch | None":
         """From the keyword arguments of a Hugging Face model call; returns None when nothing says the rows are packed.

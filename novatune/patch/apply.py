@@ -28,6 +28,7 @@ class PatchState:
 
     report: PatchReport
     all_attention_patched: bool = False
+    graphs: object = None  # novatune.patch.graphs.LayerGraphRunner when cuda_graphs applies
     _noted: set = field(default_factory=set)
 
     def note_once(self, key: str, text: str) -> None:
@@ -84,8 +85,8 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True, early_tied_grad: bool = True,
-          swiglu_inplace_backward: bool = True, lora: bool = True, strict: bool = False, tune: bool | str = "cache",
-          tune_tokens: int = 4096) -> PatchReport:
+          swiglu_inplace_backward: bool = True, lora: bool = True, cuda_graphs: bool | str = "auto",
+          strict: bool = False, tune: bool | str = "cache", tune_tokens: int = 4096) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
@@ -102,6 +103,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     lora: PEFT LoRA Linear layers on the attention/MLP projections run novatune.ops.lora_linear (one vanilla
     adapter, plain nn.Linear base; dropout > 0 keeps PEFT's exact random draws); anything else stays PEFT's and
     is listed as skipped (novatune/patch/lora.py).
+    cuda_graphs: "auto" (default): with fused LoRA/QLoRA layers, gradient checkpointing and novatune's attention
+    on CUDA, each checkpointed decoder layer's forward and recompute+backward replay from CUDA graphs (an adapter
+    step is host-bound: novatune/patch/graphs.py); True also for full fine-tuning, and raises when it cannot
+    apply; False never. Batches the graphs cannot take run the stock checkpointed layers, named in the report.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
@@ -137,6 +142,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
+    if cuda_graphs not in (True, False, "auto"):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose 'auto', True or False")
+    state = _find_state(model)
+    if cuda_graphs and state is not None:
+        from novatune.patch import graphs
+
+        graphs.install(model, state[0], state[1], report, cuda_graphs)
+    elif cuda_graphs is True:
+        raise ValueError("cuda_graphs=True needs novatune's attention forward (attention != False)")
     if tune:
         from novatune.tune.patching import apply_tuning
 
@@ -144,6 +158,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     model._novatune_report = report
     report._undo.insert(0, lambda: model.__dict__.pop("_novatune_report", None))
     return report
+
+
+def _find_state(model: nn.Module):
+    """(decoder stack, its PatchState) when the attention was patched, else None."""
+    for m in model.modules():
+        st = m.__dict__.get("_novatune_state")
+        if st is not None:
+            return m, st
+    return None
 
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,

@@ -106,6 +106,8 @@ def decoder_pre_hook(module, args, kwargs):
         packed = PackedBatch.from_cu_seqlens(torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32), seq,
                                              batch=batch, device=ref.device)
     kwargs[PACKED_KWARG] = packed
+    if state.graphs is not None:
+        state.graphs.ensure_installed()  # gradient checkpointing may have been switched on after the patch
     if module.training and kwargs.get("use_cache"):
         state.note_once("use_cache", "training forwards run with use_cache=False (a KV cache is never needed in "
                                      "training, and HF's use_cache=True disables packed-sequence detection)")

@@ -1,0 +1,185 @@
+"""CUDA graphs for checkpointed adapter layers (novatune/patch/graphs.py).
+
+GPU: a graphed model trains exactly as the same model patched with cuda_graphs=False: per micro-batch losses and
+every LoRA gradient after gradient accumulation, over batches whose document layouts change bucket, whose first
+batch is the eager warm-up and whose second captures. Both run the same kernels on the same bf16 inputs; the
+graphed attention reads padded document offsets (empty documents) and a rounded-up max_seqlen, which change the
+FlashAttention grid, not any document's arithmetic. Tolerance 1e-3 relative: well under the bf16 noise between
+two different implementations (~1e-2 on these gradients, tests/patch/test_lora_patch.py) so a wrong document
+boundary or a stale static buffer (errors of order 1) cannot pass, while allowing cuBLAS to pick another
+algorithm on the capture stream.
+CPU: installation, the reasons a batch stays eager, revert, and the static PackedBatch.
+"""
+import copy
+
+import pytest
+import torch
+
+import novatune
+from novatune.attention import backends
+from novatune.attention.packed import PackedBatch
+from novatune.harness.numerics import assert_close
+from novatune.patch import graphs
+from novatune.patch.apply import _find_state
+
+peft = pytest.importorskip("peft")
+
+ARCH = dict(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, use_cache=False, max_position_embeddings=1024)
+SEQ = 256
+# docs per row -> slots 8, 8, 32, 8, 8 and max_seqlen buckets 256, 256, 256, 256, 256 (one bucket change)
+LAYOUTS = [[100, 156], [256], [10] * 25 + [6], [60, 60, 136], [7, 249]]
+
+
+def _model(device, dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**ARCH), dtype=dtype).to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules="all-linear")
+    return peft.get_peft_model(model, cfg).train()
+
+
+def _batch(lens, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ARCH["vocab_size"], (1, SEQ), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    lab = ids.clone()
+    return ids.to(device), pos.to(device), lab.to(device)
+
+
+def _train(model, layouts, ga=2):
+    """Per micro-batch losses and the LoRA gradients after each optimizer step's accumulation (no update)."""
+    losses, grads = [], []
+    for step in range(0, len(layouts), ga):
+        model.zero_grad(set_to_none=True)
+        for k in range(step, min(step + ga, len(layouts))):
+            ids, pos, lab = _batch(layouts[k], "cuda", seed=k)
+            out = model(input_ids=ids, position_ids=pos, labels=lab)
+            (out.loss / ga).backward()
+            losses.append(out.loss.detach().float())
+        grads.append({n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    return losses, grads
+
+
+def _runner(model) -> graphs.LayerGraphRunner:
+    state = _find_state(model.get_base_model())[1]
+    return state.graphs
+
+
+@pytest.mark.gpu
+def test_graphed_layers_train_like_eager():
+    eager = _model("cuda")
+    graphed = copy.deepcopy(eager)
+    rep_e = novatune.patch(eager, cuda_graphs=False, tune=False)
+    rep_g = novatune.patch(graphed, tune=False)
+    assert rep_g.replaced("cuda_graphs") and not rep_e.replaced("cuda_graphs")
+    layouts = LAYOUTS * 2  # the second pass replays every bucket's graphs
+    le, ge = _train(eager, layouts)
+    lg, gg = _train(graphed, layouts)
+    for k, (a, b) in enumerate(zip(lg, le)):
+        assert_close(a, b, 1e-3, f"loss {k}")
+    for s, (a, b) in enumerate(zip(gg, ge)):
+        assert a.keys() == b.keys() and len(a) == 2 * 7 * ARCH["num_hidden_layers"]
+        for n in b:
+            assert_close(a[n], b[n], 1e-3, f"step {s} {n}")
+    st = _runner(graphed).stats()
+    assert st["broken"] is None, st
+    assert st["captured_batches"] == 2 and st["replayed_batches"] == len(layouts) - 3, st  # 1 warm-up, 2 buckets
+    assert sorted(b[0] for b in st["buckets"]) == [8, 32]
+
+
+@pytest.mark.gpu
+def test_second_forward_before_backward_runs_eagerly():
+    eager = _model("cuda")
+    graphed = copy.deepcopy(eager)
+    novatune.patch(eager, cuda_graphs=False, tune=False)
+    rep = novatune.patch(graphed, tune=False)
+    _train(graphed, LAYOUTS[:2], ga=1)  # warm-up + capture
+    _train(eager, LAYOUTS[:2], ga=1)
+    results = []
+    for model in (graphed, eager):
+        model.zero_grad(set_to_none=True)
+        outs = [model(**dict(zip(("input_ids", "position_ids", "labels"), _batch(LAYOUTS[k], "cuda", k))))
+                for k in (3, 4)]  # two forwards, then both backwards
+        (outs[0].loss + outs[1].loss).backward()
+        results.append(({n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None},
+                        [o.loss.float() for o in outs]))
+    (g, lg), (e, le) = results
+    for a, b in zip(lg, le):
+        assert_close(a, b, 1e-3, "loss")
+    for n in e:
+        assert_close(g[n], e[n], 1e-3, n)
+    assert any("second forward before" in x.detail for x in rep.entries if x.action == "note")
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def _cpu_model():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**dict(ARCH, num_hidden_layers=2)))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    return peft.get_peft_model(model, cfg).train()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only decision")
+def test_auto_says_why_it_is_off_without_cuda_and_true_raises():
+    rep = novatune.patch(_cpu_model(), tune=False)
+    assert not rep.replaced("cuda_graphs")
+    assert any(e.kind == "cuda_graphs" and "CUDA is not available" in e.detail for e in rep.entries)
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot apply"):
+        novatune.patch(_cpu_model(), cuda_graphs=True, tune=False)
+    with pytest.raises(ValueError, match="choose 'auto', True or False"):
+        novatune.patch(_cpu_model(), cuda_graphs="yes", tune=False)
+
+
+def test_runner_wraps_checkpointing_falls_back_with_a_reason_and_reverts():
+    """A runner installed on a CPU model: the pre-hook wraps every layer's checkpoint function, each batch runs
+    the stock checkpoint (hidden states on the CPU, said once in the report), and revert restores HF's."""
+    model = _cpu_model()
+    ref = copy.deepcopy(model)
+    rep = novatune.patch(model, cuda_graphs=False, tune=False)
+    novatune.patch(ref, cuda_graphs=False, tune=False)
+    stack, state = _find_state(model.get_base_model())
+    runner = graphs.LayerGraphRunner(list(stack.layers), state, full_training=False)
+    state.graphs = runner
+    inner = [layer._gradient_checkpointing_func for layer in stack.layers]
+    results = []
+    for m in (model, ref):
+        ids, pos, lab = _batch([100, 156], "cpu", 0)
+        out = m(input_ids=ids, position_ids=pos, labels=lab)
+        out.loss.backward()
+        results.append((out.loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert all(isinstance(layer._gradient_checkpointing_func, graphs._CheckpointHook) for layer in stack.layers)
+    assert_close(results[0][0], results[1][0], 1e-6, "loss")
+    for n, g in results[1][1].items():
+        assert_close(results[0][1][n], g, 1e-5, n)
+    assert any("hidden states on cpu" in e.detail for e in rep.entries if e.action == "note")
+    assert runner.stats()["eager_batches"] == 1 and runner.stats()["captured_batches"] == 0
+    runner.uninstall()
+    assert [layer._gradient_checkpointing_func for layer in stack.layers] == inner
+
+
+def test_graph_static_packed_batch_and_isolated_choices():
+    cu = torch.tensor([0, 5, 12, 12, 12], dtype=torch.int32)
+    pb = PackedBatch.graph_static(cu, 256, batch=1, seq_len=12)
+    assert (pb.num_docs, pb.max_seqlen, pb.total_tokens, pb.one_doc_per_row) == (4, 256, 12, False)
+    assert pb.cu_seqlens is cu and pb.lengths is None
+    q = torch.randn(12, 2, 8)
+    assert backends.why_unavailable("sdpa", q, q, pb) is not None  # never per-row causal SDPA on padded slots
+    backends._BROKEN.pop("test_backend", None)
+    with pytest.raises(RuntimeError):
+        with backends.isolated_choices() as seen:
+            backends._BROKEN["test_backend"] = "raised inside a capture"
+            backends.varlen_attention(q, q, q, PackedBatch.from_cu_seqlens([0, 5, 12]), backend="reference")
+            raise RuntimeError("capture failed")
+    assert "test_backend" not in backends._BROKEN and [c.backend for c in seen] == ["reference"]
+
+
+def test_buckets_round_up_to_powers_of_two():
+    assert [graphs._pow2_at_least(n, 8) for n in (1, 8, 9, 33)] == [8, 8, 16, 64]
+    assert graphs._pow2_at_least(1500, 256) == 2048
