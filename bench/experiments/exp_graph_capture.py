@@ -58,10 +58,10 @@ def main():
     print("RESIDENCY", R.RESIDENCY, flush=True)
     print("== each op of layer 0 captured alone", flush=True)
     layer = model.get_base_model().model.layers[0]
-    x = torch.randn(1, T.SEQ, T.ARCH["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, T.SEQ, T.ARCH["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     attn = layer.self_attn
-    q = torch.randn(1, T.SEQ, 4, 32, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T.SEQ, 2, 32, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, T.SEQ, 4, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, T.SEQ, 2, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cos = torch.randn(1, T.SEQ, 32, device="cuda", dtype=torch.bfloat16)
     from novatune.attention.packed import PackedBatch
     from novatune.ops.qk_norm_rope import qk_norm_rope
