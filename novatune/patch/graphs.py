@@ -29,6 +29,8 @@ parameter was replaced, or an earlier batch's backward is still pending (a secon
 from __future__ import annotations
 
 import functools
+import os
+import traceback
 import weakref
 
 import torch
@@ -42,6 +44,8 @@ WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compile
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
 MIN_SLOTS, MIN_SEQLEN = 8, 256
 MAX_TRAINABLE_FRACTION = 0.25
+# "thread_local" lets other threads (a data loader's pin-memory thread) make CUDA calls during a capture
+CAPTURE_MODE = os.environ.get("NOVATUNE_GRAPH_CAPTURE_MODE", "thread_local")
 # keywords HF hands every layer that novatune's layers never read on the GPU (the PackedBatch holds them)
 HOST_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
@@ -121,6 +125,7 @@ class LayerGraphRunner:
         self.token: _Token | None = None
         self.token_ref = None
         self.broken: str | None = None
+        self.broken_trace = ""  # the capture error's stack (stats(); the report keeps the one-line reason)
         self.warm_batches = 0
         self.captured_batches = 0
         self.replayed_batches = 0
@@ -154,7 +159,7 @@ class LayerGraphRunner:
     def stats(self) -> dict:
         return {"captured_batches": self.captured_batches, "replayed_batches": self.replayed_batches,
                 "eager_batches": self.eager_batches, "buckets": sorted(k[:2] for k in self.buckets),
-                "broken": self.broken}
+                "broken": self.broken, "broken_trace": self.broken_trace}
 
     # ------------------------------------------------------------------------------------------ per call
     def call(self, i: int, inner, fn, args, kwargs):
@@ -168,6 +173,7 @@ class LayerGraphRunner:
             try:
                 return self._run(i, fn, x)
             except _Unsupported as e:
+                self.broken_trace = "".join(traceback.format_exception(e.__cause__ or e)[-12:])
                 self._break(str(e))
         return inner(fn, *args)
 
@@ -338,15 +344,18 @@ class LayerGraphRunner:
                                        allow_unused=True)
 
         statics = self._grad_set(params)
+        stage = "warm-up"
         with backends.isolated_choices() as seen:
             try:
                 if not self.warmed:
                     self._warm_up(call, src, backward_pass)
                 fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                with torch.cuda.graph(fwd, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                stage = "forward"
+                with torch.cuda.graph(fwd, pool=self.pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
                     with torch.no_grad():
                         out.copy_(call(src))
-                with torch.cuda.graph(bwd, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                stage = "backward"
+                with torch.cuda.graph(bwd, pool=self.pool, stream=self.stream, capture_error_mode=CAPTURE_MODE):
                     grads = list(backward_pass())
                     if x_grad:
                         gx.copy_(grads.pop(0))
@@ -355,7 +364,7 @@ class LayerGraphRunner:
                         statics[j].copy_(grads[j])
                     del grads
             except Exception as e:  # noqa: BLE001 - an automatic speed-up: fall back and say why
-                raise _Unsupported(f"capturing layer {i} raised {type(e).__name__}: "
+                raise _Unsupported(f"capturing layer {i} ({stage}) raised {type(e).__name__}: "
                                    f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
         ran = {c.backend for c in seen}
         if ran != {"varlen"}:
