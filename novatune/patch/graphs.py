@@ -137,6 +137,7 @@ class LayerGraphRunner:
         self.buckets: dict[tuple, _Bucket] = {}
         self.bucket: _Bucket | None = None
         self.layer_params: list[list[Tensor]] = []
+        self.layer_slots: list[list[tuple]] = []  # (module, name) of each trainable parameter
         self.signature = None
         self.grad_sets: dict[tuple, list[Tensor]] = {}
 
@@ -240,29 +241,31 @@ class LayerGraphRunner:
         every graph that read it)."""
         if _global_hooks():
             return "global module hooks are registered"
-        params, sig = [], []
+        params, slots, sig = [], [], []
         for layer in self.layers:
-            mine, total, trained = [], 0, 0
+            mine, where, total, trained = [], [], 0, 0
             for m in layer.modules():
                 if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
                     return f"module hooks on {type(m).__name__} (they would run only at capture)"
                 if isinstance(m, nn.Dropout) and m.training and m.p > 0:
                     return "an active dropout in the layers (random draws; LoRA dropout keeps PEFT's exact path)"
-                for p in m._parameters.values():
+                for k, p in m._parameters.items():
                     if p is None:
                         continue
                     sig.append((id(p), p.data_ptr(), p.requires_grad))
                     total += p.numel()
                     if p.requires_grad:
                         mine.append(p)
+                        where.append((m, k))
                         trained += p.numel()
             if not self.full_training and trained > MAX_TRAINABLE_FRACTION * total:
                 return "most of each layer trains (full fine-tuning is GPU-bound; pass cuda_graphs=True to force)"
             params.append(mine)
+            slots.append(where)
         sig = tuple(sig)
         if sig != self.signature:
             self.buckets.clear()  # parameters replaced, moved or (un)frozen: every graph is stale
-            self.signature, self.layer_params = sig, params
+            self.signature, self.layer_params, self.layer_slots = sig, params, slots
         return None
 
     def _bucket_for(self, x: Tensor, packed: PackedBatch) -> _Bucket | None:
@@ -336,11 +339,23 @@ class LayerGraphRunner:
         src, out = self.xs[i], self.xs[i + 1]
         gout, gx = self.gbufs[i % 2], self.gbufs[(i + 1) % 2]
 
+        slots = self.layer_slots[i]
+
         def backward_pass():
+            # Fresh leaves stand in for the trainable parameters (same storage): autograd syncs each input's
+            # gradient-accumulator stream back to the caller's, and the parameters' own accumulators were made
+            # on the default stream by eager batches; an event on that stream would invalidate the capture.
             xin = src.detach().requires_grad_(x_grad)
-            with torch.enable_grad():
-                y = call(xin)
-            return torch.autograd.grad(y, ([xin] if x_grad else []) + params, grad_outputs=gout,
+            alias = [p.detach().requires_grad_(True) for p in params]
+            try:
+                for (m, k), a in zip(slots, alias):
+                    m._parameters[k] = a
+                with torch.enable_grad():
+                    y = call(xin)
+            finally:
+                for (m, k), p in zip(slots, params):
+                    m._parameters[k] = p
+            return torch.autograd.grad(y, ([xin] if x_grad else []) + alias, grad_outputs=gout,
                                        allow_unused=True)
 
         statics = self._grad_set(params)
