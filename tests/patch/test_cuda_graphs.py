@@ -1,13 +1,12 @@
 """CUDA graphs for checkpointed adapter layers (novatune/patch/graphs.py).
 
-GPU: a graphed model trains exactly as the same model patched with cuda_graphs=False: per micro-batch losses and
-every LoRA gradient after gradient accumulation, over batches whose document layouts change bucket, whose first
-batch is the eager warm-up and whose second captures. Both run the same kernels on the same bf16 inputs; the
-graphed attention reads padded document offsets (empty documents) and a rounded-up max_seqlen, which change the
-FlashAttention grid, not any document's arithmetic. Tolerance 1e-3 relative: well under the bf16 noise between
-two different implementations (~1e-2 on these gradients, tests/patch/test_lora_patch.py) so a wrong document
-boundary or a stale static buffer (errors of order 1) cannot pass, while allowing cuBLAS to pick another
-algorithm on the capture stream.
+GPU: a graphed model trains as the same model patched with cuda_graphs=False: per micro-batch losses and every
+LoRA gradient after gradient accumulation, over batches whose document layouts change bucket, whose first batch
+is the eager warm-up and whose second captures. Both run the same kernels on the same bf16 inputs; the graphed
+attention reads padded document offsets (empty documents) and a rounded-up max_seqlen, which change the
+FlashAttention grid, not any document's arithmetic. With deterministic algorithms (FlashAttention's backward
+otherwise adds dq with atomics) the two must agree to 1e-4 relative; in the default mode, within eager's own
+run-to-run spread. A wrong document boundary or a stale static buffer is an error of order 1.
 CPU: installation, the reasons a batch stays eager, revert, and the static PackedBatch.
 """
 import copy
@@ -69,22 +68,42 @@ def _runner(model) -> graphs.LayerGraphRunner:
     return state.graphs
 
 
+def _max_err(a: list[dict], b: list[dict]) -> float:
+    from novatune.harness.numerics import rel_err
+
+    return max(rel_err(x[n], y[n]) for x, y in zip(a, b) for n in y)
+
+
 @pytest.mark.gpu
-def test_graphed_layers_train_like_eager():
-    eager = _model("cuda")
-    graphed = copy.deepcopy(eager)
-    rep_e = novatune.patch(eager, cuda_graphs=False, tune=False)
-    rep_g = novatune.patch(graphed, tune=False)
-    assert rep_g.replaced("cuda_graphs") and not rep_e.replaced("cuda_graphs")
-    layouts = LAYOUTS * 2  # the second pass replays every bucket's graphs
-    le, ge = _train(eager, layouts)
-    lg, gg = _train(graphed, layouts)
-    for k, (a, b) in enumerate(zip(lg, le)):
-        assert_close(a, b, 1e-3, f"loss {k}")
-    for s, (a, b) in enumerate(zip(gg, ge)):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_graphed_layers_train_like_eager(deterministic):
+    """Graphed vs eager, next to eager vs an identical eager copy: FlashAttention's backward adds dq with atomics
+    (run-to-run noise) unless deterministic algorithms are on. Deterministic: the graphed run must match eager
+    to 1e-4 (same kernels; the padded FA grid changes no document's arithmetic). Default: no further from eager
+    than 3x eager's own run-to-run spread + 2e-3 (a stale buffer or a wrong boundary is an O(1) error)."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        eager = _model("cuda")
+        eager2, graphed = copy.deepcopy(eager), copy.deepcopy(eager)
+        rep_e = novatune.patch(eager, cuda_graphs=False, tune=False)
+        novatune.patch(eager2, cuda_graphs=False, tune=False)
+        rep_g = novatune.patch(graphed, tune=False)
+        assert rep_g.replaced("cuda_graphs") and not rep_e.replaced("cuda_graphs")
+        layouts = LAYOUTS * 2  # the second pass replays every bucket's graphs
+        le, ge = _train(eager, layouts)
+        le2, ge2 = _train(eager2, layouts)
+        lg, gg = _train(graphed, layouts)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(gg, ge):
         assert a.keys() == b.keys() and len(a) == 2 * 7 * ARCH["num_hidden_layers"]
-        for n in b:
-            assert_close(a[n], b[n], 1e-3, f"step {s} {n}")
+    noise, err = _max_err(ge2, ge), _max_err(gg, ge)
+    loss_noise = max(abs(float(a - b)) for a, b in zip(le2, le))
+    loss_err = max(abs(float(a - b)) for a, b in zip(lg, le))
+    print(f"deterministic={deterministic}: grads graphed-vs-eager {err:.2e}, eager-vs-eager {noise:.2e}; "
+          f"losses {loss_err:.2e} vs {loss_noise:.2e}")
+    tol = 1e-4 if deterministic else 3 * noise + 2e-3
+    assert err <= tol and loss_err <= (1e-4 if deterministic else 3 * loss_noise + 2e-3), (err, noise, loss_err)
     st = _runner(graphed).stats()
     assert st["broken"] is None, st
     assert st["captured_batches"] == 2 and st["replayed_batches"] == len(layouts) - 3, st  # 1 warm-up, 2 buckets
@@ -93,6 +112,14 @@ def test_graphed_layers_train_like_eager():
 
 @pytest.mark.gpu
 def test_second_forward_before_backward_runs_eagerly():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _second_forward_before_backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _second_forward_before_backward():
     eager = _model("cuda")
     graphed = copy.deepcopy(eager)
     novatune.patch(eager, cuda_graphs=False, tune=False)
@@ -109,9 +136,9 @@ def test_second_forward_before_backward_runs_eagerly():
                         [o.loss.float() for o in outs]))
     (g, lg), (e, le) = results
     for a, b in zip(lg, le):
-        assert_close(a, b, 1e-3, "loss")
+        assert_close(a, b, 1e-4, "loss")
     for n in e:
-        assert_close(g[n], e[n], 1e-3, n)
+        assert_close(g[n], e[n], 1e-4, n)
     assert any("second forward before" in x.detail for x in rep.entries if x.action == "note")
 
 
