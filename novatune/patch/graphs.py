@@ -17,7 +17,7 @@ when its replay ends, and its outputs are read right after the replay, so the re
 Per batch, at the first layer's call: cos/sin, position_ids and the document offsets are copied into static
 buffers. The offsets are padded with empty documents to a power-of-two slot count (at least 16), and max_seqlen
 rounded up to half or all of the batch's tokens: one set of graphs per (slots, max_seqlen) bucket, at most
-MAX_BUCKETS. Layer i then replays its forward
+MAX_BUCKETS; both max_seqlen buckets of a slot count are captured in the same batch. Layer i then replays its forward
 graph inside an autograd Function whose backward replays the backward graph and returns fresh gradient tensors,
 so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mode.
 
@@ -107,6 +107,7 @@ class _Bucket:
         self.packed = PackedBatch.graph_static(self.cu, max_seqlen, batch, seq_len)
         self.slots = slots
         self.layers: dict[int, _LayerGraphs] = {}
+        self.siblings: list[_Bucket] = []
 
 
 class _CheckpointHook:
@@ -276,14 +277,21 @@ class LayerGraphRunner:
     def _bucket_for(self, x: Tensor, packed: PackedBatch) -> _Bucket | None:
         slots = _pow2_at_least(packed.num_docs, MIN_SLOTS)
         longest = packed.total_tokens if 2 * packed.max_seqlen > packed.total_tokens else packed.total_tokens // 2
-        key = (slots, longest, x.requires_grad)
+        t = packed.total_tokens
+        bucket = self._get_bucket((slots, longest, x.requires_grad), x, packed)
+        other = self._get_bucket((slots, t // 2 if longest == t else t, x.requires_grad), x, packed)
+        if bucket is not None and other is not None and other is not bucket:
+            bucket.siblings = [other]  # captured together: the other one's first batch may be a timed one
+        return bucket
+
+    def _get_bucket(self, key: tuple, x: Tensor, packed: PackedBatch) -> _Bucket | None:
         bucket = self.buckets.get(key)
         if bucket is None:
-            if len(self.buckets) >= MAX_BUCKETS:
+            if len(self.buckets) >= MAX_BUCKETS or key[1] < 1:
                 return None
             if self.xs is None:
                 self._allocate(x)
-            bucket = self.buckets[key] = _Bucket(slots, longest, packed.batch, packed.seq_len, x.device)
+            bucket = self.buckets[key] = _Bucket(key[0], key[1], packed.batch, packed.seq_len, x.device)
         return bucket
 
     def _allocate(self, x: Tensor) -> None:
@@ -325,6 +333,9 @@ class LayerGraphRunner:
         lg = bucket.layers.get(i)
         if lg is None:
             lg = bucket.layers[i] = self._capture(i, fn, x.requires_grad, bucket)
+            for sib in bucket.siblings:
+                if i not in sib.layers:
+                    sib.layers[i] = self._capture(i, fn, x.requires_grad, sib)
         elif lg.x_grad != x.requires_grad:
             raise _Unsupported("a layer input's requires_grad changed between batches")
         out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, x, *self.layer_params[i])
