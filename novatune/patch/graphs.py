@@ -191,6 +191,9 @@ class LayerGraphRunner:
     def _break(self, why: str) -> None:
         self.broken, self.mode = why, "eager"
         self.buckets.clear()
+        # the static buffers go too (layers already replayed in this batch keep their own references)
+        self.xs = self.gbufs = self.cos = self.sin = self.pos = None
+        self.grad_sets.clear()
         self.state.note_once("cuda_graphs broken", f"CUDA graphs turned off for this model: {why}")
 
     def _begin(self, i: int, fn, x: Tensor, packed) -> None:
