@@ -195,21 +195,10 @@ def check(rows, n, device) -> None:
 
 # ----------------------------------------------------------------------------------------------- timing
 def per_kernel_us(fn, iters=50) -> dict:
-    """{kernel name: µs per call} from torch.profiler (kernel_us gives only the sum)."""
-    from torch.profiler import ProfilerActivity, profile
+    """{kernel name (60 chars): µs per call}, rounded for the row (novatune.harness.timing.per_kernel_us)."""
+    from novatune.harness.timing import per_kernel_us as per_kernel
 
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:60]] = round(per.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / iters, 2)
-    return per
+    return {name[:60]: round(us, 2) for name, us in per_kernel(fn, iters).items()}
 
 
 def measure(rows, n, bw, out) -> None:

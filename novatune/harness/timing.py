@@ -1,7 +1,7 @@
 """GPU timing used by bench/, `novatune bench` and the tune engine (BENCHMARKS.md's two figures).
 
 * kernel_us: the sum of GPU kernel durations per call from torch.profiler - the efficiency figure, free of
-  host overhead, compared with the HBM floor.
+  host overhead, compared with the HBM floor (per_kernel_us: the same, per kernel name).
 * wall_us: triton's do_bench median - includes host and launch overhead.
 * copy_bandwidth_gbps / matmul_tflops: the two ceilings, measured in the same process as the figures.
 """
@@ -20,6 +20,11 @@ def wall_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) ->
 
 def kernel_us(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> float:
     """Mean per-call sum of CUDA kernel durations (µs) recorded by torch.profiler."""
+    return sum(per_kernel_us(fn, iters, warmup).values())
+
+
+def per_kernel_us(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> dict[str, float]:
+    """{CUDA kernel name: mean µs per call of fn} from torch.profiler (kernel_us is their sum)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -29,11 +34,11 @@ def kernel_us(fn: Callable[[], object], iters: int = 30, warmup: int = 5) -> flo
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total = 0.0
+    per: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            total += e.time_range.elapsed_us()
-    return total / iters
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
+    return per
 
 
 def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:

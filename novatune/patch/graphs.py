@@ -316,9 +316,10 @@ class LayerGraphRunner:
             if self.pos is None or self.pos.shape != pos.shape:
                 self.pos = torch.empty_like(pos)
             self.pos.copy_(pos)
-        host = torch.full((bucket.slots + 1,), packed.total_tokens, dtype=torch.int32)
-        host[:packed.num_docs + 1] = packed.cu_seqlens_cpu
-        bucket.cu.copy_(host.pin_memory(), non_blocking=True)  # the caching host allocator keeps it until done
+        # the PackedBatch's device offsets (its one H2D copy is already queued), then empty documents to the end
+        n = packed.num_docs + 1
+        bucket.cu[:n].copy_(packed.cu_seqlens)
+        bucket.cu[n:].fill_(packed.total_tokens)
         self.bucket, self.mode = bucket, "graphs"
         self.batch_id += 1
         self.token = _Token()

@@ -4,10 +4,11 @@ GPU: a graphed model trains as the same model patched with cuda_graphs=False: pe
 LoRA gradient after gradient accumulation, over batches whose document layouts change bucket, whose first batch
 is the eager warm-up and whose second captures. Both run the same kernels on the same bf16 inputs; the graphed
 attention reads padded document offsets (empty documents) and a rounded-up max_seqlen, which change the
-FlashAttention grid and maybe its KV split (bf16 rounding of single elements, measured by
-test_padded_offsets_attend_like_the_batch). With deterministic algorithms and eager attending over the same padded
-offsets, the two must agree to 1e-6 (same kernels, same inputs); in the default mode, within eager's own
-run-to-run spread (FlashAttention's dq atomics). A wrong boundary or a stale static buffer is an O(1) error.
+FlashAttention grid, not any document's result (test_padded_offsets_attend_like_the_batch: bitwise equal on
+torch 2.11). With deterministic algorithms and eager attending over the same padded offsets, the two must agree to
+1e-6 (same kernels, same inputs). In the default mode eager picks cuDNN SDPA for the one-document batch where the
+graphs always run varlen: two attention kernels, bf16 differences (1.5e-2 on the worst LoRA gradient, measured).
+A wrong boundary or a stale static buffer is an O(1) error.
 CPU: installation, the reasons a batch stays eager, revert, and the static PackedBatch.
 """
 import copy
@@ -109,9 +110,9 @@ def test_graphed_layers_match_eager_exactly(padded_eager_attention):
 
 @pytest.mark.gpu
 def test_graphed_layers_train_like_eager():
-    """The default (FlashAttention's dq atomics) with eager on its own offsets: graphed is no further from eager
-    than 3x eager's own run-to-run spread + 2e-2 (padded slots change FlashAttention's KV split: bf16 rounding
-    of single elements, test_padded_offsets_attend_like_the_batch)."""
+    """The default mode, eager on its own offsets: graphed is no further from eager than 3x eager's own
+    run-to-run spread (FlashAttention's dq atomics) + 2e-2: eager runs cuDNN SDPA on the one-document batch, the
+    graphs FlashAttention varlen (measured 1.5e-2; the exact comparison is the test above)."""
     _compare_graphed_with_eager(False, tol=None)
 
 
@@ -151,12 +152,20 @@ def _compare_graphed_with_eager(deterministic: bool, tol):
 @pytest.mark.gpu
 def test_padded_offsets_attend_like_the_batch():
     """The graphs' padded offsets (empty trailing documents, max_seqlen rounded up) give each real document the
-    same attention: outputs and q/k/v gradients within bf16 rounding (FlashAttention may split the KV loop
-    differently for another grid: same products, another fp32 summation order, at most a one-ulp change of
-    single bf16 elements; 1e-2 norm-wise relative). Printed: the measured differences."""
+    same attention: outputs and q/k/v gradients equal (measured bitwise on torch 2.11; 1e-6 allows nothing
+    but a summation-order change). Deterministic algorithms: FlashAttention's dq atomics would add run-to-run
+    noise to both sides otherwise."""
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _padded_vs_real()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _padded_vs_real():
     from novatune.attention.backends import varlen_attention
 
-    torch.manual_seed(0)
     for lens in LAYOUTS:
         packed = PackedBatch.from_cu_seqlens(torch.tensor([0] + list(torch.tensor(lens).cumsum(0))), device="cuda")
         q, k, v = (torch.randn(SEQ, h, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -166,7 +175,7 @@ def test_padded_offsets_attend_like_the_batch():
         for pb in (packed, _as_graphs_pad(packed)):
             out = varlen_attention(q, k, v, pb, backend="varlen")
             res.append([out.detach().float(), *torch.autograd.grad(out, (q, k, v), dout)])
-        errs = [assert_close(a.float(), b.float(), 1e-2, name) for a, b, name in zip(*res, ("out", "dq", "dk", "dv"))]
+        errs = [assert_close(a.float(), b.float(), 1e-6, name) for a, b, name in zip(*res, ("out", "dq", "dk", "dv"))]
         print(f"{len(lens)} documents: padded vs real rel. errors {['%.1e' % e for e in errs]}")
 
 

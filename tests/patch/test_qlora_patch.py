@@ -124,16 +124,21 @@ def test_nf4_stand_in_built_once_and_rebuilt_for_a_new_weight():
     assert not torch.equal(loss1, loss2)
 
 
+def _fp32_stock_reference(checkpointing: bool):
+    """The fp32-compute QLoRA model (optionally checkpointed) and PEFT + bnb stock's loss and grads on BATCH."""
+    pm = _qlora(torch.float32)
+    if checkpointing:
+        pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return (pm, *_loss_and_grads(pm, BATCH))
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_dequantised_weight_kept_for_the_backward_only_under_checkpointing(checkpointing, monkeypatch):
     # inside a checkpointed layer the recomputed forward's dense W serves the backward (one dequantisation fewer
     # per linear); without checkpointing every layer would hold its dense W until the backward: never kept then
     from novatune.ops import nf4 as ops_nf4
 
-    pm = _qlora(torch.float32)
-    if checkpointing:
-        pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    loss_ref, grads_ref = _loss_and_grads(pm, BATCH)
+    pm, loss_ref, grads_ref = _fp32_stock_reference(checkpointing)
     novatune.patch(pm, **LORA_ONLY)
     calls = {"n": 0}
     real = ops_nf4.nf4_dequantize
@@ -164,10 +169,7 @@ def test_dequantised_weight_kept_for_the_backward_only_under_checkpointing(check
 def test_qkv_grouped_in_the_patched_attention_equals_peft_bnb(checkpointing, monkeypatch):
     # with novatune's attention forward on packed rows, each layer's q/k/v QLoRA projections run as one grouped op
     # (one stacked dequantised weight, one big GEMM); loss and every LoRA gradient still equal PEFT + bnb stock's
-    pm = _qlora(torch.float32)
-    if checkpointing:
-        pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    loss_ref, grads_ref = _loss_and_grads(pm, BATCH)
+    pm, loss_ref, grads_ref = _fp32_stock_reference(checkpointing)
     report = novatune.patch(pm, rms_norm=False, swiglu=False, cross_entropy=False)
     assert report.replaced("attention")
     calls = []
