@@ -16,9 +16,9 @@ Useful FLOPs (BENCHMARKS.md convention, causal within documents): fwd = 4 * sum_
 fwd+bwd = 3 x fwd (the backward's 4 matmuls = 2 x fwd; recomputing P in the backward is not counted). A kernel that
 computes masked-out tiles (hf_sdpa_dense) gets no credit for them.
 
-Figures: wall ms = triton do_bench median (novatune.harness.timing.wall_us), fwd and fwd+bwd (grads set to None
+Figures: wall ms = triton do_bench median (novatune.measure.timing.wall_us), fwd and fwd+bwd (grads set to None
 inside the timed call), plus rel_err of the forward vs the fp32 reference. Rows: --results (default
-bench/results/attention.jsonl) via novatune.harness.results.write_row. Without CUDA: a tiny smoke run, no rows.
+bench/results/attention.jsonl) via novatune.measure.results.write_row. Without CUDA: a tiny smoke run, no rows.
 
     python bench/bench_attention.py                       # all candidates, < 90 s on an H100/H200
     python bench/bench_attention.py --quick --candidates varlen,flex
@@ -72,7 +72,7 @@ def main():
     import torch
 
     from novatune.attention import PackedBatch, last_choice, varlen_attention
-    from novatune.harness.numerics import rel_err
+    from novatune.measure.numerics import rel_err
 
     cuda = torch.cuda.is_available()
     if not cuda:  # smoke run: exercises the script, figures meaningless, nothing written
@@ -86,7 +86,7 @@ def main():
 
     def timer(fn):
         if cuda:
-            from novatune.harness.timing import wall_us
+            from novatune.measure.timing import wall_us
 
             return wall_us(fn, warmup_ms=10 if args.quick else 25, rep_ms=40 if args.quick else 100) / 1e3
         ts = []
@@ -161,7 +161,7 @@ def main():
             return (lambda: varlen_attention(q, k, v, one_doc, backend="sdpa")), ref_one, one_doc_fwd_flops, ""
         return (lambda: varlen_attention(q, k, v, packed, backend=name)), ref, fwd_flops, ""
 
-    from novatune.harness.results import write_row
+    from novatune.measure.results import write_row
 
     table = []
     for name in cands:

@@ -24,7 +24,7 @@ Figures per candidate: kernel µs (sum of CUDA kernel time per call, torch.profi
 peak MiB (torch.cuda.max_memory_allocated during one call minus what was allocated before it: logits, buffers
 and the returned gradients), relative errors of loss / grad_hidden / grad_weight against the fp32 reference.
 Floor: the op is compute-bound - three GEMMs of 2*T*H*V flops (logits, grad_hidden, grad_weight) at the bf16
-matmul rate measured in the same run (novatune.harness.timing.matmul_tflops); the HBM floor (inputs read once,
+matmul rate measured in the same run (novatune.measure.timing.matmul_tflops); the HBM floor (inputs read once,
 gradients written once, at the measured copy bandwidth) is reported too. frac = max(floors) / kernel µs (the
 vocab plan does a 4th GEMM, the logits' recompute, so its frac is at most ~0.75 by construction; inplace does the
 3 GEMMs of tokens, as 2 + 2 + ~9 calls, plus its temp blocks' copies).
@@ -98,8 +98,8 @@ def _reference(h, w, y):
 
 
 def _measure(name, loss_fn, h, w, y, ref, args, ceilings):
-    from novatune.harness.numerics import rel_err
-    from novatune.harness.timing import kernel_us, wall_us
+    from novatune.measure.numerics import rel_err
+    from novatune.measure.timing import kernel_us, wall_us
 
     def step():
         loss = loss_fn(h, w, y)
@@ -143,8 +143,8 @@ def main(argv=None) -> int:
         print("bench_linear_cross_entropy: needs a CUDA GPU", file=sys.stderr)
         return 1
 
-    from novatune.harness.results import write_row
-    from novatune.harness.timing import copy_bandwidth_gbps, matmul_tflops
+    from novatune.measure.results import write_row
+    from novatune.measure.timing import copy_bandwidth_gbps, matmul_tflops
     from novatune.kernels.linear_cross_entropy import fp32_addmm_available, plan_mode
 
     T, H, V = args.tokens, args.hidden, args.vocab

@@ -15,7 +15,7 @@ from random output grads. Candidates:
   novatune_fused      novatune.ops.qk_norm_rope.qk_norm_rope: one launch forward, one (+ a tiny reduction) backward
 cos/sin come from Qwen3RotaryEmbedding with packed position_ids (documents of ~600 tokens, positions restarting).
 
-Figures (novatune.harness.timing): kernel µs (sum of CUDA kernel durations per fwd+bwd, torch.profiler), wall µs
+Figures (novatune.measure.timing): kernel µs (sum of CUDA kernel durations per fwd+bwd, torch.profiler), wall µs
 (do_bench median, host overhead included), frac_floor = HBM floor / kernel µs. HBM floor = bytes that must move /
 copy rate measured in this run; bytes = 5 * (|q| + |k|) (fwd reads q, k and writes q_out, k_out; bwd reads the
 output grads and q, k, writes dq, dk) + 2 * (|cos| + |sin|) (read by each pass); weights, rstd and the dw partials are
@@ -123,9 +123,9 @@ def tables(b, s, hq, hk, d, dev, dt):
 def run_candidates(args, fns, inputs, floor_us, gbps):
     import torch
 
-    from novatune.harness.numerics import rel_err
-    from novatune.harness.results import write_row
-    from novatune.harness.timing import kernel_us, wall_us
+    from novatune.measure.numerics import rel_err
+    from novatune.measure.results import write_row
+    from novatune.measure.timing import kernel_us, wall_us
     from novatune.kernels.qk_norm_rope import RESIDENCY, num_sms, qk_norm_rope_fwd_config, qk_norm_rope_ref
 
     q0, k0, wq0, wk0, cos, sin, gq0, gk0 = inputs
@@ -195,7 +195,7 @@ def sweep(args, inputs):
 
     from triton.testing import do_bench_cudagraph
 
-    from novatune.harness.results import write_row
+    from novatune.measure.results import write_row
     from novatune.kernels import qk_norm_rope as K
 
     q, k, wq, wk, cos, sin, gq, gk = inputs
@@ -242,7 +242,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("bench_qk_norm_rope.py needs a CUDA GPU")
-    from novatune.harness.timing import copy_bandwidth_gbps
+    from novatune.measure.timing import copy_bandwidth_gbps
 
     dev, dt = "cuda", torch.bfloat16
     b, s, (hq, hk), d = args.batch, args.seq, args.heads, args.head_dim

@@ -7,7 +7,7 @@
 Shapes (BENCHMARKS.md): rmsnorm_hidden = 4096 tokens x 2560 (input/post-attention norms), rmsnorm_qknorm =
 (4096 tokens * 32 heads) x 128 (Qwen3's per-head q/k norms). bf16 activations and weights, eps 1e-6.
 
-Figures per candidate (novatune.harness.timing): kernel µs (sum of CUDA kernel durations per fwd+bwd call, from
+Figures per candidate (novatune.measure.timing): kernel µs (sum of CUDA kernel durations per fwd+bwd call, from
 torch.profiler) and wall µs (do_bench median, with host/launch overhead). HBM floor = bytes that must move / device
 copy bandwidth measured in this run; bytes = fwd reads x and writes y, bwd reads dy and x and writes dx:
 5 * rows * N * 2 (weights, rstd and dw partials are negligible). frac = floor / kernel µs.
@@ -91,9 +91,9 @@ def build_candidates(n: int, weight, names):
 def run_shape(tag, rows, n, names, bw_gbps, args):
     import torch
 
-    from novatune.harness.numerics import rel_err
-    from novatune.harness.results import write_row
-    from novatune.harness.timing import kernel_us, wall_us
+    from novatune.measure.numerics import rel_err
+    from novatune.measure.results import write_row
+    from novatune.measure.timing import kernel_us, wall_us
     from novatune.kernels.rms_norm import RESIDENCY, rms_norm_bwd_launch_config, rms_norm_fwd_config, rms_norm_ref
 
     dev, dt = "cuda", torch.bfloat16
@@ -149,7 +149,7 @@ def sweep(tag, rows, n, args):
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from novatune.harness.results import write_row
+    from novatune.measure.results import write_row
     from novatune.kernels.rms_norm import (num_sms, rms_norm_bwd, rms_norm_bwd_launch_config, rms_norm_fwd,
                                            rms_norm_fwd_config)
 
@@ -211,7 +211,7 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         sys.exit("bench_rms_norm.py needs a CUDA GPU")
-    from novatune.harness.timing import copy_bandwidth_gbps
+    from novatune.measure.timing import copy_bandwidth_gbps
 
     names = args.candidates or ["hf_eager", "torch_nn_RMSNorm", "torch_compile", "liger", "novatune"]
     bw = copy_bandwidth_gbps()

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from novatune.harness.numerics import rel_err  # noqa: E402
-from novatune.harness.results import write_row  # noqa: E402
-from novatune.harness.timing import copy_bandwidth_gbps, kernel_us, wall_us  # noqa: E402
+from novatune.measure.numerics import rel_err  # noqa: E402
+from novatune.measure.results import write_row  # noqa: E402
+from novatune.measure.timing import copy_bandwidth_gbps, kernel_us, wall_us  # noqa: E402
 
 DEVICE = "cuda"  # module-level so a CPU dry run of the script's logic can redirect it
 

@@ -127,7 +127,7 @@ def run_stack(args) -> dict:
     attn = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "flex_liger": "flex_attention",
             "varlen_liger": "peer_varlen", "novatune": "sdpa", "novatune_full": "sdpa",
             "novatune_eager": "sdpa"}[stack]
-    from novatune.harness import peer  # the peer's wiring, shared with `novatune bench`
+    from novatune.bench import peer  # the peer's wiring, shared with `novatune bench`
 
     if attn == "peer_varlen":
         attn = peer.register_peer_varlen()
@@ -450,8 +450,8 @@ def gap_report(trace_path: str, min_gap_us: float = 40.0, top: int = 25) -> str:
 def drive(args) -> int:
     """Run each stack in its own process, then print ratios measured side by side in this run."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from novatune.harness.results import write_row
-    from novatune.harness.timing import matmul_tflops
+    from novatune.measure.results import write_row
+    from novatune.measure.timing import matmul_tflops
 
     peak = matmul_tflops()
     runs = []  # (stack, result or None) in the order run; a stack may be named twice (e.g. A,B,B,A)

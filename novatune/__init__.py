@@ -7,9 +7,9 @@ One line in an existing Hugging Face / TRL script::
     print(report)                       # what was replaced, what was skipped and why
     report.revert()                     # back to stock
 
-Data flows one way: data -> train -> patch -> ops -> kernels (see ARCHITECTURE in the README).
+Imports point down the layers described in docs/ARCHITECTURE.md; nothing inside the package imports this face.
 """
-__version__ = "0.1.0"
+from novatune.version import __version__
 
 
 # Bound after the subpackage import on purpose: `novatune.patch` must be the function (the public surface), and

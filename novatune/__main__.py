@@ -1,3 +1,3 @@
-from novatune.cli import main
+from novatune.commands.cli import main
 
 raise SystemExit(main())

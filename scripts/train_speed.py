@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from novatune.harness.results import write_row  # noqa: E402
+from novatune.measure.results import write_row  # noqa: E402
 
 run_dir, e2e_path, out_path = sys.argv[1:4]
 warm = int(sys.argv[sys.argv.index("--warm") + 1]) if "--warm" in sys.argv else 2

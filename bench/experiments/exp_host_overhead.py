@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.harness.results import write_row
+from novatune.measure.results import write_row
 
 
 @triton.jit

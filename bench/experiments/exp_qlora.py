@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from novatune.harness.results import write_row
-from novatune.harness.timing import copy_bandwidth_gbps, kernel_us
+from novatune.measure.results import write_row
+from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
 from novatune.kernels import nf4 as K
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288, 36 layers

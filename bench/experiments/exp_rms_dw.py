@@ -195,15 +195,15 @@ def check(rows, n, device) -> None:
 
 # ----------------------------------------------------------------------------------------------- timing
 def per_kernel_us(fn, iters=50) -> dict:
-    """{kernel name (60 chars): µs per call}, rounded for the row (novatune.harness.timing.per_kernel_us)."""
-    from novatune.harness.timing import per_kernel_us as per_kernel
+    """{kernel name (60 chars): µs per call}, rounded for the row (novatune.measure.timing.per_kernel_us)."""
+    from novatune.measure.timing import per_kernel_us as per_kernel
 
     return {name[:60]: round(us, 2) for name, us in per_kernel(fn, iters).items()}
 
 
 def measure(rows, n, bw, out) -> None:
-    from novatune.harness.results import write_row
-    from novatune.harness.timing import kernel_us
+    from novatune.measure.results import write_row
+    from novatune.measure.timing import kernel_us
 
     x, w, dy = _inputs(rows, n, "cuda")
     y, rstd = K.rms_norm_fwd(x, w)
@@ -268,7 +268,7 @@ if __name__ == "__main__":
         check(r, c, dev)
     if not a.check_only:
         assert on_gpu, "timing needs a GPU (use --check-only under TRITON_INTERPRET=1)"
-        from novatune.harness.timing import copy_bandwidth_gbps
+        from novatune.measure.timing import copy_bandwidth_gbps
 
         bw = copy_bandwidth_gbps()
         for r, c in SHAPES:

@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from novatune.harness.results import write_row
-from novatune.harness.timing import copy_bandwidth_gbps
+from novatune.measure.results import write_row
+from novatune.measure.timing import copy_bandwidth_gbps
 from novatune.kernels import rms_norm as K
 from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
 from novatune.tune.opspecs import OPS

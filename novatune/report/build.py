@@ -177,7 +177,7 @@ class Report:
             self.img("tok_s_steps.png", lambda: plots.line_plot(tps, "Throughput of each timed step", "tokens/s"),
                      "tokens/s per step")
         else:
-            self.add("note", "The bench rows carry no per-step timings (harness/bench.py's step_s/tokens_per_step or "
+            self.add("note", "The bench rows carry no per-step timings (bench/runner.py's step_s/tokens_per_step or "
                              "bench/e2e.py's step_ms).")
         tr = {f"train: {t.label}": (t.steps, t.tok_s) for t in self.inp.train_runs if any(t.tok_s)}
         if tr:
@@ -276,7 +276,7 @@ class Report:
                          f"the stock and novatune updates with the eager-vs-sdpa noise floor (validate's definitions).")
 
     def evaluation(self) -> None:
-        from novatune.harness.eval import render_table
+        from novatune.eval.exact_match import render_table
 
         self.add("h2", "GSM8K evaluation")
         if not self.inp.evals:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from novatune.report.traces import breakdown, is_trace_file
 
-BENCH_KINDS = ("novatune_bench", "e2e")  # harness/bench.py rows and bench/e2e.py rows
+BENCH_KINDS = ("novatune_bench", "e2e")  # bench/runner.py rows and bench/e2e.py rows
 BASELINES = ("stock", "hf_sdpa")  # in order of preference
 CANDIDATE = "novatune"
 TRACE_BEFORE = ("stock", "hf_sdpa", "baseline", "before")
@@ -233,7 +233,7 @@ def headline(groups: list[BenchGroup], baseline: str | None = None, candidate: s
 
 
 def step_tok_s(row: dict) -> tuple[list[int], list[float]]:
-    """Tokens/s of each timed step: harness/bench.py rows (tokens_per_step / step_s) or bench/e2e.py rows
+    """Tokens/s of each timed step: bench/runner.py rows (tokens_per_step / step_s) or bench/e2e.py rows
     (step_ms, steps 2.. of the timed ones, each seq x ga tokens). ([], []) when the row has neither."""
     warm = int(row.get("warm") or 0)
     if row.get("tokens_per_step") and row.get("step_s"):

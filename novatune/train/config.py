@@ -330,7 +330,22 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None, che
     data = apply_overrides(data, overrides or [])
     cfg = from_dict(data)
     if check:
-        from novatune.train.validate import validate
+        from novatune.train.config_checks import validate
 
         validate(cfg, base_dir=p.parent)
     return cfg
+
+
+def load_with_base(path: str | Path | None, overrides: list[str] | None = None,
+                   output_dir: str | None = None) -> tuple[Config, Path]:
+    """The config at `path` (None: the embedded demo) with overrides applied, and the folder its relative paths
+    resolve from (the config file's folder; the demo's asset folder for the demo)."""
+    overrides = list(overrides or [])
+    if output_dir:
+        overrides.append(f"checkpoint.output_dir={output_dir}")
+    cfg = load(path, overrides)
+    if path is None:
+        from novatune.train.demo import DEMO_DIR
+
+        return cfg, DEMO_DIR
+    return cfg, Path(path).resolve().parent

@@ -28,7 +28,7 @@ def peak_tflops(device: torch.device, configured: float | None = None, measure: 
     if device.type != "cuda":
         return None
     if measure:
-        from novatune.harness.timing import matmul_tflops
+        from novatune.measure.timing import matmul_tflops
 
         return matmul_tflops()
     name = torch.cuda.get_device_name(device)

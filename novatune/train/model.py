@@ -158,39 +158,13 @@ def prepare(model, cfg):
     return model
 
 
-def patch_importable() -> bool:
-    """True when novatune.patch's applier imports (it may be absent, or broken mid-change, in a dev tree)."""
-    try:
-        import novatune.patch.apply  # noqa: F401
-
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def patch_fn():
-    """The public `novatune.patch` callable. Importing the novatune.patch *package* rebinds the attribute
-    `novatune.patch` to the module, so fall back to the applier it wraps (novatune.patch.apply.patch)."""
-    import novatune
-
-    fn = getattr(novatune, "patch", None)
-    if callable(fn):
-        return fn
-    from novatune.patch.apply import patch
-
-    return patch
-
-
 def apply_patch(model, mcfg):
     """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false."""
     if not mcfg.patch:
         return None
-    try:
-        from novatune.patch.apply import patch as applier  # the function the public novatune.patch wraps
-    except ImportError as e:
-        raise SetupError(f"model.patch: novatune.patch is not available in this install ({e}); set "
-                         f"model.patch: false (or --set model.patch=false) to train with stock modules") from None
-    fn, opts = patch_fn(), dict(mcfg.patch_options or {})
+    from novatune.patch.apply import patch as applier  # the function the public novatune.patch is
+
+    fn, opts = applier, dict(mcfg.patch_options or {})
     try:
         inspect.signature(applier).bind(model, **opts)  # a typo in patch_options: say so, before any work
     except TypeError as e:

@@ -33,11 +33,11 @@ def default_path() -> Path:
 
 def environment(device) -> dict:
     """The device and software fields of every key (the device given as a torch.device or string)."""
-    import novatune
+    from novatune.version import __version__
 
     device = torch.device(device)
     env = {"device": "cpu", "capability": None, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "novatune": novatune.__version__}
+           "novatune": __version__}
     try:
         import triton
 

@@ -173,7 +173,7 @@ def kernel_us(spec: OpSpec, fn, sets: list, iters: int = 20) -> float | None:
     leaves = sets[0][0]
     if next(v for v in leaves.values() if isinstance(v, torch.Tensor)).device.type != "cuda":
         return None
-    from novatune.harness.timing import kernel_us as _kernel_us
+    from novatune.measure.timing import kernel_us as _kernel_us
 
     step = _stepper(spec, fn, sets)
     counter = iter(range(10**9))

@@ -1,7 +1,7 @@
 """The tune report: markdown (tune_report.md), the short summary table, and benchmark rows (tune.jsonl)."""
 from __future__ import annotations
 
-from novatune.harness.results import write_row
+from novatune.measure.results import write_row
 from novatune.tune.opspecs import NOT_IN_REGISTRY, shape_str
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from novatune.harness.numerics import rel_err
+from novatune.measure.numerics import rel_err
 from novatune.tune.candidates import Candidate
 from novatune.tune.opspecs import OpSpec, make_dy, map_dy, shape_str
 

@@ -1,6 +1,6 @@
 """Packed-row attention backends against a dense masked fp64 oracle: forward, gradients, document isolation.
 
-Tolerances (relative norm, novatune.harness.numerics): fp32 backends vs the fp64 oracle 1e-5 (reductions in another
+Tolerances (relative norm, novatune.measure.numerics): fp32 backends vs the fp64 oracle 1e-5 (reductions in another
 order); bf16 inputs 1e-2 (the output and each gradient are rounded to bf16 once or twice, unit roundoff 3.9e-3).
 GPU kernels in bf16 (FlashAttention-2, FlexAttention) keep P and dS in bf16 for the second matmul of each pass: 2e-2
 for their gradients.
@@ -11,7 +11,7 @@ import torch
 import novatune.ops
 from novatune.attention import (AUTO_ORDER, BackendUnavailable, PackedBatch, backends, last_choice,
                                 varlen_attention)
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 
 ROWS = [[5, 1, 1, 20, 3], [30], [2, 27, 1]]  # docs of length 1, a one-doc row, a last doc of length 1
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import novatune
-from novatune.harness.numerics import rel_err
+from novatune.measure.numerics import rel_err
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "patch"))
 from tiny_models import tiny_model  # noqa: E402

@@ -1,5 +1,5 @@
 """`novatune validate` and `novatune bench` end to end on a tiny Qwen3 (CPU, fp32, synthetic packed rows):
-validate passes for the real patch and fails - naming the check - for each planted fault (tests/harness/faults.py);
+validate passes for the real patch and fails - naming the check - for each planted fault (tests/proof/faults.py);
 bench runs two stacks in their own processes, reports the absent peer, and writes its rows."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from novatune.cli import main
+from novatune.commands.cli import main
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "harness"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "proof"))
 from faults import FAULTS  # noqa: E402
 
 TINY = """

@@ -1,6 +1,6 @@
 """Fused linear cross-entropy (novatune.kernels.linear_cross_entropy) against the fp32 reference.
 
-Tolerances (relative-norm error, novatune.harness.numerics):
+Tolerances (relative-norm error, novatune.measure.numerics):
 * fp32: the logits, softmax and GEMMs are fp32; only summation order differs -> 1e-5 (REL_TOL; measured
   <= 1.2e-7 over the shape matrix below).
 * bf16: the logits chunk is bf16 (like HF's logits before .float()) and dL/dz is rounded to bf16 before the two
@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from novatune.harness.numerics import REL_TOL, assert_close, poison_
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels import linear_cross_entropy_lowmem as L
 

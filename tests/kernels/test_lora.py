@@ -1,7 +1,7 @@
 """LoRA linear GEMM sequences (novatune.kernels.lora) against the fp32 reference `lora_linear_ref`.
 
 Inputs are fresh random tensors in the tested dtype; the reference runs in fp32 on the same (rounded) values and
-its gradients come from autograd. Tolerances (relative norm error, novatune.harness.numerics):
+its gradients come from autograd. Tolerances (relative norm error, novatune.measure.numerics):
   fp32: 1e-5 - the same products summed in another order (BLAS blocking), ~1e-6 observed.
   bf16: 8e-3 - every GEMM accumulates in fp32 (the scaling is the GEMMs' alpha), then the chain rounds to bf16
         at most three times on the way to each output (y: x Aᵀ, the LoRA term, the sum; dx: dy B, its product
@@ -12,7 +12,7 @@ Outputs are NaN-poisoned before the launchers write them (`out=`, `dx=`).
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close, poison_
+from novatune.measure.numerics import assert_close, poison_
 from novatune.kernels.lora import ORDERS, lora_linear_bwd, lora_linear_fwd, lora_linear_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}

@@ -9,7 +9,7 @@ scale), never noise. The round-trip bound is derived in the module docstring; he
 import pytest
 import torch
 
-from novatune.harness.numerics import poison_
+from novatune.measure.numerics import poison_
 from novatune.kernels import nf4 as K
 from novatune.ops import nf4 as ops_nf4
 

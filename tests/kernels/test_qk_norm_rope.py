@@ -25,7 +25,7 @@ one-token-per-item configs run on a few tokens only.
 import pytest
 import torch
 
-from novatune.harness.numerics import REL_TOL, assert_close, poison_
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels.qk_norm_rope import (
     qk_norm_rope_bwd,
     qk_norm_rope_bwd_config,

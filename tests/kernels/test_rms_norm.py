@@ -1,7 +1,7 @@
 """RMSNorm Triton kernels vs the fp32 reference (CPU: through the Triton interpreter; GPU: real shapes).
 
 Reference: rms_norm_ref on fp32 copies of the same inputs, differentiated by autograd, i.e. the pure-fp32 math.
-Tolerances (relative norm error, novatune.harness.numerics):
+Tolerances (relative norm error, novatune.measure.numerics):
 * fp32 everything: 1e-5. Only the summation order of the row reduction / the dw sum over rows differs (~1e-7).
 * bf16 outputs: 1e-2 (REL_TOL). y carries two bf16 roundings (normalised value, then the weighted product), dx one
   (its store), dw the bf16 rounding of each normalised term (averaged over rows) plus its store: ~2e-3 measured.
@@ -9,7 +9,7 @@ Tolerances (relative norm error, novatune.harness.numerics):
 import pytest
 import torch
 
-from novatune.harness.numerics import REL_TOL, assert_close, poison_
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels.rms_norm import (
     rms_norm_bwd,
     rms_norm_bwd_config,
@@ -188,7 +188,7 @@ def test_persistent_grid_from_measured_residency_gpu():
 @pytest.mark.parametrize("rows,n", [(4096, 2560), (131072, 128)])
 def test_real_shapes_speed_sanity_gpu(rows, n):
     """Loose guard only (the figures come from bench/bench_rms_norm.py): fwd+bwd kernels reach >= 35% of copy BW."""
-    from novatune.harness.timing import copy_bandwidth_gbps, kernel_us
+    from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
 
     x, w, dy = _inputs((rows, n), torch.bfloat16, "cuda")
 

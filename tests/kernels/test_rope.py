@@ -14,7 +14,7 @@ The interpreter runs one program per token at ~5 ms each: shapes are kept to a f
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close, poison_
+from novatune.measure.numerics import assert_close, poison_
 from novatune.kernels.rope import rope_bwd, rope_bwd_ref, rope_fwd, rope_ref
 from novatune.ops._backend import interpreter_on
 
@@ -160,7 +160,7 @@ def test_real_shapes_gpu(u):
 @pytest.mark.gpu
 def test_speed_sanity_gpu():
     """fwd+bwd at the real shape moves >= 50% of the copy rate (target 70%, measured by bench/bench_rope.py)."""
-    from novatune.harness.timing import copy_bandwidth_gbps, kernel_us
+    from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
 
     q, k, cos, sin = _make(1, 32, 8, 4096, 128, torch.bfloat16, 1, "cuda")
     gq, gk = torch.randn_like(q), torch.randn_like(k)

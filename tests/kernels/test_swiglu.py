@@ -1,6 +1,6 @@
 """SwiGLU Triton kernels (novatune.kernels.swiglu) against the fp32 reference.
 
-Tolerances (relative-norm error, novatune.harness.numerics): the kernels read the same bf16/fp32 inputs as the
+Tolerances (relative-norm error, novatune.measure.numerics): the kernels read the same bf16/fp32 inputs as the
 reference and do all math in fp32, so the only error is the single rounding of each output element:
 * fp32: a few ulp from exp/sigmoid implementations -> 1e-5 (REL_TOL) with a wide margin (measured ~7e-8).
 * bf16 on a GPU: round-to-nearest, |err_i| <= 2^-8 |ref_i| for every element, hence rel-norm <= 3.9e-3 -> 4e-3.
@@ -10,7 +10,7 @@ reference and do all math in fp32, so the only error is the single rounding of e
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close, poison_, rel_err
+from novatune.measure.numerics import assert_close, poison_, rel_err
 from novatune.kernels import swiglu as K
 
 HAS_CUDA = torch.cuda.is_available()
@@ -167,7 +167,7 @@ def test_gpu_real_shape_values_and_rounding():
 @pytest.mark.gpu
 def test_gpu_speed_fraction_of_hbm_floor():
     """fwd+bwd kernel time within the target: >= 70% of the HBM floor (8 * N elements * 2 bytes)."""
-    from novatune.harness.timing import copy_bandwidth_gbps, kernel_us
+    from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
 
     g, u, dy = _inputs((4096, 9728), torch.bfloat16, "cuda")
     y, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(u)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from novatune.harness.numerics import REL_TOL, assert_close
+from novatune.measure.numerics import REL_TOL, assert_close
 from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels.linear_cross_entropy import linear_cross_entropy_ref
 

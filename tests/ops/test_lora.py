@@ -8,7 +8,7 @@ The eager path and the registered op run the same launchers, so they must agree 
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.kernels.lora import lora_linear_ref
 from novatune.ops.lora import lora_linear
 
@@ -139,7 +139,7 @@ def test_opcheck(device):
 def test_faster_than_peft_eager_on_gpu():
     """Speed sanity at Qwen3-4B's gate_proj (4096 x 2560 -> 9728, r 16, PEFT's fp32 adapters): the fused op's
     fwd+bwd must not be slower than PEFT's eager expression (bench/bench_lora.py measures by how much)."""
-    from novatune.harness.timing import wall_us
+    from novatune.measure.timing import wall_us
 
     x, w, _, a, bb, dy = _leaves((4096,), 2560, 9728, 16, torch.bfloat16, adapter_dtype=torch.float32, bias=False,
                                  device="cuda")

@@ -8,7 +8,7 @@ roundings per output). dx sums the members inside GEMMs, so it has fewer roundin
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.kernels.lora import lora_linear_ref
 from novatune.ops.lora import lora_linear_group
 

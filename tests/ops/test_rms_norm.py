@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from novatune.harness.numerics import assert_close, poison_
+from novatune.measure.numerics import assert_close, poison_
 from novatune.kernels.rms_norm import rms_norm_ref
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm, rms_norm_bwd, rms_norm_fwd
 

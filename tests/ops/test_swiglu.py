@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.kernels.swiglu import swiglu_ref
 from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_mlp
 

@@ -19,7 +19,7 @@ import torch
 import novatune
 from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.patch import graphs
 from novatune.patch.apply import _find_state
 
@@ -96,7 +96,7 @@ def padded_eager_attention(monkeypatch):
 
 
 def _max_err(a: list[dict], b: list[dict]) -> float:
-    from novatune.harness.numerics import rel_err
+    from novatune.measure.numerics import rel_err
 
     return max(rel_err(x[n], y[n]) for x, y in zip(a, b) for n in y)
 

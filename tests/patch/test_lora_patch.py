@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import novatune
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.patch import lora as lora_patch
 
 from tiny_models import FAMILIES, packed_batch, tiny_model
@@ -144,7 +144,7 @@ def test_bf16_model_with_peft_fp32_adapters():
     fp32 as PEFT is (within 1.5x + 5e-3), not bitwise equal to PEFT."""
     import copy
 
-    from novatune.harness.numerics import rel_err
+    from novatune.measure.numerics import rel_err
 
     batch = packed_batch(ROWS)
     pm = _peft("qwen3", dtype=torch.bfloat16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import novatune
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 
 from tiny_models import FAMILIES, packed_batch, tiny_model
 

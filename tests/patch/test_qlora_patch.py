@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import novatune
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.patch import lora as lora_patch
 
 from tiny_models import packed_batch
@@ -77,7 +77,7 @@ def test_qlora_fused_matches_peft_bnb_fp32():
 
 
 def test_qlora_fused_bf16_no_further_from_fp32_than_stock():
-    from novatune.harness.numerics import rel_err
+    from novatune.measure.numerics import rel_err
 
     ref_loss, ref_grads = _loss_and_grads(_qlora(torch.float32), BATCH)
     pm = _qlora(torch.bfloat16)

@@ -1,5 +1,5 @@
 """Fixture run folders in the formats `novatune report` reads (README.md there): a `novatune bench` run
-(harness/bench.py's bench.jsonl schema), a `novatune validate` run (harness/parity.py's validate.json), two
+(bench/runner.py's bench.jsonl schema), a `novatune validate` run (proof/parity.py's validate.json), two
 `novatune eval --output` results and two Chrome traces shaped like torch.profiler's (CPU ops, Python frames, CUDA
 runtime launches and GPU kernels linked by `correlation`), with figures chosen so the expected report numbers can be
 worked out by hand."""
@@ -55,7 +55,7 @@ def kernel_trace(path: Path, norm_kernels: list[tuple[str, float]], gemm_us: flo
 
 
 def eval_result(label: str, correct: int, n: int, tok_s: float) -> dict:
-    from novatune.harness.eval import wilson_interval
+    from novatune.eval.exact_match import wilson_interval
 
     lo, hi = wilson_interval(correct, n)
     return {"task": "gsm8k", "label": label, "model": label, "n": n, "correct": correct, "accuracy": correct / n,

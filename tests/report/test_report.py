@@ -154,7 +154,7 @@ def test_wide_tables_fit_the_page():
 
 
 def test_absent_inputs_are_named(tmp_path):
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -169,7 +169,7 @@ def test_absent_inputs_are_named(tmp_path):
 
 def test_cli_report_on_e2e_rows(tmp_path, fixture_runs):
     """bench/e2e.py rows (an older and a newer run in one file): the newest run is the headline, its x_stock kept."""
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     def row(stack, tok_s, t):
         return {"time": t, "device": "NVIDIA H200", "bench": "e2e", "stack": stack, "arch": "qwen3-4b", "layers": 36,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 from novatune.train import checkpoint as ckpt
 
 peft = pytest.importorskip("peft")

@@ -21,7 +21,7 @@ import torch
 from novatune.train import checkpoint as ckpt
 from novatune.train.config import ConfigError
 from novatune.train.loop import train
-from novatune.train.model import build_model, load_tokenizer, patch_importable, prepare
+from novatune.train.model import build_model, load_tokenizer, prepare
 
 pytest.importorskip("bitsandbytes", reason="qlora needs bitsandbytes: pip install bitsandbytes")
 
@@ -85,7 +85,6 @@ def test_qlora_trains_resumes_and_exports_dense(make_cfg):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not patch_importable(), reason="novatune.patch not importable")
 def test_qlora_patched_same_loss_curve_as_peft_bnb_stock(make_cfg, monkeypatch):
     # fused QLoRA linears (NF4 dequantised by novatune's reference, bit-identical to bnb's) vs PEFT + bnb stock:
     # the same numbers summed in another order, ~1e-6 per step, compounded over 4 steps at lr 1e-2 -> rel 1e-4
@@ -103,7 +102,7 @@ def test_qlora_patched_same_loss_curve_as_peft_bnb_stock(make_cfg, monkeypatch):
 def test_qlora_model_name_loads_4bit(make_cfg, tmp_path):
     # model.name checkpoints are quantised by transformers while loading (quantization_config=bnb_config)
     from novatune.train.config import from_dict
-    from novatune.train.validate import validate
+    from novatune.train.config_checks import validate
 
     cfg = qcfg(make_cfg, "src", method={"type": "full"})
     tok = load_tokenizer(cfg.model)

@@ -13,10 +13,9 @@ from rich.console import Console
 from novatune.data.dataset import BatchStream, build_data
 from novatune.train import checkpoint as ckpt
 from novatune.train.loop import forward_backward, train
-from novatune.train.model import SetupError, apply_patch, build_model, load_tokenizer, patch_importable, prepare
+from novatune.train.model import SetupError, apply_patch, build_model, load_tokenizer, prepare
 
-PATCH = [False, pytest.param(True, marks=pytest.mark.skipif(not patch_importable(),
-                                                            reason="novatune.patch not importable yet"))]
+PATCH = [False, True]
 
 
 def quiet():
@@ -77,8 +76,7 @@ def test_train_same_losses_for_4x1_and_1x4(make_cfg):
         assert a.losses[s] == pytest.approx(b.losses[s], rel=1e-4)
 
 
-@pytest.mark.parametrize("method,patched", [("full", False), ("lora", False), pytest.param("full", True, marks=(
-    pytest.mark.skipif(not patch_importable(), reason="novatune.patch not importable yet")))],
+@pytest.mark.parametrize("method,patched", [("full", False), ("lora", False), ("full", True)],
     ids=["full", "lora-dropout", "full-patched"])
 def test_kill_and_resume_continues_the_same_loss_curve(make_cfg, method, patched, monkeypatch):
     monkeypatch.setenv("NOVATUNE_BACKEND", "reference")  # patched: PyTorch references, not the interpreter
@@ -150,7 +148,6 @@ def test_patch_requested_but_missing_is_a_clear_error(make_cfg, monkeypatch):
     assert apply_patch(torch.nn.Linear(2, 2), cfg.model) is None  # no patch asked: no error
 
 
-@pytest.mark.skipif(not patch_importable(), reason="novatune.patch not importable yet")
 def test_bad_patch_option_names_the_key(make_cfg):
     cfg = make_cfg(model={"patch": True, "patch_options": {"rms_nrom": False}})
     with pytest.raises(SetupError, match="model.patch_options"):

@@ -127,7 +127,7 @@ def test_allow_more_memory_lifts_the_rule(monkeypatch):
 
 
 def test_cli_has_allow_more_memory_flag():
-    from novatune.tune.cli_tune import add_arguments
+    from novatune.commands.tune import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

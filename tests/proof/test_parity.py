@@ -1,4 +1,4 @@
-"""harness/parity.py: tolerances derived from the noise floor, the per-step series check, seed 000's weight table,
+"""proof/parity.py: tolerances derived from the noise floor, the per-step series check, seed 000's weight table,
 the same-init guard. Pure functions on small made-up numbers and tensors (no training here; the trainer-driven
 runs are in tests/integration/test_cli_validate_bench.py)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from novatune.harness import parity
+from novatune.proof import parity
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "patch"))
 from tiny_models import tiny_model  # noqa: E402

@@ -1,9 +1,9 @@
-"""The peer stack's packed-batch metadata (novatune/harness/peer.py): recomputed for every new batch even when the
+"""The peer stack's packed-batch metadata (novatune/bench/peer.py): recomputed for every new batch even when the
 new position_ids occupies the freed memory of the previous one (the address-keyed cache it replaces returned the
 previous batch's document boundaries then), reused across the layers of one batch."""
 import torch
 
-from novatune.harness.peer import PackedMeta
+from novatune.bench.peer import PackedMeta
 
 
 def test_a_new_batch_in_recycled_memory_gets_its_own_boundaries():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from novatune.harness.eval import (
+from novatune.eval.exact_match import (
     SAMPLE,
     EvalError,
     EvalSettings,
@@ -137,7 +137,7 @@ def test_evaluate_tiny_random_model(tiny):
 
 def test_cli_eval_on_export_dir(tmp_path, tiny):
     """A novatune run folder (its final/ export) evaluates through the CLI and writes the result JSON."""
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     model, tok, _ = tiny
     model.save_pretrained(tmp_path / "run" / "final")
@@ -162,7 +162,7 @@ def test_checkpoint_folder_loads_trained_weights(tmp_path):
     """A run folder with only checkpoints: eval rebuilds the model from the saved config and loads its weights."""
     from safetensors.torch import load_file
 
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), "--set", "train.max_steps=1", "--set", "checkpoint.save_every=1",

@@ -11,7 +11,7 @@ Tolerance = max(FACTOR x floor, MIN[dtype]) per compared quantity, FACTOR = 10: 
 where the floor pair differs in one (attention); independent rounding differences add roughly in quadrature
 (sqrt 5 = 2.2x), and per-step values scatter ~2-3x around their typical size. Real bugs (a wrong eps, attention
 across documents, a mis-normalised loss) move these figures by orders of magnitude over the floor
-(tests/harness plants each one). MIN keeps a floor that happens to come out ~0 from failing everything:
+(tests/proof plants each one). MIN keeps a floor that happens to come out ~0 from failing everything:
   fp32: floors measured on the tiny CPU test model: loss ~9e-8 (one fp32 ulp of the loss), grad norm ~2e-7,
         weight update ~3e-5 (AdamW's first step moves every weight by lr x sign(g), so a near-zero gradient whose
         sign flips moves that weight by 2 lr). MIN: 1e-6, 1e-5, 1e-3 - well above those, far below the planted
@@ -26,7 +26,7 @@ across documents, a mis-normalised loss) move these figures by orders of magnitu
 Files written by `novatune validate` (schema; the report builder reads them):
 
   <run_dir>/validate.json   {time, device, capability, cuda, torch, triton, transformers, liger_kernel, peft,
-                             git_sha (harness/results.environment()), config: str, overrides: [str], steps: int,
+                             git_sha (measure/results.environment()), config: str, overrides: [str], steps: int,
                              dtype: str, device_type: str, layers: [int], factor: float, passed: bool,
                              noise_floor: {reference: "stock (sdpa)", alternative: "stock (eager)", why: str},
                              checks: [{name: str, passed: bool, message: str, ...details below}],
@@ -40,9 +40,9 @@ Files written by `novatune validate` (schema; the report builder reads them):
                       weight_change.json rows)
       grad_norm       floor, tolerance, max_rel_diff, per_step: [{step, stock, stock_eager, novatune, floor_rel,
                       novatune_rel}]
-      packing_contamination   (harness/checks.py) tolerance, rows: [{stack, perturbed_doc, own_change,
+      packing_contamination   (proof/checks.py) tolerance, rows: [{stack, perturbed_doc, own_change,
                       max_leak, leak_rel, docs, tokens}] for novatune and for stock (the check's sanity run)
-      grad_accum_invariance   (harness/checks.py) floor (stock's error), tolerance, novatune: {grad_rel_err,
+      grad_accum_invariance   (proof/checks.py) floor (stock's error), tolerance, novatune: {grad_rel_err,
                       loss_rel_err, tokens: [target tokens per micro-batch]}, stock: {...}
   <run_dir>/weight_change.json   [{layer: int, param: str (e.g. "self_attn.q_proj.weight"),
                              stock_vs_base: "CHANGED" | "UNCHANGED", stock_update_rel: ||Ws-W0||/||W0||,

@@ -53,7 +53,7 @@ def add_arguments(p) -> None:
 def _parse_sets(items: list[str]) -> dict:
     import yaml
 
-    from novatune.harness.eval import EvalError
+    from novatune.eval.exact_match import EvalError
 
     out = {}
     for it in items:
@@ -69,7 +69,7 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    from novatune.harness.eval import SAMPLE, EvalError, EvalSettings, evaluate, load_model, load_problems, render_table
+    from novatune.eval.exact_match import SAMPLE, EvalError, EvalSettings, evaluate, load_model, load_problems, render_table
 
     try:
         for name in ("k_shot", "batch_size", "max_new_tokens", "repeat"):
@@ -94,7 +94,7 @@ def run(args) -> int:
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from novatune.harness.results import environment
+    from novatune.measure.results import environment
 
     res = {"task": "gsm8k", "label": args.label or desc["model"], **desc, "data": data,
            "shots_file": args.shots_file or data, "env": environment(), **res}
@@ -115,7 +115,7 @@ def run(args) -> int:
                                    "gen_tokens_per_s", "gen_tokens", "batch_size", "max_new_tokens", "k_shot",
                                    "requests")}
     if args.results:
-        from novatune.harness.results import write_row
+        from novatune.measure.results import write_row
 
         write_row(args.results, {"bench": "eval", **summary})
     print(json.dumps(summary))

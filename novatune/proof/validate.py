@@ -1,4 +1,4 @@
-"""`novatune validate CONFIG`: is training with novatune the same training as stock? (files: harness/parity.py)
+"""`novatune validate CONFIG`: is training with novatune the same training as stock? (files: proof/parity.py)
 
 Three short runs of the configured workload through the real trainer, in this process, one after another (the
 GPU memory of each is released before the next), from the same init and the same data:
@@ -61,8 +61,8 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
     from rich.console import Console
 
     from novatune.data.dataset import build_data
-    from novatune.harness import checks, parity
-    from novatune.harness.results import environment
+    from novatune.proof import checks, parity
+    from novatune.measure.results import environment
     from novatune.train.loop import _packed_kwargs_mode, train
     from novatune.train.model import SetupError, load_tokenizer, model_config, pick_device
 
@@ -149,7 +149,7 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
 
 def render(result: dict) -> str:
     """The check table, the per-step losses and seed 000's weight table."""
-    from novatune.harness.parity import render_weight_table
+    from novatune.proof.parity import render_weight_table
 
     lines = [f"{'check':22s} {'result':6s} detail"]
     for c in result["checks"]:

@@ -1,9 +1,9 @@
-"""harness/bench.py's pure parts: stack names, ratios, the table (an absent stack keeps its row)."""
+"""bench/runner.py's pure parts: stack names, ratios, the table (an absent stack keeps its row)."""
 from __future__ import annotations
 
 import pytest
 
-from novatune.harness.bench import add_ratios, parse_stacks, render_table
+from novatune.bench.runner import add_ratios, parse_stacks, render_table
 
 
 def test_parse_stacks():
@@ -30,7 +30,7 @@ def test_ratios_and_table_with_an_absent_peer():
 
 def test_step_meter_counts_only_the_timed_steps():
     """Warm-up steps (1..warm) are neither timed nor counted: tokens / time must cover the same `steps` steps."""
-    from novatune.harness.bench_worker import StepMeter
+    from novatune.bench.worker import StepMeter
 
     meter = StepMeter(warm=2, steps=3, device_type="cpu")
     meter.model_hook(object())

@@ -26,7 +26,7 @@ FAMILIES = ("eager", "native", "default", "triton", "compile", "cuda")
 
 
 def add_arguments(p) -> None:
-    from novatune.cli import add_config_args
+    from novatune.commands.cli import add_config_args
 
     add_config_args(p, optional=False)
     p.add_argument("--out", help="folder for traces and the report (default <checkpoint.output_dir>/tune)")
@@ -56,9 +56,9 @@ def _families(text: str) -> set[str]:
 def run(args) -> int:
     import torch
 
-    from novatune.cli import load_config
+    from novatune.commands.cli import load_config
     from novatune.data.dataset import BatchStream, build_data
-    from novatune.harness.timing import copy_bandwidth_gbps
+    from novatune.measure.timing import copy_bandwidth_gbps
     from novatune.train.loop import _packed_kwargs_mode, forward_backward
     from novatune.train.model import (
         apply_patch,

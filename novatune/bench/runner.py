@@ -2,11 +2,11 @@
 
 Stacks (same config, same seed -> same init and same data; only the kernels differ):
   stock       HF as shipped: model.patch=false, model.attention=sdpa (documents found from position_ids)
-  liger-peer  the best peer of BENCHMARKS.md: Liger kernels + torch varlen attention (harness/peer.py); needs
+  liger-peer  the best peer of BENCHMARKS.md: Liger kernels + torch varlen attention (bench/peer.py); needs
               liger_kernel: where it is not installed the row says so (status "absent"), it is never dropped
   novatune    novatune.patch(model, **model.patch_options)
 
-Each stack runs `python -m novatune.harness.bench_worker`, which trains with the real trainer
+Each stack runs `python -m novatune.bench.worker`, which trains with the real trainer
 (novatune.train.loop.train) for `warm + steps` optimizer steps and times the last `steps` through the loop's
 step_hook (synchronised at both ends). Separate processes keep memory peaks, caches and Liger's process-wide class
 patching from leaking between stacks (BENCHMARKS.md rule).
@@ -20,7 +20,7 @@ matmul once and hands the same figure to every stack (logging.peak_tflops in the
 Run directory (schema, for `novatune report` and anyone reading the files):
 
   <run_dir>/config.yaml        the resolved config (user overrides applied, before the per-stack changes)
-  <run_dir>/bench.jsonl        one JSON row per stack (harness/results.write_row: time, device, capability, cuda,
+  <run_dir>/bench.jsonl        one JSON row per stack (measure/results.write_row: time, device, capability, cuda,
                                torch, triton, transformers, liger_kernel, peft, git_sha), with the worker's fields:
       bench: "novatune_bench", stack: str, status: "ok" | "absent" | "failed", reason: str | null,
       description: str, config: str, overrides: [str], stack_overrides: [str], warm: int, steps: int,
@@ -84,7 +84,7 @@ def measure_peak_tflops() -> tuple[float | None, str | None]:
 
     if not torch.cuda.is_available():
         return None, None
-    from novatune.harness.timing import matmul_tflops
+    from novatune.measure.timing import matmul_tflops
 
     rate = matmul_tflops()
     torch.cuda.empty_cache()  # the workers need the memory; only the CUDA context stays in this process
@@ -102,7 +102,7 @@ def run_worker(stack: str, config: str | None, overrides: list[str], stack_dir: 
     stack_dir.mkdir(parents=True, exist_ok=True)
     result_path = stack_dir / "result.json"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "novatune.harness.bench_worker", "--stack", stack, "--stack-dir", str(stack_dir),
+    cmd = [sys.executable, "-m", "novatune.bench.worker", "--stack", stack, "--stack-dir", str(stack_dir),
            "--warm", str(warm), "--steps", str(steps)]
     if config is not None:
         cmd += ["--config", str(config)]
@@ -179,13 +179,12 @@ def _run_stacks(rows: list, config, overrides, stacks, run_dir, warm, steps, pea
 def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_dir: Path, warm: int, steps: int,
               timeout: float | None = None, profile: bool = False, log=print) -> dict:
     """Run every stack (one process each) and write the run directory described above; returns the summary."""
-    import argparse
 
-    from novatune.cli import load_config
-    from novatune.harness.results import environment, write_row
+    from novatune.train.config import load_with_base
+    from novatune.measure.results import environment, write_row
     from novatune.train.config import to_yaml
 
-    cfg, _ = load_config(argparse.Namespace(config=config, overrides=list(overrides)))
+    cfg, _ = load_with_base(config, list(overrides))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))

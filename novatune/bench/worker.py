@@ -1,7 +1,7 @@
 """One `novatune bench` stack in this process: train the config with the stack's changes for warm + steps optimizer
-steps through the real trainer, time the last `steps`, write <stack-dir>/result.json (schema: harness/bench.py).
+steps through the real trainer, time the last `steps`, write <stack-dir>/result.json (schema: bench/runner.py).
 
-    python -m novatune.harness.bench_worker --stack novatune --stack-dir runs/b/novatune --warm 2 --steps 3 \\
+    python -m novatune.bench.worker --stack novatune --stack-dir runs/b/novatune --warm 2 --steps 3 \\
         --config examples/qwen3-4b-seed.yaml [--set key=value ...] [--peak-tflops 760 --peak-source measured]
         [--profile]   # one more step under torch.profiler -> <run_dir>/traces/<stack>.json
 
@@ -98,9 +98,9 @@ def _model_type(cfg, base_dir) -> str:
 def run_stack(args) -> dict:
     from rich.console import Console
 
-    from novatune.cli import load_config
-    from novatune.harness.bench import STACKS
-    from novatune.harness.peer import apply_liger, liger_version, register_peer_varlen, use_peer_attention
+    from novatune.train.config import load_with_base
+    from novatune.bench.runner import STACKS
+    from novatune.bench.peer import apply_liger, liger_version, register_peer_varlen, use_peer_attention
     from novatune.train.loop import train
     from novatune.train.metrics import flops_per_token
     from novatune.train.model import param_counts, pick_device
@@ -113,7 +113,7 @@ def run_stack(args) -> dict:
     if args.peak_tflops:
         run_overrides.append(f"logging.peak_tflops={args.peak_tflops}")
     overrides = list(args.overrides) + STACKS[stack]["overrides"] + run_overrides
-    cfg, base = load_config(argparse.Namespace(config=args.config, overrides=overrides))
+    cfg, base = load_with_base(args.config, overrides)
     then, liger_applied = None, None
     if stack == "liger-peer":
         liger_applied = apply_liger(_model_type(cfg, base))  # before the model exists (class-level patch)
@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--peak-source")
     p.add_argument("--profile", action="store_true", help="profile one extra step after the timed ones")
     args = p.parse_args(argv)
-    from novatune.harness.bench import STACKS
-    from novatune.harness.peer import PeerUnavailable
+    from novatune.bench.runner import STACKS
+    from novatune.bench.peer import PeerUnavailable
 
     out = Path(args.stack_dir)
     out.mkdir(parents=True, exist_ok=True)

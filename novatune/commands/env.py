@@ -84,7 +84,7 @@ def _torch_attention() -> list[tuple[str, str]]:
 def collect() -> dict:
     import torch
 
-    from novatune import __version__
+    from novatune.version import __version__
 
     info = {"novatune": __version__, "python": platform.python_version(), "platform": platform.platform(),
             "torch": torch.__version__, "cuda (torch build)": torch.version.cuda or "cpu build"}

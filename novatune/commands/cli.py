@@ -45,11 +45,11 @@ EPILOG_PLAN = """examples:
 
 # subcommand -> module holding add_arguments(parser), HELP and run(args); imported when the parser is built
 PLUGGED_COMMANDS: dict[str, str] = {
-    "eval": "novatune.harness.cli_eval",
-    "report": "novatune.report.cli_report",
-    "bench": "novatune.harness.cli_bench",
-    "validate": "novatune.harness.cli_validate",
-    "tune": "novatune.tune.cli_tune",
+    "eval": "novatune.commands.eval",
+    "report": "novatune.commands.report",
+    "bench": "novatune.commands.bench",
+    "validate": "novatune.commands.validate",
+    "tune": "novatune.commands.tune",
 }
 
 
@@ -63,7 +63,7 @@ def add_config_args(p: argparse.ArgumentParser, optional: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from novatune import __version__
+    from novatune.version import __version__
 
     fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(prog="novatune", formatter_class=fmt, epilog=EPILOG_MAIN,
@@ -92,20 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config(args):
-    """The config named by args.config with args.overrides applied, and the folder relative paths resolve from."""
-    from novatune.train.config import load
+    """The config named by args.config with args.overrides (and --output-dir) applied, and its base folder."""
+    from novatune.train.config import load_with_base
 
-    overrides = list(args.overrides)
-    if getattr(args, "output_dir", None):
-        overrides.append(f"checkpoint.output_dir={args.output_dir}")
-    cfg = load(args.config, overrides)
-    if args.config is None:
-        from novatune.train.demo import DEMO_DIR
-
-        base = DEMO_DIR
-    else:
-        base = Path(args.config).resolve().parent
-    return cfg, base
+    return load_with_base(args.config, args.overrides, getattr(args, "output_dir", None))
 
 
 def cmd_train(args) -> int:
@@ -126,7 +116,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_env(args) -> int:
-    from novatune.train.envinfo import render_env
+    from novatune.commands.env import render_env
 
     print(render_env())
     return 0

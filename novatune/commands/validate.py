@@ -5,7 +5,7 @@ stock vs novatune), (c) gradient norms, (d) packing contamination (changing one 
 move any other document's logits), (e) gradient-accumulation invariance (one micro-batch of rows vs one per row).
 
 Exit 0 when every check passes, 1 when one fails (the table says which and why). Writes validate.json and
-weight_change.json (schema: novatune/harness/parity.py) and each run's metrics under the run directory.
+weight_change.json (schema: novatune/proof/parity.py) and each run's metrics under the run directory.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p) -> None:
-    from novatune.cli import add_config_args
+    from novatune.commands.cli import add_config_args
 
     add_config_args(p, optional=False)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default 4)")
@@ -30,9 +30,9 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from novatune.cli import load_config
-    from novatune.harness.bench import default_run_dir
-    from novatune.harness.validate import render, run_validate
+    from novatune.commands.cli import load_config
+    from novatune.bench.runner import default_run_dir
+    from novatune.proof.validate import render, run_validate
     from novatune.train.config import ConfigError
 
     if args.steps < 1:

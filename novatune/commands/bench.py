@@ -19,7 +19,7 @@ EPILOG = """examples:
 
 
 def add_arguments(p) -> None:
-    from novatune.cli import add_config_args
+    from novatune.commands.cli import add_config_args
 
     add_config_args(p, optional=False)
     p.add_argument("--stacks", default="stock,liger-peer,novatune",
@@ -38,8 +38,8 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from novatune.cli import load_config
-    from novatune.harness.bench import default_run_dir, parse_stacks, render_table, run_bench
+    from novatune.commands.cli import load_config
+    from novatune.bench.runner import default_run_dir, parse_stacks, render_table, run_bench
     from novatune.train.config import ConfigError
 
     try:

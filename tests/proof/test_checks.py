@@ -1,4 +1,4 @@
-"""harness/checks.py on a tiny Qwen3 patched by novatune (CPU, fp32, the ops' PyTorch references): packing
+"""proof/checks.py on a tiny Qwen3 patched by novatune (CPU, fp32, the ops' PyTorch references): packing
 contamination and gradient-accumulation invariance pass for the real patch and catch the planted faults."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import novatune
-from novatune.harness import checks
+from novatune.proof import checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "patch"))
 sys.path.insert(0, os.path.dirname(__file__))
