@@ -1,35 +1,30 @@
-"""The training loop: readable, ours (not HF Trainer), on top of `novatune.patch`.
-
-One optimizer step = `grad_accum` micro-batches. The loss is normalised by the number of target tokens in the
-whole accumulated batch: every micro-batch forward gets `num_items_in_batch = N` (HF's loss, and the patched fused
-cross-entropy, then compute sum(CE) / N), so the gradients add up to those of one big batch. Nothing is divided by
-grad_accum again (that would be the gradient accumulation bug, trl #2175). The logged loss is the sum of the
-micro-batch losses: the mean CE per target token of the accumulated batch.
-
-Every forward passes `use_cache=False`: Qwen3's default use_cache=True silently disables HF's packed-sequence
-detection, and attention would cross documents.
+"""The training loop: logging, checkpoints and exports around the session's step (train/session.py builds the
+model, data, optimizer and scheduler, and owns the forward/backward and the update; see its docstring for the loss
+normalisation under gradient accumulation).
 """
 from __future__ import annotations
 
 import gc
 import json
-import math
-import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from novatune.data.collate import model_inputs
-from novatune.data.dataset import BatchStream, build_data
 from novatune.train import checkpoint as ckpt
 from novatune.train.config import Config, to_yaml
-from novatune.train.metrics import MetricsLog, Progress, flops_per_token, gpu_mem_gib, peak_tflops
-from novatune.train.model import (SetupError, apply_patch, build_model, load_tokenizer, model_config, param_counts,
-                                  pick_device, pick_dtype, prepare)
-from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
+from novatune.train.model import SetupError
+from novatune.train.session import (
+    build,
+    cpu_threads_for_load,
+    forward_backward,
+    packed_kwargs_mode,
+)
+
+__all__ = ["RunResult", "cpu_threads_for_load", "forward_backward", "resolve_resume", "train"]
+_packed_kwargs_mode = packed_kwargs_mode  # the name other commands import
 
 
 @dataclass
@@ -46,39 +41,7 @@ class RunResult:
     pack_stats: object = None
     model: object = None  # the trained model (patch reverted after an export; LoRA: merged after export_merged,
     # QLoRA: still the PEFT model on NF4 weights: its merged export is a separate dense copy)
-
-
-def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):
-    """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced)."""
-    n_items = max(1, sum(mb["num_target_tokens"] for mb in micro_batches))  # host ints: no device sync
-    total = torch.zeros((), device=device)
-    for mb in micro_batches:
-        out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
-        out.loss.backward()  # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
-        total += out.loss.detach().float()
-    return total
-
-
-def _packed_kwargs_mode(cfg: Config, report) -> str | None:
-    if cfg.model.attention.startswith("flash_attention"):
-        return "device"  # stock FA2/FA3 read cu_seq_lens on the GPU
-    if report is not None:
-        return "host"  # novatune's PackedBatch takes the host copy (no sync)
-    return None  # stock sdpa/eager: documents found from position_ids
-
-
-def cpu_threads_for_load(console) -> None:
-    """On a CPU that other processes already keep busy, train with one thread: OpenMP threads spinning against
-    other processes' threads made a 2-thread run ~5x slower than a 1-thread one on a shared 2-core machine
-    (matmul 7 vs 33 GFLOP/s; the demo 344 s vs 64 s). An explicit OMP_NUM_THREADS is always respected."""
-    cores = os.cpu_count() or 1
-    if os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() < 2 or not hasattr(os, "getloadavg"):
-        return
-    load = os.getloadavg()[0]
-    if load >= cores:
-        torch.set_num_threads(1)
-        console.print(f"[yellow]the CPU is busy (load {load:.1f} on {cores} cores): training with 1 thread; set "
-                      f"OMP_NUM_THREADS to choose[/]")
+    session: object = None  # the train.session.Session that ran
 
 
 def resolve_resume(cfg: Config) -> Path | None:
@@ -115,42 +78,10 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     console.print(to_yaml(cfg), highlight=False, markup=False)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    device = pick_device(cfg.model.device)
-    dtype = pick_dtype(cfg.model.dtype, device)
-    if device.type == "cpu":
-        cpu_threads_for_load(console)
-    seed = cfg.train.seed
-    torch.manual_seed(seed)
-    random.seed(seed)
-
-    tokenizer = load_tokenizer(cfg.model, base_dir)
-    mconf = model_config(cfg.model, tokenizer, base_dir)
-    data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
-    console.print(f"data: {data.stats.summary()}", highlight=False)
-
-    qlora = cfg.method.type == "qlora"
-    model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed, qlora=qlora)
-    if qlora and cfg.method.quantize_embeddings:
-        from novatune.train.qlora import quantize_embeddings_
-
-        # before prepare(): enable_input_require_grads hooks the module get_input_embeddings() returns then
-        console.print(quantize_embeddings_(model, dtype), highlight=False, markup=False)
-    model = prepare(model, cfg)
-    report = apply_patch(model, cfg.model)
-    if report is not None:
-        console.print(str(report), highlight=False, markup=False)
-    if model_hook is not None:
-        model_hook(model)
-    n_total, n_train = param_counts(model)
-    console.print(f"model: {type(model).__name__} {n_total / 1e6:,.2f}M parameters ({n_train / 1e6:,.2f}M "
-                  f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
-
-    opt = build_optimizer(model, cfg.train, device)
-    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle,
-                         pad_id=(tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id
-                                 is not None else 0))
-    total = cfg.train.max_steps or math.ceil(cfg.train.epochs * stream.batches_per_epoch / cfg.train.grad_accum)
-    sched = build_scheduler(opt, cfg.train, total)
+    session = build(cfg, base_dir, console, model_hook=model_hook)
+    model, tokenizer, opt, sched, stream = (session.model, session.tokenizer, session.optimizer, session.scheduler,
+                                            session.stream)
+    device, dtype, report, total = session.device, session.dtype, session.patch_report, session.total_steps
 
     step, tokens_seen = 0, 0
     resume_from = resolve_resume(cfg)
@@ -163,15 +94,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         console.print(f"[yellow]checkpoint.resume=never: starting at step 0; older checkpoints in {out_dir} are "
                       f"replaced as new ones are saved[/]")
 
-    result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report, pack_stats=data.stats)
-    mode = _packed_kwargs_mode(cfg, report)
-    lora = cfg.method.type in ("lora", "qlora")
-    frac = 0.0 if lora else 1.0  # LoRA: base matmuls do forward + input grads only (4x); adapters are tiny
-    flops_cfg = getattr(model, "get_base_model", lambda: model)().config
+    result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report,
+                       pack_stats=session.data.stats)
+    lora, qlora = session.lora, cfg.method.type == "qlora"
     peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
     metrics = MetricsLog(out_dir, cfg.logging.tensorboard, console, resume_step=step)
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -186,12 +113,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     start_step, interrupted = step, False
     try:
         while step < total:
-            mbs = [stream.next() for _ in range(cfg.train.grad_accum)]
-            loss = forward_backward(model, mbs, device, mode)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            mbs = session.next_micro_batches()
+            out = session.forward_backward(mbs)
+            # the weights change only in apply_update(): a check of out.loss / out.grad_norm goes between the two
+            session.apply_update()
+            loss, gnorm = out.loss, out.grad_norm
             step += 1
             n_tok = sum(mb["num_tokens"] for mb in mbs)
             tokens_seen += n_tok
@@ -206,7 +132,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 tps = win_tokens / max(now - win_t, 1e-9)
                 mfu = None
                 if peak:
-                    mfu = tps * flops_per_token(flops_cfg, win_keys / max(1, win_tokens), frac) / (peak * 1e12)
+                    mfu = tps * session.flops_per_token(win_keys / max(1, win_tokens)) / (peak * 1e12)
                 mem = gpu_mem_gib(device)
                 row = {"step": step, "total_steps": total, "loss": vals[-1][1], "lr": sched.get_last_lr()[0],
                        "grad_norm": vals[-1][2], "tokens": tokens_seen, "tokens_per_s": tps, "mfu": mfu,
@@ -220,7 +146,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 save(step)
             if step == start_step + 1:
                 # A full garbage collection walks every Python object of transformers, the model and autograd:
-                # 170-195 ms on the GPU machine, landing at random inside training steps (bench/e2e.py --diag,
+                # 170-195 ms on the GPU machine, landing at random inside training steps (`novatune bench --diag`,
                 # LOG.md run 15). What exists after the first step lives for the whole run: freeze it, so later
                 # collections only walk new objects. (torchtitan disables the GC instead.)
                 gc.collect()
@@ -253,7 +179,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
                                           qlora=qlora, merged_dtype=dtype)
             console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
-    result.model = model
+    result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
     losses = [result.losses[k] for k in sorted(result.losses)]
     summary = {"steps": step, "total_steps": total, "first_loss": losses[0] if losses else None,

@@ -162,7 +162,11 @@ def apply_patch(model, mcfg):
     """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false."""
     if not mcfg.patch:
         return None
-    from novatune.patch.apply import patch as applier  # the function the public novatune.patch is
+    try:
+        from novatune.patch.apply import patch as applier  # the function the public novatune.patch is
+    except ImportError as e:
+        raise SetupError(f"model.patch: novatune's patch cannot be imported ({e}); reinstall novatune, or set "
+                         f"model.patch=false to train stock HF") from None
 
     fn, opts = applier, dict(mcfg.patch_options or {})
     try:

@@ -1,0 +1,238 @@
+"""One run builder: `build(config) -> Session`, and the training step every consumer runs.
+
+The trainer (train/loop.py), `novatune bench` (every stack), `novatune validate`, `novatune eval` and `novatune tune`
+build their model here, so a figure any of them reports comes from the model and the step the trainer runs.
+
+Build order (fixed): seed -> tokenizer -> data -> [before_model hook] -> model -> QLoRA embedding quantisation ->
+gradient checkpointing + LoRA (train/model.prepare) -> novatune.patch -> [model_hook] -> optimizer -> scheduler.
+A stack that is not novatune (stock HF, a peer) is the same build with other options: `model.patch=false`, another
+attention implementation, a `before_model` hook (Liger patches HF's classes before the model exists) or a
+`model_hook` (switch a built model's attention).
+
+One optimizer step = `grad_accum` micro-batches, in two calls so a caller can look at the loss before the weights
+change:
+  out = session.forward_backward(micro_batches)   # gradients accumulated and clipped; out.loss, out.grad_norm
+  session.apply_update()                          # optimizer + scheduler step, gradients zeroed
+  (or session.skip_update(): gradients dropped, weights and schedule unchanged)
+`session.step(micro_batches)` does both. Neither synchronises with the GPU: the loss and the norm stay on the
+device until the caller reads them.
+
+The loss is normalised by the number of target tokens in the whole accumulated batch: every micro-batch forward
+gets `num_items_in_batch = N` (HF's loss, and the patched fused cross-entropy, then compute sum(CE) / N), so the
+gradients add up to those of one big batch. Nothing is divided by grad_accum again (that would be the gradient
+accumulation bug, trl #2175). The step's loss is the sum of the micro-batch losses: the mean CE per target token.
+Every forward passes `use_cache=False`: Qwen3's default use_cache=True silently disables HF's packed-sequence
+detection, and attention would cross documents.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from novatune.data.collate import model_inputs
+from novatune.data.dataset import BatchStream, PackedData, build_data
+from novatune.train.metrics import flops_per_token
+from novatune.train.model import (
+    apply_patch,
+    build_model,
+    load_tokenizer,
+    model_config,
+    param_counts,
+    pick_device,
+    pick_dtype,
+    prepare,
+)
+from novatune.train.optim import build_optimizer, build_scheduler
+
+
+def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):
+    """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced)."""
+    n_items = max(1, sum(mb["num_target_tokens"] for mb in micro_batches))  # host ints: no device sync
+    total = torch.zeros((), device=device)
+    for mb in micro_batches:
+        out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
+        out.loss.backward()  # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
+        total += out.loss.detach().float()
+    return total
+
+
+def packed_kwargs_mode(cfg, report) -> str | None:
+    """How the document offsets reach the model: "device" for stock flash-attention (it reads cu_seq_lens on the
+    GPU), "host" for novatune's patched attention (its PackedBatch takes the host copy: no sync), None for stock
+    sdpa/eager (HF finds the documents from position_ids)."""
+    if cfg.model.attention.startswith("flash_attention"):
+        return "device"
+    if report is not None:
+        return "host"
+    return None
+
+
+def cpu_threads_for_load(console) -> None:
+    """On a CPU that other processes already keep busy, train with one thread: OpenMP threads spinning against
+    other processes' threads made a 2-thread run ~5x slower than a 1-thread one on a shared 2-core machine
+    (matmul 7 vs 33 GFLOP/s; the demo 344 s vs 64 s). An explicit OMP_NUM_THREADS is always respected."""
+    cores = os.cpu_count() or 1
+    if os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads() < 2 or not hasattr(os, "getloadavg"):
+        return
+    load = os.getloadavg()[0]
+    if load >= cores:
+        torch.set_num_threads(1)
+        if console is not None:
+            console.print(f"[yellow]the CPU is busy (load {load:.1f} on {cores} cores): training with 1 thread; "
+                          f"set OMP_NUM_THREADS to choose[/]")
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # 0-dim, on the device: mean CE per target token of the accumulated batch
+    grad_norm: torch.Tensor  # 0-dim, pre-clip total norm of the trainable parameters' gradients
+
+
+@dataclass
+class Session:
+    """A built run: what the trainer steps and what bench / proof / eval / tune measure."""
+    cfg: object
+    model: torch.nn.Module
+    tokenizer: object
+    data: PackedData
+    stream: BatchStream
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    patch_report: object  # PatchReport, or None when model.patch is false
+    device: torch.device
+    dtype: torch.dtype
+    total_steps: int
+    packed_kwargs: str | None
+    weights_bytes: int | None = None  # CUDA memory allocated once the model is built and patched (QLoRA: NF4)
+
+    def __post_init__(self):
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = self.cfg.train.max_grad_norm
+        self.clip = clip if clip > 0 else float("inf")
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.method.type in ("lora", "qlora")
+
+    @property
+    def base_config(self):
+        """The transformers config of the model under any PEFT wrapper (for FLOP counts)."""
+        return getattr(self.model, "get_base_model", lambda: self.model)().config
+
+    def next_micro_batches(self) -> list[dict]:
+        """The next optimizer step's `grad_accum` micro-batches (host tensors, document offsets computed)."""
+        return [self.stream.next() for _ in range(self.cfg.train.grad_accum)]
+
+    def batches(self, steps: int, pin: bool | None = None) -> list[list[dict]]:
+        """The next `steps` optimizer steps' micro-batches, collated up front; pinned on CUDA, so each copy to the
+        GPU is asynchronous (a pageable source makes CUDA synchronise the stream first)."""
+        pin = self.device.type == "cuda" if pin is None else pin
+        out = []
+        for _ in range(steps):
+            mbs = self.next_micro_batches()
+            if pin:
+                for mb in mbs:
+                    for k in ("input_ids", "position_ids", "labels"):
+                        mb[k] = mb[k].pin_memory()
+            out.append(mbs)
+        return out
+
+    def forward_backward(self, micro_batches: list[dict]) -> StepOutput:
+        """Gradients of one optimizer step, accumulated over the micro-batches and clipped; nothing synced."""
+        loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        return StepOutput(loss, gnorm)
+
+    def apply_update(self) -> None:
+        """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_update(self) -> None:
+        """Drop the accumulated gradients without touching the weights, the optimizer state or the schedule."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, micro_batches: list[dict]) -> StepOutput:
+        """One whole optimizer step: forward_backward, then apply_update."""
+        out = self.forward_backward(micro_batches)
+        self.apply_update()
+        return out
+
+    def flops_per_token(self, avg_attended_keys: float) -> float:
+        """Model FLOPs per trained token (LoRA: frozen matmuls at forward + input gradient)."""
+        return flops_per_token(self.base_config, avg_attended_keys, 0.0 if self.lora else 1.0)
+
+    def param_counts(self) -> tuple[int, int]:
+        return param_counts(self.model)
+
+
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+
+def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = None, console=None,
+                        before_model: Callable | None = None):
+    """The model as the trainer trains it: built (QLoRA: NF4 linears), input embedding quantised when configured,
+    checkpointing and LoRA, then novatune.patch. Returns (model, patch report or None)."""
+    if before_model is not None:
+        before_model(model_config(cfg.model, tokenizer, base_dir))
+    qlora = cfg.method.type == "qlora"
+    model = build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=cfg.train.seed, qlora=qlora)
+    if qlora and cfg.method.quantize_embeddings:
+        from novatune.train.qlora import quantize_embeddings_
+
+        # before prepare(): enable_input_require_grads hooks the module get_input_embeddings() returns then
+        msg = quantize_embeddings_(model, dtype)
+        if console is not None:
+            console.print(msg, highlight=False, markup=False)
+    model = prepare(model, cfg)
+    report = apply_patch(model, cfg.model)
+    if report is not None and console is not None:
+        console.print(str(report), highlight=False, markup=False)
+    return model, report
+
+
+def build(cfg, base_dir: Path | None = None, console=None, before_model: Callable | None = None,
+          model_hook: Callable | None = None, total_steps: int | None = None) -> Session:
+    """Build the configured run (module docstring). `before_model(transformers_config)` runs before the model
+    exists; `model_hook(model)` once it is built, prepared and patched, before the optimizer exists (snapshot the
+    weights, switch a peer's attention). `total_steps` overrides the schedule's length (default: train.max_steps,
+    or the epochs' worth of optimizer steps)."""
+    device = pick_device(cfg.model.device)
+    dtype = pick_dtype(cfg.model.dtype, device)
+    if device.type == "cpu":
+        cpu_threads_for_load(console)
+    seed = cfg.train.seed
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+    tokenizer = load_tokenizer(cfg.model, base_dir)
+    mconf = model_config(cfg.model, tokenizer, base_dir)
+    data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
+    if console is not None:
+        console.print(f"data: {data.stats.summary()}", highlight=False)
+
+    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model)
+    if model_hook is not None:
+        model_hook(model)
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    if console is not None:
+        n_total, n_train = param_counts(model)
+        console.print(f"model: {type(model).__name__} {n_total / 1e6:,.2f}M parameters ({n_train / 1e6:,.2f}M "
+                      f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
+
+    opt = build_optimizer(model, cfg.train, device)
+    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer))
+    if total_steps is None:
+        total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * stream.batches_per_epoch
+                                                       / cfg.train.grad_accum)
+    sched = build_scheduler(opt, cfg.train, total_steps)
+    return Session(cfg, model, tokenizer, data, stream, opt, sched, report, device, dtype, total_steps,
+                   packed_kwargs_mode(cfg, report), weights)
