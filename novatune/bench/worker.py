@@ -1,87 +1,33 @@
-"""One `novatune bench` stack in this process: train the config with the stack's changes for warm + steps optimizer
-steps through the real trainer, time the last `steps`, write <stack-dir>/result.json (schema: bench/runner.py).
+"""One `novatune bench` stack in this process: `python -m novatune.bench.worker SPEC.json`.
 
-    python -m novatune.bench.worker --stack novatune --stack-dir runs/b/novatune --warm 2 --steps 3 \\
-        --config examples/qwen3-4b-seed.yaml [--set key=value ...] [--peak-tflops 760 --peak-source measured]
-        [--profile]   # one more step under torch.profiler -> <run_dir>/traces/<stack>.json
-
-Exit 0 when the stack ran (or is absent: the result says why), 1 when it failed (the result holds the error).
+The spec (written by bench/runner.py) names the stack, the config and overrides, the step counts and the options:
+  {"stack", "stack_dir", "config", "overrides", "warm", "steps", "peak_tflops", "peak_source",
+   "profile", "memory", "gc_freeze", "diag"}
+The run is built by novatune.train.session.build with the stack's overrides and hooks and stepped with the
+session's own step. The measurement (BENCHMARKS.md's rules):
+  * every optimizer step's micro-batches are collated before the first step and pinned on CUDA (a trainer's
+    prefetch): the timed steps copy them to the GPU without blocking the host;
+  * `warm` warm-up steps, then Python's GC is frozen (gc.freeze: later collections skip the objects that live for
+    the whole run; a full collection took 170-195 ms and landed inside a timed step) unless gc_freeze is false;
+  * the allocator's peak is reset, then `steps` timed steps with no host sync inside them (one CUDA event per
+    step gives step_ms), synchronised at both ends; tokens/s = trained tokens / that wall time;
+  * --memory and --profile run after the timed steps, on the next micro-batch.
+Writes <stack_dir>/result.json (the row; schema in bench/runner.py). Exit 0 when the stack ran or is absent (the
+row says why), 1 when it failed (the row holds the error, worker.log the traceback).
 """
 from __future__ import annotations
 
-import argparse
+import gc
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import torch
 
-class StepMeter:
-    """The trainer's hooks: marks the end of warm-up (synchronised; the memory peak is reset there), counts the
-    timed steps' tokens and attended keys, and the wall time of every step."""
-
-    def __init__(self, warm: int, steps: int, device_type: str, then=None, trace: Path | None = None):
-        self.warm, self.steps, self.cuda = warm, steps, device_type == "cuda"
-        self.trace, self.prof = trace, None  # trace: profile one extra step after the timed ones, to this file
-        self.then = then  # another model hook to chain (the peer's attention switch)
-        self.model = None
-        self.t_last = self.t0 = self.t1 = None
-        self.step_s: list[float] = []
-        self.tokens: list[int] = []
-        self.keys = 0.0
-        self.peak_bytes: int | None = None  # allocator peak over the timed steps (CUDA)
-
-    def _sync(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-
-    def model_hook(self, model) -> None:
-        if self.then is not None:
-            self.then(model)
-        self.model = model
-        self._sync()
-        self.t_last = time.perf_counter()
-
-    def step_hook(self, step: int, mbs: list[dict]) -> None:
-        self._sync()
-        now = time.perf_counter()
-        self.step_s.append(now - self.t_last)
-        self.t_last = now
-        if step == self.warm:
-            if self.cuda:
-                import torch
-
-                torch.cuda.reset_peak_memory_stats()
-            self.t0 = now
-        elif self.warm < step <= self.warm + self.steps:  # steps 1..warm are warm-up: neither timed nor counted
-            self.tokens.append(sum(mb["num_tokens"] for mb in mbs))
-            self.keys += sum(mb["attn_keys"] for mb in mbs)
-            if step == self.warm + self.steps:
-                self.t1 = now
-                if self.cuda:
-                    import torch
-
-                    self.peak_bytes = torch.cuda.max_memory_allocated()
-                if self.trace is not None:
-                    self._start_profile()
-        elif self.prof is not None:  # the extra, profiled step: neither timed nor metered
-            self._stop_profile()
-
-    def _start_profile(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=acts)
-        self.prof.__enter__()
-
-    def _stop_profile(self) -> None:
-        self.prof.__exit__(None, None, None)
-        self.trace.parent.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.trace))
-        self.prof = None
+RUN_OVERRIDES = ["checkpoint.resume=never", "checkpoint.save_every=0", "checkpoint.export=false",
+                 "logging.progress=false", "logging.tensorboard=false"]
 
 
 def _sig(x: float, digits: int = 5) -> float:
@@ -89,113 +35,198 @@ def _sig(x: float, digits: int = 5) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def _model_type(cfg, base_dir) -> str:
-    from novatune.train.model import load_tokenizer, model_config
+def load_stack_config(spec: dict):
+    from novatune.bench.stacks import STACKS
+    from novatune.train.config import load_with_base
 
-    return model_config(cfg.model, load_tokenizer(cfg.model, base_dir), base_dir).model_type
+    stack = STACKS[spec["stack"]]
+    total = spec["warm"] + spec["steps"]
+    run = RUN_OVERRIDES + [f"checkpoint.output_dir={spec['stack_dir']}", f"train.max_steps={total}"]
+    return load_with_base(spec.get("config"), list(spec.get("overrides", [])) + stack.overrides + run)
 
 
-def run_stack(args) -> dict:
+class Clock:
+    """Wall time of the timed steps (synchronised at both ends) and each step's GPU time from CUDA events."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+
+    def step_ms(self) -> list[float]:
+        return [round(a.elapsed_time(b), 1) for a, b in zip(self.events, self.events[1:])]
+
+
+def micro_batch_kwargs(session, mb: dict) -> dict:
+    """A micro-batch as the session's forward receives it (for the diagnostics' single micro-steps)."""
+    from novatune.data.collate import model_inputs
+
+    n_items = max(1, mb["num_target_tokens"])
+    return {**model_inputs(mb, session.device, session.packed_kwargs), "num_items_in_batch": n_items,
+            "use_cache": False}
+
+
+def timed_steps(session, spec: dict, log=print) -> dict:
+    """Warm-up, GC freeze, timed steps (module docstring); returns the measured fields."""
+    warm, steps = spec["warm"], spec["steps"]
+    plan = session.batches(warm + steps)
+    clock = Clock(session.device)
+    losses, norms = [], []
+    for k in range(warm):
+        t = time.perf_counter()
+        out = session.step(plan[k])
+        losses.append(float(out.loss))  # a sync per warm-up step: warm-up times are printed with --diag
+        norms.append(out.grad_norm)
+        if spec.get("diag"):
+            log(f"DIAG warm step {k}: {1e3 * (time.perf_counter() - t):.1f} ms")
+    clock.sync()
+    if spec.get("gc_freeze", True):
+        gc.collect()
+        gc.freeze()
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed = []
+    t0 = time.perf_counter()
+    clock.mark()
+    for k in range(warm, warm + steps):
+        timed.append(session.step(plan[k]))
+        clock.mark()
+    clock.sync()
+    wall = time.perf_counter() - t0
+    losses += [float(o.loss) for o in timed]
+    norms += [o.grad_norm for o in timed]
+    tokens = [sum(mb["num_tokens"] for mb in mbs) for mbs in plan[warm:]]
+    keys = sum(mb["attn_keys"] for mbs in plan[warm:] for mb in mbs)
+    return {"timed_s": wall, "tokens_per_step": tokens, "keys": keys, "losses": losses,
+            "grad_norms": [float(g) for g in norms], "step_ms": clock.step_ms(),
+            "peak_bytes": torch.cuda.max_memory_allocated() if clock.cuda else None,
+            "reserved_bytes": torch.cuda.max_memory_reserved() if clock.cuda else None}
+
+
+def diagnostics(session, spec: dict, stack: str) -> dict:
+    """--memory (CUDA) and --profile, on the next micro-batch, after the timed steps (never inside them)."""
+    from novatune.bench import diagnostics as diag
+
+    extra = {}
+    if not (spec.get("memory") or spec.get("profile")):
+        return extra
+    batch = micro_batch_kwargs(session, session.stream.next())
+    out = Path(spec["stack_dir"]).parent
+    if spec.get("memory") and session.device.type == "cuda":
+        try:
+            extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / stack))
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
+            extra["memory"] = f"failed: {type(e).__name__}: {e}"
+    if spec.get("profile"):
+        extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / stack))
+        extra["trace"] = str(out / "traces" / f"{stack}.json")
+    return extra
+
+
+def patch_facts(session) -> dict:
+    """The attention backend novatune chose and the CUDA-graph counters (patched stacks)."""
+    from novatune.attention.backends import last_choice
+    from novatune.patch.apply import _find_state
+
+    choice = last_choice()
+    facts = {"attention_backend": choice.backend if choice else None}
+    model = session.model
+    found = _find_state(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if found is not None and found[1].graphs is not None:
+        facts["cuda_graphs"] = found[1].graphs.stats()
+    return facts
+
+
+def run_stack(spec: dict, log=print) -> dict:
     from rich.console import Console
 
-    from novatune.train.config import load_with_base
-    from novatune.bench.runner import STACKS
-    from novatune.bench.peer import apply_liger, liger_version, register_peer_varlen, use_peer_attention
-    from novatune.train.loop import train
-    from novatune.train.metrics import flops_per_token
-    from novatune.train.model import param_counts, pick_device
+    from novatune.bench.peer import liger_version
+    from novatune.bench.stacks import STACKS, Hooks
+    from novatune.train.session import build
 
-    stack, out = args.stack, Path(args.stack_dir)
-    total = args.warm + args.steps + (1 if args.profile else 0)  # the profiled step comes after the timed ones
-    run_overrides = [f"checkpoint.output_dir={out}", "checkpoint.resume=never", "checkpoint.save_every=0",
-                     "checkpoint.export=false", f"train.max_steps={total}", "logging.every=1",
-                     "logging.progress=false", "logging.tensorboard=false"]
-    if args.peak_tflops:
-        run_overrides.append(f"logging.peak_tflops={args.peak_tflops}")
-    overrides = list(args.overrides) + STACKS[stack]["overrides"] + run_overrides
-    cfg, base = load_with_base(args.config, overrides)
-    then, liger_applied = None, None
-    if stack == "liger-peer":
-        liger_applied = apply_liger(_model_type(cfg, base))  # before the model exists (class-level patch)
-        register_peer_varlen()
-        then = use_peer_attention
-    device = pick_device(cfg.model.device)
-    trace = out.parent / "traces" / f"{stack}.json" if args.profile else None
-    meter = StepMeter(args.warm, args.steps, device.type, then, trace)
-    res = train(cfg, base_dir=base, console=Console(soft_wrap=True), model_hook=meter.model_hook,
-                step_hook=meter.step_hook)
-    if meter.t1 is None:
-        raise RuntimeError(f"the trainer stopped after {res.steps} steps; {total} were needed")
-    timed_s = meter.t1 - meter.t0
-    tokens = sum(meter.tokens)
-    tps = tokens / timed_s
-    model = meter.model
-    flops_cfg = getattr(model, "get_base_model", lambda: model)().config
-    fpt = flops_per_token(flops_cfg, meter.keys / max(1, tokens), 0.0 if cfg.method.type in ("lora", "qlora") else 1.0)
-    peak, source = args.peak_tflops, args.peak_source
+    stack = STACKS[spec["stack"]]
+    cfg, base = load_stack_config(spec)
+    if stack.run is not None:  # a stack with its own trainer (e.g. TRL)
+        return {"status": "ok", "reason": None, **stack.run(spec, cfg, base)}
+    hooks = stack.hooks(cfg, base) if stack.hooks is not None else Hooks()
+    if spec.get("diag"):
+        from novatune.bench.diagnostics import install_diagnostics
+
+        install_diagnostics()
+    session = build(cfg, base, Console(soft_wrap=True), hooks.before_model, hooks.model_hook)
+    m = timed_steps(session, spec, log)
+    extra = diagnostics(session, spec, stack.name)
+    if stack.patched:
+        extra.update(patch_facts(session))
+    tokens = sum(m["tokens_per_step"])
+    tps = tokens / m["timed_s"]
+    fpt = session.flops_per_token(m["keys"] / max(1, tokens))
+    peak, source = spec.get("peak_tflops"), spec.get("peak_source")
     if not peak:
         from novatune.train.metrics import peak_tflops
 
-        peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
+        peak = peak_tflops(session.device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
         source = "GPU datasheet table (novatune.train.metrics)" if peak else None
-    metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    n_total, n_train = param_counts(model)
-    backend = None
-    if res.patch_report is not None:
-        from novatune.attention.backends import last_choice
-
-        choice = last_choice()
-        backend = choice.backend if choice else None
+    n_total, n_train = session.param_counts()
+    gib = lambda b: round(b / 2**30, 3) if b is not None else None
+    report = session.patch_report
     return {
-        "stack": stack, "status": "ok", "reason": None, "description": STACKS[stack]["description"],
-        "config": args.config or "<demo>", "overrides": list(args.overrides), "stack_overrides": STACKS[stack][
-            "overrides"], "warm": args.warm, "steps": args.steps,
-        "tok_s": round(tps, 1), "timed_s": round(timed_s, 6), "timed_tokens": tokens, "tokens_per_step": meter.tokens,
-        "step_s": [round(x, 4) for x in meter.step_s], "gflop_per_tok": _sig(fpt / 1e9),
+        "status": "ok", "reason": None, "warm": spec["warm"], "steps": spec["steps"],
+        "tok_s": round(tps, 1), "timed_s": round(m["timed_s"], 6), "timed_tokens": tokens,
+        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "gflop_per_tok": _sig(fpt / 1e9),
         "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
-        "peak_tflops": peak, "peak_tflops_source": source,
-        "peak_gib": round(meter.peak_bytes / 2**30, 3) if meter.peak_bytes is not None else None,
-        "losses": [res.losses[s] for s in sorted(res.losses)], "grad_norms": [r["grad_norm"] for r in metrics],
-        "model_class": type(model).__name__, "model_type": flops_cfg.model_type, "params": n_total,
-        "trainable_params": n_train, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "device_type": device.type, "patch": res.patch_report.to_dict() if res.patch_report is not None else None,
-        "attention_backend": backend, "liger_applied": liger_applied, "liger_version": liger_version(),
-        "pack": res.pack_stats.to_dict(), "trace": str(trace) if trace is not None and trace.exists() else None,
+        "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
+        "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),
+        "losses": m["losses"], "grad_norms": m["grad_norms"], "gc_freeze": spec.get("gc_freeze", True),
+        "method": cfg.method.type, "model_class": type(session.model).__name__,
+        "model_type": session.base_config.model_type, "params": n_total, "trainable_params": n_train,
+        "dtype": str(session.dtype).replace("torch.", ""), "device_type": session.device.type,
+        "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum, "micro_batch": cfg.train.micro_batch,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
+        "nf4_embedding": type(session.model.get_input_embeddings()).__name__ == "NF4Embedding",
+        "patch": report.to_dict() if report is not None else None, "applied": hooks.applied,
+        "liger_version": liger_version(), "pack": session.data.stats.to_dict(), **extra,
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stack", required=True)
-    p.add_argument("--stack-dir", required=True)
-    p.add_argument("--config")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--warm", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float)
-    p.add_argument("--peak-source")
-    p.add_argument("--profile", action="store_true", help="profile one extra step after the timed ones")
-    args = p.parse_args(argv)
-    from novatune.bench.runner import STACKS
-    from novatune.bench.peer import PeerUnavailable
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m novatune.bench.worker SPEC.json (written by `novatune bench`)", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    from novatune.bench.stacks import STACKS, load_plugins
 
-    out = Path(args.stack_dir)
+    load_plugins()
+    out = Path(spec["stack_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    code = 0
-    if args.stack not in STACKS:
-        row = {"stack": args.stack, "status": "failed", "reason": f"unknown stack; choose from {', '.join(STACKS)}"}
+    name, code = spec["stack"], 0
+    base = {"stack": name, "description": STACKS[name].description if name in STACKS else None,
+            "config": spec.get("config") or "<demo>", "overrides": spec.get("overrides", []),
+            "stack_overrides": STACKS[name].overrides if name in STACKS else []}
+    if name not in STACKS:
+        row = {"status": "failed", "reason": f"unknown stack; choose from {', '.join(STACKS)}"}
         code = 1
     else:
+        from novatune.bench.peer import PeerUnavailable
+
         try:
-            row = run_stack(args)
+            row = run_stack(spec, lambda s: print(s, flush=True))
         except PeerUnavailable as e:
-            row = {"stack": args.stack, "status": "absent", "reason": str(e),
-                   "description": STACKS[args.stack]["description"]}
-        except Exception as e:  # noqa: BLE001 - recorded in the row (with the traceback in worker.log), exit 1
+            row = {"status": "absent", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - recorded in the row (the traceback in worker.log), exit 1
             traceback.print_exc()
-            row = {"stack": args.stack, "status": "failed", "reason": f"{type(e).__name__}: {e}",
-                   "description": STACKS[args.stack]["description"]}
+            row = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             code = 1
+    row = {**base, **row}
     (out / "result.json").write_text(json.dumps(row, indent=1))
     print("RESULT " + json.dumps({k: row.get(k) for k in ("stack", "status", "tok_s", "peak_gib", "reason")}),
           flush=True)

@@ -1,6 +1,7 @@
-"""Train the configured workload with stock HF, the best peer (Liger + torch varlen attention, when installed) and
-novatune, each in its own process from the same init and data; print tokens/s, MFU, peak memory and per-step
-losses side by side, and write a run directory (bench.jsonl rows, summary.json, each stack's metrics).
+"""Train the configured workload with stock HF, the peers (Liger + torch varlen attention, Unsloth; when installed)
+and novatune (and its variants: full fine-tuning beside a LoRA config, without CUDA graphs), each in its own
+process from the same init and data, every one built by the trainer's builder; print tokens/s, MFU, peak memory and
+per-step losses side by side, and write a run directory (bench.jsonl rows, summary.json) and --results rows.
 
 tokens/s counts the timed optimizer steps after the warm-up steps (synchronised); peak GiB is the allocator's
 peak over the timed steps; MFU divides by a bf16 matmul rate measured once in this run. Rows carry the device,
@@ -9,11 +10,13 @@ not installed) gets a row saying so.
 """
 from __future__ import annotations
 
-HELP = "stock vs peer vs novatune on the configured workload: tok/s, MFU, memory, losses"
+HELP = "stock vs peers vs novatune on the configured workload: tok/s, MFU, memory, losses"
 EPILOG = """examples:
   novatune bench examples/qwen3-4b-seed.yaml                       # all stacks, writes runs/bench-<time>/
   novatune bench examples/qwen3-4b-seed.yaml --warm 2 --steps 5 --run-dir /tmp/bench
   novatune bench examples/qwen3-4b-seed.yaml --stacks stock,novatune --set model.arch_overrides.num_hidden_layers=8
+  novatune bench examples/lora.yaml --stacks stock,liger-peer,novatune,novatune_full
+  novatune bench examples/qlora.yaml --stacks stock,novatune,novatune_eager --profile --memory
   novatune report /tmp/bench                                       # the report from the run directory
 """
 
@@ -22,24 +25,35 @@ def add_arguments(p) -> None:
     from novatune.commands.cli import add_config_args
 
     add_config_args(p, optional=False)
-    p.add_argument("--stacks", default="stock,liger-peer,novatune",
-                   help="comma list of stock, liger-peer, novatune (default: all three)")
+    p.add_argument("--stacks", default="stock,liger-peer,unsloth,novatune",
+                   help="comma list of stock, liger-peer, unsloth, novatune, novatune_full, novatune_eager "
+                        "(bench/e2e.py's names hf_sdpa and varlen_liger are accepted); default: "
+                        "stock,liger-peer,unsloth,novatune")
     p.add_argument("--warm", type=int, default=2, help="warm-up optimizer steps, not timed (default 2, min 1)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed optimizer steps (default: train.max_steps minus the warm-up)")
-    p.add_argument("--run-dir", help="where the rows go (default: runs/bench-<date-time>)")
+    p.add_argument("--run-dir", help="where the run's files go (default: runs/bench-<date-time>)")
+    p.add_argument("--results", default="bench/results/bench.jsonl",
+                   help="a .jsonl file the rows are appended to as well ('' for none)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds allowed per stack")
     p.add_argument("--profile", action="store_true",
-                   help="one extra step per stack under torch.profiler, after the timed steps: "
-                        "<run-dir>/traces/<stack>.json (the report's op-time breakdown)")
+                   help="one micro-step per stack under torch.profiler, after the timed steps (CUDA): "
+                        "<run-dir>/traces/<stack>.json + .txt (op table, idle gaps, host syncs)")
+    p.add_argument("--memory", action="store_true",
+                   help="replay one micro-step's allocations to the peak (CUDA): <run-dir>/memory/<stack>.txt")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave Python's GC as is (by default gc.freeze() after the warm-up: full collections "
+                        "walk every long-lived object, ~0.2 s each, inside timed steps)")
+    p.add_argument("--diag", action="store_true", help="print Triton compiles, long GCs and warm-up step times")
 
 
 def run(args) -> int:
     import json
     from pathlib import Path
 
+    from novatune.bench.runner import default_run_dir, render_table, run_bench
+    from novatune.bench.stacks import parse_stacks
     from novatune.commands.cli import load_config
-    from novatune.bench.runner import default_run_dir, parse_stacks, render_table, run_bench
     from novatune.train.config import ConfigError
 
     try:
@@ -55,7 +69,8 @@ def run(args) -> int:
                           f"{args.warm})", "pass --steps N (N >= 1)")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("bench")
     summary = run_bench(args.config, list(args.overrides), stacks, run_dir, args.warm, steps, args.timeout,
-                        args.profile)
+                        args.profile, results=args.results or None, memory=args.memory,
+                        gc_freeze=not args.no_gc_freeze, diag=args.diag)
     print()
     print(render_table(summary))
     print(f"run directory: {run_dir}")

@@ -1,13 +1,16 @@
-"""bench/runner.py's pure parts: stack names, ratios, the table (an absent stack keeps its row)."""
+"""bench/runner.py's pure parts (stack names, ratios, the table: an absent stack keeps its row), the stack table's
+registration point, and the worker's timing of the session's steps."""
 from __future__ import annotations
 
 import pytest
 
-from novatune.bench.runner import add_ratios, parse_stacks, render_table
+from novatune.bench.runner import add_ratios, render_table
+from novatune.bench.stacks import STACKS, Stack, parse_stacks, register
 
 
 def test_parse_stacks():
     assert parse_stacks("stock, novatune") == ["stock", "novatune"]
+    assert parse_stacks("hf_sdpa,varlen_liger,novatune_eager") == ["stock", "liger-peer", "novatune_eager"]
     with pytest.raises(ValueError, match="unknown stack"):
         parse_stacks("stock,liger")
 
@@ -24,19 +27,86 @@ def test_ratios_and_table_with_an_absent_peer():
     assert rows[2]["loss_max_rel_diff_vs_stock"] == pytest.approx(1e-4)
     assert rows[1]["x_stock"] is None
     table = render_table({"rows": rows, "warm": 1, "speedup": sp})
-    assert "liger-peer  absent  liger_kernel is not installed" in table
+    assert "liger-peer     absent  liger_kernel is not installed" in table
     assert "16,000" in table and "2.000" in table and "60.0%" in table
 
 
-def test_step_meter_counts_only_the_timed_steps():
-    """Warm-up steps (1..warm) are neither timed nor counted: tokens / time must cover the same `steps` steps."""
-    from novatune.bench.worker import StepMeter
+TINY = """
+model:
+  arch: qwen3-tiny
+  arch_overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
+                   num_key_value_heads: 1, head_dim: 16, vocab_size: 128}
+  device: cpu
+  dtype: fp32
+  patch: false
+data:
+  sources: [{type: synthetic, num_docs: 40, median_length: 20, sigma: 0.5, min_length: 4, seed: 1}]
+  max_length: 64
+  shuffle: false
+train: {max_steps: 4, micro_batch: 1, grad_accum: 2, lr: 1.0e-3, schedule: constant, seed: 0}
+checkpoint: {output_dir: runs/unused, export: false}
+logging: {every: 1, tensorboard: false, progress: false}
+"""
 
-    meter = StepMeter(warm=2, steps=3, device_type="cpu")
-    meter.model_hook(object())
-    mb = {"num_tokens": 100, "attn_keys": 10.0}
-    for step in range(1, 6):
-        meter.step_hook(step, [mb, mb])
-    assert meter.tokens == [200, 200, 200]
-    assert meter.t0 is not None and meter.t1 is not None and meter.t1 >= meter.t0
-    assert len(meter.step_s) == 5
+
+@pytest.fixture
+def spec(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    return {"stack": "stock", "stack_dir": str(tmp_path / "stock"), "config": str(cfg), "overrides": [],
+            "warm": 2, "steps": 2, "gc_freeze": True}
+
+
+def test_timed_steps_count_only_the_timed_steps_and_match_the_trainer(spec, tmp_path):
+    """Warm-up steps are neither timed nor counted; the losses are the trainer's own for the same config."""
+    import gc
+
+    from novatune.bench.worker import load_stack_config, timed_steps
+    from novatune.train.loop import train
+    from novatune.train.session import build
+
+    cfg, base = load_stack_config(spec)
+    session = build(cfg, base)
+    ahead = build(cfg, base).batches(4)
+    try:
+        m = timed_steps(session, spec)
+    finally:
+        gc.unfreeze()
+    assert m["tokens_per_step"] == [sum(mb["num_tokens"] for mb in mbs) for mbs in ahead[2:]]
+    assert m["keys"] == sum(mb["attn_keys"] for mbs in ahead[2:] for mb in mbs)
+    assert m["timed_s"] > 0 and m["peak_bytes"] is None and len(m["losses"]) == len(m["grad_norms"]) == 4
+    cfg2, _ = load_stack_config({**spec, "stack_dir": str(tmp_path / "loop")})
+    res = train(cfg2, base)
+    assert m["losses"] == [res.losses[s] for s in sorted(res.losses)]
+
+
+def test_a_registered_stack_with_its_own_trainer_runs_in_the_worker(spec, tmp_path, monkeypatch):
+    """The registration point for a stack that trains with another trainer (e.g. TRL's SFTTrainer)."""
+    import json
+
+    from novatune.bench import worker
+
+    seen = {}
+
+    def run(spec_, cfg, base):
+        seen["max_steps"] = cfg.train.max_steps
+        return {"tok_s": 1.0, "losses": [1.0] * 4}
+
+    from novatune.bench import stacks
+
+    monkeypatch.setattr(stacks, "STACKS", dict(STACKS))  # registered for this test only
+    register(Stack("fake-trainer", "a stand-in trainer", ["model.patch=false"], run=run))
+    assert parse_stacks("fake-trainer") == ["fake-trainer"]
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**spec, "stack": "fake-trainer"}))
+    assert worker.main([str(path)]) == 0
+    row = json.loads((tmp_path / "stock" / "result.json").read_text())
+    assert row["status"] == "ok" and row["tok_s"] == 1.0 and row["stack"] == "fake-trainer"
+    assert seen["max_steps"] == 4
+
+
+def test_the_worker_refuses_a_missing_spec(capsys):
+    from novatune.bench import worker
+
+    assert worker.main([]) == 2
+    assert "SPEC.json" in capsys.readouterr().err

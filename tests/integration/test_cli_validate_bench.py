@@ -93,46 +93,50 @@ def test_validate_catches_planted_fault(fault, tiny_cfg, tmp_path, capsys, monke
 
 
 @pytest.mark.slow
-def test_bench_two_stacks_and_an_absent_peer(tiny_cfg, tmp_path, capsys):
+def test_bench_two_stacks_and_absent_peers(tiny_cfg, tmp_path, capsys):
     # Liger's Triton kernels need a GPU: where liger_kernel is installed the peer would run (and fail on a CPU),
-    # so the absent row is checked only where it is not installed (CI)
-    liger = importlib.util.find_spec("liger_kernel") is not None
-    stacks = ["stock", "novatune"] if liger else ["stock", "liger-peer", "novatune"]
-    out = tmp_path / "bench"
+    # so the absent rows are checked only where a peer is not installed (CI)
+    absent = [s for s, mod in (("liger-peer", "liger_kernel"), ("unsloth", "unsloth"))
+              if importlib.util.find_spec(mod) is None]
+    stacks = ["stock", *absent, "novatune"]
+    out, results = tmp_path / "bench", tmp_path / "results" / "bench.jsonl"
     code = main(["bench", str(tiny_cfg), "--stacks", ",".join(stacks), "--warm", "1", "--steps", "2",
-                 "--profile", "--run-dir", str(out)])
+                 "--profile", "--run-dir", str(out), "--results", str(results)])
     text = capsys.readouterr().out
     assert code == 0, text
     rows = [json.loads(ln) for ln in (out / "bench.jsonl").read_text().splitlines()]
     assert [r["stack"] for r in rows] == stacks
+    assert [json.loads(ln)["stack"] for ln in results.read_text().splitlines()] == stacks  # the one row writer
     stock, nova = rows[0], rows[-1]
-    if not liger:
-        assert rows[1]["status"] == "absent" and "liger_kernel is not installed" in rows[1]["reason"]
-        assert "liger-peer  absent" in text
+    for r in rows[1:-1]:
+        assert r["status"] == "absent" and "is not installed" in r["reason"]
+        assert f"{r['stack']:14s} absent" in text
     for r in (stock, nova):
         assert r["status"] == "ok", r.get("reason")
         assert r["device"] == "cpu" and r["torch"] and r["git_sha"] and r["time"]
-        # 1 warm-up + 2 timed + 1 profiled step after them: only the 2 timed ones are metered
-        assert r["warm"] == 1 and r["steps"] == 2 and len(r["losses"]) == len(r["grad_norms"]) == 4
-        assert len(r["tokens_per_step"]) == 2 and len(r["step_s"]) == 4
+        # 1 warm-up + 2 timed optimizer steps; the profiled micro-step after them is no optimizer step
+        assert r["warm"] == 1 and r["steps"] == 2 and len(r["losses"]) == len(r["grad_norms"]) == 3
+        assert len(r["tokens_per_step"]) == 2 and r["step_ms"] == []  # CUDA events only on a GPU
         assert r["tok_s"] == pytest.approx(r["timed_tokens"] / r["timed_s"], rel=1e-3)
         assert r["timed_tokens"] == sum(r["tokens_per_step"]) > 0 and r["gflop_per_tok"] > 0
         trace = json.loads((out / "traces" / f"{r['stack']}.json").read_text())
-        assert r["trace"].endswith(f"{r['stack']}.json") and trace["traceEvents"]
+        assert r["trace"].endswith(f"{r['stack']}.json") and trace["traceEvents"] and r["profile"]["busy_ms"] > 0
         assert r["peak_gib"] is None and r["mfu"] is None  # CPU: no allocator peak, no bf16 peak rate
-        assert (out / r["stack"] / "metrics.jsonl").exists()
+        assert r["gc_freeze"] is True and r["method"] == "full"
+        spec = json.loads((out / r["stack"] / "spec.json").read_text())
+        assert spec["stack"] == r["stack"] and (out / r["stack"] / "result.json").exists()
     assert stock["patch"] is None and nova["patch"]["replaced"]["cross_entropy"] == 1
     assert stock["x_stock"] == 1.0 and nova["x_stock"] == pytest.approx(nova["tok_s"] / stock["tok_s"], rel=1e-3)
     assert nova["loss_max_rel_diff_vs_stock"] < 1e-5  # fp32: same training
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stacks"] == stacks and summary["exit_code"] == 0
     assert summary["speedup"]["novatune_vs_stock"] == nova["x_stock"]
-    assert "stock       ok" in text and "novatune    ok" in text and "per-step loss" in text
+    assert f"{'stock':14s} ok" in text and f"{'novatune':14s} ok" in text and "per-step loss" in text
     assert json.loads(text.strip().splitlines()[-1])["novatune_vs_stock"] == nova["x_stock"]
 
 
 def test_bench_and_validate_reject_bad_arguments(tiny_cfg, capsys):
-    assert main(["bench", str(tiny_cfg), "--stacks", "stock,unsloth"]) == 2
+    assert main(["bench", str(tiny_cfg), "--stacks", "stock,liger"]) == 2
     assert "unknown stack" in capsys.readouterr().err
     assert main(["validate", str(tiny_cfg), "--layers", "0,x"]) == 2
     assert "--layers" in capsys.readouterr().err

@@ -1,0 +1,212 @@
+"""`novatune bench` diagnostics, each one opt-in and run outside the timed steps (except --diag's printing):
+
+* --diag: every Triton JIT compile (a new specialisation inside the timed steps is a hiccup), every garbage
+  collection over 5 ms (a full collection walks the model's and autograd's Python objects), warm-up step times.
+* --memory: one micro-step under torch's allocation recorder, replayed to the moment of peak allocated memory:
+  the largest live blocks and the frames that allocated them, and whether the peak is in the forward or backward.
+* --profile: one micro-step under torch.profiler: CUDA time per kernel category, busy vs wall, a Chrome trace and
+  the GPU's idle gaps with the host code that launched the kernel after each gap.
+`batch` below is the model's keyword arguments for one micro-batch (labels included).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+
+def install_diagnostics() -> None:
+    """--diag: print every Triton JIT compile (a new specialisation inside the timed steps would be a hiccup) and
+    every garbage collection over 5 ms (a full collection walks the model's and autograd's Python objects)."""
+    import gc
+
+    import triton
+
+    real_compile = triton.compiler.compile
+
+    def logged_compile(src, *a, **kw):
+        t = time.perf_counter()
+        out = real_compile(src, *a, **kw)
+        name = getattr(getattr(src, "fn", None), "__name__", type(src).__name__)
+        print(f"DIAG triton compile {name}: {1e3 * (time.perf_counter() - t):.0f} ms", flush=True)
+        return out
+
+    triton.compiler.compile = logged_compile
+    from triton.runtime import jit
+
+    if getattr(jit, "compile", None) is real_compile:
+        jit.compile = logged_compile
+    t_gc = {}
+
+    def gc_cb(phase, info):
+        if phase == "start":
+            t_gc["t"] = time.perf_counter()
+        elif "t" in t_gc and (dt := 1e3 * (time.perf_counter() - t_gc["t"])) > 5:
+            print(f"DIAG gc generation {info['generation']}: {dt:.0f} ms, {info['collected']} collected", flush=True)
+
+    gc.callbacks.append(gc_cb)
+
+
+def memory_peak_report(model, batch: dict, path: str) -> dict:
+    """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
+    and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
+    peak falls in the forward or the backward. Blocks allocated with no Python frame of ours (the autograd
+    thread's C++ nodes: AccumulateGrad, embedding backward, ...) are named by their C++ frames."""
+    import torch
+
+    model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=500000, stacks="all")
+    loss = model(**batch).loss
+    torch.cuda.synchronize()
+    n_fwd = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])  # events up to the backward
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    model.zero_grad(set_to_none=True)
+    trace = [e for dev_trace in snap["device_traces"] for e in dev_trace]
+    events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
+    # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
+    live = {b["address"]: (b["size"], "before the recorded micro-step")
+            for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"}
+    for _, e in reversed(events):
+        if e["action"] == "alloc":
+            live.pop(e["addr"], None)
+        else:
+            live[e["addr"]] = (e["size"], "before the recorded micro-step")
+    cur = best = sum(v[0] for v in live.values())
+    best_live, best_at = dict(live), -1
+    for i, e in events:
+        if e["action"] == "alloc":
+            frames = e.get("frames", [])
+            ours = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+                    for f in frames if f["filename"].endswith(".py")
+                    and ("torch/" not in f["filename"] or "nn/modules" in f["filename"])]
+            if not ours:  # C++ only (or torch internals): the autograd node / aten op that allocated it
+                ours = [f"[c++] {f['name'][:70]}" for f in frames
+                        if any(k in f["name"] for k in ("autograd", "at::native", "_backward", "Accumulate"))]
+            live[e["addr"]] = (e["size"], " <- ".join(ours[:4]))
+            cur += e["size"]
+            if cur > best:
+                best, best_live, best_at = cur, dict(live), i
+        elif e["addr"] in live:
+            cur -= live.pop(e["addr"])[0]
+    phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
+             else f"backward, event {best_at - n_fwd} of {len(trace) - n_fwd}")
+    groups: dict[str, list] = {}
+    for size, where in best_live.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:25]
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".txt", "w") as f:
+        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}\n")
+        for where, (size, n) in top:
+            f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:260]}\n")
+    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase,
+            "top": [(round(size / 2**30, 3), where[:200]) for where, (size, _) in top[:8]]}
+
+
+def _category(name: str) -> str:
+    k = name.lower()
+    for cat, words in [("attention", ["flash", "fmha", "attention", "attn", "flex", "sdpa", "triton_tem"]),
+                       ("gemm", ["gemm", "sm90_xmma", "cutlass", "matmul", "nvjet", "cublas"]),
+                       ("cross_entropy", ["cross_entropy", "log_softmax", "nll", "softmax", "_lce_"]),
+                       ("norm", ["rms", "norm"]), ("rope", ["rope", "rotary"]), ("swiglu", ["swiglu", "silu"]),
+                       ("optimizer", ["adam", "foreach"]), ("copy/cast", ["copy", "cast", "cat", "fill"])]:
+        if any(w in k for w in words):
+            return cat
+    return "elementwise/other"
+
+
+def profile_micro_step(model, batch: dict, path) -> dict:
+    """One micro-step (fwd+bwd) under torch.profiler: device time per category, busy vs wall, Chrome trace.
+    On a CPU (tests) the table counts CPU ops' own time instead of CUDA kernels."""
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+    sync()
+    # with_stack (Python frames) would name the launching code, but it slows the host ~2x: the gaps measured then
+    # are the profiler's, so CPU ops only (aten op names still say where a launch came from)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        model(**batch).loss.backward()
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    model.zero_grad(set_to_none=True)
+    per_kernel, busy = {}, 0.0
+    if cuda:
+        timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    for name, us in timed:
+        per_kernel[name] = per_kernel.get(name, 0.0) + us
+        busy += us
+    cats = {}
+    for name, us in per_kernel.items():
+        cats[_category(name)] = cats.get(_category(name), 0.0) + us
+    prof.export_chrome_trace(str(path) + ".json")
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]
+    with open(str(path) + ".txt", "w") as f:
+        f.write(f"wall {wall_ms:.1f} ms, {'CUDA' if cuda else 'CPU'} busy {busy / 1e3:.1f} ms\n")
+        for c, us in sorted(cats.items(), key=lambda kv: -kv[1]):
+            f.write(f"  {c:18s} {us / 1e3:8.2f} ms {100 * us / max(busy, 1e-9):5.1f}%\n")
+        for name, us in top:
+            f.write(f"    {us / 1e3:8.2f} ms  {name[:120]}\n")
+        if cuda:
+            f.write(gap_report(str(path) + ".json"))
+    return {"wall_ms": round(wall_ms, 2), "busy_ms": round(busy / 1e3, 2), "device": "cuda" if cuda else "cpu",
+            "categories_ms": {c: round(us / 1e3, 2) for c, us in sorted(cats.items(), key=lambda kv: -kv[1])}}
+
+
+def gap_report(trace_path: str, min_gap_us: float = 40.0, top: int = 25) -> str:
+    """Where the GPU sat idle inside the profiled micro-step (launch gaps), from the Chrome trace: the largest idle
+    spans between consecutive GPU activities, each with the CPU ops around the launch of the kernel that ended it,
+    and every host<->device synchronisation the CPU made (a sync drains the GPU queue, so the next kernels start
+    late). Under the profiler the host is slower than without it: compare gaps between stacks, not absolutely."""
+    with open(trace_path) as f:
+        evs = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in evs
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
+    cpu_ops = [e for e in evs if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
+
+    def around(ts: float, tid) -> str:  # the innermost CPU ops running at host time ts on thread tid
+        inside = [e for e in cpu_ops if e.get("tid") == tid and e["ts"] <= ts <= e["ts"] + e["dur"]]
+        inside.sort(key=lambda e: e["dur"])
+        return " < ".join(e["name"][:48] for e in inside[:4])
+
+    gaps, idle = [], 0.0
+    for a, b in itertools.pairwise(gpu):
+        g = b["ts"] - (a["ts"] + a["dur"])
+        if g > 0:
+            idle += g
+        if g >= min_gap_us:
+            gaps.append((g, a, b))
+    lines = [(f"GPU idle between activities: {idle / 1e3:.2f} ms over {len(gpu)} GPU activities; "
+             f"{len(gaps)} gaps >= {min_gap_us:.0f} us sum {sum(g for g, _, _ in gaps) / 1e3:.2f} ms")]
+    for g, a, b in sorted(gaps, key=lambda t: -t[0])[:top]:
+        ln = launches.get(b.get("args", {}).get("correlation"))
+        where = around(ln["ts"], ln.get("tid")) if ln else "?"
+        lines.append(f"  gap {g:8.1f} us  before {b['name'][:50]!r} (after {a['name'][:30]!r})  launched in: {where}")
+    syncs = [e for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and any(k in e["name"] for k in ("Synchronize", "cudaMemcpy", "EventSynchronize", "StreamWait"))
+             and "Async" not in e["name"]]
+    syncs += [e for e in evs if e.get("cat") in ("cuda_runtime",) and e["name"] == "cudaMemcpyAsync"
+              and e.get("dur", 0) > 20]  # a blocking copy to pageable host memory shows as a long MemcpyAsync
+    lines.append(f"host syncs/blocking copies: {len(syncs)}")
+    for e in sorted(syncs, key=lambda e: e["ts"])[:top]:
+        lines.append(f"  {e['name']} {e.get('dur', 0):.0f} us  in: {around(e['ts'], e.get('tid'))}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,121 @@
+"""The stacks `novatune bench` measures: a table of name -> how the run is built.
+
+Every stack is the configured run built by novatune.train.session.build (same seed: same init and same data), with
+its own config overrides and build hooks; only the kernels differ. A stack whose training is not novatune's step
+at all (for example TRL's SFTTrainer on the same model and data) gives `run` instead: a function taking the worker's
+spec, the resolved config and its base folder, returning the row fields (tok_s, losses, peak_gib, ...), and is
+added with `register(Stack(...))` from its own module, listed in PLUGINS so the worker imports it.
+
+  stock           HF as shipped: attn_implementation=sdpa, no patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings)
+  liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
+  unsloth         Unsloth's patches of the HF classes (imported before the model is built), where installed
+  novatune        novatune.patch(model, **model.patch_options)
+  novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
+  novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
+A stack that cannot run here gives a row with status "absent" and the reason; it is never dropped silently.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+STOCK = ["model.patch=false", "model.attention=sdpa", "method.quantize_embeddings=false"]
+NOVATUNE = ["model.patch=true"]
+
+# modules that register more stacks when imported (a stack defined outside this file)
+PLUGINS: list[str] = []
+
+# the names bench/e2e.py used, accepted on the command line
+ALIASES = {"hf_sdpa": "stock", "varlen_liger": "liger-peer"}
+
+
+@dataclass
+class Hooks:
+    """What a stack adds to the build: see novatune.train.session.build."""
+    before_model: Callable | None = None
+    model_hook: Callable | None = None
+    applied: str | None = None  # a short record of what was applied (e.g. Liger's function name), for the row
+
+
+@dataclass
+class Stack:
+    name: str
+    description: str
+    overrides: list[str] = field(default_factory=list)
+    hooks: Callable | None = None  # hooks(cfg, base_dir) -> Hooks
+    unavailable: Callable | None = None  # unavailable(cfg) -> reason it cannot run here, or None
+    run: Callable | None = None  # run(spec, cfg, base_dir) -> row fields: a stack with its own trainer
+    patched: bool = False  # the stack runs novatune.patch (its row records the attention backend, CUDA graphs)
+
+
+def _missing(module: str, pip: str) -> Callable:
+    def why(cfg) -> str | None:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install {pip}): this stack did not run"
+        return None
+    return why
+
+
+def _liger_hooks(cfg, base_dir) -> Hooks:
+    from novatune.bench.peer import (
+        apply_liger,
+        register_peer_varlen,
+        use_peer_attention,
+    )
+
+    hooks = Hooks(model_hook=use_peer_attention)
+
+    def before(model_config) -> None:
+        hooks.applied = apply_liger(model_config.model_type)  # class-level: before the model exists
+        register_peer_varlen()
+
+    hooks.before_model = before
+    return hooks
+
+
+def _unsloth_hooks(cfg, base_dir) -> Hooks:
+    def before(model_config) -> None:
+        importlib.import_module("unsloth")  # patches transformers' model classes on import
+
+    return Hooks(before_model=before, applied="import unsloth")
+
+
+def _full_refused_under_qlora(cfg) -> str | None:
+    if cfg.method.type == "qlora":
+        return "novatune_full trains every weight in full precision: it has no meaning under method.type qlora"
+    return None
+
+
+STACKS: dict[str, Stack] = {}
+
+
+def register(stack: Stack) -> Stack:
+    STACKS[stack.name] = stack
+    return stack
+
+
+register(Stack("stock", "HF stock, attn_implementation=sdpa", STOCK))
+register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best peer)", STOCK, _liger_hooks,
+               _missing("liger_kernel", "liger-kernel")))
+register(Stack("unsloth", "Unsloth's patched HF classes", STOCK, _unsloth_hooks, _missing("unsloth", "unsloth")))
+register(Stack("novatune", "novatune.patch(model, **model.patch_options)", NOVATUNE, patched=True))
+register(Stack("novatune_full", "novatune, full fine-tuning (beside a LoRA config)",
+               NOVATUNE + ["method.type=full"], unavailable=_full_refused_under_qlora, patched=True))
+register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
+               patched=True))
+
+
+def load_plugins() -> None:
+    for name in PLUGINS:
+        importlib.import_module(name)
+
+
+def parse_stacks(text: str) -> list[str]:
+    load_plugins()
+    names = [ALIASES.get(s.strip(), s.strip()) for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in STACKS]
+    if bad or not names:
+        raise ValueError(f"unknown stack(s) {bad or text!r}; choose from {', '.join(STACKS)}")
+    return names
