@@ -357,25 +357,26 @@ def _tokenizer(name: str, base_dir: Path | None = None):
 
 
 def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: str):
-    """Rebuild the run's model from the config saved in the checkpoint, load its trained weights, merge LoRA."""
+    """Rebuild the run's model from the config saved in the checkpoint, exactly as the trainer built it (the run
+    builder's build_patched_model: QLoRA's NF4 linears and embedding, LoRA), without the patch or checkpointing
+    (decoding needs neither); load its trained weights and merge LoRA."""
     import dataclasses
 
     import yaml
     from safetensors.torch import load_file
 
     from novatune.train.config import from_dict
-    from novatune.train.model import add_lora, build_model
+    from novatune.train.session import build_patched_model
 
     state = json.loads((ck / "state.json").read_text())
     if "config" not in state:
         raise EvalError(f"--model: {ck}/state.json has no saved config; give the run's export (final/) instead")
     cfg = from_dict(yaml.safe_load(state["config"]))
-    mcfg = dataclasses.replace(cfg.model, attention=attn)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attn, patch=False),
+                              memory=dataclasses.replace(cfg.memory, gradient_checkpointing=False))
+    mcfg = cfg.model
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
-    qlora = cfg.method.type == "qlora"
-    model = build_model(mcfg, device, dtype, tok, Path.cwd(), seed=getattr(cfg.train, "seed", 0), qlora=qlora)
-    if cfg.method.type in ("lora", "qlora"):
-        model = add_lora(model, cfg.method)
+    model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd())
     weights = load_file(str(ck / "weights.safetensors"), device=str(device))
     params = dict(model.named_parameters())
     missing = sorted(set(weights) - set(params))
@@ -386,7 +387,7 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     with torch.no_grad():
         for name, t in weights.items():
             params[name].copy_(t)
-    if qlora:  # dense merge (NF4 dequantised + delta): decoding then runs plain bf16/fp32 GEMMs
+    if cfg.method.type == "qlora":  # dense merge (NF4 dequantised + delta): decoding then runs plain GEMMs
         from novatune.train.qlora import merged_model
 
         model = merged_model(model, dtype).to(device)
@@ -398,7 +399,6 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
 def load_model(model_path: str | None, arch: str | None, tokenizer_name: str | None, device: str = "auto",
                dtype: str = "auto", attn: str = "sdpa", arch_overrides: dict | None = None, seed: int = 0):
     """(model in eval mode with use_cache on, tokenizer, description). Exactly one of model_path / arch."""
-    import torch
 
     from novatune.train.model import pick_device, pick_dtype
 
@@ -408,20 +408,16 @@ def load_model(model_path: str | None, arch: str | None, tokenizer_name: str | N
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if arch is not None:
-        from transformers import AutoModelForCausalLM
-
-        from novatune.train.arch import arch_config
+        from novatune.train.config import ModelConfig
+        from novatune.train.model import SetupError, build_model
 
         tok_name = tokenizer_name or "demo"
         tok = _tokenizer(tok_name)
-        try:
-            cfg = arch_config(arch, arch_overrides, len(tok))
-        except (TypeError, ValueError) as e:
+        mcfg = ModelConfig(arch=arch, arch_overrides=dict(arch_overrides or {}), tokenizer=tok_name, attention=attn)
+        try:  # the trainer's model builder: built on the device in its dtype, seeded
+            model = build_model(mcfg, dev, dt, tok, seed=seed)
+        except SetupError as e:
             raise EvalError(f"--arch: {e}") from None
-        cfg.use_cache = True  # arch_config is for training (cache off); decoding needs the KV cache
-        torch.manual_seed(seed)
-        with torch.device(dev):  # built on the device in its dtype: no fp32 host copy of the weights
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation=attn)
         desc = {"model": f"{arch} (random init, seed {seed})", "tokenizer": tok_name, "kind": "random"}
     else:
         folder, kind = resolve_model_dir(model_path)

@@ -136,7 +136,7 @@ def ga_rows(rows: list[list[Doc]], max_length: int) -> tuple[list[Doc], list[Doc
 
 
 def _grads(model, mbs: list[dict], device, mode) -> tuple[float, dict[str, torch.Tensor]]:
-    from novatune.train.loop import forward_backward
+    from novatune.train.session import forward_backward
 
     model.zero_grad(set_to_none=True)
     loss = forward_backward(model, mbs, device, mode)

@@ -190,8 +190,8 @@ def same_init_check(bases: dict[str, dict]) -> dict:
 
 def render_weight_table(rows: list[dict]) -> str:
     """Seed 000's layout: one line per matrix, stock vs base, novatune vs base, stock vs novatune."""
-    lines = [f"{'layer':>5s} {'param':24s} {'stock vs base':>13s} {'novatune vs base':>16s} "
-             f"{'stock vs novatune':>17s} {'(update diff)':>13s} {'floor':>9s}"]
+    lines = [(f"{'layer':>5s} {'param':24s} {'stock vs base':>13s} {'novatune vs base':>16s} "
+              f"{'stock vs novatune':>17s} {'(update diff)':>13s} {'floor':>9s}")]
     for r in rows:
         lines.append(f"{r['layer']:5d} {r['param'][:24]:24s} {r['stock_vs_base']:>13s} {r['novatune_vs_base']:>16s} "
                      f"{r['verdict'] + ' ' + format(r['stock_vs_novatune_max_rel'], '.1e'):>17s} "

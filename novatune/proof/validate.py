@@ -60,11 +60,11 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
     """Run the three trainings and every check; write validate.json / weight_change.json; return the result."""
     from rich.console import Console
 
-    from novatune.data.dataset import build_data
-    from novatune.proof import checks, parity
     from novatune.measure.results import environment
-    from novatune.train.loop import _packed_kwargs_mode, train
-    from novatune.train.model import SetupError, load_tokenizer, model_config, pick_device
+    from novatune.proof import checks, parity
+    from novatune.train.loop import train
+    from novatune.train.model import SetupError
+    from novatune.train.session import packed_kwargs_mode, pad_id_of
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +81,7 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
             state.setdefault("base", {})[name] = parity.snapshot(model, state["layers"])
         return hook
 
-    runs, finals, nova_model, nova_report, dtype = {}, {}, None, None, None
+    runs, finals, nova, dtype = {}, {}, None, None
     for name in RUNS:
         c = run_config(cfg, name, run_dir, steps)
         log(f"[{name}] training {steps} steps (log: {run_dir / name / 'train.log'})")
@@ -98,7 +98,7 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
         dtype = str(next(res.model.parameters()).dtype).replace("torch.", "")
         log(f"[{name}] losses " + " ".join(f"{x:.6f}" for x in runs[name]["losses"]))
         if name == "novatune":
-            nova_model, nova_report = res.model, res.patch_report
+            nova = res.session  # the built run: its model as trained, data, tokenizer, device
         del res
         _free()
 
@@ -112,26 +112,20 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
                                        runs["novatune"]["grad_norms"], dtype))
 
     # (d) and (e) on novatune's model as trained, then the same model with the patch reverted (stock)
-    device = pick_device(cfg.model.device)
-    tok = load_tokenizer(cfg.model, base_dir)
-    mconf = model_config(cfg.model, tok, base_dir)
-    data = build_data(cfg.data, tok, mconf.vocab_size, base_dir)
-    pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
-    row = checks.pick_row(data.rows)
-    full, short = checks.ga_rows(data.rows, cfg.data.max_length)
-    ncfg = run_config(cfg, "novatune", run_dir, steps)
+    nova_model, nova_report, device, rows = nova.model, nova.patch_report, nova.device, nova.data.rows
+    vocab, pad_id = nova.base_config.vocab_size, pad_id_of(nova.tokenizer)
+    row = checks.pick_row(rows)
+    full, short = checks.ga_rows(rows, cfg.data.max_length)
     if nova_report is None:
         raise RuntimeError("the novatune run was not patched (model.patch=true gave no PatchReport)")
     log("[checks] packing contamination and gradient-accumulation invariance (novatune, then stock)")
-    leak = {"novatune": checks.contamination(nova_model, row, mconf.vocab_size, device,
-                                             _packed_kwargs_mode(ncfg, nova_report))}
-    ga_nova = checks.grad_accum_error(nova_model, full, short, device, _packed_kwargs_mode(ncfg, nova_report),
-                                      pad_id)
+    leak = {"novatune": checks.contamination(nova_model, row, vocab, device, nova.packed_kwargs)}
+    ga_nova = checks.grad_accum_error(nova_model, full, short, device, nova.packed_kwargs, pad_id)
     nova_report.revert()
     scfg = run_config(cfg, "stock", run_dir, steps)
-    leak["stock"] = checks.contamination(nova_model, row, mconf.vocab_size, device, _packed_kwargs_mode(scfg, None))
-    ga_stock = checks.grad_accum_error(nova_model, full, short, device, _packed_kwargs_mode(scfg, None), pad_id)
-    del nova_model
+    leak["stock"] = checks.contamination(nova_model, row, vocab, device, packed_kwargs_mode(scfg, None))
+    ga_stock = checks.grad_accum_error(nova_model, full, short, device, packed_kwargs_mode(scfg, None), pad_id)
+    del nova_model, nova
     _free()
     results.append(checks.contamination_check(leak, dtype))
     results.append(checks.grad_accum_check(ga_nova, ga_stock, dtype))

@@ -176,3 +176,35 @@ def test_checkpoint_folder_loads_trained_weights(tmp_path):
     for name in list(saved)[:5]:
         assert torch.equal(params[name].detach(), saved[name]), name
     assert model.config.use_cache and desc["kind"] == "checkpoint"
+
+
+def test_lora_checkpoint_of_a_patched_run_loads_through_the_run_builder(tmp_path, monkeypatch):
+    """A LoRA run trained with the patch and checkpointing: eval rebuilds it with the trainer's builder (LoRA
+    wrapped as in training, patch and checkpointing left out for decoding) and merges the trained adapters:
+    each merged weight is W + (alpha / r) B A, W the seeded init (which --arch rebuilds: the same builder)."""
+    from safetensors.torch import load_file
+
+    from novatune.commands.cli import main
+
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")  # the patched ops' PyTorch references: fast on a CPU
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "train.max_steps=1", "--set", "checkpoint.save_every=1",
+                 "--set", "checkpoint.export=false", "--set", "method.type=lora", "--set", "method.r=4",
+                 "--set", "method.alpha=8", "--set", "train.lr=0.05", "--set", "memory.gradient_checkpointing=true",
+                 "--set", "logging.tensorboard=false", "--set", "logging.progress=false",
+                 "--set", "data.sources.0.limit=40"]) == 0
+    folder, _ = resolve_model_dir(str(run))
+    model, _, desc = load_model(str(run), None, None, device="cpu")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not model.is_gradient_checkpointing
+    saved = load_file(str(folder / "weights.safetensors"))
+    params = dict(model.named_parameters())
+    init = dict(load_model(None, "qwen3-tiny", "demo", device="cpu", seed=0)[0].named_parameters())
+    keys = [k for k in saved if ".lora_B." in k]
+    assert keys and any(saved[k].abs().max() > 0 for k in keys)  # one step at lr 0.05 moved the adapters
+    for kb in keys:
+        prefix = kb.split(".lora_B.")[0]
+        w0 = init[prefix.replace("base_model.model.", "", 1) + ".weight"].detach()
+        delta = (8 / 4) * saved[kb] @ saved[kb.replace(".lora_B.", ".lora_A.")]
+        name = prefix.replace("base_model.model.", "", 1) + ".weight"
+        torch.testing.assert_close(params[name].detach(), w0 + delta, rtol=1e-5, atol=1e-6)
+    assert model.config.use_cache and desc["kind"] == "checkpoint"
