@@ -2,16 +2,16 @@
 # Everything the GPU must show, in one run on the device machine (see docs/CONTRIBUTING.md):
 #   scripts/gpu_check.sh [tests] [ops] [attention] [e2e] [parity] [proof]   (default: all but proof)
 #   proof: `novatune bench` + `novatune validate` + `novatune report` on the headline config (issue 4), ~6 min
-#   (timeouts 280 + 210 + 60 s); with a 2-stack e2e in the same call the two speedups are compared:
-#   E2E_STACKS=hf_sdpa,novatune PROOF_STEPS=4 scripts/gpu_check.sh e2e proof
+#   (timeouts 280 + 210 + 60 s). e2e: `novatune bench` on the headline config, E2E_STACKS (default
+#   stock,liger-peer,unsloth,novatune), rows in $OUT/e2e.jsonl.
 #   eval: `novatune eval` decoding speed on a random Qwen2.5-0.5B (< 2 min; not in the default list).
 #   tune: the kernel engine (issue 5): GPU tests of tests/tune (CUDA extension build + validation), then
 #   `novatune tune examples/qwen3-4b-seed.yaml` (< 5 min); < 6 min in all; not in the default list.
 #   qlora: issue 6's QLoRA (not in the default list; needs the bitsandbytes wheel in .whl/): the NF4 / QLoRA-patch /
-#   merged-export GPU tests, then bench/e2e.py --qlora 16 (Qwen3-8B architecture, 2048-token rows, PEFT + bnb stock
-#   vs novatune) and the acceptance figures (peak <= 7 GiB, >= 2x stock tok/s, loss parity); < 6 min.
+#   merged-export GPU tests, then `novatune bench examples/qlora.yaml` (Qwen3-8B architecture, 2048-token rows,
+#   PEFT + bnb stock vs novatune) and the acceptance figures (peak <= 7 GiB, >= 2x stock tok/s, loss parity); < 6 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
-# Carried wheels (.whl/, e.g. liger-kernel from ../shared/tools/peer-wheels.sh) are installed into /tmp/site first.
+# Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -45,14 +45,13 @@ fi
 if has parity; then
   # smaller real architectures: loss parity stock vs novatune (and speed), random init
   for arch in llama-3.2-1b qwen2.5-0.5b; do
-    timeout 400 python3 bench/e2e.py --arch $arch --stacks hf_sdpa,novatune --steps 3 --results "$OUT/e2e.jsonl" \
-      2>&1 | tee "$OUT/parity_$arch.log" | tail -n 4
+    timeout 400 python3 -m novatune bench examples/qwen3-4b-seed.yaml --set model.arch=$arch --stacks stock,novatune \
+      --steps 3 --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/parity_$arch" 2>&1 | tee "$OUT/parity_$arch.log" | tail -n 4
   done
 fi
 if has e2e; then
-  timeout 580 python3 bench/e2e.py --stacks ${E2E_STACKS:-hf_sdpa,varlen_liger,novatune} --steps ${E2E_STEPS:-6} \
-    --results "$OUT/e2e.jsonl" \
-    2>&1 | tee "$OUT/e2e.log" | tail -n 6
+  timeout 580 python3 -m novatune bench examples/qwen3-4b-seed.yaml --stacks ${E2E_STACKS:-stock,liger-peer,unsloth,novatune} \
+    --steps ${E2E_STEPS:-6} --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -n 12
 fi
 if has eval; then
   # `novatune eval` decoding speed (issue 4): Qwen2.5-0.5B architecture, random init (it never stops early, so every
@@ -98,17 +97,17 @@ if has qlora; then
   timeout 120 python3 -m pytest -q tests/kernels/test_nf4.py tests/patch/test_qlora_patch.py \
     tests/train/test_merge_export.py 2>&1 | tee "$OUT/qlora_tests.log" | tail -n 15
   summary+=("qlora gpu tests: $(tail -n 1 "$OUT/qlora_tests.log")")
-  timeout 230 python3 bench/e2e.py --qlora 16 --stacks hf_sdpa,novatune --steps 3 --results "$OUT/qlora.jsonl" \
-    2>&1 | tee "$OUT/qlora_e2e.log" | tail -n 5
-  summary+=("bench/e2e.py --qlora 16: exit ${PIPESTATUS[0]}")
+  timeout 230 python3 -m novatune bench examples/qlora.yaml --stacks stock,novatune --steps 3 \
+    --results "$OUT/qlora.jsonl" --run-dir "$OUT/runs/qlora" 2>&1 | tee "$OUT/qlora_e2e.log" | tail -n 5
+  summary+=("novatune bench examples/qlora.yaml: exit ${PIPESTATUS[0]}")
   [ -f "$OUT/qlora.jsonl" ] && python3 - "$OUT/qlora.jsonl" <<'PY'
 import json, sys
-rows = {r["stack"]: r for r in map(json.loads, open(sys.argv[1])) if r.get("qlora")}
+rows = {r["stack"]: r for r in map(json.loads, open(sys.argv[1])) if r.get("method") == "qlora" and r["status"] == "ok"}
 for r in rows.values():
-    print(f"qlora {r['arch']} seq {r['seq']} r{r['lora']} {r['stack']:9s} {r['tok_s']:8.0f} tok/s  "
+    print(f"qlora {r['model_type']} seq {r['seq']} {r['stack']:9s} {r['tok_s']:8.0f} tok/s  "
           f"x{r.get('x_stock') or 0:.3f} stock  peak {r['peak_gib']:6.2f} GiB  weights {r['weights_gib']:5.2f} GiB  "
           f"losses {r['losses']}")
-st, nt = rows.get("hf_sdpa"), rows.get("novatune")
+st, nt = rows.get("stock"), rows.get("novatune")
 if st and nt:
     rel = max(abs(a - b) / abs(b) for a, b in zip(nt["losses"], st["losses"]))
     ok = lambda c: "PASS" if c else "FAIL"  # noqa: E731
@@ -131,12 +130,15 @@ PY
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"e2e {r['arch']:13s} {r['stack']:13s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
-          f"x{r.get('x_best_peer') or 0:.3f} peer  {r['peak_gib']:6.2f} GiB  loss {r['losses'][-1]}")
+    if r.get("status") != "ok":
+        print(f"e2e {r['stack']:14s} {r.get('status')}: {str(r.get('reason'))[:100]}")
+        continue
+    print(f"e2e {r['model_type']:8s} {r['stack']:14s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
+          f"x{r.get('x_peer') or 0:.3f} peer  {r['peak_gib']:6.2f} GiB  loss {r['losses'][-1]}")
 PY
-[ -d "$OUT/proof" ] && python3 - "$OUT/proof" "$OUT/e2e.jsonl" <<'PY'
+[ -d "$OUT/proof" ] && python3 - "$OUT/proof" <<'PY'
 import json, os, sys
-p, e2e = sys.argv[1], sys.argv[2]
+p = sys.argv[1]
 bench = os.path.join(p, "bench", "summary.json")
 if os.path.exists(bench):
     s = json.load(open(bench))
@@ -147,14 +149,6 @@ if os.path.exists(bench):
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         print(f"proof bench    {r['stack']:11s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
               f"MFU {mfu}  {r.get('peak_gib') or 0:6.2f} GiB  loss vs stock {r.get('loss_max_rel_diff_vs_stock') or 0:.1e}")
-    sp = s["speedup"]["novatune_vs_stock"]
-    if sp and os.path.exists(e2e):
-        rows = [json.loads(x) for x in open(e2e) if x.strip()]
-        last = {r["stack"]: r for r in rows if r.get("arch") == "qwen3-4b" and r.get("layers") == 36}
-        if "hf_sdpa" in last and "novatune" in last:
-            ref = last["novatune"]["tok_s"] / last["hf_sdpa"]["tok_s"]
-            print(f"proof speedup  novatune/stock: bench {sp:.3f}, bench/e2e.py {ref:.3f} -> ratio {sp / ref:.3f} "
-                  f"({'within' if abs(sp / ref - 1) <= 0.03 else 'OUTSIDE'} 3%)")
 else:
     print("proof bench    no summary.json (see proof_bench.log in logs.tgz)")
 val = os.path.join(p, "validate", "validate.json")
@@ -169,6 +163,7 @@ PY
 # Chrome traces of a 4B optimizer step are tens of MB (a returned file may hold 16 MiB): the report keeps their
 # op-time table; the traces themselves stay on the machine
 [ -d "$OUT/proof" ] && (cd "$OUT" && tar czf proof.tgz --exclude=traces proof && rm -rf proof)
+[ -d "$OUT/runs" ] && (cd "$OUT" && tar czf runs.tgz --exclude=traces runs && rm -rf runs)
 [ -f "$OUT/tune.jsonl" ] && python3 - "$OUT/tune.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -1,5 +1,5 @@
 """The best peer stack (BENCHMARKS.md): Liger-Kernel's fused ops + torch's varlen attention, wired into HF the way
-bench/e2e.py and shared/reference/anchor_e2e.py wire it, so `novatune bench` measures the same peer as the anchors.
+the published anchor figures were measured, so `novatune bench` measures the same peer as the anchors.
 
 * Liger: `apply_liger_kernel_to_<model_type>(rope, rms_norm, swiglu, fused_linear_cross_entropy)`, called before
   the model is built (it swaps the modeling module's classes/forwards, process-wide: each bench stack runs in its

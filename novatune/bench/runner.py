@@ -25,6 +25,8 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       description: str, config: str, overrides: [str], stack_overrides: [str], warm: int, steps: int,
       tok_s: float, timed_s: float, timed_tokens: int, tokens_per_step: [int] (timed steps),
       step_ms: [float] (GPU time of each timed step, CUDA events; empty on the CPU),
+      step_s: [float] (every step: warm-up ones by the host clock, synchronised; timed ones from step_ms on a
+      GPU, by the host clock on a CPU),
       gflop_per_tok: float, model_tflops: float, mfu: float | null (fraction), peak_tflops: float | null,
       peak_tflops_source: str | null, peak_gib: float | null (max_memory_allocated over the timed steps; null on
       the CPU), peak_reserved_gib: float | null (CUDA graphs replay in a private pool only reserved sees),

@@ -27,7 +27,7 @@ NOVATUNE = ["model.patch=true"]
 # modules that register more stacks when imported (a stack defined outside this file)
 PLUGINS: list[str] = []
 
-# the names bench/e2e.py used, accepted on the command line
+# the anchor figures' stack names, accepted on the command line
 ALIASES = {"hf_sdpa": "stock", "varlen_liger": "liger-peer"}
 
 

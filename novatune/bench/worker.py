@@ -79,34 +79,41 @@ def timed_steps(session, spec: dict, log=print) -> dict:
     warm, steps = spec["warm"], spec["steps"]
     plan = session.batches(warm + steps)
     clock = Clock(session.device)
-    losses, norms = [], []
+    losses, norms, step_s = [], [], []
     for k in range(warm):
         t = time.perf_counter()
         out = session.step(plan[k])
-        losses.append(float(out.loss))  # a sync per warm-up step: warm-up times are printed with --diag
+        losses.append(float(out.loss))  # a sync per warm-up step: warm-up step times are exact
         norms.append(out.grad_norm)
+        step_s.append(time.perf_counter() - t)
         if spec.get("diag"):
-            log(f"DIAG warm step {k}: {1e3 * (time.perf_counter() - t):.1f} ms")
+            log(f"DIAG warm step {k}: {1e3 * step_s[-1]:.1f} ms")
     clock.sync()
     if spec.get("gc_freeze", True):
         gc.collect()
         gc.freeze()
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
-    timed = []
+    timed, ends = [], []
     t0 = time.perf_counter()
     clock.mark()
     for k in range(warm, warm + steps):
         timed.append(session.step(plan[k]))
         clock.mark()
+        ends.append(time.perf_counter())  # host time: the step itself on a CPU, only its queueing on a GPU
     clock.sync()
     wall = time.perf_counter() - t0
+    if clock.cuda:
+        step_s += [ms / 1e3 for ms in clock.step_ms()]
+    else:
+        step_s += [b - a for a, b in zip([t0, *ends], ends)]
     losses += [float(o.loss) for o in timed]
     norms += [o.grad_norm for o in timed]
     tokens = [sum(mb["num_tokens"] for mb in mbs) for mbs in plan[warm:]]
     keys = sum(mb["attn_keys"] for mbs in plan[warm:] for mb in mbs)
     return {"timed_s": wall, "tokens_per_step": tokens, "keys": keys, "losses": losses,
             "grad_norms": [float(g) for g in norms], "step_ms": clock.step_ms(),
+            "step_s": [round(x, 4) for x in step_s],
             "peak_bytes": torch.cuda.max_memory_allocated() if clock.cuda else None,
             "reserved_bytes": torch.cuda.max_memory_reserved() if clock.cuda else None}
 
@@ -181,7 +188,7 @@ def run_stack(spec: dict, log=print) -> dict:
     return {
         "status": "ok", "reason": None, "warm": spec["warm"], "steps": spec["steps"],
         "tok_s": round(tps, 1), "timed_s": round(m["timed_s"], 6), "timed_tokens": tokens,
-        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "gflop_per_tok": _sig(fpt / 1e9),
+        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"], "gflop_per_tok": _sig(fpt / 1e9),
         "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
         "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
         "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),

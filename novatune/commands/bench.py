@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     add_config_args(p, optional=False)
     p.add_argument("--stacks", default="stock,liger-peer,unsloth,novatune",
                    help="comma list of stock, liger-peer, unsloth, novatune, novatune_full, novatune_eager "
-                        "(bench/e2e.py's names hf_sdpa and varlen_liger are accepted); default: "
+                        "(the anchors' names hf_sdpa and varlen_liger are accepted); default: "
                         "stock,liger-peer,unsloth,novatune")
     p.add_argument("--warm", type=int, default=2, help="warm-up optimizer steps, not timed (default 2, min 1)")
     p.add_argument("--steps", type=int, default=None,

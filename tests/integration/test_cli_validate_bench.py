@@ -117,6 +117,7 @@ def test_bench_two_stacks_and_absent_peers(tiny_cfg, tmp_path, capsys):
         # 1 warm-up + 2 timed optimizer steps; the profiled micro-step after them is no optimizer step
         assert r["warm"] == 1 and r["steps"] == 2 and len(r["losses"]) == len(r["grad_norms"]) == 3
         assert len(r["tokens_per_step"]) == 2 and r["step_ms"] == []  # CUDA events only on a GPU
+        assert len(r["step_s"]) == 3 and sum(r["step_s"][1:]) == pytest.approx(r["timed_s"], rel=0.05, abs=2e-3)
         assert r["tok_s"] == pytest.approx(r["timed_tokens"] / r["timed_s"], rel=1e-3)
         assert r["timed_tokens"] == sum(r["tokens_per_step"]) > 0 and r["gflop_per_tok"] > 0
         trace = json.loads((out / "traces" / f"{r['stack']}.json").read_text())
