@@ -8,7 +8,10 @@ added with `register(Stack(...))` from its own module, listed in PLUGINS so the 
 
   stock           HF as shipped: attn_implementation=sdpa, no patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings)
   liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
-  unsloth         Unsloth's patches of the HF classes (imported before the model is built), where installed
+  unsloth         Unsloth: its row says why it did not run (not installed; or installed but not yet built by the
+                  run builder: Unsloth loads its own model through FastLanguageModel.from_pretrained from a saved
+                  folder, with its own checkpointing and packed-attention setup, and a row from plain HF classes
+                  after `import unsloth` would be stock's speed under Unsloth's name)
   novatune        novatune.patch(model, **model.patch_options)
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
@@ -75,11 +78,12 @@ def _liger_hooks(cfg, base_dir) -> Hooks:
     return hooks
 
 
-def _unsloth_hooks(cfg, base_dir) -> Hooks:
-    def before(model_config) -> None:
-        importlib.import_module("unsloth")  # patches transformers' model classes on import
-
-    return Hooks(before_model=before, applied="import unsloth")
+def _unsloth_unavailable(cfg) -> str | None:
+    missing = _missing("unsloth", "unsloth")(cfg)
+    if missing is not None:
+        return missing
+    return ("unsloth is installed, but the run builder does not build Unsloth's model yet (FastLanguageModel."
+            "from_pretrained on a saved folder, its own checkpointing and packed attention): this stack did not run")
 
 
 def _full_refused_under_qlora(cfg) -> str | None:
@@ -99,7 +103,7 @@ def register(stack: Stack) -> Stack:
 register(Stack("stock", "HF stock, attn_implementation=sdpa", STOCK))
 register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best peer)", STOCK, _liger_hooks,
                _missing("liger_kernel", "liger-kernel")))
-register(Stack("unsloth", "Unsloth's patched HF classes", STOCK, _unsloth_hooks, _missing("unsloth", "unsloth")))
+register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_unsloth_unavailable))
 register(Stack("novatune", "novatune.patch(model, **model.patch_options)", NOVATUNE, patched=True))
 register(Stack("novatune_full", "novatune, full fine-tuning (beside a LoRA config)",
                NOVATUNE + ["method.type=full"], unavailable=_full_refused_under_qlora, patched=True))
