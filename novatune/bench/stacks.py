@@ -3,8 +3,11 @@
 Every stack is the configured run built by novatune.train.session.build (same seed: same init and same data), with
 its own config overrides and build hooks; only the kernels differ. A stack whose training is not novatune's step
 at all (for example TRL's SFTTrainer on the same model and data) gives `run` instead: a function taking the worker's
-spec, the resolved config and its base folder, returning the row fields (tok_s, losses, peak_gib, ...), and is
-added with `register(Stack(...))` from its own module, listed in PLUGINS so the worker imports it.
+spec, the resolved config and its base folder, returning the row fields (tok_s, timed_s, timed_tokens,
+tokens_per_step, step_s, losses, grad_norms, peak_gib, gflop_per_tok, ...; schema in runner.py). Register it here
+with the function named by its module, imported only in that stack's worker:
+    register(Stack("trl-sft", "TRL SFTTrainer", STOCK, run=run_from("novatune.bench.trl_stack:run")))
+(or call register() from a module listed in PLUGINS).
 
   stock           HF as shipped: attn_implementation=sdpa, no patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings)
   liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
@@ -90,6 +93,15 @@ def _full_refused_under_qlora(cfg) -> str | None:
     if cfg.method.type == "qlora":
         return "novatune_full trains every weight in full precision: it has no meaning under method.type qlora"
     return None
+
+
+def run_from(target: str) -> Callable:
+    """`module:function` -> a run function importing its module when called (the worker process only)."""
+    module, _, name = target.partition(":")
+
+    def run(spec: dict, cfg, base_dir) -> dict:
+        return getattr(importlib.import_module(module), name)(spec, cfg, base_dir)
+    return run
 
 
 STACKS: dict[str, Stack] = {}

@@ -2,10 +2,12 @@
 registration point, and the worker's timing of the session's steps."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from novatune.bench.runner import add_ratios, render_table
-from novatune.bench.stacks import STACKS, Stack, parse_stacks, register
+from novatune.bench.stacks import STACKS, Stack, parse_stacks, register, run_from
 
 
 def test_parse_stacks():
@@ -86,6 +88,8 @@ def test_a_registered_stack_with_its_own_trainer_runs_in_the_worker(spec, tmp_pa
 
     from novatune.bench import worker
 
+    import types
+
     seen = {}
 
     def run(spec_, cfg, base):
@@ -94,8 +98,10 @@ def test_a_registered_stack_with_its_own_trainer_runs_in_the_worker(spec, tmp_pa
 
     from novatune.bench import stacks
 
+    monkeypatch.setitem(sys.modules, "fake_trainer_module", types.SimpleNamespace(run=run))
     monkeypatch.setattr(stacks, "STACKS", dict(STACKS))  # registered for this test only
-    register(Stack("fake-trainer", "a stand-in trainer", ["model.patch=false"], run=run))
+    register(Stack("fake-trainer", "a stand-in trainer", ["model.patch=false"],
+                   run=run_from("fake_trainer_module:run")))
     assert parse_stacks("fake-trainer") == ["fake-trainer"]
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({**spec, "stack": "fake-trainer"}))
