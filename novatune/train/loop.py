@@ -179,6 +179,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
                                           qlora=qlora, merged_dtype=dtype)
             console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
+    session.release_optimizer_state()  # the caller keeps the model (and the session), not the AdamW moments
     result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
     losses = [result.losses[k] for k in sorted(result.losses)]

@@ -165,6 +165,12 @@ class Session:
         self.apply_update()
         return out
 
+    def release_optimizer_state(self) -> None:
+        """Free the optimizer's moments (2x the trainable weights in fp32) once training is over; the model, data
+        and tokenizer stay for whoever checks the trained model."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+
     def flops_per_token(self, avg_attended_keys: float) -> float:
         """Model FLOPs per trained token (LoRA: frozen matmuls at forward + input gradient)."""
         return flops_per_token(self.base_config, avg_attended_keys, 0.0 if self.lora else 1.0)

@@ -21,6 +21,7 @@ def test_session_steps_give_the_trainers_losses(make_cfg):
     after = _params(session.model)
     for name, p in res.model.named_parameters():
         assert torch.equal(p.detach(), after[name]), name
+    assert session.optimizer.state and not res.session.optimizer.state  # a finished run frees the AdamW moments
 
 
 def test_forward_backward_then_skip_update_leaves_the_run_unchanged(make_cfg):
