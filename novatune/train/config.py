@@ -103,6 +103,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0: no clipping
     fused_adamw: Optional[bool] = None  # null: fused on CUDA, foreach on CPU
     seed: int = 42
+    # a step whose loss or grad norm is NaN/inf: stop the run (default) or skip its update (train/nonfinite.py)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 3  # skip mode: more consecutive skipped steps than this stop the run
 
 
 @dataclass
@@ -115,7 +118,9 @@ class CheckpointConfig:
     output_dir: str = "runs/run"
     save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
     keep: int = 2  # newest N checkpoints kept
-    resume: str = "auto"  # auto (latest in output_dir) | never | <path to a checkpoint>
+    # auto: the newest intact checkpoint in output_dir (a damaged newer one is set aside, loudly) | never: a fresh
+    # run (refused where output_dir holds checkpoints) | <path to a checkpoint>: that one, or an error if damaged
+    resume: str = "auto"
     export: bool = True  # final weights loadable with from_pretrained (LoRA/QLoRA: adapter/ and merged/)
     export_merged: bool = True
 
