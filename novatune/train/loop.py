@@ -30,7 +30,7 @@ from novatune.train.config import Config, to_yaml
 from novatune.train.metrics import MetricsLog, Progress, flops_per_token, gpu_mem_gib, peak_tflops
 from novatune.train.model import (SetupError, apply_patch, build_model, load_tokenizer, model_config, param_counts,
                                   pick_device, pick_dtype, prepare)
-from novatune.train.nonfinite import StepGuard, as_json_number
+from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
 from novatune.train.optim import build_optimizer, build_scheduler
 from novatune.train.signals import RunInterrupted, StopSignals
 
@@ -190,7 +190,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
             if applied:
                 opt.step()
-            sched.step()
+            advance_schedule(sched)  # a skipped step still advances the schedule (train/nonfinite.py)
             opt.zero_grad(set_to_none=True)
             step += 1
             n_tok = sum(mb["num_tokens"] for mb in mbs)
