@@ -339,3 +339,27 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None, che
 
         validate(cfg, base_dir=p.parent)
     return cfg
+
+
+# --------------------------------------------------------------------------------------------- the run summary
+def summary(cfg: Config) -> str:
+    """The resolved config in a few lines for the start of a run (the full one goes to <output_dir>/config.yaml)."""
+    m, d, me, t, c = cfg.model, cfg.data, cfg.method, cfg.train, cfg.checkpoint
+    model = f"name: {m.name}" if m.name else f"arch: {m.arch}"
+    if m.arch_overrides:
+        model += " (" + ", ".join(f"{k}={v}" for k, v in m.arch_overrides.items()) + ")"
+    method = me.type if me.type == "full" else f"{me.type} r{me.r} alpha {me.alpha:g} dropout {me.dropout:g} " \
+                                                 f"targets {','.join(me.targets)}"
+    sources = ", ".join(s.path or s.type for s in d.sources)
+    length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
+    lines = [
+        ("model", f"{model}, {m.dtype}, {m.attention}, patch {'on' if m.patch else 'off'}, device {m.device}"),
+        ("method", method + (", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")),
+        ("data", f"{sources}; format {d.format}, loss_on {d.loss_on}, max_length {d.max_length}, packing "
+                 f"{d.packing_strategy if d.packing else 'off'}"),
+        ("train", f"{length}, micro_batch {t.micro_batch} x grad_accum {t.grad_accum}, lr {t.lr:g} {t.schedule} "
+                  f"(warmup {t.warmup:g}), clip {t.max_grad_norm:g}, on_nonfinite {t.on_nonfinite}, seed {t.seed}"),
+        ("output", f"{c.output_dir} (save_every {c.save_every}, keep {c.keep}, resume {c.resume}, export "
+                   f"{'on' if c.export else 'off'}); full config: {Path(c.output_dir) / 'config.yaml'}"),
+    ]
+    return "\n".join(f"{k:<7} {v}" for k, v in lines)

@@ -26,12 +26,13 @@ from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, build_data
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
-from novatune.train.config import Config, to_yaml
+from novatune.train.config import Config, summary as config_summary, to_yaml
 from novatune.train.metrics import MetricsLog, Progress, flops_per_token, gpu_mem_gib, peak_tflops
 from novatune.train.model import (SetupError, apply_patch, build_model, load_tokenizer, model_config, param_counts,
                                   pick_device, pick_dtype, prepare)
 from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
 from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.preflight import cpu_step_warning
 from novatune.train.signals import RunInterrupted, StopSignals
 
 
@@ -108,7 +109,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     console.rule("[bold]novatune train")
     for note in notes:
         console.print(f"[yellow]{note}[/]")
-    console.print(to_yaml(cfg), highlight=False, markup=False)
+    console.print(config_summary(cfg), highlight=False, markup=False)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     device = pick_device(cfg.model.device)
@@ -121,6 +122,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     tokenizer = load_tokenizer(cfg.model, base_dir)
     mconf = model_config(cfg.model, tokenizer, base_dir)
+    slow = cpu_step_warning(mconf, device, cfg.train.micro_batch * cfg.train.grad_accum * cfg.data.max_length)
+    if slow:
+        console.print(f"[bold yellow]{slow}[/]", highlight=False)
     data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
     console.print(f"data: {data.stats.summary()}", highlight=False)
 

@@ -142,8 +142,15 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn, \
                 TimeRemainingColumn
 
-            self.bar = RP(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+            from rich.table import Column
+
+            # the counters and times keep their width; the bar and the description give way on narrow terminals
+            # (the full row is printed above the bar anyway)
+            self.bar = RP(TextColumn("[bold]train"), BarColumn(bar_width=None, table_column=Column(ratio=1)),
+                          MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.description}", table_column=Column(ratio=2, no_wrap=True,
+                                                                                overflow="ellipsis")),
+                          console=console, expand=True)
             self.task = self.bar.add_task("", total=total, completed=start)
             self.bar.start()
 
