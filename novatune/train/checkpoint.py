@@ -384,11 +384,18 @@ def export(model, tokenizer, output_dir: str | Path, lora: bool, merged: bool = 
         if tokenizer is not None:
             for w in written:
                 tokenizer.save_pretrained(str(tmp / w))
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise CheckpointError(f"disk full while exporting the final model to {out}: free space (or point "
+                                  f"checkpoint.output_dir at a bigger disk) and run again") from None
+        raise
     finally:
         cfg.use_cache = old_cache
         if bars:
             hf_logging.enable_progress_bar()
     if out.exists():
-        shutil.rmtree(out)
+        remove_tree(out)
     os.replace(tmp, out)
+    fsync_path(out.parent)
     return [out / w for w in written]

@@ -163,3 +163,18 @@ def test_save_fsyncs_files_and_folders_before_publishing(tmp_path, monkeypatch):
     assert {"weights.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"} <= before
     assert any(Path(p).name.startswith(".tmp-step_") for p in published[0])  # the folder itself
     assert str(ckpt.checkpoints_dir(tmp_path)) in synced  # and the parent after the rename
+
+
+def test_disk_full_during_export_is_a_clear_error(tmp_path, monkeypatch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    with pytest.raises(ckpt.CheckpointError, match="disk full while exporting"):
+        ckpt.export(model, None, tmp_path, lora=False)
+    assert list(tmp_path.iterdir()) == []
