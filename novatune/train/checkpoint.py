@@ -236,7 +236,8 @@ def verify(path: str | Path) -> list[str]:
     path, problems = Path(path), []
     manifest = _read_json(path / "manifest.json", problems)
     if manifest is None:
-        return problems
+        return [p.replace("manifest.json is missing", "manifest.json is missing (an incomplete save, or a checkpoint "
+                                                       "written without one)") for p in problems]
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
         return ["manifest.json lacks its step or file list"]
     _check_files(path, manifest, problems)

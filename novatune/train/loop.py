@@ -202,7 +202,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             win_tokens += n_tok
             win_keys += sum(mb["attn_keys"] for mb in mbs)
             pending.append((step, loss, gnorm, lr, applied))
-            if step % cfg.logging.every == 0 or step == total:
+            if step % cfg.logging.every == 0 or step == total or signals.requested is not None:
                 vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
                 lr, applied = pending[-1][3], pending[-1][4]
                 pending.clear()

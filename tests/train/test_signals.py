@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -38,7 +39,7 @@ def signal_during_step(signum: int, step: int, grad_accum: int):
 def test_signal_mid_step_saves_that_step_and_resumes_exactly(make_cfg, signum, code):
     steps = {"max_steps": 7, "micro_batch": 2, "grad_accum": 2}
     full = train(make_cfg("full", train=steps), console=quiet())
-    cfg = make_cfg("sig", train=steps, checkpoint={"save_every": 0})
+    cfg = make_cfg("sig", train=steps, checkpoint={"save_every": 0}, logging={"every": 3})
     with pytest.raises(RunInterrupted) as info:
         train(cfg, console=quiet(), model_hook=signal_during_step(signum, 5, 2))
     assert info.value.exit_code == code
@@ -47,10 +48,13 @@ def test_signal_mid_step_saves_that_step_and_resumes_exactly(make_cfg, signum, c
     assert cp.name == "step_00000005" and state["step"] == 5
     assert state["data"]["index"] == 5 * 2 * 2  # rows consumed by 5 steps of 2 x 2: none skipped
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    metrics = Path(cfg.checkpoint.output_dir) / "metrics.jsonl"
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [3, 5]  # the stop step is logged
     second = train(cfg, console=quiet())
     assert second.resumed_from == cp and sorted(second.losses) == [6, 7]
     for s in (6, 7):
         assert second.losses[s] == full.losses[s], s
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [3, 5, 6, 7]
 
 
 def test_cli_exits_with_the_signal_code(monkeypatch, capsys):
