@@ -28,12 +28,12 @@ from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
 from novatune.train.config import Config, summary as config_summary, to_yaml
 from novatune.train.metrics import MetricsLog, Progress, flops_per_token, gpu_mem_gib, peak_tflops
-from novatune.train.model import (SetupError, apply_patch, build_model, load_tokenizer, model_config, param_counts,
-                                  pick_device, pick_dtype, prepare)
+from novatune.train.model import (apply_patch, build_model, load_tokenizer, model_config, param_counts, pick_device,
+                                  pick_dtype, prepare)
 from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
 from novatune.train.optim import build_optimizer, build_scheduler
 from novatune.train.preflight import cpu_step_warning
-from novatune.train.signals import RunInterrupted, StopSignals
+from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
 
 @dataclass
@@ -83,12 +83,6 @@ def cpu_threads_for_load(console) -> None:
         torch.set_num_threads(1)
         console.print(f"[yellow]the CPU is busy (load {load:.1f} on {cores} cores): training with 1 thread; set "
                       f"OMP_NUM_THREADS to choose[/]")
-
-
-def signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
 
 
 def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None,

@@ -13,6 +13,10 @@ import sys
 import threading
 
 
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The run stopped on a signal after saving; exit_code is 128 + the signal number."""
 
@@ -34,7 +38,7 @@ class StopSignals:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: abort now
         self.requested = signum
-        sys.stderr.write(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+        sys.stderr.write(f"\n{signal_name(signum)}: finishing this step, then saving a checkpoint "
                          f"(Ctrl-C again aborts without saving)\n")
 
     def __enter__(self) -> StopSignals:
