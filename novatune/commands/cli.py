@@ -8,8 +8,10 @@ More subcommands live beside their implementation (see PLUGGED_COMMANDS): each s
 `add_arguments(parser)`, `HELP` (one line) and `run(args) -> int`, and imports nothing heavy at module level, so
 `novatune --help` stays fast.
 
-Exit codes: 0 ok; 1 `plan` predicts an out-of-memory; 2 a config/data/setup error (the message names the key
-and the fix); 130 interrupted (a checkpoint is saved first: run the same command to resume).
+Exit codes: 0 ok; 1 `plan` predicts an out-of-memory; 2 a config/data/setup/checkpoint error (the message names
+the key and the fix); 3 training went non-finite (train.on_nonfinite; the last good checkpoint is kept); 130
+(SIGINT, Ctrl-C) or 143 (SIGTERM) stopped by a signal after finishing the step and saving a checkpoint: run the same
+command to resume.
 """
 from __future__ import annotations
 
@@ -145,9 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # train's RunInterrupted carries 128 + the signal number
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
+    except RuntimeError as e:
+        from novatune.train.nonfinite import NonFiniteError
+
+        if not isinstance(e, NonFiniteError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

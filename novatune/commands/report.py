@@ -14,7 +14,8 @@ EPILOG = """examples:
   novatune report runs/bench-x --monthly-spend 10000,100000,1000000 --gpu "NVIDIA H100 80GB HBM3"
 
 Cost figures use --gpu-price ($ per GPU-hour) when given, else an assumed default for the GPU name (stated in the
-report; see novatune/report/cost.py). Exit codes: 0 report written, 2 bad option.
+report; see novatune/report/cost.py); runs measured on the CPU or on a toy model (< 100M parameters) get no cost
+projection. Exit codes: 0 report written, 2 bad option or a RUN path that does not exist.
 """
 
 
@@ -56,6 +57,10 @@ def run(args) -> int:
         return 2
     if args.token_budget <= 0 or not spends:
         print("error: --token-budget and --monthly-spend must be positive", file=sys.stderr)
+        return 2
+    missing = [r for r in args.runs if not Path(r).exists()]
+    if missing:
+        print(f"error: no such run folder or result file: {', '.join(missing)}; check the path(s)", file=sys.stderr)
         return 2
     if args.output:
         out = Path(args.output)

@@ -47,8 +47,8 @@ def tokenize_records(records: list[dict], fmt: str, tokenizer, loss_on: str, cha
     for i, rec in enumerate(records):
         try:
             docs.append(f(rec))
-        except DataError:
-            raise
+        except DataError as e:
+            raise DataError(f"{key}: record {i}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{key}: record {i} does not fit format {fmt!r} ({type(e).__name__}: {e}); fix the "
                             f"record or set data.format") from None

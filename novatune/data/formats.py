@@ -68,12 +68,21 @@ def _eos(tok, ids: list[int], add_eos: bool) -> list[int]:
     return ids
 
 
+# the roles chat templates know; anything else would render as nothing or as another role (and a conversation
+# whose assistant turns are not recognised trains on nothing)
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 def _normalise_messages(msgs) -> list[dict]:
     out = []
-    for m in msgs:
+    for i, m in enumerate(msgs):
         if "role" not in m and "from" in m:  # ShareGPT style
             role = {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"])
             m = {"role": role, "content": m.get("value", "")}
+        if m["role"] not in CHAT_ROLES:
+            raise DataError(f"message {i} has role {m['role']!r}, which chat templates do not know; use one "
+                            f"of {', '.join(CHAT_ROLES)} (ShareGPT 'from': human, gpt, system), or rename the role "
+                            f"in the data")
         out.append({"role": m["role"], "content": m.get("content", "")})
     return out
 

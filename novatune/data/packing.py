@@ -23,6 +23,7 @@ class PackStats:
     dropped: int = 0  # over-long documents dropped (overlong: drop)
     split: int = 0  # over-long documents cut into max_length pieces (overlong: split)
     truncated: int = 0  # over-long documents cut to max_length (overlong: truncate)
+    row_end_cuts: int = 0  # documents cut at a row's end, their rest continuing the next row (greedy packing)
     empty: int = 0  # documents with fewer than 2 tokens or no target token, skipped
     docs: int = 0  # documents (pieces) placed in rows
     rows: int = 0
@@ -41,6 +42,7 @@ class PackStats:
         s = (f"{self.docs} documents -> {self.rows} rows of {self.max_length} tokens, packing efficiency "
              f"{100 * self.efficiency:.1f}%, {self.tokens:,} tokens ({self.targets:,} with loss)")
         extra = [f"{n} {what}" for n, what in ((self.split, "over-long documents split"),
+                                                (self.row_end_cuts, "documents cut at a row end (greedy packing)"),
                                                 (self.dropped, "over-long documents dropped"),
                                                 (self.truncated, "over-long documents truncated"),
                                                 (self.empty, "empty documents skipped")) if n]
@@ -120,7 +122,7 @@ def greedy_rows(docs: list[Doc], max_length: int, stats: PackStats) -> list[list
             if ids:
                 rows.append(row)
                 row, used = [], 0
-        stats.split += cut
+        stats.row_end_cuts += cut
     if row:
         rows.append(row)
     return [r for r in rows if r]

@@ -88,9 +88,10 @@ class Report:
         self.figures.update(speedup=s, tok_s_before=base["tok_s"], tok_s_after=cand["tok_s"],
                             baseline=base["stack"], candidate=cand["stack"])
         dev = base.get("device", "?")
+        saving = "" if costmod.not_projectable(base, cand) else \
+            f", {100 * costmod.cost_reduction(s):.1f}% lower cost per training token"
         self.add("headline", f"**{cand['stack']} {cand['tok_s']:,.0f} tok/s vs {base['stack']} {base['tok_s']:,.0f} "
-                             f"tok/s: {s:.3f}x ({100 * (s - 1):+.1f}% throughput, {100 * costmod.cost_reduction(s):.1f}% "
-                             f"lower cost per training token)** on {self.head.workload()}, {dev}, git "
+                             f"tok/s: {s:.3f}x ({100 * (s - 1):+.1f}% throughput{saving})** on {self.head.workload()}, {dev}, git "
                              f"`{base.get('git_sha', '?')}`, measured {self.head.time()}.")
 
     def speed(self) -> None:
@@ -310,6 +311,11 @@ class Report:
             self.add("note", "No headline speedup (needs a bench run with both sides): no cost analysis.")
             return
         base, cand = pick_pair(self.head, self.opt.baseline, self.opt.candidate)
+        toy = costmod.not_projectable(base, cand)
+        if toy:
+            self.add("note", f"No cost projection: {toy}. Speed ratios from such runs do not carry over to GPU "
+                             f"training at scale; bench the real model on the GPU you pay for.")
+            return
         gpu = self.opt.gpu or base.get("device")
         price, source = costmod.resolve_price(gpu, self.opt.gpu_price)
         c = costmod.analysis(base["tok_s"], cand["tok_s"], price, self.opt.token_budget, self.opt.monthly)

@@ -26,6 +26,19 @@ DEFAULT_MONTHLY = (10_000, 50_000, 100_000, 250_000, 500_000, 1_000_000)
 DEFAULT_TOKEN_BUDGET = 1_000_000_000
 
 
+TOY_PARAMS = 100_000_000  # below this a model is a pipeline check, not a workload anyone pays GPUs for
+
+
+def not_projectable(*rows: dict) -> str | None:
+    """Why a pair of bench rows cannot back a cost projection (measured on the CPU, or a toy model), or None."""
+    for r in rows:
+        if str(r.get("device", "")).lower().startswith("cpu"):
+            return f"the {r.get('stack')} row was measured on the CPU"
+        if r.get("params") is not None and r["params"] < TOY_PARAMS:
+            return f"the {r.get('stack')} row trained a toy model ({r['params'] / 1e6:,.1f}M parameters)"
+    return None
+
+
 def default_price(gpu_name: str | None) -> float | None:
     if not gpu_name:
         return None

@@ -79,12 +79,25 @@ def _workload_key(r: dict) -> tuple:
     return ("bench", r.get("config"), tuple(r.get("overrides") or ()))
 
 
+def _same_workload(a: dict, b: dict) -> bool:
+    """A bench row of a stack that did not run (absent, interrupted) carries no config or overrides: it matches any
+    row of its run on the fields it has, so it never splits the run it belongs to."""
+    if a.get("bench") == "e2e" or b.get("bench") == "e2e":
+        return _workload_key(a) == _workload_key(b)
+    return all(a[k] == b[k] for k in ("config", "overrides") if k in a and k in b)
+
+
+def group_key(g: BenchGroup) -> tuple:
+    """The workload of a run, from a row that records it fully (a stack that ran)."""
+    return _workload_key(next((r for r in g.rows if "overrides" in r or r.get("bench") == "e2e"), g.rows[0]))
+
+
 def group_rows(rows: list[dict], source: str) -> list[BenchGroup]:
     """Consecutive rows of one workload form a run; a stack seen again starts the next run (files are appended)."""
     groups: list[BenchGroup] = []
     cur: list[dict] = []
     for r in rows:
-        if cur and (_workload_key(r) != _workload_key(cur[0]) or any(c["stack"] == r["stack"] for c in cur)):
+        if cur and (not all(_same_workload(r, c) for c in cur) or any(c["stack"] == r["stack"] for c in cur)):
             groups.append(BenchGroup(source, cur[0]["bench"], cur))
             cur = []
         cur.append(r)
@@ -217,7 +230,7 @@ def latest_per_workload(groups: list[BenchGroup]) -> list[BenchGroup]:
     """The newest run of each workload (files accumulate history; the report shows the current state)."""
     best: dict[tuple, BenchGroup] = {}
     for g in groups:
-        k = _workload_key(g.rows[0])
+        k = group_key(g)
         if k not in best or g.time() >= best[k].time():
             best[k] = g
     return list(best.values())

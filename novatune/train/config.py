@@ -103,6 +103,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0: no clipping
     fused_adamw: Optional[bool] = None  # null: fused on CUDA, foreach on CPU
     seed: int = 42
+    # a step whose loss or grad norm is NaN/inf: stop the run (default) or skip its update (train/nonfinite.py)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 3  # skip mode: more consecutive skipped steps than this stop the run
 
 
 @dataclass
@@ -115,7 +118,9 @@ class CheckpointConfig:
     output_dir: str = "runs/run"
     save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
     keep: int = 2  # newest N checkpoints kept
-    resume: str = "auto"  # auto (latest in output_dir) | never | <path to a checkpoint>
+    # auto: the newest intact checkpoint in output_dir (a damaged newer one is set aside, loudly) | never: a fresh
+    # run (refused where output_dir holds checkpoints) | <path to a checkpoint>: that one, or an error if damaged
+    resume: str = "auto"
     export: bool = True  # final weights loadable with from_pretrained (LoRA/QLoRA: adapter/ and merged/)
     export_merged: bool = True
 
@@ -349,3 +354,27 @@ def load_with_base(path: str | Path | None, overrides: list[str] | None = None,
 
         return cfg, DEMO_DIR
     return cfg, Path(path).resolve().parent
+
+
+# --------------------------------------------------------------------------------------------- the run summary
+def summary(cfg: Config) -> str:
+    """The resolved config in a few lines for the start of a run (the full one goes to <output_dir>/config.yaml)."""
+    m, d, me, t, c = cfg.model, cfg.data, cfg.method, cfg.train, cfg.checkpoint
+    model = f"name: {m.name}" if m.name else f"arch: {m.arch}"
+    if m.arch_overrides:
+        model += " (" + ", ".join(f"{k}={v}" for k, v in m.arch_overrides.items()) + ")"
+    method = me.type if me.type == "full" else f"{me.type} r{me.r} alpha {me.alpha:g} dropout {me.dropout:g} " \
+                                                 f"targets {','.join(me.targets)}"
+    sources = ", ".join(s.path or s.type for s in d.sources)
+    length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
+    lines = [
+        ("model", f"{model}, {m.dtype}, {m.attention}, patch {'on' if m.patch else 'off'}, device {m.device}"),
+        ("method", method + (", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")),
+        ("data", f"{sources}; format {d.format}, loss_on {d.loss_on}, max_length {d.max_length}, packing "
+                 f"{d.packing_strategy if d.packing else 'off'}"),
+        ("train", f"{length}, micro_batch {t.micro_batch} x grad_accum {t.grad_accum}, lr {t.lr:g} {t.schedule} "
+                  f"(warmup {t.warmup:g}), clip {t.max_grad_norm:g}, on_nonfinite {t.on_nonfinite}, seed {t.seed}"),
+        ("output", f"{c.output_dir} (save_every {c.save_every}, keep {c.keep}, resume {c.resume}, export "
+                   f"{'on' if c.export else 'off'}); full config: {Path(c.output_dir) / 'config.yaml'}"),
+    ]
+    return "\n".join(f"{k:<7} {v}" for k, v in lines)

@@ -130,6 +130,8 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         raise ConfigError("train.betas", f"must be two numbers in [0, 1), got {t.betas}", "e.g. [0.9, 0.999]")
     if t.max_grad_norm < 0:
         raise ConfigError("train.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}", "e.g. 1.0 (0: no clipping)")
+    if t.max_skipped_steps < 0:
+        raise ConfigError("train.max_skipped_steps", f"must be >= 0, got {t.max_skipped_steps}", "e.g. 3")
     # checkpoint / logging
     if cfg.checkpoint.save_every < 0:
         raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",

@@ -13,17 +13,19 @@ from pathlib import Path
 import torch
 
 from novatune.train import checkpoint as ckpt
-from novatune.train.config import Config, to_yaml
+from novatune.train import run_dir
+from novatune.train.config import Config, summary as config_summary, to_yaml
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
-from novatune.train.model import SetupError
+from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
 from novatune.train.session import (
     build,
     cpu_threads_for_load,
     forward_backward,
     packed_kwargs_mode,
 )
+from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
-__all__ = ["RunResult", "cpu_threads_for_load", "forward_backward", "resolve_resume", "train"]
+__all__ = ["RunResult", "cpu_threads_for_load", "forward_backward", "train"]
 _packed_kwargs_mode = packed_kwargs_mode  # the name other commands import
 
 
@@ -44,21 +46,6 @@ class RunResult:
     session: object = None  # the train.session.Session that ran
 
 
-def resolve_resume(cfg: Config) -> Path | None:
-    r = cfg.checkpoint.resume
-    if r == "never":
-        return None
-    if r == "auto":
-        return ckpt.latest(cfg.checkpoint.output_dir)
-    p = Path(r)
-    if p.is_dir() and not (p / "state.json").exists():  # an output_dir: its latest checkpoint
-        p = ckpt.latest(p) or p
-    if not (p / "state.json").exists():
-        raise SetupError(f"checkpoint.resume: {r} is not a checkpoint (no state.json); give a "
-                         f"<output_dir>/checkpoints/step_N folder, or resume: auto / never")
-    return p
-
-
 def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None,
           model_hook=None, step_hook=None) -> RunResult:
     """Run training as configured. `stop_after` ends the process's loop after that many optimizer steps without
@@ -73,9 +60,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     console = console or Console(soft_wrap=True)
     t_start = time.perf_counter()
     out_dir = Path(cfg.checkpoint.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = run_dir.claim(out_dir, cfg.checkpoint.resume)  # refuses to mix runs or overwrite a finished one
     console.rule("[bold]novatune train")
-    console.print(to_yaml(cfg), highlight=False, markup=False)
+    for note in notes:
+        console.print(f"[yellow]{note}[/]")
+    console.print(config_summary(cfg), highlight=False, markup=False)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     session = build(cfg, base_dir, console, model_hook=model_hook)
@@ -84,15 +73,13 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     device, dtype, report, total = session.device, session.dtype, session.patch_report, session.total_steps
 
     step, tokens_seen = 0, 0
-    resume_from = resolve_resume(cfg)
+    resume_from, state = ckpt.resume(cfg.checkpoint.resume, out_dir, model, opt, sched, device,
+                                     warn=lambda msg: console.print(f"[bold red]{msg}[/]", highlight=False))
     if resume_from is not None:
-        state = ckpt.load(resume_from, model, opt, sched, device)
         stream.load_state_dict(state["data"])
         step, tokens_seen = state["step"], state.get("tokens", 0)
         console.print(f"resumed from {resume_from} at step {step}", highlight=False)
-    elif ckpt.list_checkpoints(out_dir):
-        console.print(f"[yellow]checkpoint.resume=never: starting at step 0; older checkpoints in {out_dir} are "
-                      f"replaced as new ones are saved[/]")
+    run_dir.mark(out_dir, "running", total_steps=total)
 
     result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report,
                        pack_stats=session.data.stats)
@@ -109,23 +96,33 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     progress = Progress(total, step, cfg.logging.progress, console)
     win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
-    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    start_step, interrupted = step, False
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, float, bool]] = []
+    start_step, aborted = step, False
+    guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
+    signals = StopSignals()
     try:
-        while step < total:
+        signals.__enter__()
+        while step < total and signals.requested is None:
             mbs = session.next_micro_batches()
             out = session.forward_backward(mbs)
-            # the weights change only in apply_update(): a check of out.loss / out.grad_norm goes between the two
-            session.apply_update()
             loss, gnorm = out.loss, out.grad_norm
+            lr = sched.get_last_lr()[0]  # the lr this step's update uses
+            # the weights change only in apply_update(): the non-finite check sits between the two
+            applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
+            if applied:
+                session.apply_update()
+            else:
+                session.skip_update()
+                advance_schedule(sched)  # a skipped step still advances the schedule (train/nonfinite.py)
             step += 1
             n_tok = sum(mb["num_tokens"] for mb in mbs)
             tokens_seen += n_tok
             win_tokens += n_tok
             win_keys += sum(mb["attn_keys"] for mb in mbs)
-            pending.append((step, loss, gnorm))
-            if step % cfg.logging.every == 0 or step == total:
-                vals = [(s, float(l_), float(g)) for s, l_, g in pending]  # the one sync per logged step
+            pending.append((step, loss, gnorm, lr, applied))
+            if step % cfg.logging.every == 0 or step == total or signals.requested is not None:
+                vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
+                lr, applied = pending[-1][3], pending[-1][4]
                 pending.clear()
                 result.losses.update({s: v for s, v, _ in vals})
                 now = time.perf_counter()
@@ -134,9 +131,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 if peak:
                     mfu = tps * session.flops_per_token(win_keys / max(1, win_tokens)) / (peak * 1e12)
                 mem = gpu_mem_gib(device)
-                row = {"step": step, "total_steps": total, "loss": vals[-1][1], "lr": sched.get_last_lr()[0],
-                       "grad_norm": vals[-1][2], "tokens": tokens_seen, "tokens_per_s": tps, "mfu": mfu,
-                       "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+                row = {"step": step, "total_steps": total, "loss": as_json_number(vals[-1][1]), "lr": lr,
+                       "grad_norm": as_json_number(vals[-1][2]), "tokens": tokens_seen, "tokens_per_s": tps,
+                       "mfu": mfu, "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+                if not applied:
+                    row["skipped"] = True
                 metrics.write(row)
                 progress.update(step, row)
                 win_t, win_tokens, win_keys = now, 0, 0.0
@@ -155,20 +154,28 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
                 break
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
+        aborted = True
     finally:
+        signals.__exit__()
         gc.unfreeze()  # frozen objects are never collected: hand them back once training is over
         progress.close()
         metrics.close()
-    for s, l_, _ in pending:
+    for s, l_, _, _, _ in pending:
         result.losses[s] = float(l_)
     result.steps, result.tokens = step, tokens_seen
-    if interrupted:
-        where = save(step) if step > start_step else None
-        console.print(f"[yellow]interrupted at step {step}" + (f"; saved {where}; run the same command to resume"
-                                                                 if where else "") + "[/]")
+    if aborted:
+        last = ckpt.latest(out_dir)
+        console.print(f"[yellow]aborted during step {step + 1} without saving; "
+                      + (f"the last checkpoint is {last}[/]" if last else "no checkpoint was written[/]"))
         raise KeyboardInterrupt
+    if signals.requested is not None and step < total:
+        last = ckpt.latest(out_dir)  # already saved at this step (save_every), or nothing trained since the resume
+        where = last if step == start_step or (last and ckpt.step_of(last) == step) else save(step)
+        msg = f"stopped by {signal_name(signals.requested)} after step {step}; checkpoint {where}; run the same " \
+              f"command to resume"
+        console.print(f"[yellow]{msg}[/]", highlight=False)
+        raise RunInterrupted(signals.requested, msg)
     if step >= total:
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
             save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
@@ -179,12 +186,13 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
                                           qlora=qlora, merged_dtype=dtype)
             console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
+        run_dir.mark(out_dir, "finished", steps=step)
     session.release_optimizer_state()  # the caller keeps the model (and the session), not the AdamW moments
     result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
     losses = [result.losses[k] for k in sorted(result.losses)]
-    summary = {"steps": step, "total_steps": total, "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "tokens": tokens_seen,
+    summary = {"steps": step, "total_steps": total, "first_loss": as_json_number(losses[0]) if losses else None,
+               "last_loss": as_json_number(losses[-1]) if losses else None, "tokens": tokens_seen,
                "wall_s": round(result.wall_s, 2), "output_dir": str(out_dir), "device": str(device)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)

@@ -10,6 +10,8 @@ logging.measure_peak, or the table below by GPU name). On the CPU MFU is shown a
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 
@@ -55,15 +57,19 @@ def gpu_mem_gib(device: torch.device) -> tuple[float, float] | None:
 
 
 class MetricsLog:
-    """metrics.jsonl (one JSON object per logged step) and, when tensorboard is installed, event files."""
+    """metrics.jsonl (one JSON object per logged step) and, when tensorboard is installed, event files.
+
+    The file is only ever appended to, one complete line per write, and every line is strict JSON (NaN/inf are
+    written as null). At start, rows past the step the run resumes from (a fresh run: all rows) and a torn last
+    line (a disk that filled mid-write) are dropped, with a warning, by writing the kept rows to a temporary file
+    and renaming it over the old one: a kill at any moment leaves the old file or the new one, never less."""
 
     def __init__(self, output_dir: str | Path, tensorboard: bool, console=None, resume_step: int = 0):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # a resumed run continues the curve: drop rows past the checkpoint it resumed from
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and
-                    json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+        self.console = console
+        if self.path.exists():
+            self._keep_rows_up_to(resume_step)
         self.tb = None
         if tensorboard:
             try:
@@ -71,15 +77,40 @@ class MetricsLog:
 
                 self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
             except ImportError:
-                msg = "tensorboard is not installed: no event files (metrics.jsonl is written); pip install tensorboard"
-                (console.print(f"[yellow]{msg}[/]") if console is not None else print(msg))
+                self._warn("tensorboard is not installed: no event files (metrics.jsonl is written); "
+                           "pip install tensorboard")
+
+    def _warn(self, msg: str) -> None:
+        (self.console.print(f"[yellow]{msg}[/]") if self.console is not None else print(msg))
+
+    def _keep_rows_up_to(self, step: int) -> None:
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        keep, torn = [], 0
+        for ln in lines:
+            if not ln.strip():
+                continue
+            try:
+                row = json.loads(ln)
+            except ValueError:
+                torn += 1
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                keep.append(ln)
+        if torn:
+            self._warn(f"{self.path}: dropped {torn} unreadable line(s) (a write cut short, e.g. by a full disk)")
+        if len(keep) == len(lines):
+            return  # nothing to drop: the file stays as it is
+        tmp = self.path.with_name(f".tmp-{self.path.name}-{os.getpid()}")
+        tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def write(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(clean, allow_nan=False) + "\n")
         if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and v == v:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.tb.add_scalar(f"train/{k}", v, row["step"])
 
     def close(self) -> None:
@@ -87,11 +118,17 @@ class MetricsLog:
             self.tb.close()
 
 
+def _num(value, spec: str) -> str:
+    return "nan" if value is None else format(value, spec)  # None: a non-finite value (JSON null)
+
+
 def fmt_row(row: dict) -> str:
     mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
     mem = f"{row['mem_gib']:.1f} GiB" if row.get("mem_gib") is not None else "n/a"
-    return (f"step {row['step']}/{row['total_steps']}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-            f"grad {row['grad_norm']:.2f}  {row['tokens_per_s']:,.0f} tok/s  MFU {mfu}  mem {mem}")
+    skipped = "  (update skipped: non-finite)" if row.get("skipped") else ""
+    return (f"step {row['step']}/{row['total_steps']}  loss {_num(row['loss'], '.4f')}  lr {row['lr']:.2e}  "
+            f"grad {_num(row['grad_norm'], '.2f')}  {row['tokens_per_s']:,.0f} tok/s  MFU {mfu}  mem {mem}"
+            f"{skipped}")
 
 
 class Progress:
@@ -105,8 +142,15 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn, \
                 TimeRemainingColumn
 
-            self.bar = RP(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+            from rich.table import Column
+
+            # the counters and times keep their width; the bar and the description give way on narrow terminals
+            # (the full row is printed above the bar anyway)
+            self.bar = RP(TextColumn("[bold]train"), BarColumn(bar_width=None, table_column=Column(ratio=1)),
+                          MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.description}", table_column=Column(ratio=2, no_wrap=True,
+                                                                                overflow="ellipsis")),
+                          console=console, expand=True)
             self.task = self.bar.add_task("", total=total, completed=start)
             self.bar.start()
 
@@ -116,7 +160,7 @@ class Progress:
             if row is not None:
                 mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
                 mem = f"{row['mem_gib']:.1f}GiB" if row.get("mem_gib") is not None else "n/a"
-                desc = (f"loss {row['loss']:.4f} lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s "
+                desc = (f"loss {_num(row['loss'], '.4f')} lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s "
                         f"MFU {mfu} mem {mem}")
             self.bar.update(self.task, completed=step, **({"description": desc} if desc else {}))
             if row is not None:  # the history stays on screen above the live bar

@@ -48,6 +48,7 @@ from novatune.train.model import (
     pick_dtype,
     prepare,
 )
+from novatune.train.preflight import cpu_step_warning
 from novatune.train.optim import build_optimizer, build_scheduler
 
 
@@ -221,6 +222,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
 
     tokenizer = load_tokenizer(cfg.model, base_dir)
     mconf = model_config(cfg.model, tokenizer, base_dir)
+    slow = cpu_step_warning(mconf, device, cfg.train.micro_batch * cfg.train.grad_accum * cfg.data.max_length)
+    if slow and console is not None:
+        console.print(f"[bold yellow]{slow}[/]", highlight=False)
     data = build_data(cfg.data, tokenizer, mconf.vocab_size, base_dir)
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)

@@ -134,4 +134,7 @@ def test_greedy_packing_fills_rows_in_order_and_cuts_at_row_ends():
         [[0, 1, 2, 3, 4], [100, 101, 102, 103, 104]],
         [[105, 106, 107, 108], [200, 201, 202, 203], [300, 301]],
         [[302, 303, 304, 305, 306], [500, 501, 502, 503, 504]]]
-    assert stats.split == 3 and stats.rows == 3 and stats.efficiency == 1.0
+    assert stats.row_end_cuts == 3 and stats.rows == 3 and stats.efficiency == 1.0
+    # none of them was longer than a row: the summary names them as row-end cuts, not over-long splits
+    assert stats.split == 0 and "over-long" not in stats.summary() and "3 documents cut at a row end" in \
+        stats.summary()

@@ -159,6 +159,16 @@ def test_loss_on_mismatch_and_bad_records(tok):
         tokenize_records([{"prompt": "x", "text": "y"}], "prompt_completion", tok, "all", None, True, "k")
 
 
+@pytest.mark.parametrize("messages,role", [
+    ([{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}], "bot"),
+    ([{"role": "user", "content": "Hi"}, {"role": "Assistant", "content": "Hello"}], "Assistant"),
+    ([{"from": "human", "value": "Hi"}, {"from": "model", "value": "Hello"}], "model"),
+])
+def test_unknown_chat_role_names_the_role_and_the_accepted_ones(tok, messages, role):
+    with pytest.raises(DataError, match=rf"k: record 0: message 1 has role '{role}'.*system, user, assistant, tool"):
+        tokenize_records([{"messages": messages}], "messages", tok, "assistant", CHATML_TEMPLATE, True, "k")
+
+
 def test_build_data_mixes_sources_and_checks_vocab(tmp_path, tok):
     p = _write(tmp_path, "jsonl")
     chat = tmp_path / "chat.jsonl"

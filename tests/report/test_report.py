@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from novatune.report import cost
-from novatune.report.load import group_rows, load_inputs, step_tok_s
+from novatune.report.load import group_rows, latest_per_workload, load_inputs, step_tok_s
 from novatune.report.traces import breakdown, classify
+
+STOCK_TOK_S, NOVA_TOK_S = 1000.0, 1564.0
+ENV = {"time": "2026-11-21T09:00:00+00:00", "device": "NVIDIA H100 80GB HBM3", "git_sha": "abc1234"}
+
+
+def bench_row(stack: str, tok_s: float, losses: list[float], step_s: list[float], peak: float) -> dict:
+    return {**ENV, "bench": "novatune_bench", "stack": stack, "status": "ok", "config": "examples/qwen3-4b-seed.yaml",
+            "overrides": [], "warm": 0, "steps": 1, "tok_s": tok_s, "tokens_per_step": [16384], "step_s": step_s,
+            "gflop_per_tok": 24.96, "peak_gib": peak, "losses": losses, "params": 4_000_000_000}
 
 
 def test_cost_math_by_hand():
@@ -159,12 +169,57 @@ def test_absent_inputs_are_named(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "odd.json").write_text(json.dumps({"what": 1}))
-    assert main(["report", str(empty), str(tmp_path / "missing"), "-o", str(tmp_path / "out"), "--no-plots"]) == 0
+    assert main(["report", str(empty), "-o", str(tmp_path / "out"), "--no-plots"]) == 0
     md = (tmp_path / "out" / "report.md").read_text()
     for msg in ("No side-by-side bench run", "No bench rows", "No Chrome traces", "No validate.json",
                 "No eval results", "no cost analysis"):
         assert msg in md, msg
-    assert "odd.json: JSON of an unknown kind" in md and "missing: does not exist" in md
+    assert "odd.json: JSON of an unknown kind" in md
+
+
+def test_mistyped_run_path_exits_2_and_writes_nothing(tmp_path, capsys):
+    from novatune.cli import main
+
+    assert main(["report", str(tmp_path / "bench-rn"), "-o", str(tmp_path / "out"), "--no-plots"]) == 2
+    assert "bench-rn" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def _bench_file(tmp_path, rows) -> Path:
+    f = tmp_path / "bench.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_a_missing_stack_keeps_the_stock_row_and_the_speedup(tmp_path):
+    """The bench writes a row without config/overrides for a stack that did not run (absent, interrupted): the
+    run it sits in stays one run."""
+    from novatune.cli import main
+
+    ov = ["train.max_steps=6"]
+    rows = [{**bench_row("stock", STOCK_TOK_S, [1.0], [1.0], 39.0), "overrides": ov},
+            {**ENV, "bench": "novatune_bench", "stack": "liger-peer", "status": "absent", "reason": "not installed",
+             "description": "peer", "config": "examples/qwen3-4b-seed.yaml"},
+            {**bench_row("novatune", NOVA_TOK_S, [1.0], [1.0], 32.0), "overrides": ov}]
+    f = _bench_file(tmp_path, rows)
+    (g,) = latest_per_workload(load_inputs([f]).bench)
+    assert [r["stack"] for r in g.rows] == ["stock", "liger-peer", "novatune"]
+    assert main(["report", str(f), "-o", str(tmp_path / "out"), "--no-plots"]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"{NOVA_TOK_S / STOCK_TOK_S:.3f}x" in md and "No headline speedup" not in md
+
+
+@pytest.mark.parametrize("change,why", [({"device": "cpu"}, "was measured on the CPU"),
+                                        ({"params": 3_300_000}, "trained a toy model (3.3M parameters)")])
+def test_no_cost_projection_from_cpu_or_toy_runs(tmp_path, change, why):
+    from novatune.cli import main
+
+    rows = [{**bench_row(s, t, [1.0], [1.0], 1.0), **change} for s, t in (("stock", 100.0), ("novatune", 400.0))]
+    f = _bench_file(tmp_path, rows)
+    assert main(["report", str(f), "-o", str(tmp_path / "out"), "--no-plots"]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"No cost projection: the stock row {why}" in md
+    assert "estimated monthly savings" not in md and "$ per 1M training tokens" not in md
+    assert "lower cost" not in md
 
 
 def test_cli_report_on_e2e_rows(tmp_path, fixture_runs):

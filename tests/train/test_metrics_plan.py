@@ -67,3 +67,52 @@ def test_metrics_log_truncates_on_resume(tmp_path):
     MetricsLog(tmp_path, tensorboard=False, resume_step=3).close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_metrics_nonfinite_is_json_null(tmp_path):
+    m = MetricsLog(tmp_path, tensorboard=False)
+    m.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    m.close()
+
+    def bare(c):
+        raise ValueError(c)
+
+    (row,) = [json.loads(x, parse_constant=bare) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["loss"] is None and row["grad_norm"] is None and row["lr"] == 1e-3
+
+
+def test_metrics_torn_last_line_is_dropped_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    MetricsLog(tmp_path, tensorboard=False, resume_step=4).close()
+    assert "unreadable" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    m = MetricsLog(tmp_path, tensorboard=False, resume_step=3)
+    m.write({"step": 4, "loss": 0.5})
+    m.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_metrics_rewrite_on_resume_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6))
+    path.write_text(text)
+    real_write = Path.write_text
+
+    def killed(self, data, *a, **k):  # the process dies halfway through writing
+        real_write(self, data[: len(data) // 2], *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(tmp_path, tensorboard=False, resume_step=3)
+    monkeypatch.undo()
+    assert path.read_text() == text  # the history is intact
+
+
+def test_metrics_untouched_when_nothing_to_drop(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    inode = path.stat().st_ino
+    MetricsLog(tmp_path, tensorboard=False, resume_step=2).close()
+    assert path.stat().st_ino == inode

@@ -240,7 +240,7 @@ def test_cli_train_qlora(tmp_path):
     r = subprocess.run([sys.executable, "-m", "novatune", "train", str(path)], cwd=tmp_path, env=env, text=True,
                        capture_output=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "type: qlora" in r.stdout
+    assert "method  qlora r" in r.stdout  # the start summary
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     # uniform random tokens: nothing to learn below ln(97) (the falling loss is checked on chat data above)
     assert summary["steps"] == 3 and 0 < summary["last_loss"] < 2 * summary["first_loss"]

@@ -156,7 +156,7 @@ def test_bad_patch_option_names_the_key(make_cfg):
 
 def test_resume_from_mismatched_checkpoint_says_what_to_do(make_cfg):
     cfg = make_cfg("m1", train={"max_steps": 2}, checkpoint={"save_every": 1})
-    train(cfg, console=quiet())
+    train(cfg, console=quiet(), stop_after=1)  # unfinished: its checkpoint is there to resume
     other = make_cfg("m1", train={"max_steps": 4}, checkpoint={"save_every": 1},
                      model={"arch_overrides": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}})

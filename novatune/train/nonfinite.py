@@ -1,0 +1,84 @@
+"""What the trainer does when a step's loss or gradient norm is not finite (`train.on_nonfinite`).
+
+The check costs one host sync per optimizer step: the loss and the gradient norm (which clipping computes anyway)
+are combined on the device and read once, after the step's backward passes and before the optimizer touches the
+weights. Nothing is checked per micro-batch.
+
+  stop (default)  the run ends with NonFiniteError naming the step; the bad update is never applied, so the last
+                  checkpoint (and the weights in memory) stay finite.
+  skip            the step's gradients are dropped: the optimizer does not step, so its moments and the weights
+                  are untouched. The step still counts (the data it consumed stays consumed and the learning-rate
+                  schedule advances, as torch's GradScaler does on an overflow), and its metrics row has loss null
+                  and `skipped: true`. More than `train.max_skipped_steps` consecutive skips stop the run: a run
+                  that only skips is not training.
+
+Checkpoints and exports check the weights themselves (`require_finite`), so a non-finite tensor never reaches
+disk whatever produced it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced (or was given) non-finite numbers; the message names where and what to do."""
+
+
+def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
+    if not floats:
+        return []
+    flags = torch.stack([torch.isfinite(t).all() for t in floats.values()]).cpu()  # one sync for all tensors
+    return [n for n, ok in zip(floats, flags.tolist()) if not ok]
+
+
+def require_finite(tensors: dict[str, torch.Tensor], what: str, fix: str) -> None:
+    bad = nonfinite_names(tensors)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteError(f"{what}: {len(bad)} tensor(s) hold NaN/inf ({shown}); {fix}")
+
+
+def as_json_number(x):
+    """A float for a JSON file: non-finite values become null (JSON has no NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+class StepGuard:
+    """Decides, once per optimizer step, whether the step's update may be applied."""
+
+    def __init__(self, mode: str, max_skipped: int):
+        self.mode, self.max_skipped = mode, max_skipped
+        self.consecutive = 0
+        self.skipped: list[int] = []
+
+    def allow(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """True: apply the update of `step` (1-based). False (skip mode): drop it. Raises NonFiniteError (stop)."""
+        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one sync of the check
+            self.consecutive = 0
+            return True
+        what = f"step {step}: loss {float(loss):.4g}, grad norm {float(grad_norm):.4g}"
+        if self.mode != "skip":
+            raise NonFiniteError(f"non-finite training at {what}. The update was not applied and no checkpoint "
+                                 f"was written after it. Fix: lower train.lr, check the data and the starting "
+                                 f"weights, or set train.on_nonfinite: skip to drop such steps")
+        self.consecutive += 1
+        self.skipped.append(step)
+        if self.consecutive > self.max_skipped:
+            raise NonFiniteError(f"non-finite training at {what}: {self.consecutive} consecutive steps skipped "
+                                 f"(train.max_skipped_steps={self.max_skipped}). Fix: lower train.lr or check the "
+                                 f"data and the starting weights")
+        return False
+
+
+def advance_schedule(scheduler) -> None:
+    """scheduler.step(), also after a skipped update (torch would warn that the optimizer did not step first)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
