@@ -178,7 +178,7 @@ def test_absent_inputs_are_named(tmp_path):
 
 
 def test_mistyped_run_path_exits_2_and_writes_nothing(tmp_path, capsys):
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     assert main(["report", str(tmp_path / "bench-rn"), "-o", str(tmp_path / "out"), "--no-plots"]) == 2
     assert "bench-rn" in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -193,7 +193,7 @@ def _bench_file(tmp_path, rows) -> Path:
 def test_a_missing_stack_keeps_the_stock_row_and_the_speedup(tmp_path):
     """The bench writes a row without config/overrides for a stack that did not run (absent, interrupted): the
     run it sits in stays one run."""
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     ov = ["train.max_steps=6"]
     rows = [{**bench_row("stock", STOCK_TOK_S, [1.0], [1.0], 39.0), "overrides": ov},
@@ -211,7 +211,7 @@ def test_a_missing_stack_keeps_the_stock_row_and_the_speedup(tmp_path):
 @pytest.mark.parametrize("change,why", [({"device": "cpu"}, "was measured on the CPU"),
                                         ({"params": 3_300_000}, "trained a toy model (3.3M parameters)")])
 def test_no_cost_projection_from_cpu_or_toy_runs(tmp_path, change, why):
-    from novatune.cli import main
+    from novatune.commands.cli import main
 
     rows = [{**bench_row(s, t, [1.0], [1.0], 1.0), **change} for s, t in (("stock", 100.0), ("novatune", 400.0))]
     f = _bench_file(tmp_path, rows)

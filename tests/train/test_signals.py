@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from novatune import cli
+from novatune.commands import cli
 from novatune.train import checkpoint as ckpt
 from novatune.train.loop import train
 from novatune.train.signals import RunInterrupted
