@@ -53,7 +53,7 @@ def test_big_model_on_the_cpu_is_warned_about_before_it_is_built():
 
 def test_lora_example_on_cpu_warns_first(make_cfg, monkeypatch):
     # the run itself: the warning is printed before the model is built (build_model stopped here)
-    import novatune.train.loop as loop
+    import novatune.train.session as session
 
     class Built(Exception):
         pass
@@ -61,7 +61,7 @@ def test_lora_example_on_cpu_warns_first(make_cfg, monkeypatch):
     def stop(*a, **k):
         raise Built
 
-    monkeypatch.setattr(loop, "build_model", stop)
+    monkeypatch.setattr(session, "build_model", stop)
     monkeypatch.setattr(preflight, "SLOW_STEP_S", 0.0)
     console, buf = recorder()
     try:
