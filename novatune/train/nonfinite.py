@@ -27,12 +27,21 @@ class NonFiniteError(RuntimeError):
     """Training produced (or was given) non-finite numbers; the message names where and what to do."""
 
 
+CHUNK = 1 << 26  # elements checked at once: the boolean temporary stays <= 64 MiB next to a multi-GB embedding
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return torch.stack([torch.isfinite(c).all() for c in flat.split(CHUNK)]).all() if flat.numel() else \
+        torch.ones((), dtype=torch.bool, device=t.device)
+
+
 def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity."""
     floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
     if not floats:
         return []
-    flags = torch.stack([torch.isfinite(t).all() for t in floats.values()]).cpu()  # one sync for all tensors
+    flags = torch.stack([_all_finite(t).cpu() for t in floats.values()])
     return [n for n, ok in zip(floats, flags.tolist()) if not ok]
 
 

@@ -102,3 +102,17 @@ def test_save_and_export_refuse_nonfinite_weights(tmp_path):
     with pytest.raises(NonFiniteError, match="export"):
         ckpt.export(model, None, tmp_path, lora=False)
     assert not ckpt.checkpoints_dir(tmp_path).exists() and not (tmp_path / "final").exists()
+
+
+def test_nonfinite_names_checks_every_chunk(monkeypatch):
+    from novatune.train import nonfinite
+
+    monkeypatch.setattr(nonfinite, "CHUNK", 7)
+    t = torch.randn(5, 9)
+    nan_last = t.clone()
+    nan_last[-1, -1] = float("nan")
+    inf_mid = t.clone().t()  # not contiguous
+    inf_mid[4, 2] = -float("inf")
+    tensors = {"ok": t, "nan": nan_last, "inf": inf_mid, "empty": torch.empty(0), "ints": torch.arange(3),
+               "half": torch.full((3,), 6e4, dtype=torch.float16)}
+    assert nonfinite.nonfinite_names(tensors) == ["nan", "inf"]
