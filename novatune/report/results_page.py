@@ -113,7 +113,8 @@ def _loss_diff(losses: list | None, stock: list | None) -> float | None:
     """Largest relative per-step loss difference over the steps both rows logged."""
     if not losses or not stock:
         return None
-    pairs = [(a, b) for a, b in zip(losses, stock) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b]
+    number = (int, float)
+    pairs = [(a, b) for a, b in zip(losses, stock, strict=False) if isinstance(a, number) and isinstance(b, number) and b]
     return max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
 
 
@@ -137,8 +138,9 @@ def stack_lines(call: list[dict]) -> list[tuple[dict, list]]:
         stack = STACK_NAMES.get(row.get("stack"), fmt(row.get("stack")))
         if not ok:
             stack += f" ({row.get('status')}: {fmt(row.get('reason'))})"
-        lines.append((row, [stack, workload(row), fmt(tok_s, 0), fmt(x_stock, 3), fmt(x_peer, 3), fmt(row.get("mfu"), 3),
-                      fmt(row.get("peak_gib")), "-" if diff is None else f"{diff:.1e}", *provenance(row)]))
+        diff_text = "-" if diff is None else f"{diff:.1e}"
+        lines.append((row, [stack, workload(row), fmt(tok_s, 0), fmt(x_stock, 3), fmt(x_peer, 3),
+                            fmt(row.get("mfu"), 3), fmt(row.get("peak_gib")), diff_text, *provenance(row)]))
     return lines
 
 

@@ -95,8 +95,9 @@ def test_generated_header_names_the_command(results: Path) -> None:
 
 def test_calls_split_on_run_index_sha_and_time_gap() -> None:
     rows = [{"git_sha": "a", "run_index": 0}, {"git_sha": "a", "run_index": 1}, {"git_sha": "a", "run_index": 0},
-            {"git_sha": "b", "time": "2026-11-21T10:00:00+00:00"}, {"git_sha": "b", "time": "2026-11-21T10:02:00+00:00"},
-            {"git_sha": "b", "time": "2026-11-21T10:30:00+00:00"}]
+            {"git_sha": "b", "time": "2026-11-21T10:00:00+00:00"},
+            {"git_sha": "b", "time": "2026-11-21T10:02:00+00:00"},  # 2 minutes later: the same call
+            {"git_sha": "b", "time": "2026-11-21T10:30:00+00:00"}]  # half an hour later: the next call
     assert [len(c) for c in split_calls(rows)] == [2, 1, 2, 1]
 
 
