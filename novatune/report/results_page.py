@@ -114,7 +114,8 @@ def _loss_diff(losses: list | None, stock: list | None) -> float | None:
     if not losses or not stock:
         return None
     number = (int, float)
-    pairs = [(a, b) for a, b in zip(losses, stock, strict=False) if isinstance(a, number) and isinstance(b, number) and b]
+    pairs = [(a, b) for a, b in zip(losses, stock, strict=False)
+             if isinstance(a, number) and isinstance(b, number) and b]
     return max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
 
 
