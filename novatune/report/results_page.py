@@ -79,21 +79,23 @@ def _seconds(row: dict) -> float | None:
         return None
 
 
+def _starts_call(prev: dict, row: dict) -> bool:
+    if row.get("git_sha") != prev.get("git_sha"):
+        return True
+    if "run_index" in row and "run_index" in prev:
+        return row["run_index"] <= prev["run_index"]
+    t0, t1 = _seconds(prev), _seconds(row)
+    return t0 is None or t1 is None or t1 - t0 > CALL_GAP_S
+
+
 def split_calls(rows: list[dict]) -> list[list[dict]]:
     """Consecutive rows of one side-by-side call (see the module docstring for the rule)."""
     calls: list[list[dict]] = []
     for row in rows:
-        prev = calls[-1][-1] if calls else None
-        new = prev is None or row.get("git_sha") != prev.get("git_sha")
-        if not new and "run_index" in row and "run_index" in prev:
-            new = row["run_index"] <= prev["run_index"]
-        elif not new:
-            t0, t1 = _seconds(prev), _seconds(row)
-            new = t0 is None or t1 is None or t1 - t0 > CALL_GAP_S
-        if new:
-            calls.append([row])
-        else:
+        if calls and not _starts_call(calls[-1][-1], row):
             calls[-1].append(row)
+        else:
+            calls.append([row])
     return calls
 
 
@@ -136,7 +138,7 @@ def stack_lines(call: list[dict]) -> list[tuple[dict, list]]:
         x_stock = tok_s / base["tok_s"] if ok and base else None
         x_peer = tok_s / best["tok_s"] if ok and best else None
         diff = _loss_diff(row.get("losses"), base.get("losses")) if base and base is not row else None
-        stack = STACK_NAMES.get(row.get("stack"), fmt(row.get("stack")))
+        stack = STACK_NAMES.get(str(row.get("stack")), fmt(row.get("stack")))
         if not ok:
             stack += f" ({row.get('status')}: {fmt(row.get('reason'))})"
         diff_text = "-" if diff is None else f"{diff:.1e}"
