@@ -1,0 +1,117 @@
+"""The results page renders every row kind of bench/results from a folder of fabricated rows, computes ratios
+inside one call only, never mixes two calls, and is the page committed as docs/RESULTS.md."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from novatune.report.results_page import render_results_page, split_calls
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {"torch": "2.11.0", "device": "NVIDIA H200", "transformers": "5.17.0"}
+
+
+def e2e_row(stack: str, tok_s: float, run_index: int, sha: str, time: str, losses: list[float], **workload) -> dict:
+    base = {"arch": "qwen3-4b", "seq": 4096, "lora": 0, "qlora": False, "ckpt": True}
+    return {**ENV, "time": time, "git_sha": sha, "bench": "e2e", "stack": stack, "run_index": run_index,
+            "tok_s": tok_s, "mfu": tok_s / 40000, "peak_gib": 30.0 + run_index, "losses": losses,
+            **base, **workload}
+
+
+def write(folder: Path, name: str, rows: list[dict]) -> None:
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    t0, t1 = "2026-11-21T10:00:00+00:00", "2026-11-22T10:00:00+00:00"
+    write(tmp_path, "e2e.jsonl", [
+        e2e_row("hf_sdpa", 1000.0, 0, "aaa1111", t0, [10.0, 9.0]),
+        e2e_row("varlen_liger", 1600.0, 1, "aaa1111", t0, [10.0, 9.0]),
+        e2e_row("novatune", 2000.0, 2, "aaa1111", t0, [10.01, 9.0]),
+        # a second call on another day: its stock row is slower; ratios must use it, not the first call's
+        e2e_row("hf_sdpa", 500.0, 0, "bbb2222", t1, [12.0], lora=16, qlora=True, arch="qwen3-8b", seq=2048),
+        e2e_row("novatune", 1250.0, 1, "bbb2222", t1, [12.0], lora=16, qlora=True, arch="qwen3-8b", seq=2048),
+        e2e_row("novatune", 1900.0, 0, "ccc3333", t1, [10.0]),  # alone in its call: no ratio
+    ])
+    op = {**ENV, "bench": "rms_norm", "rows": 4096, "n": 2560, "dtype": "bfloat16"}
+    write(tmp_path, "ops.jsonl", [
+        {**op, "time": t0, "git_sha": "aaa1111", "candidate": "novatune", "kernel_us": 40.0, "wall_us": 90.0,
+         "frac_of_floor": 0.6},
+        {**op, "time": t1, "git_sha": "ddd4444", "candidate": "novatune", "kernel_us": 34.8, "wall_us": 80.5,
+         "frac_of_floor": 0.71},
+        {**op, "time": t1, "git_sha": "ddd4444", "candidate": "hf_eager", "kernel_us": 475.0, "wall_us": 507.1,
+         "frac_of_floor": 0.052},
+        {**op, "time": t1, "git_sha": "ddd4444", "bench": "rms_norm_sweep", "phase": "fwd", "graph_us": 9.8},
+    ])
+    write(tmp_path, "experiments.jsonl", [{**ENV, "time": t0, "git_sha": "aaa1111", "bench": "exp_x"}])
+    return tmp_path
+
+
+def table_line(page: str, *cells: str) -> str:
+    """The one table line holding all the given cells (fails when there are none or several)."""
+    found = [line for line in page.splitlines() if line.startswith("|") and all(f"| {c} |" in line for c in cells)]
+    assert len(found) == 1, (cells, found)
+    return found[0]
+
+
+def test_ratios_and_loss_difference_come_from_the_same_call(results: Path) -> None:
+    page = render_results_page(results)
+    nova = table_line(page, "novatune", "2,000", "`aaa1111`")
+    assert "| 2.000 | 1.250 |" in nova  # x stock, x peer: 2000/1000, 2000/1600
+    assert "| 1.0e-03 |" in nova  # max relative loss difference to stock's losses: 0.01 / 10
+    assert "| 0.050 | 32.00 |" in nova  # MFU and peak GiB as the row has them
+    qlora = table_line(page, "novatune", "1,250")
+    assert "qwen3-8b 2048 QLoRA r16" in qlora and "| 2.500 |" in qlora  # against that call's stock (500)
+    alone = table_line(page, "novatune", "1,900")
+    assert "| - | - |" in alone  # no stock or peer in its call: no ratio rather than one across calls
+
+
+def test_sections_order_and_provenance(results: Path) -> None:
+    page = render_results_page(results)
+    headline, qlora = page.index("### Headline"), page.index("### QLoRA")
+    assert headline < qlora
+    assert page.index("`ccc3333`") < page.index("`aaa1111`")  # newest call first
+    for line in page.splitlines():
+        if line.startswith("| ") and "git sha" not in line:
+            assert "NVIDIA H200" in line and "2026-11-2" in line  # every figure names device and date
+
+
+def test_ops_show_the_newest_call_and_count_sweeps(results: Path) -> None:
+    page = render_results_page(results)
+    assert "| 34.8 | 80.5 | 0.710 |" in table_line(page, "rms_norm", "4096x2560", "novatune")
+    assert "`aaa1111` | NVIDIA H200 | 2026-11-21" not in page.split("## Operators")[1]  # the older call is gone
+    assert "1 launch-config sweep rows are not tabulated" in page
+    assert "`experiments.jsonl` (1 rows)" in page  # untabulated files are named, not dropped
+
+
+def test_generated_header_names_the_command(results: Path) -> None:
+    page = render_results_page(results, command="novatune report --results-page X")
+    assert page.startswith("# Results\n")
+    assert "Generated by `novatune report --results-page X`" in page and "do not edit by hand" in page
+
+
+def test_calls_split_on_run_index_sha_and_time_gap() -> None:
+    rows = [{"git_sha": "a", "run_index": 0}, {"git_sha": "a", "run_index": 1}, {"git_sha": "a", "run_index": 0},
+            {"git_sha": "b", "time": "2026-11-21T10:00:00+00:00"},
+            {"git_sha": "b", "time": "2026-11-21T10:02:00+00:00"},  # 2 minutes later: the same call
+            {"git_sha": "b", "time": "2026-11-21T10:30:00+00:00"}]  # half an hour later: the next call
+    assert [len(c) for c in split_calls(rows)] == [2, 1, 2, 1]
+
+
+def test_bad_rows_and_empty_folders_raise_with_the_way_out(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no .jsonl result rows"):
+        render_results_page(tmp_path)
+    (tmp_path / "e2e.jsonl").write_text('{"stack": "novatune"}\n{"stack": "nova\n')
+    with pytest.raises(ValueError, match=r"e2e.jsonl:2: not a JSON line"):
+        render_results_page(tmp_path)
+
+
+def test_committed_results_page_is_the_generated_one() -> None:
+    committed = (REPO / "docs" / "RESULTS.md").read_text()
+    assert committed == render_results_page(REPO / "bench" / "results"), (
+        "docs/RESULTS.md is stale or hand-edited: regenerate it with `novatune report --results-page bench/results "
+        "-o docs/RESULTS.md` (or python -c 'from pathlib import Path; from novatune.report.results_page import "
+        "render_results_page; print(render_results_page(Path(\"bench/results\")), end=\"\")' > docs/RESULTS.md)")
