@@ -12,6 +12,7 @@ EPILOG = """examples:
   novatune report runs/bench-20261121 runs/validate-20261121 --eval eval_before.json --eval eval_after.json
   novatune report bench/results/e2e.jsonl --gpu-price 3.2 --token-budget 5e9 -o /tmp/report
   novatune report runs/bench-x --monthly-spend 10000,100000,1000000 --gpu "NVIDIA H100 80GB HBM3"
+  novatune report --results-page bench/results -o docs/RESULTS.md     # the generated results page
 
 Cost figures use --gpu-price ($ per GPU-hour) when given, else an assumed default for the GPU name (stated in the
 report; see novatune/report/cost.py); runs measured on the CPU or on a toy model (< 100M parameters) get no cost
@@ -20,7 +21,7 @@ projection. Exit codes: 0 report written, 2 bad option or a RUN path that does n
 
 
 def add_arguments(p) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run folder or result file (bench.jsonl, e2e.jsonl, "
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run folder or result file (bench.jsonl, e2e.jsonl, "
                                                           "validate.json, eval JSON, Chrome trace)")
     p.add_argument("-o", "--output", help="output folder (default: <first RUN folder>/report)")
     p.add_argument("--eval", action="append", default=[], metavar="FILE", help="`novatune eval --output` JSON "
@@ -37,12 +38,38 @@ def add_arguments(p) -> None:
     p.add_argument("--monthly-spend", default="10000,50000,100000,250000,500000,1000000",
                    help="comma-separated monthly spends ($) for the savings table")
     p.add_argument("--no-plots", action="store_true", help="tables only (faster)")
+    p.add_argument("--results-page", metavar="DIR", help="instead: render the results page (markdown) from the "
+                   "rows in DIR (bench/results) to -o FILE (default: stdout); docs/RESULTS.md is made this way")
+
+
+def write_results_page(results_dir: str, output: str | None) -> int:
+    import sys
+    from pathlib import Path
+
+    from novatune.report.results_page import render_results_page
+
+    if not Path(results_dir).is_dir():
+        print(f"error: --results-page {results_dir}: no such folder of result rows", file=sys.stderr)
+        return 2
+    page = render_results_page(Path(results_dir))
+    if output:
+        Path(output).write_text(page)
+        print(f"wrote {output}")
+    else:
+        print(page)
+    return 0
 
 
 def run(args) -> int:
     import json
     import sys
     from pathlib import Path
+
+    if args.results_page:
+        return write_results_page(args.results_page, args.output)
+    if not args.runs:
+        print("error: name at least one RUN folder or result file (or --results-page DIR)", file=sys.stderr)
+        return 2
 
     from novatune.report.build import Options, write_report
     from novatune.report.load import load_inputs

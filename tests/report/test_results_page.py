@@ -113,5 +113,14 @@ def test_committed_results_page_is_the_generated_one() -> None:
     committed = (REPO / "docs" / "RESULTS.md").read_text()
     assert committed == render_results_page(REPO / "bench" / "results"), (
         "docs/RESULTS.md is stale or hand-edited: regenerate it with `novatune report --results-page bench/results "
-        "-o docs/RESULTS.md` (or python -c 'from pathlib import Path; from novatune.report.results_page import "
-        "render_results_page; print(render_results_page(Path(\"bench/results\")), end=\"\")' > docs/RESULTS.md)")
+        "-o docs/RESULTS.md`")
+
+
+def test_the_cli_writes_the_page_and_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
+    from novatune.commands.cli import main
+
+    out = tmp_path / "RESULTS.md"
+    assert main(["report", "--results-page", str(REPO / "bench" / "results"), "-o", str(out)]) == 0
+    assert out.read_text() == render_results_page(REPO / "bench" / "results")
+    assert main(["report", "--results-page", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
