@@ -240,16 +240,22 @@ def verify(path: str | Path) -> list[str]:
                                                        "written without one)") for p in problems]
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
         return ["manifest.json lacks its step or file list"]
-    _check_files(path, manifest, problems)
+    try:
+        _check_files(path, manifest, problems)
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"manifest.json is malformed ({type(e).__name__}: {e})"]
     if problems:
         return problems
     step = manifest["step"]
-    state = _read_json(path / "state.json", problems) or {}
+    state = _read_json(path / "state.json", problems)
+    if not isinstance(state, dict):
+        return problems or ["state.json is not a JSON object"]
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         problems.append(f"state.json lacks {missing}")
     steps = {"manifest.json": step, "state.json": state.get("step"),
-             "the scheduler": (state.get("scheduler") or {}).get("last_epoch")}
+             "the scheduler": (state.get("scheduler") or {}).get("last_epoch")
+             if isinstance(state.get("scheduler") or {}, dict) else None}
     if STEP_RE.match(path.name):
         steps["the folder name"] = step_of(path)
     try:

@@ -70,6 +70,9 @@ DAMAGE = {
     "missing_key": missing_key,
     "edited_step": edit_step,
     "nan_weight": nan_weight,
+    "malformed_manifest": lambda cp: (cp / "manifest.json").write_text(json.dumps(
+        {"step": 4, "files": {"weights.safetensors": {"size": 1}}})),
+    "state_not_object": lambda cp: ((cp / "state.json").write_text("[4]"), rewrite_manifest(cp)),
 }
 
 
