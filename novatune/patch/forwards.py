@@ -13,10 +13,8 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from novatune.attention.packed import PackedBatch
-from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
@@ -120,31 +118,6 @@ def decoder_pre_hook(module, args, kwargs):
     return args, kwargs
 
 
-def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
-    """A detached leaf standing in for a TIED lm_head/embedding weight in the fused loss.
-
-    Autograd sums the two gradients of a tied parameter (lm_head and embedding) in one buffer and keeps the
-    lm_head's part (V x H: 0.72 GiB at Qwen3-4B) alive through the whole backward, until the embedding's backward
-    at the very end. Through this leaf the lm_head part is added into `param.grad` as soon as it exists and freed;
-    the embedding's part then accumulates into the same `.grad` as usual (so DDP's hooks on the parameter still
-    fire once, at the end). `torch.autograd.grad(..., inputs=[param])` would not see the lm_head part: patch with
-    early_tied_grad=False for that.
-    """
-    leaf = param.detach().requires_grad_(True)
-
-    def sink(t: torch.Tensor) -> None:
-        g = t.grad
-        t.grad = None
-        with torch.no_grad():
-            if param.grad is None:
-                param.grad = g
-            else:
-                param.grad.add_(g)
-
-    leaf.register_post_accumulate_grad_hook(sink)
-    return leaf
-
-
 _PLACEHOLDERS: dict = {}
 
 
@@ -153,37 +126,3 @@ def _skip_mask_placeholder(device) -> torch.Tensor:
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     return _PLACEHOLDERS[key]
-
-
-def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    """Training with labels: hidden states -> fused linear cross-entropy; the logits are never materialised
-    (the output's `logits` is None). Anything else: the stock forward."""
-    if labels is None or not self.training:
-        return self._novatune_stock_forward(input_ids=input_ids, attention_mask=attention_mask,
-                                            position_ids=position_ids, past_key_values=past_key_values,
-                                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                            logits_to_keep=logits_to_keep, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items = kwargs.get("num_items_in_batch")
-    outputs = getattr(self, self._novatune_base_attr)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = outputs.last_hidden_state  # (b, s, H)
-    if shift_labels is None:
-        # HF's ForCausalLMLoss: position t predicts token t+1; the last position of each row predicts nothing
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    shift_labels = shift_labels.to(hidden.device)
-    weight = self._novatune_lm_head.weight
-    if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
-        weight = _early_grad_leaf(weight)
-    # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
-                                normalizer=num_items, mode=self._novatune_ce_mode)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-
-
