@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from novatune.patch import forwards
-from novatune.patch import loss
+from novatune.patch import loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.trainers import trainer_refusal
 from novatune.patch.report import PatchReport
@@ -138,6 +138,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if how != type(model).__name__:
         report.add("", "target", "note", f"patched {how}")
+    whole_model = quirks.refusals(model.config, spec).get("model")
+    if whole_model:
+        if strict:
+            raise ValueError(whole_model)
+        report.add("", "model", "skipped", whole_model)
+        return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
@@ -166,6 +172,16 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     return report
 
 
+def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
+                    qk_eps: float | None) -> None:
+    window = quirks.layer_window(module, config, spec)
+    _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window)
+    extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
+    extra += f"; sliding window {window} per document" if window is not None else ""
+    report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={backend}){extra}")
+
+
 def _find_state(model: nn.Module):
     """(decoder stack, its PatchState) when the attention was patched, else None."""
     for m in model.modules():
@@ -184,13 +200,14 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
     state = PatchState(report)
     attn_total = attn_done = 0
     qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
+    refused = quirks.refusals(config, spec)
     for path, module in model.named_modules():
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
             kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
-            if not rms_norm:
-                report.add(path, kind, "skipped", "rms_norm=False")
+            if not rms_norm or "rms_norm" in refused:
+                report.add(path, kind, "skipped", refused.get("rms_norm", "rms_norm=False"))
                 continue
             if not hasattr(module, spec.norm_eps_attr):
                 report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
@@ -199,8 +216,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
             report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)")
         elif cls in spec.mlp_classes:
             act = str(getattr(config, "hidden_act", "?"))
-            if not swiglu:
-                report.add(path, "mlp", "skipped", "swiglu=False")
+            if not swiglu or "mlp" in refused:
+                report.add(path, "mlp", "skipped", refused.get("mlp", "swiglu=False"))
             elif act not in spec.mlp.activations:
                 report.add(path, "mlp", "skipped", f"hidden_act={act!r} is not SiLU")
             else:
@@ -210,23 +227,18 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
                            + (" (gradients written over gate/up)" if swiglu_inplace else ""))
         elif cls in spec.attention_classes:
             attn_total += 1
-            if attention is False or not rope:
-                report.add(path, "attention", "skipped", "attention=False" if attention is False else "rope=False")
+            why = ("attention=False" if attention is False else "rope=False" if not rope else
+                   refused.get("attention") or quirks.attention_refusal(module, spec))
+            if why:
+                report.add(path, "attention", "skipped", why)
                 continue
-            if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
-                report.add(path, "attention", "skipped", f"{cls} lacks head_dim/scaling attributes")
-                continue
-            eps = _shared_qk_eps(module, spec) if rms_norm and fuse_qk else None
-            _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention,
-                  _novatune_attn_backend=attention, _novatune_fuse_qk_norm=eps is not None, _novatune_qk_eps=eps)
+            _bind_attention(module, path, spec, config, report, backend=attention,
+                            qk_eps=_shared_qk_eps(module, spec) if rms_norm and fuse_qk else None)
             attn_done += 1
-            window = getattr(module, "sliding_window", None)
-            extra = "; q/k-norm + RoPE fused in one kernel" if eps is not None else ""
-            extra += f"; sliding window {window}: documents longer than it use stock attention" if window else ""
-            report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={attention}){extra}")
-    # only when every layer reads the PackedBatch may HF's mask construction be skipped
-    state.all_attention_patched = attn_total > 0 and attn_done == attn_total and not any(
-        getattr(m, "sliding_window", None) for m in model.modules() if type(m).__name__ in spec.attention_classes)
+    # only when every layer reads the PackedBatch may HF's mask construction be skipped (attention dropout sends
+    # training forwards to the stock attention, which needs the mask)
+    state.all_attention_patched = (attn_total > 0 and attn_done == attn_total
+                                   and not getattr(config, "attention_dropout", 0.0))
     if attn_done:
         stack._novatune_state = state
         handle = stack.register_forward_pre_hook(forwards.decoder_pre_hook, with_kwargs=True)
@@ -247,8 +259,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
         report.add(spec.lm_head_attr, "cross_entropy", "skipped",
                    f"lm_head is {type(lm_head).__name__}{' with bias' if getattr(lm_head, 'bias', None) is not None else ''}"
                    " (fused CE needs a plain bias-free Linear; a LoRA-wrapped lm_head keeps stock loss)")
-    elif getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", None):
-        report.add(spec.lm_head_attr, "cross_entropy", "skipped", "logit soft-capping/scaling is not fused")
+    elif "cross_entropy" in refused:
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", refused["cross_entropy"])
     elif trainer_refusal:
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", trainer_refusal)
     else:

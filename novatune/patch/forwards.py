@@ -2,7 +2,7 @@
 
 One set of forwards serves every Llama-layout family; a FamilySpec (patch/specs/) says which attributes to use.
 Each patched module keeps its stock forward as `_novatune_stock_forward` and falls back to it whenever the fast
-path does not apply (KV-cache decoding, attention dropout, sliding windows longer than a document...), so a
+path does not apply (KV-cache decoding, attention dropout...), so a
 patched model computes what the stock model computes in every mode.
 
 Packed rows: the decoder stack's forward pre-hook builds one `PackedBatch` per batch (cu_seqlens on the host, no
@@ -39,10 +39,8 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
                       **kwargs):
     """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat."""
     packed: PackedBatch | None = kwargs.get(PACKED_KWARG)
-    window = getattr(self, "sliding_window", None)
     dropout = self.attention_dropout if self.training else 0.0
-    if (packed is None or past_key_values is not None or position_embeddings is None or dropout > 0.0
-            or (window is not None and packed.max_seqlen > window)):
+    if packed is None or past_key_values is not None or position_embeddings is None or dropout > 0.0:
         kwargs.pop(PACKED_KWARG, None)
         return self._novatune_stock_forward(hidden_states, position_embeddings=position_embeddings,
                                             attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
@@ -71,7 +69,8 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
-                           scale=self.scaling, backend=self._novatune_attn_backend)  # (b*s, hq, d)
+                           scale=self.scaling, backend=self._novatune_attn_backend,
+                           window=self._novatune_window)  # (b*s, hq, d)
     return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
 
 
