@@ -17,6 +17,7 @@ from novatune.patch import forwards
 from novatune.patch import loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.trainers import trainer_refusal
+from novatune.patch.versions import check_transformers
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
@@ -119,6 +120,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     uses them; False ignores the cache. Every choice in effect is listed in the report (report.choices).
     Idempotent: patching a patched model returns its existing report.
     """
+    check_transformers()
     model, how, trainer = _unwrap(target)
     existing = getattr(model, "_novatune_report", None)
     if existing is not None and not existing.reverted:

@@ -35,15 +35,20 @@ def swiglu_mlp_forward(self, x):
                       inplace_backward=self._novatune_swiglu_inplace)
 
 
-def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                      **kwargs):
-    """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat."""
+def has_cache(kwargs: dict) -> bool:
+    """A KV cache in a model call's kwargs, under transformers' current name (`cache`) or the older one."""
+    return kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+
+
+def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat.
+    The KV cache stays in **kwargs under the caller's name, passed on untouched to the stock forward."""
     packed: PackedBatch | None = kwargs.get(PACKED_KWARG)
     dropout = self.attention_dropout if self.training else 0.0
-    if packed is None or past_key_values is not None or position_embeddings is None or dropout > 0.0:
+    if packed is None or has_cache(kwargs) or position_embeddings is None or dropout > 0.0:
         kwargs.pop(PACKED_KWARG, None)
         return self._novatune_stock_forward(hidden_states, position_embeddings=position_embeddings,
-                                            attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+                                            attention_mask=attention_mask, **kwargs)
     names = self._novatune_attn
     b, s, _ = hidden_states.shape
     d = self.head_dim
@@ -77,7 +82,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
 def decoder_pre_hook(module, args, kwargs):
     """Forward pre-hook (with_kwargs) on the decoder stack: build the PackedBatch once per batch."""
     state = module._novatune_state
-    if kwargs.get("past_key_values") is not None:
+    if has_cache(kwargs):
         return None  # incremental decoding: stock path
     if not module.training and kwargs.get("use_cache") is not False:
         return None  # eval with the default cache (generation semantics): stock path

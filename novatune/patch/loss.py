@@ -72,12 +72,16 @@ def bind(model: torch.nn.Module, binding: LossBinding) -> Callable[[], None]:
 
 
 def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask=None, position_ids=None,
-                      past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                      fused_lm_head=False, **kwargs):
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, fused_lm_head=False,
+                      **kwargs):
     """Training with labels, or any call with TRL's `fused_lm_head=True`: hidden states -> fused linear
-    cross-entropy; the logits are never materialised. Anything else: the stock forward."""
+    cross-entropy; the logits are never materialised. Anything else: the stock forward.
+
+    The KV cache travels in **kwargs under whichever name the caller used (`cache`, or the older
+    `past_key_values`), so the stock forward sees exactly the call it would have seen (naming both makes
+    transformers warn)."""
     call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                inputs_embeds=inputs_embeds, use_cache=use_cache)
     if fused_lm_head:
         if labels is None and kwargs.get("shift_labels") is None:
             raise ValueError("fused_lm_head=True needs labels (or shift_labels): the fused head scores labels")
@@ -98,8 +102,8 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self),
                                 shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
                                 normalizer=num_items, mode=self._novatune_ce_mode)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions)  # training: use_cache=False, no cache to return
 
 
 def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):

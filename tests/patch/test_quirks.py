@@ -105,3 +105,36 @@ def test_attention_module_with_undeclared_qk_norm_is_refused():
     report = novatune.patch(model)
     (entry,) = [e for e in report.skipped("attention")]
     assert entry.path == "model.layers.0.self_attn" and "q/k norms" in entry.detail
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patched_model_emits_no_deprecation_warning(family):
+    """Training forward + backward, eval forward and a short generation of a patched model, with transformers'
+    FutureWarning / DeprecationWarning turned into errors (e.g. naming the deprecated `past_key_values`)."""
+    import warnings
+
+    ids, pos, lab = packed_batch(ROWS)
+    model = build(family, attn="sdpa")
+    novatune.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids[:1, :8])
+            model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
+
+
+def test_unsupported_transformers_is_refused_with_the_range(monkeypatch):
+    from novatune.patch import versions
+
+    monkeypatch.setattr(versions, "installed_transformers", lambda: "5.40.0")
+    with pytest.raises(RuntimeError, match=r"transformers >=5\.17,<5\.40 \(found 5\.40\.0\)"):
+        novatune.patch(build("llama", attn="sdpa"))
+    monkeypatch.setattr(versions, "installed_transformers", lambda: "5.16.2")
+    with pytest.raises(RuntimeError, match="found 5.16.2"):
+        novatune.patch(build("llama", attn="sdpa"))
+    versions.check_transformers("5.17.0")
+    versions.check_transformers("5.39.0.dev0")
