@@ -235,7 +235,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
                 report.add(path, "attention", "skipped", why)
                 continue
             _bind_attention(module, path, spec, config, report, backend=attention,
-                            qk_eps=_shared_qk_eps(module, spec) if rms_norm and fuse_qk else None)
+                            qk_eps=_shared_qk_eps(module, spec) if rms_norm and fuse_qk and "rms_norm" not in refused
+                            else None)
             attn_done += 1
     # only when every layer reads the PackedBatch may HF's mask construction be skipped (attention dropout sends
     # training forwards to the stock attention, which needs the mask)
