@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from novatune.data.dataset import BatchStream, build_data
+from novatune.train.demo import load_demo_tokenizer
 from novatune.train.model import build_model, load_tokenizer, model_config, pick_device, pick_dtype, prepare
 from novatune.train.optim import build_optimizer, build_scheduler
 
@@ -67,8 +68,10 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
                          train_sampling_strategy="sequential", gradient_checkpointing=False, bf16=False,
                          use_cpu=device.type == "cpu", logging_steps=1, report_to=[], save_strategy="no",
                          disable_tqdm=True, seed=seed, dataloader_num_workers=0)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             optimizers=(opt, sched))
+    # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
+    # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
+                             processing_class=tokenizer or load_demo_tokenizer(), optimizers=(opt, sched))
     report = novatune.patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
     meter = _Meter(device, warmup)
     trainer.add_callback(meter)
