@@ -115,10 +115,12 @@ except Exception as e:  # noqa: BLE001 - older torch or a broken build: the back
 _VARLEN_GQA = "flag" if "enable_gqa" in _VARLEN_PARAMS else "native"
 
 
-def _varlen(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+def _varlen(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     global _VARLEN_GQA
     kw = {}
-    if "is_causal" in _VARLEN_PARAMS:
+    if window is not None:
+        kw["window_size"] = (window - 1, 0)  # FlashAttention keys [i - left, i + right]: HF's window of `window` keys
+    elif "is_causal" in _VARLEN_PARAMS:
         kw["is_causal"] = True
     else:
         kw["window_size"] = (-1, 0)  # tuple, not list: see above
@@ -143,9 +145,11 @@ def _varlen(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
     return _varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
 
 
-def _varlen_why_not(q, k, packed) -> str | None:
+def _varlen_why_not(q, k, packed, window=None) -> str | None:
     if _varlen_attn is None:
         return _VARLEN_IMPORT_ERROR + "; upgrade torch to >= 2.10 or use backend='flex'"
+    if window is not None and "window_size" not in _VARLEN_PARAMS:
+        return f"torch {torch.__version__}'s varlen_attn takes no window_size (sliding window); use backend='flex'"
     if not ("is_causal" in _VARLEN_PARAMS or "window_size" in _VARLEN_PARAMS):
         return f"unknown varlen_attn signature in torch {torch.__version__}: {sorted(_VARLEN_PARAMS)}"
     if q.device.type != "cuda":
@@ -185,10 +189,11 @@ def _flex_fn(compiled: bool = True):
     return _FLEX_COMPILED
 
 
-def _flex(q, k, v, packed: PackedBatch, scale: float, compiled: bool = True) -> torch.Tensor:
+def _flex(q, k, v, packed: PackedBatch, scale: float, window: int | None = None,
+          compiled: bool = True) -> torch.Tensor:
     # (tokens, h, d) -> (1, h, tokens, d): strided views, no copies; flex needs only the last dim contiguous.
     qh, kh, vh = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    out = _flex_fn(compiled)(qh, kh, vh, block_mask=packed.block_mask(), scale=scale,
+    out = _flex_fn(compiled)(qh, kh, vh, block_mask=packed.block_mask(window=window), scale=scale,
                              enable_gqa=k.shape[1] != q.shape[1])
     return out[0].transpose(0, 1)  # (tokens, hq, d) view
 
@@ -205,9 +210,9 @@ def _flex_why_not(q, k, packed) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ sdpa
-def _sdpa(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
-    if not packed.one_doc_per_row:
-        raise BackendUnavailable("sdpa needs one document per row; these rows hold several (use 'flex'/'varlen')")
+def _sdpa(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
+    if not packed.one_doc_per_row or window is not None:
+        raise BackendUnavailable("sdpa needs one document per row and no sliding window (use 'flex'/'varlen')")
     b, s = packed.batch, packed.seq_len
     # (tokens, h, d) -> (b, h, s, d) strided views: no transposed copies
     qh, kh, vh = (t.unflatten(0, (b, s)).transpose(1, 2) for t in (q, k, v))
@@ -216,19 +221,30 @@ def _sdpa(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[2])
 
 
-def _sdpa_docs(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+def _sdpa_docs(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     outs = []
     a = 0
     gqa = k.shape[1] != q.shape[1]
     for n in packed.lengths:  # host list: no device sync
         qd, kd, vd = (t[a:a + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, h, n, d)
-        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
+        if window is not None and n > window:
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_local_causal(n, window, q.device),
+                                               scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
         a += n
     return torch.cat(outs, 0)
 
 
-def _reference(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
+def _local_causal(n: int, window: int | None, device) -> torch.Tensor:
+    """(n, n) bool: query i sees key j iff j <= i and i - j < window (HF's sliding window: `window` keys)."""
+    i = torch.arange(n, device=device)
+    delta = i.view(n, 1) - i.view(1, n)
+    return (delta >= 0) & (delta < window) if window is not None else delta >= 0
+
+
+def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     """Exact math in fp32, one document at a time (memory: one (hq, L, L) score matrix at a time)."""
     hq, hk = q.shape[1], k.shape[1]
     kv_head = torch.arange(hq, device=q.device) // (hq // hk)  # query head h reads kv head h // G
@@ -239,7 +255,7 @@ def _reference(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
         kd = k[a:a + n].float().transpose(0, 1)[kv_head]             # (hq, n, d)
         vd = v[a:a + n].float().transpose(0, 1)[kv_head]
         s = (qd @ kd.transpose(1, 2)) * scale                        # (hq, n, n)
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        causal = _local_causal(n, window, q.device)
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
         outs.append((p @ vd).transpose(0, 1))                        # (n, hq, d)
         a += n
@@ -249,17 +265,30 @@ def _reference(q, k, v, packed: PackedBatch, scale: float) -> torch.Tensor:
 _IMPLS = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_docs, "reference": _reference}
 
 
-def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch) -> str | None:
+def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
+                    window: int | None = None) -> str | None:
     """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine)."""
     if name not in _IMPLS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
+    window = _effective_window(window, packed)
     if name == "varlen":
-        return _varlen_why_not(q, k, packed)
+        return _varlen_why_not(q, k, packed, window)
     if name == "flex":
         return _flex_why_not(q, k, packed)
     if name == "sdpa" and not packed.one_doc_per_row:
         return "rows hold several documents (sdpa runs plain causal attention per row)"
+    if name == "sdpa" and window is not None:
+        return f"a document is longer than the sliding window ({window}); sdpa runs plain causal attention"
     return None
+
+
+def _effective_window(window: int | None, packed: PackedBatch) -> int | None:
+    """The sliding window, or None where it cannot matter (no document is longer than it)."""
+    if window is None:
+        return None
+    if int(window) < 1:
+        raise ValueError(f"sliding window must be >= 1 key, got {window}")
+    return None if packed.max_seqlen <= window else int(window)
 
 
 def _check(q, k, v, packed: PackedBatch):
@@ -281,8 +310,11 @@ def _check(q, k, v, packed: PackedBatch):
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch,
-                     scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                     scale: float | None = None, backend: str = "auto", window: int | None = None) -> torch.Tensor:
     """Document-causal attention over packed rows. q (tokens, hq, d); k, v (tokens, hk, d); returns (tokens, hq, d).
+
+    `window`: sliding-window attention as Hugging Face defines it (query i sees the `window` keys i - window + 1 ..
+    i of its own document); None = full causal attention inside each document.
 
     `packed` is built once per batch (PackedBatch.from_position_ids / from_cu_seqlens / from_kwargs) and passed to
     every layer. `scale` defaults to 1/sqrt(d). `backend`: "auto" or one of BACKENDS; see the module docstring.
@@ -291,23 +323,24 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     global _LAST
     _check(q, k, v, packed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    window = _effective_window(window, packed)
     if backend != "auto":
-        why = why_unavailable(backend, q, k, packed)
+        why = why_unavailable(backend, q, k, packed, window)
         if why is not None:
             raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
-        out = _IMPLS[backend](q, k, v, packed, scale)
+        out = _IMPLS[backend](q, k, v, packed, scale, window)
         _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend))
         _record(_LAST)
         return out
     skipped: list[tuple[str, str]] = []
     order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
     for name in order:
-        why = _BROKEN.get(name) or why_unavailable(name, q, k, packed)
+        why = _BROKEN.get(name) or why_unavailable(name, q, k, packed, window)
         if why is not None:
             skipped.append((name, why))
             continue
         try:
-            out = _IMPLS[name](q, k, v, packed, scale)
+            out = _IMPLS[name](q, k, v, packed, scale, window)
         except torch.OutOfMemoryError:
             raise  # a slower backend would not fit either; don't hide it
         except Exception as e:  # noqa: BLE001 - automatic choice: fall back, remember, and say so

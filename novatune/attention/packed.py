@@ -217,7 +217,7 @@ class PackedBatch:
             self._doc_ids[n] = _to_device(_pin(ids, self.device), self.device)
         return self._doc_ids[n]
 
-    def block_mask(self, block_size: int = FLEX_BLOCK):
+    def block_mask(self, block_size: int = FLEX_BLOCK, window: int | None = None):
         """FlexAttention BlockMask, document-causal over the flattened tokens (B = H = 1), built once and cached.
 
         Built directly from the document layout rather than by `create_block_mask`, which would evaluate the mask on
@@ -226,10 +226,15 @@ class PackedBatch:
           * non-empty iff j == i or the last document of block j is the first document of block i;
           * full (mask_mod can be skipped) iff j < i, block i is complete, and blocks j..i hold one single document.
         The mask_mod is still attached for the partial tiles. Tested equal to create_block_mask's result.
+
+        With a sliding `window` (query i sees keys i - window + 1 .. i of its document) the mask comes from
+        create_block_mask on that mask_mod (tokens^2 evaluation, once per batch: windowed models only).
         """
-        if block_size not in self._block_masks:
-            self._block_masks[block_size] = _doc_causal_block_mask(self, block_size)
-        return self._block_masks[block_size]
+        key = (block_size, window)
+        if key not in self._block_masks:
+            self._block_masks[key] = (_doc_causal_block_mask(self, block_size) if window is None
+                                      else _doc_local_block_mask(self, block_size, window))
+        return self._block_masks[key]
 
     def __repr__(self) -> str:
         return (f"PackedBatch(batch={self.batch}, seq_len={self.seq_len}, num_docs={self.num_docs}, "
@@ -274,3 +279,15 @@ def _doc_causal_block_mask(pb: PackedBatch, block: int):
         extra["seq_lengths"] = (T, T)  # else the lengths are read as nb * block: wrong when T % block != 0
     return BlockMask.from_kv_blocks(*(_to_device(_pin(t, dev), dev) for t in (kv_num, kv_idx, full_num, full_idx)),
                                     BLOCK_SIZE=block, mask_mod=mask_mod, **extra)
+
+
+def _doc_local_block_mask(pb: PackedBatch, block: int, window: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T = pb.total_tokens
+    doc = pb.doc_ids(pad_to=-(-T // block) * block)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(mask_mod, 1, 1, T, T, device=pb.device, BLOCK_SIZE=block)

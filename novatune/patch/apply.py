@@ -14,7 +14,10 @@ import torch
 import torch.nn as nn
 
 from novatune.patch import forwards
+from novatune.patch import loss, quirks
 from novatune.patch.lora import apply_lora
+from novatune.patch.trainers import trainer_refusal
+from novatune.patch.versions import check_transformers
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
@@ -37,18 +40,19 @@ class PatchState:
             self.report.add("", "note", "note", text)
 
 
-def _unwrap(target) -> tuple[nn.Module, str]:
-    """Trainer -> its model; PEFT model -> the transformers model inside. Returns (hf_model, how it was found)."""
-    how = type(target).__name__
+def _unwrap(target) -> tuple[nn.Module, str, object]:
+    """Trainer -> its model; PEFT model -> the transformers model inside. Returns (hf_model, how it was found,
+    the trainer or None)."""
+    how, trainer = type(target).__name__, None
     if not isinstance(target, nn.Module) and hasattr(target, "model") and hasattr(target, "args"):
-        target = target.model  # transformers/TRL Trainer
+        trainer, target = target, target.model  # transformers/TRL Trainer
         how += ".model"
     if hasattr(target, "get_base_model") and callable(target.get_base_model):
         target = target.get_base_model()  # peft.PeftModel
         how += " -> PEFT base model"
     if not isinstance(target, nn.Module) or not hasattr(target, "config"):
         raise TypeError(f"novatune.patch expects a transformers model, a PEFT model or a Trainer; got {how}")
-    return target, how
+    return target, how, trainer
 
 
 def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
@@ -116,9 +120,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     uses them; False ignores the cache. Every choice in effect is listed in the report (report.choices).
     Idempotent: patching a patched model returns its existing report.
     """
-    model, how = _unwrap(target)
+    check_transformers()
+    model, how, trainer = _unwrap(target)
     existing = getattr(model, "_novatune_report", None)
     if existing is not None and not existing.reverted:
+        if trainer is not None:
+            _rebind_loss_over_trainer(model, existing, trainer)
         return existing
     if attention not in (False, *ATTENTION_BACKENDS):
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_BACKENDS} or False")
@@ -133,11 +140,18 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if how != type(model).__name__:
         report.add("", "target", "note", f"patched {how}")
+    whole_model = quirks.refusals(model.config, spec).get("model")
+    if whole_model:
+        if strict:
+            raise ValueError(whole_model)
+        report.add("", "model", "skipped", whole_model)
+        return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
     _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
-                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward)
+                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward,
+                trainer_refusal=trainer_refusal(trainer, model))
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     if strict and report.skipped():
         report.revert()
@@ -160,6 +174,16 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     return report
 
 
+def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
+                    qk_eps: float | None) -> None:
+    window = quirks.layer_window(module, config, spec)
+    _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window)
+    extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
+    extra += f"; sliding window {window} per document" if window is not None else ""
+    report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={backend}){extra}")
+
+
 def _find_state(model: nn.Module):
     """(decoder stack, its PatchState) when the attention was patched, else None."""
     for m in model.modules():
@@ -170,7 +194,7 @@ def _find_state(model: nn.Module):
 
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,
-                cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace) -> None:
+                cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace, trainer_refusal=None) -> None:
     config = model.config
     base = getattr(model, spec.base_model_attr, None)
     is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
@@ -178,13 +202,14 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
     state = PatchState(report)
     attn_total = attn_done = 0
     qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
+    refused = quirks.refusals(config, spec)
     for path, module in model.named_modules():
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
             kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
-            if not rms_norm:
-                report.add(path, kind, "skipped", "rms_norm=False")
+            if not rms_norm or "rms_norm" in refused:
+                report.add(path, kind, "skipped", refused.get("rms_norm", "rms_norm=False"))
                 continue
             if not hasattr(module, spec.norm_eps_attr):
                 report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
@@ -193,8 +218,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
             report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)")
         elif cls in spec.mlp_classes:
             act = str(getattr(config, "hidden_act", "?"))
-            if not swiglu:
-                report.add(path, "mlp", "skipped", "swiglu=False")
+            if not swiglu or "mlp" in refused:
+                report.add(path, "mlp", "skipped", refused.get("mlp", "swiglu=False"))
             elif act not in spec.mlp.activations:
                 report.add(path, "mlp", "skipped", f"hidden_act={act!r} is not SiLU")
             else:
@@ -204,23 +229,19 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
                            + (" (gradients written over gate/up)" if swiglu_inplace else ""))
         elif cls in spec.attention_classes:
             attn_total += 1
-            if attention is False or not rope:
-                report.add(path, "attention", "skipped", "attention=False" if attention is False else "rope=False")
+            why = ("attention=False" if attention is False else "rope=False" if not rope else
+                   refused.get("attention") or quirks.attention_refusal(module, spec))
+            if why:
+                report.add(path, "attention", "skipped", why)
                 continue
-            if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
-                report.add(path, "attention", "skipped", f"{cls} lacks head_dim/scaling attributes")
-                continue
-            eps = _shared_qk_eps(module, spec) if rms_norm and fuse_qk else None
-            _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention,
-                  _novatune_attn_backend=attention, _novatune_fuse_qk_norm=eps is not None, _novatune_qk_eps=eps)
+            _bind_attention(module, path, spec, config, report, backend=attention,
+                            qk_eps=_shared_qk_eps(module, spec) if rms_norm and fuse_qk and "rms_norm" not in refused
+                            else None)
             attn_done += 1
-            window = getattr(module, "sliding_window", None)
-            extra = "; q/k-norm + RoPE fused in one kernel" if eps is not None else ""
-            extra += f"; sliding window {window}: documents longer than it use stock attention" if window else ""
-            report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={attention}){extra}")
-    # only when every layer reads the PackedBatch may HF's mask construction be skipped
-    state.all_attention_patched = attn_total > 0 and attn_done == attn_total and not any(
-        getattr(m, "sliding_window", None) for m in model.modules() if type(m).__name__ in spec.attention_classes)
+    # only when every layer reads the PackedBatch may HF's mask construction be skipped (attention dropout sends
+    # training forwards to the stock attention, which needs the mask)
+    state.all_attention_patched = (attn_total > 0 and attn_done == attn_total
+                                   and not getattr(config, "attention_dropout", 0.0))
     if attn_done:
         stack._novatune_state = state
         handle = stack.register_forward_pre_hook(forwards.decoder_pre_hook, with_kwargs=True)
@@ -241,15 +262,65 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
         report.add(spec.lm_head_attr, "cross_entropy", "skipped",
                    f"lm_head is {type(lm_head).__name__}{' with bias' if getattr(lm_head, 'bias', None) is not None else ''}"
                    " (fused CE needs a plain bias-free Linear; a LoRA-wrapped lm_head keeps stock loss)")
-    elif getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", None):
-        report.add(spec.lm_head_attr, "cross_entropy", "skipped", "logit soft-capping/scaling is not fused")
+    elif "cross_entropy" in refused:
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", refused["cross_entropy"])
+    elif trainer_refusal:
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", trainer_refusal)
     else:
         tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
         # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
-        _bind(model, forwards.causal_lm_forward, report, _novatune_base_attr=spec.base_model_attr,
-              _novatune_lm_head=lm_head, _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early)
-        report.add(spec.lm_head_attr, "cross_entropy", "replaced",
-                   f"fused linear cross-entropy (mode {ce_mode}, fp32 lm_head grad; logits=None in training)"
-                   + ("; tied embeddings" if tied else "")
-                   + ("; lm_head gradient added to .grad early" if early else ""))
+        _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
+                   _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early)
+        report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))
+
+
+def _loss_detail(model: nn.Module) -> str:
+    tied = model._novatune_lm_head.weight is getattr(model.get_input_embeddings(), "weight", None)
+    return (f"fused linear cross-entropy (mode {model._novatune_ce_mode}, fp32 lm_head grad; logits=None in "
+            "training; TRL's fused_lm_head honoured)" + ("; tied embeddings" if tied else "")
+            + ("; lm_head gradient added to .grad early" if model._novatune_early_tied_grad else ""))
+
+
+def _bind_loss(model: nn.Module, stack: nn.Module, report: PatchReport, **attrs) -> None:
+    """The loss forward on the causal LM, plus a pre-hook on the decoder stack that notices training forwards that
+    bypass it (report.calls, loss.check_bypass)."""
+    binding = loss.LossBinding(stock=model.forward, report=report)
+    model.__dict__.update(attrs)
+    undo_forward = loss.bind(model, binding)
+    model.__dict__["_novatune_loss_binding"] = binding
+    handle = stack.register_forward_pre_hook(lambda module, args: loss.check_bypass(
+        model.__dict__.get("_novatune_loss_binding"), module))
+
+    def undo():
+        handle.remove()
+        undo_forward()
+        for k in ("_novatune_loss_binding", *attrs):
+            model.__dict__.pop(k, None)
+
+    report._undo.append(undo)
+
+
+def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) -> None:
+    """`patch(trainer)` on a model patched before the trainer was built: a trainer that replaced the model's
+    forward (TRL's fused LM head) now sits on top of the loss forward; put the loss forward back on top of it, or
+    record why it cannot be."""
+    binding = model.__dict__.get("_novatune_loss_binding")
+    if binding is None or not binding.active:
+        return
+    on_top = model.__dict__.get("forward")
+    if getattr(getattr(on_top, "__func__", None), "__wrapped__", None) is loss.causal_lm_forward:
+        return  # still on top
+    refusal = trainer_refusal(trainer, model)
+    entries = [e for e in report.entries if e.kind == "cross_entropy"]
+    if refusal:
+        binding.active = False
+        for e in entries:
+            e.action, e.detail = "skipped", refusal
+        return
+    new = loss.LossBinding(stock=model.forward, report=report)
+    undo_forward = loss.bind(model, new)
+    model.__dict__["_novatune_loss_binding"] = new
+    report._undo.append(undo_forward)
+    for e in entries:
+        e.action, e.detail = "replaced", _loss_detail(model)

@@ -2,7 +2,7 @@
 
 One set of forwards serves every Llama-layout family; a FamilySpec (patch/specs/) says which attributes to use.
 Each patched module keeps its stock forward as `_novatune_stock_forward` and falls back to it whenever the fast
-path does not apply (KV-cache decoding, attention dropout, sliding windows longer than a document...), so a
+path does not apply (KV-cache decoding, attention dropout...), so a
 patched model computes what the stock model computes in every mode.
 
 Packed rows: the decoder stack's forward pre-hook builds one `PackedBatch` per batch (cu_seqlens on the host, no
@@ -13,10 +13,8 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from novatune.attention.packed import PackedBatch
-from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
@@ -37,17 +35,20 @@ def swiglu_mlp_forward(self, x):
                       inplace_backward=self._novatune_swiglu_inplace)
 
 
-def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                      **kwargs):
-    """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat."""
+def has_cache(kwargs: dict) -> bool:
+    """A KV cache in a model call's kwargs, under transformers' current name (`cache`) or the older one."""
+    return kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+
+
+def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """Llama-layout attention in (batch, seq, heads, head_dim) layout end to end: no transposes, no K/V repeat.
+    The KV cache stays in **kwargs under the caller's name, passed on untouched to the stock forward."""
     packed: PackedBatch | None = kwargs.get(PACKED_KWARG)
-    window = getattr(self, "sliding_window", None)
     dropout = self.attention_dropout if self.training else 0.0
-    if (packed is None or past_key_values is not None or position_embeddings is None or dropout > 0.0
-            or (window is not None and packed.max_seqlen > window)):
+    if packed is None or has_cache(kwargs) or position_embeddings is None or dropout > 0.0:
         kwargs.pop(PACKED_KWARG, None)
         return self._novatune_stock_forward(hidden_states, position_embeddings=position_embeddings,
-                                            attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+                                            attention_mask=attention_mask, **kwargs)
     names = self._novatune_attn
     b, s, _ = hidden_states.shape
     d = self.head_dim
@@ -73,14 +74,15 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
-                           scale=self.scaling, backend=self._novatune_attn_backend)  # (b*s, hq, d)
+                           scale=self.scaling, backend=self._novatune_attn_backend,
+                           window=self._novatune_window)  # (b*s, hq, d)
     return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
 
 
 def decoder_pre_hook(module, args, kwargs):
     """Forward pre-hook (with_kwargs) on the decoder stack: build the PackedBatch once per batch."""
     state = module._novatune_state
-    if kwargs.get("past_key_values") is not None:
+    if has_cache(kwargs):
         return None  # incremental decoding: stock path
     if not module.training and kwargs.get("use_cache") is not False:
         return None  # eval with the default cache (generation semantics): stock path
@@ -120,31 +122,6 @@ def decoder_pre_hook(module, args, kwargs):
     return args, kwargs
 
 
-def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
-    """A detached leaf standing in for a TIED lm_head/embedding weight in the fused loss.
-
-    Autograd sums the two gradients of a tied parameter (lm_head and embedding) in one buffer and keeps the
-    lm_head's part (V x H: 0.72 GiB at Qwen3-4B) alive through the whole backward, until the embedding's backward
-    at the very end. Through this leaf the lm_head part is added into `param.grad` as soon as it exists and freed;
-    the embedding's part then accumulates into the same `.grad` as usual (so DDP's hooks on the parameter still
-    fire once, at the end). `torch.autograd.grad(..., inputs=[param])` would not see the lm_head part: patch with
-    early_tied_grad=False for that.
-    """
-    leaf = param.detach().requires_grad_(True)
-
-    def sink(t: torch.Tensor) -> None:
-        g = t.grad
-        t.grad = None
-        with torch.no_grad():
-            if param.grad is None:
-                param.grad = g
-            else:
-                param.grad.add_(g)
-
-    leaf.register_post_accumulate_grad_hook(sink)
-    return leaf
-
-
 _PLACEHOLDERS: dict = {}
 
 
@@ -153,37 +130,3 @@ def _skip_mask_placeholder(device) -> torch.Tensor:
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     return _PLACEHOLDERS[key]
-
-
-def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    """Training with labels: hidden states -> fused linear cross-entropy; the logits are never materialised
-    (the output's `logits` is None). Anything else: the stock forward."""
-    if labels is None or not self.training:
-        return self._novatune_stock_forward(input_ids=input_ids, attention_mask=attention_mask,
-                                            position_ids=position_ids, past_key_values=past_key_values,
-                                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                            logits_to_keep=logits_to_keep, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    shift_labels = kwargs.pop("shift_labels", None)
-    num_items = kwargs.get("num_items_in_batch")
-    outputs = getattr(self, self._novatune_base_attr)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = outputs.last_hidden_state  # (b, s, H)
-    if shift_labels is None:
-        # HF's ForCausalLMLoss: position t predicts token t+1; the last position of each row predicts nothing
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    shift_labels = shift_labels.to(hidden.device)
-    weight = self._novatune_lm_head.weight
-    if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
-        weight = _early_grad_leaf(weight)
-    # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
-                                normalizer=num_items, mode=self._novatune_ce_mode)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-
-

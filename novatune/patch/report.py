@@ -24,6 +24,9 @@ class PatchReport:
     # implementations chosen by `novatune tune` (novatune.tune.engine.tune_op cache entries: op, shape, choice,
     # timings, errors, reason, every candidate's verdict), in effect while this patch is applied
     choices: list[dict] = field(default_factory=list)
+    # what actually ran since the patch: "cross_entropy" counts fused-loss forwards, "bypassed_loss" training
+    # forwards that reached the decoder without it (someone else computed the loss)
+    calls: Counter = field(default_factory=Counter)
 
     def add(self, path: str, kind: str, action: str, detail: str) -> None:
         self.entries.append(PatchEntry(path, kind, action, detail))
@@ -48,6 +51,7 @@ class PatchReport:
             "replaced": dict(Counter(e.kind for e in self.replaced())),
             "skipped": [e.__dict__ for e in self.skipped()],
             "notes": [e.detail for e in self.entries if e.action == "note"],
+            "calls": dict(self.calls),
             "implementations": sorted({f"{e.kind}: {e.detail}" for e in self.replaced()}),
             "tuned": [{k: c.get(k) for k in ("op", "shape", "dtype", "choice", "family", "params", "chosen_us",
                                              "default_us", "stock_us", "floor_us", "reason", "kept")}
@@ -69,6 +73,10 @@ class PatchReport:
         for e in self.entries:
             if e.action == "note":
                 lines.append(f"  note: {e.detail}")
+        if self.replaced("cross_entropy") or self.calls:
+            lines.append(f"  calls:   fused cross-entropy ran {self.calls['cross_entropy']} times"
+                         + (f"; {self.calls['bypassed_loss']} training forwards computed the loss elsewhere"
+                            if self.calls["bypassed_loss"] else ""))
         for c in self.choices:
             shape = "x".join(map(str, c["shape"]))
             dflt = f", default {c['default_us']:.1f} µs" if c.get("default_us") else ""

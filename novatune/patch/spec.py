@@ -18,6 +18,10 @@ class AttentionSpec:
     o_proj: str = "o_proj"
     q_norm: str | None = None  # per-head RMSNorm on q before RoPE (Qwen3)
     k_norm: str | None = None
+    # sliding-window attention: the layer's window is this attention-module attribute (Qwen2/3 set it per layer
+    # from config.layer_types) or this config attribute for every layer (Mistral); None on both = no window
+    window_attr: str | None = None
+    window_config: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,56 @@ class LoRASpec:
 
 
 @dataclass(frozen=True)
+class MathAttribute:
+    """A config attribute that changes what a module computes. With a value outside `neutral` it must be in the
+    family spec's `honours` (the forwards implement it), or the applier refuses every module of `kind` with the
+    reason (kind "model": the whole model). A spec never binds a forward that computes something else."""
+
+    name: str
+    kind: str  # attention | cross_entropy | rms_norm | mlp | model
+    neutral: tuple
+    what: str
+
+
+# The attributes Hugging Face families use to change the Llama-layout math. Read from the config, or from
+# config.rope_parameters (transformers 5 keeps rotary settings there).
+MATH_ATTRIBUTES: tuple[MathAttribute, ...] = (
+    MathAttribute("sliding_window", "attention", (None,), "sliding-window attention"),
+    MathAttribute("layer_types", "attention", (None, "full_attention"), "per-layer attention types"),
+    MathAttribute("use_sliding_window", "attention", (None, False), "sliding-window attention"),
+    MathAttribute("attention_chunk_size", "attention", (None,), "chunked attention"),
+    MathAttribute("attn_logit_softcapping", "attention", (None, 0, 0.0), "attention logit soft-capping"),
+    MathAttribute("partial_rotary_factor", "attention", (None, 1, 1.0), "partial rotary embedding"),
+    MathAttribute("query_pre_attn_scalar", "attention", (None,), "query scaling by query_pre_attn_scalar"),
+    MathAttribute("attention_multiplier", "attention", (None, 1, 1.0), "attention score multiplier"),
+    MathAttribute("use_qk_norm", "attention", (None, False), "q/k normalisation"),
+    MathAttribute("final_logit_softcapping", "cross_entropy", (None, 0, 0.0), "final logit soft-capping"),
+    MathAttribute("logits_scaling", "cross_entropy", (None, 1, 1.0), "logit scaling"),
+    MathAttribute("logit_scale", "cross_entropy", (None, 1, 1.0), "logit scaling"),
+    MathAttribute("output_multiplier", "cross_entropy", (None, 1, 1.0), "logit multiplier"),
+    MathAttribute("lm_head_multiplier", "cross_entropy", (None, 1, 1.0), "logit multiplier"),
+    MathAttribute("embedding_multiplier", "model", (None, 1, 1.0), "embedding scaling"),
+    MathAttribute("scale_emb", "model", (None, 1, 1.0), "embedding scaling"),
+    MathAttribute("residual_multiplier", "model", (None, 1, 1.0), "residual scaling"),
+)
+
+
+def config_value(config, name: str):
+    """The attribute from the config, else from config.rope_parameters (a dict in transformers 5)."""
+    value = getattr(config, name, None)
+    rope = getattr(config, "rope_parameters", None)
+    if value is None and isinstance(rope, dict):
+        value = rope.get(name)
+    return value
+
+
+def is_neutral(attr: MathAttribute, value) -> bool:
+    if isinstance(value, (list, tuple)):  # per-layer lists (layer_types): every entry neutral
+        return all(v in attr.neutral for v in value)
+    return value in attr.neutral
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     model_types: tuple[str, ...]  # config.model_type values this spec covers
@@ -70,4 +124,7 @@ class FamilySpec:
     lora: LoRASpec = field(default_factory=LoRASpec)
     base_model_attr: str = "model"  # CausalLM -> decoder stack
     lm_head_attr: str = "lm_head"
+    # MATH_ATTRIBUTES the forwards implement for this family (any other non-neutral one is refused)
+    honours: tuple[str, ...] = ()
+    norm_offset: float = 0.0  # RMSNorm computes x * (offset + w) (Gemma: 1); only 0 is implemented
     notes: str = ""

@@ -27,8 +27,9 @@ def make_qkv(T, hq, hk, d, dtype, device="cpu", seed=0):
     return mk(hq), mk(hk), mk(hk)
 
 
-def oracle(q, k, v, pb, scale=None):
-    """Dense fp64 attention with the document-causal mask; GQA by indexing kv head h // G."""
+def oracle(q, k, v, pb, scale=None, window=None):
+    """Dense fp64 attention with the document-causal mask (and HF's sliding window: key j visible from query i iff
+    j > i - window); GQA by indexing kv head h // G."""
     q, k, v = (t.double() for t in (q, k, v))
     T, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -36,17 +37,19 @@ def oracle(q, k, v, pb, scale=None):
     doc = torch.repeat_interleave(torch.arange(pb.num_docs), torch.tensor(pb.lengths)).to(q.device)
     i = torch.arange(T, device=q.device)
     allowed = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
     s = torch.einsum("ihd,jhd->hij", q, k[:, head]) * scale
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hij,jhd->ihd", p, v[:, head])
 
 
-def check_fwd_bwd(backend, rows, hq, hk, d, dtype, device="cpu", tol=None, grad_tol=None, fn=None):
+def check_fwd_bwd(backend, rows, hq, hk, d, dtype, device="cpu", tol=None, grad_tol=None, fn=None, window=None):
     pb = packed_of(rows, device)
     q, k, v = make_qkv(pb.total_tokens, hq, hk, d, dtype, device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v, pb) if fn else varlen_attention(q, k, v, pb, backend=backend)
-    ref = oracle(q64, k64, v64, pb)
+    out = fn(q, k, v, pb) if fn else varlen_attention(q, k, v, pb, backend=backend, window=window)
+    ref = oracle(q64, k64, v64, pb, window=window)
     assert out.shape == (pb.total_tokens, hq, d) and out.dtype == dtype
     assert_close(out, ref, tol, name=f"{backend} out")
     go = torch.randn_like(ref)
@@ -77,6 +80,34 @@ def test_sdpa_one_doc_rows_matches_reference(dtype):
     pb = packed_of(rows)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, dtype, seed=1)
     assert_close(varlen_attention(q, k, v, pb, backend="sdpa"), varlen_attention(q, k, v, pb, backend="reference"))
+
+
+@pytest.mark.parametrize("window", [1, 4, 7])
+@pytest.mark.parametrize("backend", ["reference", "sdpa_docs"])
+def test_sliding_window_matches_dense_oracle(backend, window):
+    """Documents of 20, 27 and 30 tokens are longer than every window; fp32 and bf16, GQA."""
+    for dtype in (torch.float32, torch.bfloat16):
+        check_fwd_bwd(backend, ROWS, 4, 2, 16, dtype, window=window)
+
+
+def test_sliding_window_changes_the_result_and_is_dropped_when_no_document_is_longer():
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    full = varlen_attention(q, k, v, pb, backend="reference")
+    assert (varlen_attention(q, k, v, pb, backend="reference", window=4) - full).abs().max() > 1e-2
+    assert torch.equal(varlen_attention(q, k, v, pb, backend="reference", window=pb.max_seqlen), full)
+    with pytest.raises(BackendUnavailable, match="sliding window"):
+        varlen_attention(*(t[:48] for t in (q, k, v)), packed_of([[24], [24]]), backend="sdpa", window=5)
+    varlen_attention(q, k, v, pb, window=5)
+    assert last_choice().backend != "sdpa"
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_sliding_window_on_cpu():
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    out = backends._flex(q, k, v, pb, 16 ** -0.5, window=5, compiled=False)
+    assert_close(out, oracle(q, k, v, pb, window=5), name="flex(eager) windowed out")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -165,13 +196,14 @@ GPU_ROWS = [[700, 300, 1200, 50, 900, 646, 300]]  # 4096 tokens, 7 documents
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 257])
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
-def test_gpu_backend_matches_reference(backend):
+def test_gpu_backend_matches_reference(backend, window):
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
-    out = varlen_attention(q, k, v, pb, backend=backend)
+    out = varlen_attention(q, k, v, pb, backend=backend, window=window)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = varlen_attention(qf, kf, vf, pb, backend="reference")  # fp32 math on the same bf16 values
+    ref = varlen_attention(qf, kf, vf, pb, backend="reference", window=window)  # fp32 math, same bf16 values
     assert_close(out, ref, 1e-2, name=f"{backend} out")
     go = torch.randn_like(ref)
     (out.float() * go).sum().backward()

@@ -8,6 +8,7 @@ import torch
 
 from novatune.attention.packed import PackedBatch
 from novatune.patch import forwards
+from novatune.patch import loss as loss_forward
 
 
 def wrong_eps(monkeypatch, eps: float = 1e-5) -> None:
@@ -30,12 +31,12 @@ def cross_documents(monkeypatch) -> None:
 
 def per_microbatch_loss(monkeypatch) -> None:
     """The fused loss divides by the micro-batch's own target-token count instead of num_items_in_batch."""
-    real = forwards.linear_cross_entropy
+    real = loss_forward.linear_cross_entropy
 
     def loss(hidden, weight, labels, reduction="mean", normalizer=None, **kw):
         return real(hidden, weight, labels, reduction="mean", normalizer=None, **kw)
 
-    monkeypatch.setattr(forwards, "linear_cross_entropy", loss)
+    monkeypatch.setattr(loss_forward, "linear_cross_entropy", loss)
 
 
 FAULTS = {"wrong_eps": wrong_eps, "cross_documents": cross_documents, "per_microbatch_loss": per_microbatch_loss}

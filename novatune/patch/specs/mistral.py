@@ -1,5 +1,5 @@
-"""Mistral: Llama layout; sliding_window applies only to documents longer than the window."""
-from novatune.patch.spec import FamilySpec
+"""Mistral: Llama layout; config.sliding_window (every layer) is applied per document."""
+from novatune.patch.spec import AttentionSpec, FamilySpec
 
 SPEC = FamilySpec(
     name="mistral",
@@ -7,4 +7,6 @@ SPEC = FamilySpec(
     norm_classes=("MistralRMSNorm",),
     attention_classes=("MistralAttention",),
     mlp_classes=("MistralMLP",),
+    attention=AttentionSpec(window_config="sliding_window"),
+    honours=("sliding_window",),
 )

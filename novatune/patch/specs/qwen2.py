@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5: Llama layout with a bias on q/k/v (the projections are called as modules, so the bias is kept)."""
-from novatune.patch.spec import FamilySpec
+from novatune.patch.spec import AttentionSpec, FamilySpec
 
 SPEC = FamilySpec(
     name="qwen2",
@@ -7,5 +7,7 @@ SPEC = FamilySpec(
     norm_classes=("Qwen2RMSNorm",),
     attention_classes=("Qwen2Attention",),
     mlp_classes=("Qwen2MLP",),
-    notes="use_sliding_window=True layers keep stock attention when a document is longer than the window",
+    attention=AttentionSpec(window_attr="sliding_window"),
+    honours=("sliding_window", "layer_types", "use_sliding_window"),
+    notes="use_sliding_window=True: the window of each sliding layer is applied per document",
 )

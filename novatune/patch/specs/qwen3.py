@@ -8,6 +8,7 @@ SPEC = FamilySpec(
     norm_classes=("Qwen3RMSNorm",),
     attention_classes=("Qwen3Attention",),
     mlp_classes=("Qwen3MLP",),
-    attention=AttentionSpec(q_norm="q_norm", k_norm="k_norm"),
-    notes="layer_types may mark sliding-window layers (off by default); those keep stock attention",
+    honours=("sliding_window", "layer_types", "use_sliding_window"),
+    attention=AttentionSpec(q_norm="q_norm", k_norm="k_norm", window_attr="sliding_window"),
+    notes="layer_types may mark sliding-window layers (off by default): their window is applied per document",
 )

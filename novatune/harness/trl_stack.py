@@ -1,0 +1,116 @@
+"""A bench stack: TRL's SFTTrainer + `novatune.patch(trainer)` on the same model, rows and optimizer as
+`novatune train`, so its per-step losses and tokens/s compare with the trainer's own.
+
+    from novatune.harness.trl_stack import run_trl_stack
+    result = run_trl_stack(config, steps=8, warmup=2)   # a novatune Config (train.config)
+    result["losses"], result["tokens_per_s"], result["peak_gib"]
+
+What is the same as `novatune train`: the tokenizer, the model (train.model.build_model + prepare: dtype, gradient
+checkpointing, LoRA), the packed rows and their order (data.dataset.build_data + BatchStream, micro-batch by
+micro-batch), the optimizer and scheduler (train.optim), gradient clipping. What TRL does: the loop, its
+padding-free collator (one flattened row per micro-batch with per-document position_ids and cu_seq_lens), its
+compute_loss through its fused-LM-head contract, which the patched model honours with novatune's fused loss.
+Pure bf16 weights without autocast, as the trainer trains (SFTConfig bf16=False: no autocast on top).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from novatune.data.dataset import BatchStream, build_data
+from novatune.train.demo import load_demo_tokenizer
+from novatune.train.model import build_model, load_tokenizer, model_config, pick_device, pick_dtype, prepare
+from novatune.train.optim import build_optimizer, build_scheduler
+
+
+def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list[int]]:
+    """The rows novatune train would draw, in its order, as pre-tokenised TRL examples (seq_lengths per row), and
+    the trained tokens of each micro-batch (padding excluded, as the trainer counts them)."""
+    out, tokens = [], []
+    for _ in range(micro_batches):
+        mb = stream.next()
+        tokens.append(mb["num_tokens"])
+        for ids, pos, lab in zip(mb["input_ids"], mb["position_ids"], mb["labels"]):
+            starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
+            out.append({"input_ids": ids.tolist(), "labels": lab.tolist(),
+                        "seq_lengths": [b - a for a, b in zip(starts, starts[1:])]})
+    return out, tokens
+
+
+def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None, patch: bool = True,
+                  output_dir: str | Path = "/tmp/novatune_trl_stack") -> dict:
+    """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`."""
+    import datasets
+    import trl
+
+    import novatune
+
+    device, seed = pick_device(cfg.model.device), cfg.train.seed
+    dtype = pick_dtype(cfg.model.dtype, device)
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(cfg.model, base_dir)
+    data = build_data(cfg.data, tokenizer, model_config(cfg.model, tokenizer, base_dir).vocab_size, base_dir)
+    model = prepare(build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed,
+                                qlora=cfg.method.type == "qlora"), cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id)
+    ga = cfg.train.grad_accum
+    examples, tokens = _examples(stream, steps * ga)
+    dataset = datasets.Dataset.from_list(examples)
+    opt = build_optimizer(model, cfg.train, device)
+    sched = build_scheduler(opt, cfg.train, steps)
+    args = trl.SFTConfig(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch,
+                         gradient_accumulation_steps=cfg.train.grad_accum, max_grad_norm=cfg.train.max_grad_norm,
+                         padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
+                         train_sampling_strategy="sequential", gradient_checkpointing=False, bf16=False,
+                         use_cpu=device.type == "cpu", logging_steps=1, report_to=[], save_strategy="no",
+                         disable_tqdm=True, seed=seed, dataloader_num_workers=0)
+    # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
+    # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
+                             processing_class=tokenizer or load_demo_tokenizer(), optimizers=(opt, sched))
+    report = novatune.patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
+    meter = _Meter(device, warmup)
+    trainer.add_callback(meter)
+    micro_losses = _record_losses(trainer)
+    trainer.train()
+    losses = [sum(micro_losses[i:i + ga]) for i in range(0, len(micro_losses), ga)]
+    return {"stack": "trl_sft" + ("+novatune" if patch else ""), "losses": losses,
+            "tokens_per_s": (sum(tokens[warmup * ga:]) / (meter.t1 - meter.t0)) if meter.t1 else None,
+            "peak_gib": meter.peak_gib,
+            "steps": steps, "warmup": warmup, "patch_report": str(report) if report is not None else None}
+
+
+def _record_losses(trainer) -> list[float]:
+    losses, compute_loss = [], trainer.compute_loss
+
+    def recording(*args, **kwargs):
+        out = compute_loss(*args, **kwargs)
+        losses.append(float((out[0] if isinstance(out, tuple) else out).detach()))
+        return out
+
+    trainer.compute_loss = recording
+    return losses
+
+
+class _Meter(transformers.TrainerCallback):
+    """Wall time of the optimizer steps after the warm-up ones (synchronised), peak memory over them."""
+
+    def __init__(self, device: torch.device, warmup: int):
+        self.device, self.warmup = device, warmup
+        self.t0 = self.t1 = self.peak_gib = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if state.global_step == self.warmup:
+            self.t0 = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+        elif state.global_step > self.warmup:
+            self.t1 = time.perf_counter()
+            if self.device.type == "cuda":
+                self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -1,0 +1,253 @@
+"""The causal LM's loss forward: lm_head + cross-entropy as novatune's fused linear cross-entropy.
+
+Two calling conventions are honoured, both computing exactly what the caller expects:
+
+* transformers (`model(..., labels=..., num_items_in_batch=...)`, as `Trainer.compute_loss` calls it): the loss is
+  HF's ForCausalLMLoss (shift by one, mean over non-ignored labels, or sum / num_items_in_batch), `logits` is None
+  in training because the logits are never materialised.
+* TRL's fused LM head (`model(..., labels=..., fused_lm_head=True)`, as `SFTTrainer.compute_loss` calls it): a
+  `FusedCausalLMOutput`-like output with the per-token `log_probs` (zero on ignored labels), `entropy`, `is_top1`,
+  `label_mask` and `loss`. The gradient comes from the fused kernel, which produces the gradient of the SUM of the
+  token log-probs; so `log_probs` accepts only a gradient that weights every non-ignored token the same (TRL's
+  "nll" loss: sum / token count). A per-token weighting (TRL's "dft" loss, RL trainers) raises in the backward
+  instead of training on a wrong gradient; `patch(trainer)` refuses those trainers up front. The values of
+  `log_probs`, `entropy` and `is_top1` come from one extra no-grad pass over the logits in chunks (TRL logs the
+  mean entropy and token accuracy every step; the pass costs one lm_head GEMM forward).
+
+The stock forward (whatever was on the model before: HF's, or a trainer's wrapper) is kept in a closure, so a
+second binding on top of a wrapper that calls the first one never recurses, and a binding that was reverted while
+a wrapper still holds it delegates to its stock forward.
+"""
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from novatune.ops.linear_cross_entropy import linear_cross_entropy
+
+# fp32 logits per chunk of the no-grad statistics pass (TRL's fused head): bounds its extra memory
+STATS_CHUNK_BYTES = 256 * 2**20
+
+
+@dataclass
+class LossBinding:
+    """What the loss forward needs besides the module's own attributes (ce mode, lm_head: set by apply.py and
+    rewritten by the tuner as `_novatune_ce_mode`)."""
+
+    stock: Callable
+    report: object  # PatchReport: counts the fused-loss calls
+    active: bool = True
+    pending: bool = False  # a loss forward is running: the decoder's pre-hook consumes it (see `check_bypass`)
+
+
+def bind(model: torch.nn.Module, binding: LossBinding) -> Callable[[], None]:
+    """Install the loss forward on `model` (instance level); returns the undo."""
+    previous = model.__dict__.get("forward")
+
+    @functools.wraps(causal_lm_forward)
+    def forward(self, *args, **kwargs):
+        if not binding.active:
+            return binding.stock(*args, **kwargs)
+        return causal_lm_forward(self, binding, *args, **kwargs)
+
+    method = types.MethodType(forward, model)
+    model.__dict__["forward"] = method
+
+    def undo():
+        binding.active = False
+        if model.__dict__.get("forward") is method:  # something wrapped it since: leave theirs in place
+            if previous is None:
+                model.__dict__.pop("forward", None)
+            else:
+                model.__dict__["forward"] = previous
+
+    return undo
+
+
+def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask=None, position_ids=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, fused_lm_head=False,
+                      **kwargs):
+    """Training with labels, or any call with TRL's `fused_lm_head=True`: hidden states -> fused linear
+    cross-entropy; the logits are never materialised. Anything else: the stock forward.
+
+    The KV cache travels in **kwargs under whichever name the caller used (`cache`, or the older
+    `past_key_values`), so the stock forward sees exactly the call it would have seen (naming both makes
+    transformers warn)."""
+    call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, use_cache=use_cache)
+    if fused_lm_head:
+        if labels is None and kwargs.get("shift_labels") is None:
+            raise ValueError("fused_lm_head=True needs labels (or shift_labels): the fused head scores labels")
+        return _trl_fused_head(self, binding, call, labels, kwargs)
+    if labels is None or not self.training:
+        return binding.stock(**call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.get("num_items_in_batch")
+    outputs = _backbone(self, binding, call, kwargs)
+    hidden = outputs.last_hidden_state  # (b, s, H)
+    if shift_labels is None:
+        # HF's ForCausalLMLoss: position t predicts token t+1; the last position of each row predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self),
+                                shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
+                                normalizer=num_items, mode=self._novatune_ce_mode)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions)  # training: use_cache=False, no cache to return
+
+
+def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):
+    binding.report.calls["cross_entropy"] += 1
+    binding.pending = True
+    try:
+        return getattr(self, self._novatune_base_attr)(**call, **kwargs)
+    finally:
+        binding.pending = False
+
+
+def _lm_weight(self) -> torch.Tensor:
+    weight = self._novatune_lm_head.weight
+    if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
+        weight = _early_grad_leaf(weight)
+    return weight
+
+
+def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict):
+    """TRL's `fused_lm_head=True` contract (trl.trainer.utils.add_fused_lm_head), with novatune's fused loss."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    call["use_cache"] = False
+    outputs = _backbone(self, binding, call, kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # TRL's shapes: (b, s - 1) without shift_labels, (b, s) with them
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    targets = targets.to(hidden.device)
+    mask = targets != -100
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    nll_sum = linear_cross_entropy(flat_hidden, _lm_weight(self), flat_targets, reduction="sum",
+                                   mode=self._novatune_ce_mode)
+    log_probs, entropy, is_top1 = token_statistics(flat_hidden.detach(), self._novatune_lm_head.weight.detach(),
+                                                   flat_targets)
+    log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, log_probs.view(mask.shape), mask)
+    divisor = mask.sum().clamp(min=1) if num_items is None else num_items
+    return _FusedOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, entropy=entropy.view(mask.shape),
+                        is_top1=is_top1.view(mask.shape), label_mask=mask)
+
+
+class _FusedOutput(OrderedDict):
+    """The fields of TRL's FusedCausalLMOutput, readable as attributes and as keys (ModelOutput style)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            if name in ("log_sum_sq_probs", "mean_logits", "aux_loss"):
+                return None  # TRL's optional fields, not requested by SFTTrainer
+            raise AttributeError(name) from None
+
+
+@torch.no_grad()
+def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
+    """Per token: log p(target), entropy of the next-token distribution, whether the target is the argmax.
+
+    Logits are computed in the input dtype and read in fp32 (as HF's `logits.float()`), in row chunks of at most
+    STATS_CHUNK_BYTES fp32 logits. Ignored tokens get 0 / 0 / False (TRL's convention)."""
+    rows = max(1, STATS_CHUNK_BYTES // (4 * weight.shape[0]))
+    out_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    out_ent = torch.zeros_like(out_lp)
+    out_top = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
+    for a in range(0, hidden.shape[0], rows):
+        logits = (hidden[a:a + rows] @ weight.T).float()
+        y = targets[a:a + rows]
+        valid = y != ignore_index
+        logp = torch.log_softmax(logits, dim=-1)
+        out_lp[a:a + rows] = logp.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1).masked_fill(~valid, 0.0)
+        out_ent[a:a + rows] = -(logp.exp() * logp).sum(-1).masked_fill(~valid, 0.0)
+        out_top[a:a + rows] = (logits.argmax(-1) == y) & valid
+    return out_lp, out_ent, out_top
+
+
+class _UniformlyWeightedLogProbs(torch.autograd.Function):
+    """Per-token log-probs whose gradient flows through the fused loss's SUM.
+
+    forward: values (exact, from `token_statistics`). backward: the caller's gradient must weight every
+    non-ignored token the same, w (TRL's nll loss: w = -1 / token count); then d(sum_t w lp_t) = -w d(nll_sum),
+    passed to the fused kernel's precomputed gradient as its scale. A non-uniform weighting cannot be expressed
+    through a sum: it raises (on CUDA without a host sync, as a device-side assert)."""
+
+    @staticmethod
+    def forward(ctx, nll_sum, log_probs, mask):
+        ctx.save_for_backward(mask)
+        return log_probs.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        grad = grad.float()
+        count = mask.sum().clamp(min=1)
+        w = (grad * mask).sum() / count
+        spread = ((grad - w).abs() * mask).amax() if mask.numel() else grad.new_zeros(())
+        torch._assert_async(spread <= 1e-5 * w.abs() + 1e-30,
+                            "novatune's fused loss gives the gradient of the SUM of the token log-probs; this "
+                            "caller weights tokens differently (e.g. TRL loss_type='dft'): patch with "
+                            "cross_entropy=False")
+        return -w, None, None
+
+
+def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
+    """A detached leaf standing in for a TIED lm_head/embedding weight in the fused loss.
+
+    Autograd sums the two gradients of a tied parameter (lm_head and embedding) in one buffer and keeps the
+    lm_head's part (V x H: 0.72 GiB at Qwen3-4B) alive through the whole backward, until the embedding's backward
+    at the very end. Through this leaf the lm_head part is added into `param.grad` as soon as it exists and freed;
+    the embedding's part then accumulates into the same `.grad` as usual (so DDP's hooks on the parameter still
+    fire once, at the end). `torch.autograd.grad(..., inputs=[param])` would not see the lm_head part: patch with
+    early_tied_grad=False for that.
+    """
+    leaf = param.detach().requires_grad_(True)
+
+    def sink(t: torch.Tensor) -> None:
+        g = t.grad
+        t.grad = None
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = g
+            else:
+                param.grad.add_(g)
+
+    leaf.register_post_accumulate_grad_hook(sink)
+    return leaf
+
+
+def check_bypass(binding: LossBinding | None, stack: torch.nn.Module) -> None:
+    """Called by the decoder's pre-hook on every training forward with gradients: a forward that did not come
+    through the loss forward means someone else computes the loss (e.g. TRL's SFTTrainer, built after
+    `novatune.patch(model)`, installs its own LM head on top). The report then says so, and a warning names the
+    way out."""
+    if binding is None or not binding.active or not stack.training or not torch.is_grad_enabled():
+        return
+    if binding.pending:
+        return
+    report = binding.report
+    report.calls["bypassed_loss"] += 1
+    if report.calls["bypassed_loss"] > 1:
+        return
+    why = ("the fused loss is NOT in use: a training forward reached the decoder without novatune's loss forward "
+           "(something replaced or wraps the model's forward after novatune.patch, e.g. TRL's SFTTrainer installs "
+           "its own fused LM head when it is built: call novatune.patch(trainer) after building the trainer)")
+    for e in report.entries:
+        if e.kind == "cross_entropy" and e.action == "replaced":
+            e.action, e.detail = "skipped", why
+    warnings.warn("novatune: " + why, RuntimeWarning, stacklevel=3)
