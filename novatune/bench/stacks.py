@@ -18,6 +18,7 @@ with the function named by its module, imported only in that stack's worker:
   novatune        novatune.patch(model, **model.patch_options)
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
+  trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
 A stack that cannot run here gives a row with status "absent" and the reason; it is never dropped silently.
 """
 from __future__ import annotations
@@ -119,6 +120,9 @@ register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_uns
 register(Stack("novatune", "novatune.patch(model, **model.patch_options)", NOVATUNE, patched=True))
 register(Stack("novatune_full", "novatune, full fine-tuning (beside a LoRA config)",
                NOVATUNE + ["method.type=full"], unavailable=_full_refused_under_qlora, patched=True))
+register(Stack("trl-sft", "TRL SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer",
+               NOVATUNE, unavailable=_missing("trl", "trl"), run=run_from("novatune.bench.trl_stack:run"),
+               patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
 

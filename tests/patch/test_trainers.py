@@ -235,7 +235,7 @@ def _demo_config(tmp_path, *overrides):
 def test_trl_stack_matches_novatune_train_on_cpu(tmp_path):
     """The bench's TRL stack (SFTTrainer + novatune.patch(trainer)) trains the trainer's rows with the trainer's
     optimizer: per-step losses equal `novatune train`'s (fp32 on the CPU: summation order only, 2e-5 relative)."""
-    from novatune.harness.trl_stack import run_trl_stack
+    from novatune.bench.trl_stack import run_trl_stack
     from novatune.train.loop import train
 
     cfg = _demo_config(tmp_path)
@@ -256,7 +256,7 @@ def test_trl_stack_headline_within_bf16_noise_and_97_percent_speed(tmp_path):
     losses equal to novatune train's within bf16 noise and >= 97% of its tokens/s."""
     from pathlib import Path
 
-    from novatune.harness.trl_stack import run_trl_stack
+    from novatune.bench.trl_stack import run_trl_stack
     from novatune.train.config import load
     from novatune.train.loop import train
 

@@ -1,13 +1,13 @@
 """A bench stack: TRL's SFTTrainer + `novatune.patch(trainer)` on the same model, rows and optimizer as
 `novatune train`, so its per-step losses and tokens/s compare with the trainer's own.
 
-    from novatune.harness.trl_stack import run_trl_stack
+    from novatune.bench.trl_stack import run_trl_stack
     result = run_trl_stack(config, steps=8, warmup=2)   # a novatune Config (train.config)
     result["losses"], result["tokens_per_s"], result["peak_gib"]
 
-What is the same as `novatune train`: the tokenizer, the model (train.model.build_model + prepare: dtype, gradient
-checkpointing, LoRA), the packed rows and their order (data.dataset.build_data + BatchStream, micro-batch by
-micro-batch), the optimizer and scheduler (train.optim), gradient clipping. What TRL does: the loop, its
+What is the same as `novatune train`: everything train.session.build makes (the tokenizer, the model with its dtype,
+gradient checkpointing and LoRA, the packed rows and their order, micro-batch by micro-batch, the optimizer and the
+schedule), and gradient clipping. What TRL does: the loop, its
 padding-free collator (one flattened row per micro-batch with per-document position_ids and cu_seq_lens), its
 compute_loss through its fused-LM-head contract, which the patched model honours with novatune's fused loss.
 Pure bf16 weights without autocast, as the trainer trains (SFTConfig bf16=False: no autocast on top).
@@ -20,10 +20,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from novatune.data.dataset import BatchStream, build_data
+from novatune.data.dataset import BatchStream
 from novatune.train.demo import load_demo_tokenizer
-from novatune.train.model import build_model, load_tokenizer, model_config, pick_device, pick_dtype, prepare
-from novatune.train.optim import build_optimizer, build_scheduler
 
 
 def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list[int]]:
@@ -42,46 +40,60 @@ def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list
 
 def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None, patch: bool = True,
                   output_dir: str | Path = "/tmp/novatune_trl_stack") -> dict:
-    """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`."""
+    """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`.
+
+    The model, rows, optimizer and schedule come from the one run builder (train.session.build) with the patch
+    off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model."""
+    import dataclasses
+
     import datasets
     import trl
 
-    import novatune
+    from novatune.patch.apply import patch as novatune_patch
+    from novatune.train.session import build
 
-    device, seed = pick_device(cfg.model.device), cfg.train.seed
-    dtype = pick_dtype(cfg.model.dtype, device)
-    torch.manual_seed(seed)
-    tokenizer = load_tokenizer(cfg.model, base_dir)
-    data = build_data(cfg.data, tokenizer, model_config(cfg.model, tokenizer, base_dir).vocab_size, base_dir)
-    model = prepare(build_model(cfg.model, device, dtype, tokenizer, base_dir, seed=seed,
-                                qlora=cfg.method.type == "qlora"), cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id)
-    ga = cfg.train.grad_accum
-    examples, tokens = _examples(stream, steps * ga)
+    stock_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, patch=False))
+    session = build(stock_cfg, base_dir, total_steps=steps)
+    device, ga = session.device, cfg.train.grad_accum
+    examples, tokens = _examples(session.stream, steps * ga)
     dataset = datasets.Dataset.from_list(examples)
-    opt = build_optimizer(model, cfg.train, device)
-    sched = build_scheduler(opt, cfg.train, steps)
     args = trl.SFTConfig(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch,
-                         gradient_accumulation_steps=cfg.train.grad_accum, max_grad_norm=cfg.train.max_grad_norm,
+                         gradient_accumulation_steps=ga, max_grad_norm=cfg.train.max_grad_norm,
                          padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
                          train_sampling_strategy="sequential", gradient_checkpointing=False, bf16=False,
                          use_cpu=device.type == "cpu", logging_steps=1, report_to=[], save_strategy="no",
-                         disable_tqdm=True, seed=seed, dataloader_num_workers=0)
+                         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=0)
     # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
     # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
-                             processing_class=tokenizer or load_demo_tokenizer(), optimizers=(opt, sched))
-    report = novatune.patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
+    trainer = trl.SFTTrainer(model=session.model, args=args, train_dataset=dataset,
+                             processing_class=session.tokenizer or load_demo_tokenizer(),
+                             optimizers=(session.optimizer, session.scheduler))
+    report = novatune_patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
     meter = _Meter(device, warmup)
     trainer.add_callback(meter)
     micro_losses = _record_losses(trainer)
     trainer.train()
-    losses = [sum(micro_losses[i:i + ga]) for i in range(0, len(micro_losses), ga)]
+    micro = [float(x) for x in micro_losses]  # read once, after training: no sync per micro-batch
+    losses = [sum(micro[i:i + ga]) for i in range(0, len(micro), ga)]
+    timed_tokens = sum(tokens[warmup * ga:])
+    timed_s = (meter.t1 - meter.t0) if meter.t1 else None
     return {"stack": "trl_sft" + ("+novatune" if patch else ""), "losses": losses,
-            "tokens_per_s": (sum(tokens[warmup * ga:]) / (meter.t1 - meter.t0)) if meter.t1 else None,
-            "peak_gib": meter.peak_gib,
-            "steps": steps, "warmup": warmup, "patch_report": str(report) if report is not None else None}
+            "tokens_per_s": timed_tokens / timed_s if timed_s else None, "timed_s": timed_s,
+            "timed_tokens": timed_tokens, "peak_gib": meter.peak_gib, "steps": steps, "warmup": warmup,
+            "patch_report": str(report) if report is not None else None,
+            "trl": trl.__version__, "flops_per_token": session.flops_per_token(0.0)}
+
+
+def run(spec: dict, cfg, base_dir) -> dict:
+    """The bench worker's entry (novatune bench --stacks trl-sft): row fields in the bench schema."""
+    res = run_trl_stack(cfg, spec["warm"] + spec["steps"], spec["warm"], base_dir,
+                        output_dir=Path(spec["stack_dir"]) / "trl")
+    tps = res["tokens_per_s"]
+    return {"warm": spec["warm"], "steps": spec["steps"], "tok_s": round(tps, 1) if tps else None,
+            "timed_s": res["timed_s"], "timed_tokens": res["timed_tokens"], "peak_gib": res["peak_gib"],
+            "losses": res["losses"], "trl": res["trl"], "patch_report": res["patch_report"],
+            "method": cfg.method.type, "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum,
+            "micro_batch": cfg.train.micro_batch}
 
 
 def _record_losses(trainer) -> list[float]:
@@ -89,7 +101,7 @@ def _record_losses(trainer) -> list[float]:
 
     def recording(*args, **kwargs):
         out = compute_loss(*args, **kwargs)
-        losses.append(float((out[0] if isinstance(out, tuple) else out).detach()))
+        losses.append((out[0] if isinstance(out, tuple) else out).detach())
         return out
 
     trainer.compute_loss = recording
