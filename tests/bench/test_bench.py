@@ -116,3 +116,30 @@ def test_the_worker_refuses_a_missing_spec(capsys):
 
     assert worker.main([]) == 2
     assert "SPEC.json" in capsys.readouterr().err
+
+
+def test_the_trl_stack_trains_like_the_session(spec, tmp_path):
+    """`novatune bench --stacks trl-sft`: SFTTrainer + novatune.patch(trainer) on the session's model, rows and
+    optimizer gives the novatune session's per-step losses (fp32 on the CPU: equal to 1e-5 relative; TRL sums the
+    micro-batch losses of a step the way the session does, only the reduction order differs)."""
+    import gc
+    import json
+
+    pytest.importorskip("trl")
+    from novatune.bench import worker
+    from novatune.bench.worker import load_stack_config, timed_steps
+    from novatune.train.session import build
+
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**spec, "stack": "trl-sft"}))
+    assert worker.main([str(path)]) == 0
+    row = json.loads((tmp_path / "stock" / "result.json").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    assert row["tok_s"] > 0 and "cross_entropy" in row["patch_report"] and len(row["losses"]) == 4
+    nova = {**spec, "stack": "novatune", "overrides": ["model.patch=true"]}
+    cfg, base = load_stack_config(nova)
+    try:
+        ref = timed_steps(build(cfg, base), nova)["losses"]
+    finally:
+        gc.unfreeze()
+    assert row["losses"] == pytest.approx(ref, rel=1e-5)
