@@ -140,6 +140,21 @@ def _divisor(labels: Tensor, ignore_index: int, reduction: str, normalizer) -> T
     return torch.ones((), device=dev, dtype=torch.float32)
 
 
+def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels outside [0, V) other than ignore_index raise, as F.cross_entropy does.
+
+    A host tensor is checked directly (IndexError "Target X is out of bounds.", PyTorch's CPU error). A device
+    tensor gets torch._assert_async: the check is queued with the kernels and fails the stream (as PyTorch's own
+    CUDA cross-entropy does with its device-side assert) instead of forcing a host sync every step."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if labels.device.type == "cpu" and not _traced(labels):
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(labels[bad][0])} is out of bounds.")
+        return
+    torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of bounds [0, {vocab}) and is not "
+                                    f"ignore_index {ignore_index}")
+
+
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", normalizer=None, bias: Optional[Tensor] = None, *,
                          chunk_tokens: Optional[int] = None, mode: str = "auto",
@@ -182,6 +197,7 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
 
     h2 = hidden.reshape(-1, H)  # (T, H)
     y = labels.reshape(-1).to(dev)  # (T,)
+    _check_label_range(y, lm_weight.shape[0], int(ignore_index))
     divisor = _divisor(y, ignore_index, reduction, normalizer)
     grad_on = torch.is_grad_enabled()
     loss, *_ = torch.ops.novatune.linear_cross_entropy(
