@@ -217,28 +217,4 @@ def rope_bwd(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1, dq=None, dk=None, sp
     return _launch(dq_embed, dk_embed, cos, sin, unsqueeze_dim, dq, dk, True, split, num_warps)
 
 
-def _ref_tables(cos, sin, unsqueeze_dim):
-    u = normalize_unsqueeze_dim(unsqueeze_dim)
-    c, s = cos.float(), sin.float()
-    if c.dim() == 2:
-        c, s = c.unsqueeze(0), s.unsqueeze(0)
-    return c.unsqueeze(u), s.unsqueeze(u)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_ref(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's formula in fp32 (returns fp32): the reference every test and benchmark compares with."""
-    c, s = _ref_tables(cos, sin, unsqueeze_dim)
-    qf, kf = q.float(), k.float()
-    return qf * c + _rotate_half(qf) * s, kf * c + _rotate_half(kf) * s
-
-
-def rope_bwd_ref(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1):
-    """Transpose of rope_ref in fp32: dx = dy * cos - rotate_half(dy * sin) (= dy*cos + rotate_half^T(dy*sin))."""
-    c, s = _ref_tables(cos, sin, unsqueeze_dim)
-    gq, gk = dq_embed.float(), dk_embed.float()
-    return gq * c - _rotate_half(gq * s), gk * c - _rotate_half(gk * s)
+from novatune.reference.rope import rope_bwd_ref, rope_ref  # noqa: E402,F401 - re-exported oracle

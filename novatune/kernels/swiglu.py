@@ -179,16 +179,4 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     return dgate, dup
 
 
-def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """fp32 reference forward: silu(gate) * up computed in fp32, returned in fp32."""
-    g, u = gate.float(), up.float()
-    return torch.nn.functional.silu(g) * u
-
-
-def swiglu_bwd_ref(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 reference backward (closed form, see the module docstring), returned in fp32."""
-    dy, g, u = dy.float(), gate.float(), up.float()
-    sig = torch.sigmoid(g)
-    dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
-    dup = dy * g * sig
-    return dgate, dup
+from novatune.reference.swiglu import swiglu_bwd_ref, swiglu_ref  # noqa: E402,F401 - re-exported oracle

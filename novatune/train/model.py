@@ -186,7 +186,7 @@ def apply_patch(model, mcfg):
     if not mcfg.patch:
         return None
     try:
-        from novatune.patch.apply import patch as applier  # the function the public novatune.patch wraps
+        applier = patch_fn()  # its signature lists every option (novatune/__init__.py)
     except ImportError as e:
         raise SetupError(f"model.patch: novatune.patch is not available in this install ({e}); set "
                          f"model.patch: false (or --set model.patch=false) to train with stock modules") from None

@@ -72,10 +72,11 @@ def run(args) -> int:
     from novatune.train.optim import build_optimizer
     from novatune.tune import model_choices
     from novatune.tune import report as rep
-    from novatune.tune import select
     from novatune.tune.cache import TuneCache, environment
     from novatune.tune.engine import choice_line, step_check, tune_op
-    from novatune.tune.opspecs import OPS
+    from novatune.ops import dispatch
+    from novatune.ops.registry import OPS
+    from novatune.tune.calls import model_level
     from novatune.tune.profile import profile_steps, rank_targets
 
     t_start = time.perf_counter()
@@ -106,7 +107,7 @@ def run(args) -> int:
     model = prepare(build_model(cfg.model, device, dtype, tokenizer, base, seed=cfg.train.seed,
                                 qlora=cfg.method.type == "qlora"), cfg)
     patch_report = apply_patch(model, cfg.model)
-    select.install(None)  # time the built-in defaults first, whatever an older cache selected
+    dispatch.install({})  # time the built-in defaults first, whatever an older cache selected
     if patch_report is not None and patch_report.choices:
         notes.append(f"{len(patch_report.choices)} choice(s) from the existing cache were set aside for this run")
         patch_report.choices.clear()
@@ -130,7 +131,7 @@ def run(args) -> int:
     bw = copy_bandwidth_gbps() if device.type == "cuda" else None
     print(f"novatune tune: {args.config} on {device} ({torch.cuda.get_device_name() if bw else 'cpu'})"
           + (f", copy bandwidth {bw:.0f} GB/s" if bw else ""), flush=True)
-    with select.recording() as recd:
+    with dispatch.recording() as recd:
         before = profile_steps(prof_step, model, steps=1, trace=str(out_dir / "trace_before.json"), warmup=1)
     print(before.table(), flush=True)
 
@@ -144,7 +145,7 @@ def run(args) -> int:
     tokens = int(mb0["input_ids"].numel())
     docs = int((mb0["position_ids"] == 0).sum()) if "position_ids" in mb0 else int(mb0["input_ids"].shape[0])
     n_layers = int(getattr(model.config, "num_hidden_layers", 1))
-    work += [(op, shape, dt, 1.0 if op == "linear_cross_entropy" else float(n_layers))
+    work += [(op, shape, dt, 1.0 if OPS[op].once_per_step else float(n_layers))
              for op, shape, dt in model_choices.model_op_shapes(model, tokens, docs)]
     for op, shape, dt, calls in work:
         entry, cands = tune_op(op, shape, getattr(torch, dt.split("/")[0]), device, families=families,
@@ -152,11 +153,10 @@ def run(args) -> int:
                                allow_more_memory=args.allow_more_memory)
         entry["calls_per_step"] = calls
         entries.append(entry)
-        kind = {"rms_norm": "norm", "swiglu": "activation", "linear_cross_entropy": "loss",
-                "attention": "attention", "rope": "RoPE", "qk_norm_rope": "RoPE"}.get(op, op)
+        kind = OPS[op].trace_kind or op
         if entry.get("floor_us"):
             floors[kind] = floors.get(kind, 0.0) + entry["floor_us"] * entry["calls_per_step"]
-        if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):
+        if entry["choice"] != "novatune_default" and not model_level(op):
             table[(op, tuple(shape), dt, device.type)] = cands[entry["choice"]].functional()
     picked = model_choices.pick_entries(entries, model, tokens)
     settings = model_choices.toggler(model, picked) if any(
@@ -165,11 +165,11 @@ def run(args) -> int:
         notes.append("the profiled step dispatched no tunable op (is model.patch on?)")
     targets = rank_targets(before, floors)
 
-    select.install(select.Dispatcher(table))
+    dispatch.install(table)
     if settings:
         settings(True)
     after = profile_steps(prof_step, model, steps=1, trace=str(out_dir / "trace_after.json"), warmup=1)
-    select.install(None)
+    dispatch.install({})
     if settings:
         settings(False)
     print("after tuning:\n" + after.table(), flush=True)

@@ -13,10 +13,12 @@ from collections.abc import Callable
 
 import torch
 
+from novatune.ops import dispatch
+from novatune.ops.contract import Candidate
+from novatune.ops.registry import OPS
 from novatune.tune import select
-from novatune.tune.candidates import Candidate, candidates
+from novatune.tune.calls import candidates, shape_str
 from novatune.tune.measure import input_sets, kernel_us, peak_extra_bytes, time_fwd_bwd
-from novatune.tune.opspecs import OPS, shape_str
 from novatune.tune.validate import validate
 
 # cheapest to try first; torch.compile last (its compile time is the largest, and the budget may cut it)
@@ -135,20 +137,19 @@ def step_check(step: Callable[[], object], table: dict, reps: int = 3, sync: boo
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    prev = select.installed()
-    tuned = select.Dispatcher(table)
+    prev = dispatch.ACTIVE
     times = {"default": [], "tuned": []}
     try:
         for r in range(reps + 1):
-            for name, hook in (("default", None), ("tuned", tuned)):
-                select.install(hook)
+            for name, tbl in (("default", {}), ("tuned", table)):
+                dispatch.install(tbl)
                 if settings is not None:
                     settings(name == "tuned")
                 t = timed()
                 if r > 0:  # r == 0 is the warm-up of each
                     times[name].append(t)
     finally:
-        select.install(prev)
+        dispatch.install(prev)
         if settings is not None:
             settings(False)
     d, t = statistics.median(times["default"]), statistics.median(times["tuned"])

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from novatune.harness.numerics import rel_err
-from novatune.tune.candidates import Candidate
-from novatune.tune.opspecs import OpSpec, make_dy, map_dy, shape_str
+from novatune.ops.contract import Candidate, OpSpec
+from novatune.tune.calls import make_dy, map_dy, shape_str
 
 FACTOR = 2.0
 UNIT_ROUNDOFF = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # fp32: reductions
