@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from novatune.reference.rms_norm import hf_rms_norm
+from novatune.reference.rms_norm import hf_rms_norm, rms_norm_ref
 from novatune.reference.rope import _tables, hf_apply_rope, rotate_half
 
 
@@ -31,12 +31,11 @@ def qk_norm_rope_ref(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, e
     c, s = _tables(cos.float(), sin.float(), 2)
     outs, rstds = [], []
     for x, w in ((q, q_weight), (k, k_weight)):
-        odt = torch.promote_types(x.dtype, w.dtype)
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (b, s, h, 1)
-        qn = (w.float() * (xf * rstd).to(x.dtype).float()).to(odt).float()
-        outs.append((qn * c + rotate_half(qn) * s).to(odt))
-        rstds.append(rstd.squeeze(-1))
+        # HF's norm (its roundings: the normalised value to x's dtype, the weighted one to promote(x, w)) ...
+        n, rstd = rms_norm_ref(x, w, eps, return_rstd=True)
+        qn = n.float()
+        outs.append((qn * c + rotate_half(qn) * s).to(n.dtype))  # ... then the rotation, rounded once
+        rstds.append(rstd)
     return (*outs, *rstds) if return_rstd else tuple(outs)
 
 

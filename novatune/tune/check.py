@@ -1,7 +1,7 @@
 """Check an implementation of a registered op against its contract, on the calls models really make.
 
     from novatune.tune import check_implementation
-    verdict = check_implementation(my_rms_norm, op="rms_norm")
+    verdict = check_implementation(my_fn, op=name)   # name: a key of novatune.ops.registry.OPS
     print(verdict)                      # PASS / FAIL with one reason per failed check
     assert verdict.passed
 
@@ -45,12 +45,14 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     cases: list[str] = field(default_factory=list)
     calls: int = 0
+    skipped: list[str] = field(default_factory=list)   # cases over max_elements
 
     def __bool__(self) -> bool:
         return self.passed
 
     def __str__(self) -> str:
-        head = f"{'PASS' if self.passed else 'FAIL'}: {len(self.cases)} cases, {self.calls} calls"
+        head = f"{'PASS' if self.passed else 'FAIL'}: {len(self.cases)} cases, {self.calls} calls" + (
+            f" ({len(self.skipped)} cases skipped as too large here)" if self.skipped else "")
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
 
@@ -269,10 +271,13 @@ def _numel(inputs: dict) -> int:
 
 
 def check_implementation(fn, op: str, *, dtypes=(torch.bfloat16, torch.float32), device="cpu", calls=None,
-                         repeats: int = 5, seed: int = 0, include_spec_cases: bool = True) -> Verdict:
+                         repeats: int = 5, seed: int = 0, include_spec_cases: bool = True,
+                         max_elements: int | None = None) -> Verdict:
     """Verdict(passed, reasons) for `fn` as an implementation of `op` (see the module docstring; the signature fn
     must have: novatune.ops.registry.OPS[op].signature). calls: CallRecords from novatune.ops.dispatch.recording
-    (the calls a model made), checked in addition to the op's own cases (include_spec_cases=False: only them)."""
+    (the calls a model made), checked in addition to the op's own cases (include_spec_cases=False: only them).
+    max_elements: skip cases with more input elements (the Triton interpreter on the CPU is slow), named in
+    Verdict.skipped."""
     if op not in OPS:
         raise KeyError(f"no op {op!r} in the registry (registered: {', '.join(OPS)})")
     spec = OPS[op]
@@ -284,6 +289,9 @@ def check_implementation(fn, op: str, *, dtypes=(torch.bfloat16, torch.float32),
         verdict.cases.append(label)
         if inputs is None:
             verdict.reasons.append(label)
+            continue
+        if max_elements is not None and _numel(inputs) > max_elements:
+            verdict.skipped.append(label)
             continue
         keep: list = []
         try:

@@ -18,6 +18,7 @@ EPILOG = """examples:
   novatune tune examples/qwen3-4b-seed.yaml --families eager,default,triton,cuda --budget 120
   novatune tune my.yaml --out /tmp/tune --results /tmp/tune.jsonl --cache /tmp/tune.json
   novatune train my.yaml                                          # patch() then uses the recorded choices
+  novatune tune --check my_kernels:rms_norm --op rms_norm          # check your own implementation of an op
 
 families: eager (HF formula), native (torch fused op), default (novatune's current kernels), triton (other
 launch configs), compile (torch.compile of the reference), cuda (PyBind11 CUDA kernels, built on first use).
@@ -28,7 +29,12 @@ FAMILIES = ("eager", "native", "default", "triton", "compile", "cuda")
 def add_arguments(p) -> None:
     from novatune.cli import add_config_args
 
-    add_config_args(p, optional=False)
+    add_config_args(p, optional=True)
+    p.add_argument("--check", metavar="MODULE:FUNCTION",
+                   help="check your own implementation of --op instead of tuning (exit 0 pass, 1 fail)")
+    p.add_argument("--op", help="with --check: the op it implements (" + ", ".join(_op_names()) + ")")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="with --check: dtypes to check (comma list)")
+    p.add_argument("--repeats", type=int, default=5, help="with --check: calls per case on fresh values")
     p.add_argument("--out", help="folder for traces and the report (default <checkpoint.output_dir>/tune)")
     p.add_argument("--results", default="bench/results/tune.jsonl", help="JSON-lines file rows are appended to")
     p.add_argument("--cache", help="tune cache file (default $NOVATUNE_TUNE_CACHE or ~/.cache/novatune/tune.json)")
@@ -53,7 +59,51 @@ def _families(text: str) -> set[str]:
     return fam | {"eager", "default"}  # the stock bound and the default's timing are always needed
 
 
+def _op_names() -> list[str]:
+    from novatune.ops.registry import OPS
+
+    return list(OPS)
+
+
+def run_check(args) -> int:
+    """`novatune tune --check MODULE:FUNCTION --op NAME`: the verdict on a user's implementation, with reasons."""
+    import importlib
+
+    import torch
+
+    from novatune.ops.registry import OPS
+    from novatune.tune.check import check_implementation
+
+    if args.op not in OPS:
+        print(f"novatune tune --check: --op must be one of {', '.join(OPS)} (got {args.op!r})")
+        return 2
+    module, _, name = args.check.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        print(f"novatune tune --check: cannot load {args.check!r} ({type(e).__name__}: {e}); give MODULE:FUNCTION "
+              "with MODULE importable (on PYTHONPATH)")
+        return 2
+    try:
+        dtypes = tuple(getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip())
+    except AttributeError as e:
+        print(f"novatune tune --check: --dtypes: {e}")
+        return 2
+    print(f"checking {args.check} as {OPS[args.op].signature}")
+    verdict = check_implementation(fn, args.op, dtypes=dtypes, repeats=args.repeats)
+    print(verdict)
+    return 0 if verdict.passed else 1
+
+
 def run(args) -> int:
+    if args.check or args.op:
+        if not (args.check and args.op):
+            print("novatune tune: --check MODULE:FUNCTION and --op NAME go together")
+            return 2
+        return run_check(args)
+    if not args.config:
+        print("novatune tune: a CONFIG is needed (or --check MODULE:FUNCTION --op NAME)")
+        return 2
     import torch
 
     from novatune.cli import load_config
@@ -150,7 +200,8 @@ def run(args) -> int:
     for op, shape, dt, calls in work:
         entry, cands = tune_op(op, shape, getattr(torch, dt.split("/")[0]), device, families=families,
                                iters=args.iters, bandwidth_gbps=bw, deadline=deadline, env=env,
-                               allow_more_memory=args.allow_more_memory)
+                               allow_more_memory=args.allow_more_memory,
+                               calls=[r for r in recd.calls.values() if r.signature[:3] == (op, tuple(shape), dt)])
         entry["calls_per_step"] = calls
         entries.append(entry)
         kind = OPS[op].trace_kind or op

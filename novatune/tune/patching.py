@@ -72,8 +72,10 @@ def tune_model(model: torch.nn.Module, cache: TuneCache, tokens: int, budget_s: 
     # the model-level ops (CE mode, attention backend) at this batch's shapes; docs: a packed-row stand-in
     seen += model_choices.model_op_shapes(model, tokens, docs=max(1, tokens // DOC_TOKENS))
     for op, shape, dtype in seen:
+        calls = [r for r in rec.calls.values() if r.signature[:3] == (op, tuple(shape), dtype)]
         entry, cands = tune_op(op, shape, getattr(torch, dtype.split("/")[0]), device, env=env, deadline=deadline,
-                               families=FAMILIES, iters=ITERS, allow_more_memory=ALLOW_MORE_MEMORY, log=log)
+                               families=FAMILIES, iters=ITERS, allow_more_memory=ALLOW_MORE_MEMORY, log=log,
+                               calls=calls)
         entries.append(entry)
         if entry["choice"] != "novatune_default" and not model_level(op):
             table[(op, tuple(shape), dtype, device.type)] = cands[entry["choice"]].functional()
