@@ -11,10 +11,11 @@ it). The checks, on every case of the op's SPEC.call_cases (the ranks, eps value
 plus odd shapes, > 65,535 rows and |x| ~ 1e4) for each dtype, and on calls recorded from a model (`calls`):
 
   values     forward output and every gradient vs the fp32 reference, bounded by the STOCK implementation's own
-             error on the same inputs: per element |fn - ref| <= 4 |stock - ref| + 2u |ref| + u rms(ref); per
-             tensor rms(fn - ref) <= 2 rms(stock - ref) + u rms(ref); and no systematic scaling (the projection
-             of the error on ref, sum(e * ref) / sum(ref^2), <= 4 x stock's + u / 10), u = the unit roundoff of
-             the tensor's dtype (fp32: 1e-5, reductions). Non-finite values where the reference is finite fail.
+             error on the same inputs: per element |fn - ref| <= 4 |stock - ref| + 2u |ref| + 2u rms(ref's row);
+             per tensor rms(fn - ref) <= 2 rms(stock - ref) + u rms(ref); and no systematic scaling (the
+             projection of the error on ref, sum(e * ref) / sum(ref^2), <= 4 x stock's + u / 4 + 2u / sqrt(n)),
+             u = the unit roundoff of the tensor's dtype (fp32: 1e-5, reductions; times SPEC.tolerance_scale).
+             Non-finite values where the reference is finite fail.
   dtype      the output's dtype is the stock's, each gradient has its input's dtype; shapes match
   strides    the output is contiguous or has the stock's strides (a dense tensor, no broadcast buffer)
   aliasing   no output shares memory with an input or with a previous call's output
@@ -157,7 +158,8 @@ def _err_stats(got: Tensor, stock: Tensor, ref: Tensor, dtype, label: str, scale
     rr = float(r.pow(2).sum())
     if rr > 0 and r.numel() > 1:
         beta_c, beta_s = float(((g - r) * r).sum()) / rr, float(((s - r) * r).sum()) / rr
-        if abs(beta_c) > K_SCALE * abs(beta_s) + u / 4:
+        # rounding errors average out as 1/sqrt(n): small tensors get a wider floor (large ones catch a scaling)
+        if abs(beta_c) > K_SCALE * abs(beta_s) + u / 4 + 2 * u / r.numel() ** 0.5:
             raise _Fail(f"{label}: systematically scaled by {1 + beta_c:.5f} (stock {1 + beta_s:.5f})")
 
 
