@@ -13,7 +13,6 @@ SPEC (novatune.ops.registry), so the table is keyed exactly as the tune cache is
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch

@@ -7,7 +7,6 @@ closed-form backward, both in plain fp32 PyTorch.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from novatune.reference.rms_norm import hf_rms_norm, rms_norm_ref
