@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     add_config_args(p, optional=True)
     p.add_argument("--check", metavar="MODULE:FUNCTION",
                    help="check your own implementation of --op instead of tuning (exit 0 pass, 1 fail)")
-    p.add_argument("--op", help="with --check: the op it implements (" + ", ".join(_op_names()) + ")")
+    p.add_argument("--op", help="with --check: the op it implements (a name in novatune.ops.registry.OPS; a wrong "
+                                "name lists them)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="with --check: dtypes to check (comma list)")
     p.add_argument("--repeats", type=int, default=5, help="with --check: calls per case on fresh values")
     p.add_argument("--out", help="folder for traces and the report (default <checkpoint.output_dir>/tune)")
@@ -57,12 +58,6 @@ def _families(text: str) -> set[str]:
     if bad:
         raise ConfigError("--families", f"unknown families {sorted(bad)}", f"choose from {', '.join(FAMILIES)}")
     return fam | {"eager", "default"}  # the stock bound and the default's timing are always needed
-
-
-def _op_names() -> list[str]:
-    from novatune.ops.registry import OPS
-
-    return list(OPS)
 
 
 def run_check(args) -> int:
