@@ -186,13 +186,13 @@ def apply_patch(model, mcfg):
     if not mcfg.patch:
         return None
     try:
-        applier = patch_fn()  # its signature lists every option (novatune/__init__.py)
+        from novatune.patch.apply import patch as applier  # noqa: F401 - the applier novatune.patch wraps
     except ImportError as e:
         raise SetupError(f"model.patch: novatune.patch is not available in this install ({e}); set "
                          f"model.patch: false (or --set model.patch=false) to train with stock modules") from None
     fn, opts = patch_fn(), dict(mcfg.patch_options or {})
     try:
-        inspect.signature(applier).bind(model, **opts)  # a typo in patch_options: say so, before any work
+        inspect.signature(fn).bind(model, **opts)  # a typo in patch_options: say so, before any work
     except TypeError as e:
         raise SetupError(f"model.patch_options: {e}; see help(novatune.patch) for the options") from None
     return fn(model, **opts)
