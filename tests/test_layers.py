@@ -43,7 +43,11 @@ def imports_of(path: Path, module: str) -> set[str]:
     """Absolute novatune module names imported anywhere in the file (relative imports resolved)."""
     is_pkg = path.name == "__init__.py"
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for block in ast.walk(tree):  # `if TYPE_CHECKING:` imports exist for annotations only, never at run time
+        if isinstance(block, ast.If) and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING":
+            block.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "novatune")
         elif isinstance(node, ast.ImportFrom):

@@ -27,7 +27,7 @@ from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps
 from novatune.kernels import rms_norm as K
 from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
-from novatune.tune.opspecs import OPS
+from novatune.ops.registry import OPS
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exp_rms_dw as X  # noqa: E402

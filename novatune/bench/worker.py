@@ -158,6 +158,7 @@ def run_stack(spec: dict, log=print) -> dict:
     from novatune.bench.peer import liger_version
     from novatune.bench.stacks import STACKS, Hooks
     from novatune.train.session import build
+    from novatune.tune.patching import selection_for
 
     stack = STACKS[spec["stack"]]
     cfg, base = load_stack_config(spec)
@@ -168,7 +169,8 @@ def run_stack(spec: dict, log=print) -> dict:
         from novatune.bench.diagnostics import install_diagnostics
 
         install_diagnostics()
-    session = build(cfg, base, Console(soft_wrap=True), hooks.before_model, hooks.model_hook)
+    session = build(cfg, base, Console(soft_wrap=True), hooks.before_model, hooks.model_hook,
+                    select=selection_for)
     m = timed_steps(session, spec, log)
     extra = diagnostics(session, spec, stack.name)
     if stack.patched:

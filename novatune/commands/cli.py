@@ -104,7 +104,9 @@ def cmd_train(args) -> int:
     from novatune.train.loop import train
 
     cfg, base = load_config(args)
-    train(cfg, base_dir=base)
+    from novatune.tune.patching import selection_for
+
+    train(cfg, base_dir=base, select=selection_for)
     return 0
 
 

@@ -18,6 +18,7 @@ EPILOG = """examples:
   novatune tune examples/qwen3-4b-seed.yaml --families eager,default,triton,cuda --budget 120
   novatune tune my.yaml --out /tmp/tune --results /tmp/tune.jsonl --cache /tmp/tune.json
   novatune train my.yaml                                          # patch() then uses the recorded choices
+  novatune tune --check my_kernels:rms_norm --op rms_norm          # check your own implementation of an op
 
 families: eager (HF formula), native (torch fused op), default (novatune's current kernels), triton (other
 launch configs), compile (torch.compile of the reference), cuda (PyBind11 CUDA kernels, built on first use).
@@ -28,7 +29,13 @@ FAMILIES = ("eager", "native", "default", "triton", "compile", "cuda")
 def add_arguments(p) -> None:
     from novatune.commands.cli import add_config_args
 
-    add_config_args(p, optional=False)
+    add_config_args(p, optional=True)
+    p.add_argument("--check", metavar="MODULE:FUNCTION",
+                   help="check your own implementation of --op instead of tuning (exit 0 pass, 1 fail)")
+    p.add_argument("--op", help="with --check: the op it implements (a name in novatune.ops.registry.OPS; a wrong "
+                                "name lists them)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="with --check: dtypes to check (comma list)")
+    p.add_argument("--repeats", type=int, default=5, help="with --check: calls per case on fresh values")
     p.add_argument("--out", help="folder for traces and the report (default <checkpoint.output_dir>/tune)")
     p.add_argument("--results", default="bench/results/tune.jsonl", help="JSON-lines file rows are appended to")
     p.add_argument("--cache", help="tune cache file (default $NOVATUNE_TUNE_CACHE or ~/.cache/novatune/tune.json)")
@@ -53,7 +60,45 @@ def _families(text: str) -> set[str]:
     return fam | {"eager", "default"}  # the stock bound and the default's timing are always needed
 
 
+def run_check(args) -> int:
+    """`novatune tune --check MODULE:FUNCTION --op NAME`: the verdict on a user's implementation, with reasons."""
+    import importlib
+
+    import torch
+
+    from novatune.ops.registry import OPS
+    from novatune.tune.check import check_implementation
+
+    if args.op not in OPS:
+        print(f"novatune tune --check: --op must be one of {', '.join(OPS)} (got {args.op!r})")
+        return 2
+    module, _, name = args.check.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        print(f"novatune tune --check: cannot load {args.check!r} ({type(e).__name__}: {e}); give MODULE:FUNCTION "
+              "with MODULE importable (on PYTHONPATH)")
+        return 2
+    try:
+        dtypes = tuple(getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip())
+    except AttributeError as e:
+        print(f"novatune tune --check: --dtypes: {e}")
+        return 2
+    print(f"checking {args.check} as {OPS[args.op].signature}")
+    verdict = check_implementation(fn, args.op, dtypes=dtypes, repeats=args.repeats)
+    print(verdict)
+    return 0 if verdict.passed else 1
+
+
 def run(args) -> int:
+    if args.check or args.op:
+        if not (args.check and args.op):
+            print("novatune tune: --check MODULE:FUNCTION and --op NAME go together")
+            return 2
+        return run_check(args)
+    if not args.config:
+        print("novatune tune: a CONFIG is needed (or --check MODULE:FUNCTION --op NAME)")
+        return 2
     import torch
 
     from novatune.commands.cli import load_config
@@ -72,10 +117,11 @@ def run(args) -> int:
     from novatune.train.optim import build_optimizer
     from novatune.tune import model_choices
     from novatune.tune import report as rep
-    from novatune.tune import select
     from novatune.tune.cache import TuneCache, environment
     from novatune.tune.engine import choice_line, step_check, tune_op
-    from novatune.tune.opspecs import OPS
+    from novatune.ops import dispatch
+    from novatune.ops.registry import OPS
+    from novatune.tune.calls import model_level
     from novatune.tune.profile import profile_steps, rank_targets
 
     t_start = time.perf_counter()
@@ -106,7 +152,7 @@ def run(args) -> int:
     model = prepare(build_model(cfg.model, device, dtype, tokenizer, base, seed=cfg.train.seed,
                                 qlora=cfg.method.type == "qlora"), cfg)
     patch_report = apply_patch(model, cfg.model)
-    select.install(None)  # time the built-in defaults first, whatever an older cache selected
+    dispatch.install({})  # time the built-in defaults first, whatever an older cache selected
     if patch_report is not None and patch_report.choices:
         notes.append(f"{len(patch_report.choices)} choice(s) from the existing cache were set aside for this run")
         patch_report.choices.clear()
@@ -130,7 +176,7 @@ def run(args) -> int:
     bw = copy_bandwidth_gbps() if device.type == "cuda" else None
     print(f"novatune tune: {args.config} on {device} ({torch.cuda.get_device_name() if bw else 'cpu'})"
           + (f", copy bandwidth {bw:.0f} GB/s" if bw else ""), flush=True)
-    with select.recording() as recd:
+    with dispatch.recording() as recd:
         before = profile_steps(prof_step, model, steps=1, trace=str(out_dir / "trace_before.json"), warmup=1)
     print(before.table(), flush=True)
 
@@ -144,19 +190,19 @@ def run(args) -> int:
     tokens = int(mb0["input_ids"].numel())
     docs = int((mb0["position_ids"] == 0).sum()) if "position_ids" in mb0 else int(mb0["input_ids"].shape[0])
     n_layers = int(getattr(model.config, "num_hidden_layers", 1))
-    work += [(op, shape, dt, 1.0 if op == "linear_cross_entropy" else float(n_layers))
+    work += [(op, shape, dt, 1.0 if OPS[op].once_per_step else float(n_layers))
              for op, shape, dt in model_choices.model_op_shapes(model, tokens, docs)]
     for op, shape, dt, calls in work:
         entry, cands = tune_op(op, shape, getattr(torch, dt.split("/")[0]), device, families=families,
                                iters=args.iters, bandwidth_gbps=bw, deadline=deadline, env=env,
-                               allow_more_memory=args.allow_more_memory)
+                               allow_more_memory=args.allow_more_memory,
+                               calls=[r for r in recd.calls.values() if r.signature[:3] == (op, tuple(shape), dt)])
         entry["calls_per_step"] = calls
         entries.append(entry)
-        kind = {"rms_norm": "norm", "swiglu": "activation", "linear_cross_entropy": "loss",
-                "attention": "attention", "rope": "RoPE", "qk_norm_rope": "RoPE"}.get(op, op)
+        kind = OPS[op].trace_kind or op
         if entry.get("floor_us"):
             floors[kind] = floors.get(kind, 0.0) + entry["floor_us"] * entry["calls_per_step"]
-        if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):
+        if entry["choice"] != "novatune_default" and not model_level(op):
             table[(op, tuple(shape), dt, device.type)] = cands[entry["choice"]].functional()
     picked = model_choices.pick_entries(entries, model, tokens)
     settings = model_choices.toggler(model, picked) if any(
@@ -165,11 +211,11 @@ def run(args) -> int:
         notes.append("the profiled step dispatched no tunable op (is model.patch on?)")
     targets = rank_targets(before, floors)
 
-    select.install(select.Dispatcher(table))
+    dispatch.install(table)
     if settings:
         settings(True)
     after = profile_steps(prof_step, model, steps=1, trace=str(out_dir / "trace_after.json"), warmup=1)
-    select.install(None)
+    dispatch.install({})
     if settings:
         settings(False)
     print("after tuning:\n" + after.table(), flush=True)

@@ -367,6 +367,7 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
 
     from novatune.train.config import from_dict
     from novatune.train.session import build_patched_model
+    from novatune.tune.patching import selection_for
 
     state = json.loads((ck / "state.json").read_text())
     if "config" not in state:
@@ -376,7 +377,7 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
                               memory=dataclasses.replace(cfg.memory, gradient_checkpointing=False))
     mcfg = cfg.model
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
-    model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd())
+    model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd(), select=selection_for)
     weights = load_file(str(ck / "weights.safetensors"), device=str(device))
     params = dict(model.named_parameters())
     missing = sorted(set(weights) - set(params))

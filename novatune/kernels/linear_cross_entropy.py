@@ -69,7 +69,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -585,15 +584,4 @@ def linear_cross_entropy_bwd(grad_output: torch.Tensor, *grads: torch.Tensor | N
     return grads
 
 
-def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             ignore_index: int = -100, reduction: str = "mean", normalizer=None,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 reference: F.cross_entropy(hidden @ weight.T + bias) with logits in fp32 (differentiable)."""
-    H = hidden.shape[-1]
-    logits = hidden.float().reshape(-1, H) @ weight.float().t()  # (T, V) fp32
-    if bias is not None:
-        logits = logits + bias.float()
-    y = labels.reshape(-1).to(logits.device)
-    if normalizer is not None:
-        return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum") / normalizer
-    return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction=reduction)
+from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref  # noqa: E402,F401 - oracle

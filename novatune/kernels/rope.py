@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype, round-to-nearest-even on the interpreter too
+
 MAX_HEAD_DIM = 256
 
 
@@ -51,7 +53,7 @@ def _load_heads(x_ptr, x_tok, sh, H, pid_h, HALF: tl.constexpr, BLOCK_D: tl.cons
 
 @triton.jit
 def _store_heads(o_ptr, o_tok, osh, H, pid_h, x1, x2, c1, c2, a, b,
-                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SOFT_RNE: tl.constexpr):
     """o = [x1 * c1 + x2 * a, x2 * c2 + x1 * b] (a, b carry the direction's signs), one rounding."""
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
@@ -59,15 +61,15 @@ def _store_heads(o_ptr, o_tok, osh, H, pid_h, x1, x2, c1, c2, a, b,
     off = o_tok + h[:, None].to(tl.int64) * osh + dd[None, :]
     y1 = x1 * c1[None, :] + x2 * a[None, :]
     y2 = x2 * c2[None, :] + x1 * b[None, :]
-    tl.store(o_ptr + off, y1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + off + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + off, _round_to(y1, o_ptr.dtype.element_ty, SOFT_RNE), mask=mask)
+    tl.store(o_ptr + off + HALF, _round_to(y2, o_ptr.dtype.element_ty, SOFT_RNE), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
                  q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, c_sb, c_ss,
                  HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                 BACKWARD: tl.constexpr):
+                 BACKWARD: tl.constexpr, SOFT_RNE: tl.constexpr):
     tok = tl.program_id(0)
     pid_h = tl.program_id(1)
     bi = (tok // S).to(tl.int64)   # int64: b * stride overflows int32 at long packed batches
@@ -90,8 +92,10 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
     else:
         a = -s1
         b = s2
-    _store_heads(qo_ptr, bi * qo_sb + si * qo_ss, qo_sh, HQ, pid_h, q1, q2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HQ)
-    _store_heads(ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h, k1, k2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HK)
+    _store_heads(qo_ptr, bi * qo_sb + si * qo_ss, qo_sh, HQ, pid_h, q1, q2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HQ,
+                 SOFT_RNE)
+    _store_heads(ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h, k1, k2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HK,
+                 SOFT_RNE)
 
 
 def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
@@ -198,7 +202,8 @@ def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, n
         c_st = (S * D, D)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin, S, HQ, HK,
-        *_bsh(q_st, u), *_bsh(k_st, u), *_bsh(qo_st, u), *_bsh(ko_st, u), *c_st, **meta)
+        *_bsh(q_st, u), *_bsh(k_st, u), *_bsh(qo_st, u), *_bsh(ko_st, u), *c_st,
+        SOFT_RNE=not q.is_cuda, **meta)  # the interpreter truncates fp32 -> bf16; round to nearest as the GPU
     return q_out, k_out
 
 
@@ -217,28 +222,4 @@ def rope_bwd(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1, dq=None, dk=None, sp
     return _launch(dq_embed, dk_embed, cos, sin, unsqueeze_dim, dq, dk, True, split, num_warps)
 
 
-def _ref_tables(cos, sin, unsqueeze_dim):
-    u = normalize_unsqueeze_dim(unsqueeze_dim)
-    c, s = cos.float(), sin.float()
-    if c.dim() == 2:
-        c, s = c.unsqueeze(0), s.unsqueeze(0)
-    return c.unsqueeze(u), s.unsqueeze(u)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rope_ref(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's formula in fp32 (returns fp32): the reference every test and benchmark compares with."""
-    c, s = _ref_tables(cos, sin, unsqueeze_dim)
-    qf, kf = q.float(), k.float()
-    return qf * c + _rotate_half(qf) * s, kf * c + _rotate_half(kf) * s
-
-
-def rope_bwd_ref(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1):
-    """Transpose of rope_ref in fp32: dx = dy * cos - rotate_half(dy * sin) (= dy*cos + rotate_half^T(dy*sin))."""
-    c, s = _ref_tables(cos, sin, unsqueeze_dim)
-    gq, gk = dq_embed.float(), dk_embed.float()
-    return gq * c - _rotate_half(gq * s), gk * c - _rotate_half(gk * s)
+from novatune.reference.rope import rope_bwd_ref, rope_ref  # noqa: E402,F401 - re-exported oracle

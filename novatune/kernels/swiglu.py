@@ -32,12 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype with round-to-nearest-even, interpreter too
+
 # Element counts at or above this use int64 offsets (int32 overflows at 2^31). Module-level so a test can lower it.
 _I64_THRESHOLD = 2**31 - 1
 
 
 @triton.jit
-def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
+                       SOFT_RNE: tl.constexpr):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
@@ -49,7 +52,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.con
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty)  # the one rounding
+    y = _round_to(g * tl.sigmoid(g) * u, y_ptr.dtype.element_ty, SOFT_RNE)  # the one rounding
     if EVEN:
         tl.store(y_ptr + offs, y)
     else:
@@ -58,7 +61,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.con
 
 @triton.jit
 def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n,
-                       BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+                       BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT_RNE: tl.constexpr):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
@@ -74,8 +77,8 @@ def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n,
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)  # recomputed: cheaper than reading a saved tensor
     silu = g * sig
-    du = (dy * silu).to(du_ptr.dtype.element_ty)
-    dg = (dy * u * (sig + silu * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
+    du = _round_to(dy * silu, du_ptr.dtype.element_ty, SOFT_RNE)
+    dg = _round_to(dy * u * (sig + silu * (1.0 - sig)), dg_ptr.dtype.element_ty, SOFT_RNE)
     if EVEN:
         tl.store(du_ptr + offs, du)
         tl.store(dg_ptr + offs, dg)
@@ -152,7 +155,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = 
     if n == 0:
         return out
     grid, meta = _launch_args(n, block, num_warps)
-    _swiglu_fwd_kernel[grid](gate, up, out, n, **meta)
+    _swiglu_fwd_kernel[grid](gate, up, out, n, SOFT_RNE=not gate.is_cuda, **meta)  # the interpreter truncates
     return out
 
 
@@ -175,20 +178,8 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     if n == 0:
         return dgate, dup
     grid, meta = _launch_args(n, block, num_warps)
-    _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, **meta)
+    _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, SOFT_RNE=not gate.is_cuda, **meta)
     return dgate, dup
 
 
-def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """fp32 reference forward: silu(gate) * up computed in fp32, returned in fp32."""
-    g, u = gate.float(), up.float()
-    return torch.nn.functional.silu(g) * u
-
-
-def swiglu_bwd_ref(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 reference backward (closed form, see the module docstring), returned in fp32."""
-    dy, g, u = dy.float(), gate.float(), up.float()
-    sig = torch.sigmoid(g)
-    dgate = dy * u * sig * (1.0 + g * (1.0 - sig))
-    dup = dy * g * sig
-    return dgate, dup
+from novatune.reference.swiglu import swiglu_bwd_ref, swiglu_ref  # noqa: E402,F401 - re-exported oracle

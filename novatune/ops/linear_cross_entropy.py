@@ -44,6 +44,7 @@ so memory stays bounded on the CPU too.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -52,6 +53,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from novatune.kernels import linear_cross_entropy as _k
 from novatune.ops._backend import use_triton
+from novatune.ops.contract import Candidate, OpSpec, compiled
+from novatune.reference import linear_cross_entropy as _ref
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -140,6 +143,21 @@ def _divisor(labels: Tensor, ignore_index: int, reduction: str, normalizer) -> T
     return torch.ones((), device=dev, dtype=torch.float32)
 
 
+def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels outside [0, V) other than ignore_index raise, as F.cross_entropy does.
+
+    A host tensor is checked directly (IndexError "Target X is out of bounds.", PyTorch's CPU error). A device
+    tensor gets torch._assert_async: the check is queued with the kernels and fails the stream (as PyTorch's own
+    CUDA cross-entropy does with its device-side assert) instead of forcing a host sync every step."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if labels.device.type == "cpu" and not _traced(labels):
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(labels[bad][0])} is out of bounds.")
+        return
+    torch._assert_async(~bad.any(), f"linear_cross_entropy: a target is out of bounds [0, {vocab}) and is not "
+                                    f"ignore_index {ignore_index}")
+
+
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", normalizer=None, bias: Optional[Tensor] = None, *,
                          chunk_tokens: Optional[int] = None, mode: str = "auto",
@@ -182,6 +200,7 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
 
     h2 = hidden.reshape(-1, H)  # (T, H)
     y = labels.reshape(-1).to(dev)  # (T,)
+    _check_label_range(y, lm_weight.shape[0], int(ignore_index))
     divisor = _divisor(y, ignore_index, reduction, normalizer)
     grad_on = torch.is_grad_enabled()
     loss, *_ = torch.ops.novatune.linear_cross_entropy(
@@ -208,3 +227,85 @@ class NovaLinearCrossEntropy(nn.Module):
                 bias: Optional[Tensor] = None) -> Tensor:
         return linear_cross_entropy(hidden, lm_weight, labels, self.ignore_index, self.reduction, normalizer, bias,
                                     mode=self.mode)
+
+
+# ----------------------------------------------------------------------------------------------- the contract
+# A model-level op: patch applies the chosen plan as the causal LM's `_novatune_ce_mode` (its cross_entropy_mode).
+_IGNORE = -100
+MODES = ("tokens", "vocab", "inplace")
+
+
+def _make_inputs(shape, dtype, device, gen, batch: int = 1) -> dict:
+    """shape key (tokens, hidden, vocab): hidden (T, H) (or (b, T/b, H)), logits ~ N(0, 4) (peaked and flat rows),
+    every 7th label ignored (never the row the NaN check poisons: the flat middle of hidden)."""
+    t, h, v = shape
+    hidden = torch.randn(t, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * (2.0 / math.sqrt(h))
+    labels = torch.randint(0, v, (t,), generator=gen)
+    nan_row = (t * h // 2) // h
+    labels[(torch.arange(t) % 7 == 3) & (torch.arange(t) != nan_row)] = _IGNORE
+    lead = (batch, t // batch) if batch > 1 else (t,)
+    return {"hidden": hidden.reshape(*lead, h).to(device=device, dtype=dtype),
+            "weight": weight.to(device=device, dtype=dtype), "labels": labels.reshape(lead).to(device)}
+
+
+def _call_cases(dtype, device, gen) -> list:
+    return [("causal LM (b, s, h) labels (b, s)", _make_inputs((2 * 37, 48, 300), dtype, device, gen, batch=2)),
+            ("(T, h)", _make_inputs((41, 32, 257), dtype, device, gen)),
+            ("tokens >= hidden", _make_inputs((97, 16, 130), dtype, device, gen))]
+
+
+def _noncontig(inputs) -> dict:
+    h = inputs["hidden"]
+    pad = torch.zeros(*h.shape[:-1], h.shape[-1] + 8, dtype=h.dtype, device=h.device)
+    pad[..., 4:4 + h.shape[-1]] = h
+    return dict(inputs, hidden=pad[..., 4:4 + h.shape[-1]])
+
+
+def _odd_shapes(shape, device_type: str) -> list:
+    """The real shape, 37 tokens, and (when tokens >= hidden) hidden + 37 tokens, so "inplace" runs its own
+    path at an odd count too."""
+    t, h, v = shape
+    out = [tuple(shape)]
+    for s in [(37, h, v)] + ([(h + 37, h, v)] if t >= h else []):
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def _mode_fn(mode: str):
+    return lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, mode=mode)
+
+
+def _candidates(shape, dtype, device: str) -> list:
+    t, h, _v = shape
+    out = [Candidate("linear_cross_entropy", "hf_eager", "eager", make=lambda: _ref.hf_linear_ce, selectable=False),
+           Candidate("linear_cross_entropy", "novatune_default", "default", {"mode": "auto"},
+                     make=lambda: _mode_fn("auto"))]
+    for m in MODES:
+        params = {"mode": m} if m != "inplace" or t >= h else {"mode": m, "note": "tokens < hidden: runs as 'tokens'"}
+        out.append(Candidate("linear_cross_entropy", f"mode_{m}", "triton", params, make=lambda m=m: _mode_fn(m)))
+    out.append(Candidate("linear_cross_entropy", "torch_compile", "compile", make=lambda: compiled(_ref.hf_linear_ce),
+                         deterministic=False, selectable=False))
+    return out
+
+
+def _model_shape(config, tokens: int, docs: int) -> tuple:
+    return (tokens, int(config.hidden_size), int(config.vocab_size))
+
+
+SPEC = OpSpec(
+    trace_kind="loss", once_per_step=True,
+    name="linear_cross_entropy", tensor_args=("hidden", "weight"), make_inputs=_make_inputs,
+    reference=_ref.linear_cross_entropy_ref, stock=_ref.hf_linear_ce,
+    floor_bytes=lambda shape, dtype: 0,  # GEMM-bound: no HBM floor
+    candidates=_candidates, call_cases=_call_cases, noncontiguous=_noncontig,
+    layout="hidden (T, H), weight (V, H) contiguous",
+    shape_of=lambda hidden, weight, labels, *_: (hidden.numel() // hidden.shape[-1], hidden.shape[-1],
+                                                 weight.shape[0]),
+    dtype_of=lambda hidden, *_: str(hidden.dtype)[6:],
+    dy_shape=lambda shape: (), odd_shapes=_odd_shapes, memory_rule=True,
+    setting=("_novatune_ce_mode", "mode"), model_shape=_model_shape,
+    signature="linear_cross_entropy(hidden (..., H), lm_weight (V, H), labels (...)) -> 0-dim fp32 mean loss over "
+              "labels != -100; differentiable in hidden and lm_weight",
+)

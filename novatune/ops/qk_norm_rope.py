@@ -28,12 +28,29 @@ sequence as the kernels); CPU under TRITON_INTERPRET=1 -> the kernels.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from novatune.kernels import qk_norm_rope as _k
-from novatune.ops import _backend
+from novatune.reference import qk_norm_rope as _ref
+from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
+from novatune.ops.contract import (
+    Candidate,
+    OpSpec,
+    compiled,
+    element_size,
+    fill_nan_like,
+    launchers,
+    odd_token_shapes,
+    rope_tables,
+    row_scales,
+    triton_reason,
+    variant_grid,
+)
+from novatune.ops.rope import noncontig_heads, qk_dy_shapes, qk_shape
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_fwd", "qk_norm_rope_bwd"]
 
@@ -56,14 +73,14 @@ def _fwd_impl(q, k, q_weight, k_weight, eps, cos, sin):
     if use_triton(q):
         return _k.qk_norm_rope_fwd(q, k, q_weight, k_weight, eps, cos, sin)
     # contiguous: the fake impl promises contiguous outputs whatever the inputs' layout
-    return tuple(t.contiguous() for t in _k.qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin,
+    return tuple(t.contiguous() for t in _ref.qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin,
                                                                return_rstd=True))
 
 
 def _bwd_impl(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin):
     if use_triton(q):
         return _k.qk_norm_rope_bwd(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
-    return tuple(t.contiguous() for t in _k.qk_norm_rope_bwd_ref(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q,
+    return tuple(t.contiguous() for t in _ref.qk_norm_rope_bwd_ref(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q,
                                                                    rstd_k, cos, sin))
 
 
@@ -122,24 +139,36 @@ def _backward(ctx, dq_out, dk_out, _drstd_q, _drstd_k):
 qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------- eager fast path
-class _QKNormRopeFunction(torch.autograd.Function):
-    """Same implementations as the registered ops, without the custom-op dispatch overhead (eager only)."""
+# ----------------------------------------------------------------------------------------------- autograd glue
+def make_function(fwd, bwd):
+    """Functional qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin) from fwd(...) -> (q_out, k_out, rstd_q,
+    rstd_k) and bwd(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin) -> (dq, dk, dwq, dwk):
+    the op's own eager path and every kernel candidate."""
 
-    @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, eps, cos, sin):
-        q_out, k_out, rstd_q, rstd_k = _fwd_impl(q, k, q_weight, k_weight, eps, cos, sin)
-        ctx.save_for_backward(q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
-        return q_out, k_out
+    class _QKNormRopeFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, q_weight, k_weight, eps, cos, sin):
+            q_out, k_out, rstd_q, rstd_k = fwd(q, k, q_weight, k_weight, eps, cos, sin)
+            ctx.save_for_backward(q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
+            return q_out, k_out
 
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin = ctx.saved_tensors
-        dq_out, dk_out = _grads_or_zeros(dq_out, dk_out, q, k, q_weight, k_weight)
-        dq, dk, dwq, dwk = _bwd_impl(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dwq if need[2] else None,
-                dwk if need[3] else None, None, None, None)
+        @staticmethod
+        def backward(ctx, dq_out, dk_out):
+            q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin = ctx.saved_tensors
+            dq_out, dk_out = _grads_or_zeros(dq_out, dk_out, q, k, q_weight, k_weight)
+            dq, dk, dwq, dwk = bwd(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
+            need = ctx.needs_input_grad
+            return (dq if need[0] else None, dk if need[1] else None, dwq if need[2] else None,
+                    dwk if need[3] else None, None, None, None)
+
+    def qk_norm_rope_fn(q, k, q_weight, k_weight, eps, cos, sin):
+        return _QKNormRopeFunction.apply(q, k, q_weight, k_weight, eps, cos, sin)
+
+    return qk_norm_rope_fn
+
+
+# the untuned eager path: the same implementations as the registered ops, without the custom-op dispatch
+_eager = make_function(_fwd_impl, _bwd_impl)
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -155,8 +184,87 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     _check(q, k, q_weight, k_weight, cos, sin)
     if torch.compiler.is_compiling():
         return tuple(torch.ops.novatune.qk_norm_rope_fwd(q, k, q_weight, k_weight, eps, cos, sin)[:2])
-    # an implementation `novatune tune` selected for this shape (OVERRIDE is None: nothing tuned, one global read)
-    if (hook := _backend.OVERRIDE) is not None and (
+    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    if (hook := dispatch.ACTIVE) is not None and (
             out := hook("qk_norm_rope", q, k, q_weight, k_weight, eps, cos, sin)) is not None:
         return out
-    return _QKNormRopeFunction.apply(q, k, q_weight, k_weight, eps, cos, sin)
+    return _eager(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------- the contract
+def _make_inputs(shape, dtype, device, gen, batch: int = 1, eps: float = 1e-6, magnitude: float = 1.0) -> dict:
+    """shape key (tokens, hq, hk, d): q, k (b, s, h, d) with per-(token, head) row scales 1e-3..10 (mean(x^2)
+    down to ~eps: a wrong eps shows), weights far from 1, HF tables on packed rows (positions restarting)."""
+    t, hq, hk, d = shape
+    s = t // batch
+    cos, sin = rope_tables(batch, s, d, dtype, device)
+    wq, wk = (1.0 + 0.5 * torch.randn(d, generator=gen) for _ in range(2))
+
+    def heads(h):
+        x = torch.randn(batch, s, h, d, generator=gen) * magnitude
+        return (x * row_scales(batch * s * h, gen).view(batch, s, h, 1)).to(device=device, dtype=dtype)
+    return {"q": heads(hq), "k": heads(hk), "q_weight": wq.to(device=device, dtype=dtype),
+            "k_weight": wk.to(device=device, dtype=dtype), "eps": eps, "cos": cos, "sin": sin}
+
+
+def _call_cases(dtype, device, gen) -> list:
+    mk = functools.partial(_make_inputs, dtype=dtype, device=device, gen=gen)
+    return [("Qwen3 attention (b, s, h, d) eps 1e-6", mk((2 * 29, 4, 2, 32), batch=2)),
+            ("eps 1e-5", mk((31, 3, 1, 16), eps=1e-5)), ("single token", mk((1, 2, 2, 8))),
+            ("|x| ~ 1e4", mk((19, 2, 2, 64), magnitude=1e4)), ("rows > 65,535", mk((65_541, 1, 1, 4))),
+            ("q/k views of a fused projection", noncontig_heads(mk((23, 4, 2, 16))))]
+
+
+def _floor(shape, dtype) -> int:
+    t, hq, hk, d = shape
+    # fwd reads q, k, writes outputs (+ fp32 rstd per row); bwd reads the grads, q, k, writes dq, dk
+    return (5 * t * (hq + hk) * d + 4 * t * d) * element_size(dtype) + 2 * t * (hq + hk) * 4
+
+
+def _poison(kernels, inputs, dy) -> dict:
+    q, k, wq, wk, eps, cos, sin = (inputs[n] for n in ("q", "k", "q_weight", "k_weight", "eps", "cos", "sin"))
+    odt = torch.promote_types(q.dtype, wq.dtype)
+    rq = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    rk = torch.full(k.shape[:3], float("nan"), dtype=torch.float32, device=k.device)
+    qo, ko, rq, rk = kernels.fwd(q, k, wq, wk, eps, cos, sin, q_out=fill_nan_like(q.to(odt)),
+                                 k_out=fill_nan_like(k.to(odt)), rstd_q=rq, rstd_k=rk)
+    dq, dk, dwq, dwk = kernels.bwd(dy[0], dy[1], q, k, wq, wk, rq, rk, cos, sin, dq=fill_nan_like(q),
+                                   dk=fill_nan_like(k), dq_weight=fill_nan_like(wq), dk_weight=fill_nan_like(wk))
+    return {"out_q": qo, "out_k": ko, "q": dq, "k": dk, "q_weight": dwq, "k_weight": dwk}
+
+
+def _ref_in_dtype(q, k, q_weight, k_weight, eps, cos, sin):
+    return _ref.qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin)  # outputs in promote(x, weight)
+
+
+def _candidates(shape, dtype, device: str) -> list:
+    out = [Candidate("qk_norm_rope", "hf_eager", "eager", make=lambda: _ref.hf_qk_norm_rope, selectable=False),
+           Candidate("qk_norm_rope", "novatune_default", "default", make=lambda: _eager),
+           Candidate("qk_norm_rope", "torch_compile", "compile", make=lambda: compiled(_ref_in_dtype),
+                     deterministic=False)]
+    # Around kernels/qk_norm_rope_config.py's H200 defaults at Qwen3-4B's shape (forward 2 tokens x all heads per
+    # program on 4 warps; backward 32 head rows per item, 4 warps, 3 pipeliner stages): one token or four per
+    # forward program, more warps, 16 / 64 rows or register prefetch (stages 0) in the backward. An empty dict
+    # keeps that direction's default heuristic (per shape).
+    tvars = [(dict(block_t=1, num_warps=4), {}), (dict(block_t=4, num_warps=8), {}),
+             (dict(block_t=1, num_warps=8), {}), ({}, dict(rows=16, num_warps=4, stages=3)),
+             ({}, dict(rows=64, num_warps=8, stages=3)), ({}, dict(rows=32, num_warps=4, stages=0)),
+             ({}, dict(rows=32, num_warps=8, stages=3))]
+    out += variant_grid("qk_norm_rope", "triton", tvars,
+                        lambda v: launchers(_k.qk_norm_rope_fwd, _k.qk_norm_rope_bwd, v[0], v[1]), make_function,
+                        triton_reason(device))
+    return out
+
+
+SPEC = OpSpec(
+    trace_kind="RoPE",
+    name="qk_norm_rope", tensor_args=("q", "k", "q_weight", "k_weight"), make_inputs=_make_inputs,
+    reference=_ref.qk_norm_rope_fp32, stock=_ref.hf_qk_norm_rope, floor_bytes=_floor, candidates=_candidates,
+    make_function=make_function, call_cases=_call_cases, poison_call=_poison, noncontiguous=noncontig_heads,
+    layout="(b, s, h, d), positions restarting per document", shape_of=qk_shape,
+    dtype_of=lambda q, k, q_weight, *_: f"{str(q.dtype)[6:]}/{str(q_weight.dtype)[6:]}",
+    dy_shape=qk_dy_shapes, odd_shapes=odd_token_shapes, outputs=("out_q", "out_k"),
+    signature="qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin) -> (q_out, k_out): Qwen3's q_norm/k_norm "
+              "(RMSNorm per head row) then HF RoPE with unsqueeze_dim=2; q (b, s, hq, d), k (b, s, hk, d), weights "
+              "(d,), cos/sin (b, s, d); differentiable in q, k and both weights",
+)

@@ -24,25 +24,41 @@ for nn.Linear, PEFT LoRA-wrapped linears, quantised linears, or anything else ca
 """
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor, nn
 
 from novatune.kernels import swiglu as K
-from novatune.ops import _backend
+from novatune.reference import swiglu as _ref
+from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
+from novatune.ops.contract import (
+    Candidate,
+    OpSpec,
+    compiled,
+    cuda_ext,
+    cuda_reason,
+    element_size,
+    fill_nan_like,
+    launchers,
+    triton_reason,
+    variant_grid,
+)
 
 
 def _fwd_impl(gate: Tensor, up: Tensor, on_triton: bool) -> Tensor:
     if on_triton:
         return K.swiglu_fwd(gate, up)
     # .contiguous(): same layout as the kernel's output (and as the fake impl says) whatever the input strides.
-    return K.swiglu_ref(gate, up).to(gate.dtype).contiguous()
+    return _ref.swiglu_ref(gate, up).to(gate.dtype).contiguous()
 
 
 def _bwd_impl(dy: Tensor, gate: Tensor, up: Tensor, on_triton: bool) -> tuple[Tensor, Tensor]:
     if on_triton:
         return K.swiglu_bwd(dy, gate, up)
-    dgate, dup = K.swiglu_bwd_ref(dy, gate, up)
+    dgate, dup = _ref.swiglu_bwd_ref(dy, gate, up)
     return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
 
 
@@ -84,9 +100,25 @@ def _backward(ctx, dy: Tensor):
 swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------- eager fast path
-class _SwiGLUFunction(torch.autograd.Function):
-    """Same implementations as the registered ops, without the custom-op dispatch overhead (eager only).
+# ----------------------------------------------------------------------------------------------- autograd glue
+def _default_fwd(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
+    if use_triton(gate):
+        return K.swiglu_fwd(gate, up, out)
+    y = _fwd_impl(gate, up, False)
+    return y if out is None else out.copy_(y)
+
+
+def _default_bwd(dy: Tensor, gate: Tensor, up: Tensor, dgate: Tensor | None = None,
+                 dup: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    if use_triton(gate):
+        return K.swiglu_bwd(dy, gate, up, dgate, dup)  # elementwise: reads each element before writing it
+    g, u = _bwd_impl(dy, gate, up, False)
+    return (g if dgate is None else dgate.copy_(g)), (u if dup is None else dup.copy_(u))
+
+
+def make_function(fwd, bwd):
+    """Functional swiglu(gate, up, inplace_backward=False) from fwd(gate, up, out=None) -> y and
+    bwd(dy, gate, up, dgate=None, dup=None) -> (dgate, dup): the op's own eager path and every kernel candidate.
 
     inplace_backward: write dgate over gate and dup over up (their last use), which saves two (tokens x
     intermediate) buffers per layer in the backward (2 x 76 MiB at Qwen3-4B x 4096 tokens) - what Liger does.
@@ -94,34 +126,38 @@ class _SwiGLUFunction(torch.autograd.Function):
     The version counters are bumped, so another autograd node that saved gate or up fails loudly at its
     backward instead of reading gradients, and a second backward through this node (retain_graph) raises."""
 
-    @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor, inplace_backward: bool = False) -> Tensor:
-        on_triton = use_triton(gate)   # decided once: the backward runs on the same device
-        ctx.save_for_backward(gate, up)  # not y: sigmoid(gate) is recomputed in the backward kernel
-        ctx.on_triton = on_triton
-        ctx.inplace = inplace_backward and gate.is_contiguous() and up.is_contiguous()
-        ctx.done = False
-        return _fwd_impl(gate, up, on_triton)
+    class _SwiGLUFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gate: Tensor, up: Tensor, inplace_backward: bool = False) -> Tensor:
+            ctx.save_for_backward(gate, up)  # not y: sigmoid(gate) is recomputed in the backward
+            ctx.inplace = inplace_backward and gate.is_contiguous() and up.is_contiguous()
+            ctx.done = False
+            return fwd(gate, up)
 
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        if ctx.inplace and ctx.done:  # checked before unpacking, whose version check would say less
-            raise RuntimeError("novatune swiglu: this MLP's backward writes its gradients over its saved "
-                               "inputs, so it cannot run twice (retain_graph=True); patch with "
-                               "swiglu_inplace_backward=False for double backward")
-        gate, up = ctx.saved_tensors
-        if not ctx.inplace:
-            dgate, dup = _bwd_impl(dy, gate, up, ctx.on_triton)
-        else:
-            ctx.done = True
-            if ctx.on_triton:
-                dgate, dup = K.swiglu_bwd(dy, gate, up, dgate=gate, dup=up)  # elementwise: read before write
+        @staticmethod
+        def backward(ctx, dy: Tensor):
+            if ctx.inplace and ctx.done:  # checked before unpacking, whose version check would say less
+                raise RuntimeError("novatune swiglu: this MLP's backward writes its gradients over its saved "
+                                   "inputs, so it cannot run twice (retain_graph=True); patch with "
+                                   "swiglu_inplace_backward=False for double backward")
+            gate, up = ctx.saved_tensors
+            if not ctx.inplace:
+                dgate, dup = bwd(dy, gate, up)
             else:
-                g, u = _bwd_impl(dy, gate, up, False)
-                dgate, dup = gate.copy_(g), up.copy_(u)
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
-        return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None
+                ctx.done = True
+                dgate, dup = bwd(dy, gate, up, dgate=gate, dup=up)
+                torch.autograd.graph.increment_version(gate)
+                torch.autograd.graph.increment_version(up)
+            return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None), None
+
+    def swiglu_fn(gate: Tensor, up: Tensor, inplace_backward: bool = False) -> Tensor:
+        return _SwiGLUFunction.apply(gate, up, inplace_backward)
+
+    return swiglu_fn
+
+
+# the untuned eager path: the same implementations as the registered ops, without the custom-op dispatch
+_eager = make_function(_default_fwd, _default_bwd)
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -136,10 +172,10 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
         gate, up = gate.to(dt), up.to(dt)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.swiglu_fwd(gate, up)  # traced: functional, the compiler plans the buffers
-    # an implementation `novatune tune` selected for this shape (OVERRIDE is None: nothing tuned, one global read)
-    if (hook := _backend.OVERRIDE) is not None and (out := hook("swiglu", gate, up, inplace_backward)) is not None:
+    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    if (hook := dispatch.ACTIVE) is not None and (out := hook("swiglu", gate, up, inplace_backward)) is not None:
         return out
-    return _SwiGLUFunction.apply(gate, up, inplace_backward)
+    return _eager(gate, up, inplace_backward)
 
 
 def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
@@ -173,3 +209,86 @@ class NovaSwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+# ----------------------------------------------------------------------------------------------- the contract
+def _make_inputs(shape, dtype, device, gen, inplace_backward: bool = False, magnitude: float = 1.0) -> dict:
+    """gate (3 x N(0,1): into both tails of the sigmoid) and up of `shape` (any rank), times `magnitude`."""
+    g = 3.0 * torch.randn(*shape, generator=gen) * magnitude
+    u = torch.randn(*shape, generator=gen) * magnitude
+    return {"gate": g.to(device=device, dtype=dtype), "up": u.to(device=device, dtype=dtype),
+            "inplace_backward": inplace_backward}
+
+
+def _noncontig(inputs) -> dict:
+    """gate and up as the two halves of one fused gate_up projection's output (row stride 2 x intermediate)."""
+    g, u = inputs["gate"], inputs["up"]
+    fused = torch.cat([g, u], dim=-1)
+    n = g.shape[-1]
+    return dict(inputs, gate=fused[..., :n], up=fused[..., n:])
+
+
+def _call_cases(dtype, device, gen) -> list:
+    """The patched MLP's call ((b, s, intermediate), inplace_backward=True), the plain call, 2-D and odd shapes,
+    rows past 65,535, |x| ~ 1e4 (gate * up ~ 1e8: fp16 arithmetic overflows) and fused gate_up halves."""
+    mk = functools.partial(_make_inputs, dtype=dtype, device=device, gen=gen)
+    return [("MLP (b, s, i) inplace_backward=True", mk((2, 37, 96), inplace_backward=True)),
+            ("(b, s, i) inplace_backward=False", mk((3, 11, 80))), ("2-D odd", mk((7, 33))),
+            ("single element row", mk((1, 1, 1), inplace_backward=True)),
+            ("|x| ~ 1e4", mk((2, 19, 64), magnitude=1e4 / 3)),
+            ("rows > 65,535", mk((1, 65_541, 4), inplace_backward=True)),
+            ("fused gate_up halves (strided)", _noncontig(mk((2, 21, 48))))]
+
+
+def _floor(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return 8 * n * element_size(dtype)  # fwd reads g, u, writes y; bwd reads dy, g, u, writes dg, du
+
+
+def _poison(kernels, inputs, dy) -> dict:
+    g, u = inputs["gate"], inputs["up"]
+    y = kernels.fwd(g, u, out=fill_nan_like(g))
+    dg, du = kernels.bwd(dy, g, u, dgate=fill_nan_like(g), dup=fill_nan_like(u))
+    return {"out": y, "gate": dg, "up": du}
+
+
+def _triton_pair(cfg):
+    return launchers(K.swiglu_fwd, K.swiglu_bwd, cfg, cfg)
+
+
+def _cuda_pair(cfg):
+    ext = cuda_ext()
+    return SimpleNamespace(fwd=lambda g, u, out=None: ext.swiglu_fwd(g, u, out, **cfg),
+                           bwd=lambda dy, g, u, dgate=None, dup=None: tuple(ext.swiglu_bwd(dy, g, u, dgate, dup,
+                                                                                            **cfg)))
+
+
+def _candidates(shape, dtype, device: str) -> list:
+    out = [Candidate("swiglu", "hf_eager", "eager", make=lambda: _ref.hf_swiglu),
+           Candidate("swiglu", "novatune_default", "default", make=lambda: _eager),
+           Candidate("swiglu", "torch_compile", "compile", make=lambda: compiled(_ref.hf_swiglu),
+                     deterministic=False)]
+    # (BLOCK elements per program, num_warps) around novatune.kernels.swiglu.default_config's (4096, 8)
+    tvars = [dict(block=2048, num_warps=4), dict(block=8192, num_warps=8), dict(block=4096, num_warps=4),
+             dict(block=8192, num_warps=16)]
+    out += variant_grid("swiglu", "triton", tvars, _triton_pair, make_function, triton_reason(device))
+    cvars = [dict(threads=256, vecs=2), dict(threads=256, vecs=4), dict(threads=512, vecs=2),
+             dict(threads=128, vecs=4)]
+    out += variant_grid("swiglu", "cuda", cvars, _cuda_pair, make_function, cuda_reason(device))
+    return out
+
+
+SPEC = OpSpec(
+    trace_kind="activation",
+    name="swiglu", tensor_args=("gate", "up"), make_inputs=_make_inputs, reference=_ref.swiglu_ref,
+    stock=_ref.hf_swiglu, floor_bytes=_floor, candidates=_candidates, make_function=make_function,
+    call_cases=_call_cases, poison_call=_poison, noncontiguous=_noncontig, layout="contiguous",
+    keyword_args=("inplace_backward",),
+    shape_of=lambda gate, up, *_: (gate.numel() // max(gate.shape[-1], 1), gate.shape[-1]),
+    dtype_of=lambda gate, up, *_: str(gate.dtype)[6:],
+    signature="swiglu(gate, up, *, inplace_backward: bool = False) -> silu(gate) * up (gate's shape and dtype); "
+              "differentiable in gate and up; inplace_backward=True (the patched MLP's call, contiguous inputs): "
+              "the backward writes the gradients of gate and up into their own memory",
+)

@@ -90,7 +90,7 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True, early_tied_grad: bool = True,
           swiglu_inplace_backward: bool = True, lora: bool = True, cuda_graphs: bool | str = "auto",
-          strict: bool = False, tune: bool | str = "cache", tune_tokens: int = 4096) -> PatchReport:
+          strict: bool = False, selection=None) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
@@ -114,10 +114,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
-    tune: "cache" (default) runs the implementations `novatune tune` recorded for this GPU, these versions and
-    the shapes seen at run time (else the built-in defaults); True tunes this model's ops now, at tune_tokens
-    tokens per micro-batch (validation, timing, a whole-step check; seconds to minutes), records the choices and
-    uses them; False ignores the cache. Every choice in effect is listed in the report (report.choices).
+    selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
+    cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
+    report (report.choices) and report.revert() removes them.
     Idempotent: patching a patched model returns its existing report.
     """
     check_transformers()
@@ -165,10 +164,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         graphs.install(model, state[0], state[1], report, cuda_graphs)
     elif cuda_graphs is True:
         raise ValueError("cuda_graphs=True needs novatune's attention forward (attention != False)")
-    if tune:
-        from novatune.tune.patching import apply_tuning
-
-        apply_tuning(model, report, tune, tune_tokens)
+    if selection is not None:
+        selection.apply(model, report)
     model._novatune_report = report
     report._undo.insert(0, lambda: model.__dict__.pop("_novatune_report", None))
     return report

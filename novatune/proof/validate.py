@@ -82,13 +82,15 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
         return hook
 
     runs, finals, nova, dtype = {}, {}, None, None
+    from novatune.tune.patching import selection_for
+
     for name in RUNS:
         c = run_config(cfg, name, run_dir, steps)
         log(f"[{name}] training {steps} steps (log: {run_dir / name / 'train.log'})")
         (run_dir / name).mkdir(parents=True, exist_ok=True)
         with open(run_dir / name / "train.log", "w") as f:
             res = train(c, base_dir=base_dir, console=Console(file=f, soft_wrap=True, width=120),
-                        model_hook=hook_for(name))
+                        model_hook=hook_for(name), select=selection_for)
         metrics = [json.loads(ln) for ln in (run_dir / name / "metrics.jsonl").read_text().splitlines() if ln]
         runs[name] = {"losses": [res.losses[s] for s in sorted(res.losses)],
                       "grad_norms": [r["grad_norm"] for r in metrics], "output_dir": str(run_dir / name),

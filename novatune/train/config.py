@@ -19,16 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key and the fix."""
-
-    def __init__(self, key: str, problem: str, fix: str = ""):
-        self.key = key
-        msg = f"config error at {key or '<root>'}: {problem}"
-        if fix:
-            msg += f"\n  fix: {fix}"
-        super().__init__(msg)
+from novatune.train.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
 
 
 # ----------------------------------------------------------------------------------------------- the sections

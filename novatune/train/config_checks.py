@@ -6,8 +6,12 @@ choice, data paths, loss_on vs format, LoRA/QLoRA settings.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from novatune.train.config import Config, ConfigError
+from novatune.train.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: config.load() calls validate(), so a runtime import would be a circle
+    from novatune.train.config import Config
 
 MIN_MAX_LENGTH = 16
 

@@ -47,14 +47,14 @@ class RunResult:
 
 
 def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: int | None = None,
-          model_hook=None, step_hook=None) -> RunResult:
+          model_hook=None, step_hook=None, select=None) -> RunResult:
     """Run training as configured. `stop_after` ends the process's loop after that many optimizer steps without
     exporting, like a killed run (tests use it to check that a resume continues the same loss curve).
 
     Hooks for the harness (`novatune bench` / `validate` measure this loop rather than a copy of it):
     `model_hook(model)` runs once the model is built, prepared and patched, before the optimizer exists (snapshot
     weights, switch a peer stack's attention); `step_hook(step, micro_batches)` runs after each optimizer step and
-    its metrics row (time and meter the steps)."""
+    its metrics row (time and meter the steps). `select`: the tune engine's Selection maker (train.session.build)."""
     from rich.console import Console
 
     console = console or Console(soft_wrap=True)
@@ -67,7 +67,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     console.print(config_summary(cfg), highlight=False, markup=False)
     (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    session = build(cfg, base_dir, console, model_hook=model_hook)
+    session = build(cfg, base_dir, console, model_hook=model_hook, select=select)
     model, tokenizer, opt, sched, stream = (session.model, session.tokenizer, session.optimizer, session.scheduler,
                                             session.stream)
     device, dtype, report, total = session.device, session.dtype, session.patch_report, session.total_steps

@@ -18,12 +18,9 @@ from pathlib import Path
 import torch
 
 from novatune.data.sources import resolve_path
+from novatune.train.errors import SetupError  # noqa: F401 - re-exported: callers import it from here
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-class SetupError(RuntimeError):
-    """A model/environment problem the user can fix; the message names the config key and the fix."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -158,22 +155,36 @@ def prepare(model, cfg):
     return model
 
 
-def apply_patch(model, mcfg):
-    """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false."""
+def apply_patch(model, mcfg, select=None):
+    """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false.
+
+    The tuned implementations (patch_options `tune` / `tune_tokens`, as `novatune.patch` takes them) come from
+    `select(model, tune, tune_tokens) -> Selection`, which the layer above hands down (the tune engine sits above
+    the trainer); without it the built-in defaults run and the report says so."""
     if not mcfg.patch:
         return None
     try:
-        from novatune.patch.apply import patch as applier  # the function the public novatune.patch is
+        from novatune.patch.apply import patch as applier  # the applier the public novatune.patch wraps
     except ImportError as e:
         raise SetupError(f"model.patch: novatune's patch cannot be imported ({e}); reinstall novatune, or set "
                          f"model.patch=false to train stock HF") from None
 
-    fn, opts = applier, dict(mcfg.patch_options or {})
+    opts = dict(mcfg.patch_options or {})
+    tune, tune_tokens = opts.pop("tune", "cache"), opts.pop("tune_tokens", 4096)
     try:
         inspect.signature(applier).bind(model, **opts)  # a typo in patch_options: say so, before any work
     except TypeError as e:
         raise SetupError(f"model.patch_options: {e}; see help(novatune.patch) for the options") from None
-    return fn(model, **opts)
+    report = applier(model, **opts)
+    if tune and select is not None:
+        select(model, tune, tune_tokens).apply(model, report)
+    elif tune is True:
+        raise SetupError("model.patch_options.tune=true: tuning runs through the novatune CLI (novatune train / "
+                         "bench / tune), which hands the tune engine to the builder")
+    elif tune:
+        report.add("", "tune", "note", "tune cache not consulted (this run was built without the tune engine): "
+                   "built-in defaults")
+    return report
 
 
 def param_numel(p) -> int:

@@ -26,7 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from novatune.train.model import SetupError
+from novatune.train.errors import SetupError
 
 BNB_FIX = "qlora needs bitsandbytes: pip install bitsandbytes"
 

@@ -185,7 +185,7 @@ def pad_id_of(tokenizer) -> int:
 
 
 def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = None, console=None,
-                        before_model: Callable | None = None):
+                        before_model: Callable | None = None, select: Callable | None = None):
     """The model as the trainer trains it: built (QLoRA: NF4 linears), input embedding quantised when configured,
     checkpointing and LoRA, then novatune.patch. Returns (model, patch report or None)."""
     if before_model is not None:
@@ -200,18 +200,20 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         if console is not None:
             console.print(msg, highlight=False, markup=False)
     model = prepare(model, cfg)
-    report = apply_patch(model, cfg.model)
+    report = apply_patch(model, cfg.model, select)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
     return model, report
 
 
 def build(cfg, base_dir: Path | None = None, console=None, before_model: Callable | None = None,
-          model_hook: Callable | None = None, total_steps: int | None = None) -> Session:
+          model_hook: Callable | None = None, total_steps: int | None = None,
+          select: Callable | None = None) -> Session:
     """Build the configured run (module docstring). `before_model(transformers_config)` runs before the model
     exists; `model_hook(model)` once it is built, prepared and patched, before the optimizer exists (snapshot the
     weights, switch a peer's attention). `total_steps` overrides the schedule's length (default: train.max_steps,
-    or the epochs' worth of optimizer steps)."""
+    or the epochs' worth of optimizer steps). `select(model, tune, tune_tokens) -> Selection` is the tune engine's
+    choice for a patched model (the layer above passes novatune.tune.patching.selection_for; train sits below tune)."""
     device = pick_device(cfg.model.device)
     dtype = pick_dtype(cfg.model.dtype, device)
     if device.type == "cpu":
@@ -229,7 +231,7 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model)
+    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select)
     if model_hook is not None:
         model_hook(model)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None

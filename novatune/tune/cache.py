@@ -109,20 +109,19 @@ class TuneCache:
 
 
 def selection_from_cache(cache: TuneCache, device) -> tuple[dict, list[dict], list[str]]:
+    from novatune.ops.registry import OPS
+
     """(dispatch table, the entries used, notes) for the kept, non-default choices recorded for this device and
     these versions. An entry whose candidate no longer exists (or cannot be built) is skipped with a note."""
-    from novatune.tune.candidates import candidates
-    from novatune.tune.opspecs import signature
+    from novatune.tune.calls import candidates, model_level, signature
 
     env = environment(device)
     table, used, notes = {}, [], []
     dev_type = torch.device(device).type
-    from novatune.tune.opspecs import OPS
-
     for e in cache.matching(env):
         if not e.get("kept", False) or e.get("choice") in (None, "novatune_default"):
             continue
-        if e["op"] not in OPS or OPS[e["op"]].applied_by != "dispatch":
+        if model_level(e["op"]) or e["op"] not in OPS:
             continue  # model-level settings (CE mode, attention backend): novatune.tune.model_choices
         dtype = getattr(torch, e["dtype"].split("/")[0])
         found = [c for c in candidates(e["op"], e["shape"], dtype, dev_type) if c.name == e["choice"]]

@@ -13,10 +13,12 @@ from collections.abc import Callable
 
 import torch
 
+from novatune.ops import dispatch
+from novatune.ops.contract import Candidate
+from novatune.ops.registry import OPS
 from novatune.tune import select
-from novatune.tune.candidates import Candidate, candidates
+from novatune.tune.calls import candidates, shape_str
 from novatune.tune.measure import input_sets, kernel_us, peak_extra_bytes, time_fwd_bwd
-from novatune.tune.opspecs import OPS, shape_str
 from novatune.tune.validate import validate
 
 # cheapest to try first; torch.compile last (its compile time is the largest, and the budget may cut it)
@@ -35,11 +37,13 @@ def odd_shapes(shape, device_type: str, spec=None) -> list:
 
 def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters: int = 100, warmup: int = 10,
             bandwidth_gbps: float | None = None, deadline: float | None = None, env: dict | None = None,
-            allow_more_memory: bool = False, log: Callable = print) -> tuple[dict, dict[str, Candidate]]:
+            allow_more_memory: bool = False, log: Callable = print, calls=None) -> tuple[dict, dict[str, Candidate]]:
     """(cache entry, {name: candidate}) for `op` at `shape`. The entry's "choice" is the selected candidate.
     Every timed candidate's peak extra memory is recorded (`peak_bytes`, CUDA); for ops with a memory rule a
     candidate above the default's peak is not chosen unless `allow_more_memory`. Baselines (`selectable=False`:
-    what patch cannot apply) are validated and timed for the report but never chosen."""
+    what patch cannot apply) are validated and timed for the report but never chosen. calls: the CallRecords
+    recorded from the model at this signature (novatune.ops.dispatch.recording): every candidate is checked on
+    them too."""
     device = torch.device(device)
     spec = OPS[op]
     allc = candidates(op, shape, dtype, device.type)
@@ -59,7 +63,7 @@ def tune_op(op: str, shape, dtype: torch.dtype, device, *, families=None, iters:
             records.append(rec)
             continue
         t0 = time.perf_counter()
-        v = validate(spec, c, stock, shapes, dtype, device)
+        v = validate(spec, c, stock, shapes, dtype, device, calls=calls)
         rec.update(errors={k: float(f"{e:.3e}") for k, e in v.errors.items()},
                    validate_s=round(time.perf_counter() - t0, 2))
         if not v.ok:
@@ -135,20 +139,19 @@ def step_check(step: Callable[[], object], table: dict, reps: int = 3, sync: boo
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    prev = select.installed()
-    tuned = select.Dispatcher(table)
+    prev = dispatch.ACTIVE
     times = {"default": [], "tuned": []}
     try:
         for r in range(reps + 1):
-            for name, hook in (("default", None), ("tuned", tuned)):
-                select.install(hook)
+            for name, tbl in (("default", {}), ("tuned", table)):
+                dispatch.install(tbl)
                 if settings is not None:
                     settings(name == "tuned")
                 t = timed()
                 if r > 0:  # r == 0 is the warm-up of each
                     times[name].append(t)
     finally:
-        select.install(prev)
+        dispatch.install(prev)
         if settings is not None:
             settings(False)
     d, t = statistics.median(times["default"]), statistics.median(times["tuned"])

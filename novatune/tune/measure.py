@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from novatune.tune.opspecs import OpSpec, make_dy
+from novatune.ops.contract import OpSpec
+from novatune.tune.calls import make_dy
 
 
 @dataclass

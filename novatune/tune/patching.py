@@ -1,10 +1,9 @@
-"""`novatune.patch(model, tune=...)`: read the tune cache (default) or tune the model's ops now, install the
-selection, and list every choice in the PatchReport. The model-level choices (linear cross-entropy mode,
-attention backend: novatune.tune.model_choices) are set on the patched model itself where patch left "auto".
+"""`novatune.patch(model, tune=...)`: the Selection for a patched model, from the tune cache (default) or from
+tuning the model's ops now. The model-level choices (novatune.tune.model_choices) become settings the Selection
+applies where patch left "auto". The facade (novatune.patch) installs the value: Selection.apply(model, report).
 
-The selection is process-wide (the ops' dispatch hook is keyed by op, shape, dtype and device, like a kernel
-autotuner's cache), so a second patched model with the same shapes shares it; report.revert() restores the hook
-that was installed before this patch.
+The installed table is process-wide (keyed by op, shape, dtype and device, like a kernel autotuner's cache), so a
+second patched model with the same shapes shares it; report.revert() restores the table active before this patch.
 """
 from __future__ import annotations
 
@@ -12,8 +11,11 @@ import time
 
 import torch
 
-from novatune.tune import select
+from novatune.ops import dispatch
+from novatune.ops.dispatch import Selection
+from novatune.tune import model_choices
 from novatune.tune.cache import CacheError, TuneCache, environment, selection_from_cache
+from novatune.tune.calls import model_level
 
 TUNE_BUDGET_S = 240.0  # patch(tune=True): op tuning stops starting new candidates after this long
 FAMILIES = None        # patch(tune=True) tries every family (tests narrow this to keep CPU runs short)
@@ -22,46 +24,28 @@ ALLOW_MORE_MEMORY = False  # True: a CE mode may be picked even if its peak memo
 DOC_TOKENS = 1024      # patch(tune=True) times attention on rows of tokens // DOC_TOKENS documents
 
 
-def apply_tuning(model: torch.nn.Module, report, tune, tokens: int) -> None:
+def selection_for(model: torch.nn.Module, tune, tokens: int) -> Selection:
+    """The Selection for this patched model: the cache's choices for its device and versions (tune="cache"), after
+    tuning its ops now when tune=True. Notes say what was not used and why; nothing is installed here."""
     if tune not in (True, "cache"):
         raise ValueError(f"tune={tune!r}: use 'cache' (default), True (tune now) or False")
     device = next(model.parameters()).device
+    notes: list[str] = []
     try:
         cache = TuneCache.load()
     except CacheError as e:
         if tune != "cache":
             cache, note = TuneCache.load_or_reset()
-            report.add("", "tune", "note", note)
+            notes.append(note)
         else:
-            report.add("", "tune", "note", f"{e}; built-in defaults used")
-            return
+            return Selection(notes=(f"{e}; built-in defaults used",))
     if tune is True:
-        for note in tune_model(model, cache, tokens):
-            report.add("", "tune", "note", note)
+        notes += tune_model(model, cache, tokens)
         cache.save()
-    table, used, notes = selection_from_cache(cache, device)
-    for note in notes:
-        report.add("", "tune", "note", note)
-    if table:
-        prev = select.installed()
-        merged = dict(prev.table if prev else {})
-        merged.update(table)
-        select.install(select.Dispatcher(merged))
-        report.choices.extend(used)
-        report._undo.append(lambda: select.install(prev))
-    _apply_model_choices(model, report, cache, device, tokens)
-
-
-def _apply_model_choices(model, report, cache: TuneCache, device, tokens: int) -> None:
-    """The cross-entropy mode and attention backend recorded for this model's shapes, set where patch left "auto"."""
-    from novatune.tune import model_choices
-
-    picked = model_choices.pick_entries(cache.matching(environment(device)), model, tokens)
-    used, notes, undo = model_choices.apply(model, picked)
-    for note in notes:
-        report.add("", "tune", "note", note)
-    report.choices.extend(used)
-    report._undo.append(undo)
+    table, used, cache_notes = selection_from_cache(cache, device)
+    settings = model_choices.selection(model_choices.pick_entries(cache.matching(environment(device)), model, tokens))
+    return Selection(table=table, settings=settings.settings, entries=tuple(used),
+                     notes=tuple(notes + cache_notes))
 
 
 def _synthetic_batch(model, tokens: int, device) -> dict:
@@ -79,21 +63,21 @@ def tune_model(model: torch.nn.Module, cache: TuneCache, tokens: int, budget_s: 
 
     device = next(model.parameters()).device
     batch = _synthetic_batch(model, tokens, device)
-    with select.recording() as rec, torch.no_grad():
+    with dispatch.recording() as rec, torch.no_grad():
         model(**batch, use_cache=False)
     env = environment(device)
     deadline = time.perf_counter() + budget_s
     entries, table, notes = [], {}, []
-    from novatune.tune import model_choices
-
     seen = [(op, shape, dtype) for op, shape, dtype, _dev in rec.seen]
     # the model-level ops (CE mode, attention backend) at this batch's shapes; docs: a packed-row stand-in
     seen += model_choices.model_op_shapes(model, tokens, docs=max(1, tokens // DOC_TOKENS))
     for op, shape, dtype in seen:
+        calls = [r for r in rec.calls.values() if r.signature[:3] == (op, tuple(shape), dtype)]
         entry, cands = tune_op(op, shape, getattr(torch, dtype.split("/")[0]), device, env=env, deadline=deadline,
-                               families=FAMILIES, iters=ITERS, allow_more_memory=ALLOW_MORE_MEMORY, log=log)
+                               families=FAMILIES, iters=ITERS, allow_more_memory=ALLOW_MORE_MEMORY, log=log,
+                               calls=calls)
         entries.append(entry)
-        if entry["choice"] != "novatune_default" and not model_choices.is_model_level(op):
+        if entry["choice"] != "novatune_default" and not model_level(op):
             table[(op, tuple(shape), dtype, device.type)] = cands[entry["choice"]].functional()
     picked = model_choices.pick_entries(entries, model, tokens)
     settings = model_choices.toggler(model, picked) if any(

@@ -285,9 +285,13 @@ def rank_targets(prof: Profile, op_floor_us: dict[str, float]) -> list[dict]:
     """Targets ranked by possible gain per step: for a kind the registry can tune, its time minus the HBM floor of
     its calls (`op_floor_us`: kind -> floor µs per step, from the shapes seen); launch gaps as their own target;
     other kinds listed with gain 0 and why."""
-    # the profiler's RoPE kind covers both the plain RoPE kernel and Qwen3's fused q/k-norm + RoPE one
-    tunable = {"norm": "rms_norm", "activation": "swiglu", "attention": "attention", "loss": "linear_cross_entropy",
-               "RoPE": "rope / qk_norm_rope"}
+    # a kind may cover several ops (the profiler's RoPE kind: the plain RoPE kernel and the fused q/k-norm + RoPE)
+    from novatune.ops.registry import OPS
+
+    tunable: dict[str, str] = {}
+    for spec in OPS.values():
+        if spec.trace_kind:
+            tunable[spec.trace_kind] = " / ".join(filter(None, [tunable.get(spec.trace_kind), spec.name]))
     out = []
     for kind, t in prof.by_kind.items():
         if kind in tunable:

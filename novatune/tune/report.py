@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from novatune.measure.results import write_row
-from novatune.tune.opspecs import NOT_IN_REGISTRY, shape_str
+from novatune.tune.calls import shape_str
 
 
 def _us(v) -> str:
@@ -80,8 +80,6 @@ def markdown(*, config: str, device: str, before, after, targets: list[dict], en
         fl = f"{t['floor_us'] / 1e3:.2f}" if t.get("floor_us") is not None else "-"
         md.append(f"| {t['target']} | {t['time_us'] / 1e3:.2f} | {fl} | {t['possible_gain_us'] / 1e3:.2f} | "
                   f"{t['how']} |")
-    for name, why in NOT_IN_REGISTRY.items():
-        md.append(f"- {name}: {why}")
     md += ["", "## Choices", "", "```", summary_table(entries, check, tune_s), "```", ""]
     for e in entries:
         md += [f"### {e['op']} {shape_str(e['shape'])} {e['dtype']} -> {e['choice']}", "",

@@ -1,24 +1,16 @@
-"""Selection (the one place that chooses implementations) and the dispatch table the ops consult.
+"""The choice among validated, timed candidates (the one place that chooses implementations).
 
 choose(): the fastest validated candidate wins only if it beats the runner-up by more than the measured spread
 (the larger of the two interquartile ranges); otherwise every candidate within that margin of the fastest is a
 tie and the simplest of them (lowest family complexity: eager < native < default < triton < compile < cuda) wins,
 so a change of implementation always has a measured reason. For ops with a memory rule (linear cross-entropy),
 `memory_filter` first drops the candidates whose peak memory exceeds the default's.
-
-Dispatch: `install(table)` sets novatune.ops._backend.OVERRIDE to a Dispatcher. The public functionals
-(novatune.ops.rms_norm, novatune.ops.swiglu) call it first; it looks up (op, shape signature) and runs the selected
-functional, or returns None (the default path runs). A Dispatcher can also record the signatures it sees
-(`record=True`): the tune engine learns the real shapes of a training step that way.
+The chosen functionals reach the ops as a plain value: novatune.ops.dispatch.Selection.
 """
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from novatune.ops import _backend
-from novatune.tune.opspecs import OPS, call_signature
 
 
 @dataclass
@@ -83,48 +75,3 @@ def choose(measured: list[Measured]) -> Choice:
     return Choice(simplest.name, f"within noise ({margin:.2f} µs) of the fastest {best.name} "
                                  f"({best.median_us:.2f} vs {simplest.median_us:.2f} µs): the simpler one is kept",
                   best.name, margin, best.median_us - simplest.median_us)
-
-
-class Dispatcher:
-    """The OVERRIDE hook: (op, *call args) -> the selected implementation's result, or None."""
-
-    def __init__(self, table: dict | None = None, record: bool = False):
-        self.table: dict[tuple, Callable] = dict(table or {})
-        self.seen: Counter | None = Counter() if record else None
-
-    def __call__(self, op: str, *args):
-        spec = OPS.get(op)
-        if spec is None:
-            return None
-        key = call_signature(spec, args)  # (op, shape, dtype string, device type)
-        if self.seen is not None:
-            self.seen[key] += 1
-        fn = self.table.get(key)
-        return None if fn is None else fn(*args)
-
-
-def install(dispatcher: Dispatcher | None) -> Dispatcher | None:
-    """Make `dispatcher` the ops' OVERRIDE hook (None removes it); returns the previous one."""
-    prev = _backend.OVERRIDE
-    _backend.OVERRIDE = dispatcher
-    return prev
-
-
-def installed() -> Dispatcher | None:
-    hook = _backend.OVERRIDE
-    return hook if isinstance(hook, Dispatcher) else None
-
-
-class recording:
-    """Context manager: record the (op, shape) signatures the ops see, keeping any installed selection active."""
-
-    def __init__(self):
-        cur = installed()
-        self.dispatcher = Dispatcher(cur.table if cur else None, record=True)
-
-    def __enter__(self) -> Dispatcher:
-        self._prev = install(self.dispatcher)
-        return self.dispatcher
-
-    def __exit__(self, *exc) -> None:
-        install(self._prev)

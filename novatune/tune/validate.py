@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from novatune.measure.numerics import rel_err
-from novatune.tune.candidates import Candidate
-from novatune.tune.opspecs import OpSpec, make_dy, map_dy, shape_str
+from novatune.ops.contract import Candidate, OpSpec
+from novatune.tune.calls import make_dy, map_dy, shape_str
+from novatune.tune.check import check_implementation
 
 FACTOR = 2.0
+CPU_MAX_ELEMENTS = 50_000
 UNIT_ROUNDOFF = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # fp32: reductions
 
 
@@ -121,10 +123,21 @@ def _nan_inputs(spec: OpSpec, inputs: dict) -> dict:
     return dict(inputs, **{first: t})
 
 
+def _contract(spec: OpSpec, fn, dtype, device, calls, seed: int) -> None:
+    """check_implementation on the calls the model makes: every case on a GPU; on the CPU (the Triton
+    interpreter is slow) the cases up to CPU_MAX_ELEMENTS, once each."""
+    cuda = device.type == "cuda"
+    v = check_implementation(fn, spec.name, dtypes=(dtype,), device=device, calls=calls, seed=seed,
+                             repeats=8 if cuda else 1, max_elements=None if cuda else CPU_MAX_ELEMENTS)
+    if not v.passed:
+        raise Rejected("contract", "; ".join(v.reasons)[:900])
+
+
 def validate(spec: OpSpec, cand: Candidate, stock: Candidate, shapes: list, dtype: torch.dtype, device,
-             seed: int = 0) -> Verdict:
-    """Run every check for `cand` at each shape in `shapes` (the first is the real one). Never raises for a bad
-    candidate: the verdict says which check failed and why."""
+             seed: int = 0, calls=None, contract: bool = True) -> Verdict:
+    """Run every check for `cand` at each shape in `shapes` (the first is the real one), then (contract) the
+    implementation checker on the op's real-call cases and the `calls` recorded from the model (CallRecords).
+    Never raises for a bad candidate: the verdict says which check failed and why."""
     verdict = Verdict(cand.name, ok=False)
     if cand.unavailable:
         verdict.check, verdict.reason = "available", cand.unavailable
@@ -185,9 +198,11 @@ def validate(spec: OpSpec, cand: Candidate, stock: Candidate, shapes: list, dtyp
                     if not torch.equal(a[name], b[name]):
                         raise Rejected("deterministic", f"{tag} {name}: two runs on the same inputs differ "
                                                         f"(determinism is promised for this family)")
+        if contract:
+            _contract(spec, fn, dtype, device, calls, seed)
         verdict.ok = True
         verdict.checks = ["builds", "values", "fresh"] + (["poisoned"] if cand.kernels else []) + \
-            ["nan", "layout"] + (["deterministic"] if cand.deterministic else [])
+            ["nan", "layout"] + (["deterministic"] if cand.deterministic else []) + (["contract"] if contract else [])
     except Rejected as r:
         verdict.check, verdict.reason = r.check, r.reason
     except Exception as e:  # noqa: BLE001 - a crash during a check rejects the candidate, with the message

@@ -449,3 +449,24 @@ def test_inplace_opcheck_and_compile(device):
     torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
                           (h, w, y, div, b, -100, True, True, True, 0, "inplace", 64))
     _check_compiled_matches_eager(h, w, y, INPLACE)
+
+
+@pytest.mark.parametrize("bad", [1000, 100_000, -1, -5])
+def test_out_of_range_label_raises_like_cross_entropy(bad):
+    """A label outside [0, V) that is not ignore_index raises IndexError, as F.cross_entropy does (no NaN loss)."""
+    h, w, y = _inputs((2, 5), 16, 1000, torch.float32, "cpu", seed=3)
+    y[1, 2] = bad
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        torch.nn.functional.cross_entropy((h @ w.T).reshape(-1, 1000), y.reshape(-1))
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        linear_cross_entropy(h, w, y)
+
+
+def test_ignore_index_labels_are_not_out_of_range():
+    """ignore_index (the default -100, or a custom negative one) is not a range error; the loss stays finite."""
+    h, w, y = _inputs((2, 5), 16, 1000, torch.float32, "cpu", seed=4)
+    y[y == -100] = -7
+    y[0, :2] = -7
+    loss = linear_cross_entropy(h, w, y, ignore_index=-7)
+    ref = torch.nn.functional.cross_entropy((h @ w.T).reshape(-1, 1000).float(), y.reshape(-1), ignore_index=-7)
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-5

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import novatune
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 
 from tiny_models import FAMILIES, packed_batch
 

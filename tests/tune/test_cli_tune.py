@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import novatune
-from novatune.ops import _backend
-from novatune.tune import patching, select
+from novatune.ops import dispatch
+from novatune.tune import patching
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).with_name("tiny_tune.yaml")
@@ -62,12 +62,12 @@ def test_tune_cli_writes_cache_rows_traces_report_and_patch_reads_it(tmp_path):
         assert "tuned" in str(rep)
         assert {c["choice"] for c in rep.to_dict()["tuned"]} == {e["choice"] for e in non_default}
     if any(e["applied_by"] == "dispatch" for e in non_default):
-        assert isinstance(_backend.OVERRIDE, select.Dispatcher)
+        assert dispatch.ACTIVE is not None and dispatch.ACTIVE.table
     attn = next((e for e in non_default if e["op"] == "attention"), None)
     backends = {m.__dict__["_novatune_attn_backend"] for m in model.modules() if "_novatune_attn_backend" in m.__dict__}
     assert backends == {attn["params"]["backend"] if attn else "auto"}  # patch's attention= setting, tuned
     rep.revert()
-    assert not isinstance(_backend.OVERRIDE, select.Dispatcher)
+    assert dispatch.ACTIVE is None or not dispatch.ACTIVE.table
 
 
 def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
@@ -90,4 +90,4 @@ def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
     ids, pos, lab = packed_batch([[13, 11]])  # 24 tokens: the tuned shapes
     model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss.backward()
     rep.revert()
-    assert _backend.OVERRIDE is None
+    assert dispatch.ACTIVE is None

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from novatune.tune.candidates import candidates
-from novatune.tune.opspecs import OPS
+from novatune.ops.registry import OPS
+from novatune.tune.calls import candidates
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "novatune" / "kernels" / "cuda"
 REAL = {"rms_norm": [(4096, 2560), (4096 * 32, 128)], "swiglu": [(4096, 9728)]}

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 import novatune
 from novatune.tune import engine
 from novatune.tune.cache import TuneCache, environment
-from novatune.tune.candidates import Candidate, candidates
-from novatune.tune.candidates_model import hf_attention, hf_linear_ce
+from novatune.ops.contract import Candidate, doc_lengths
+from novatune.ops.registry import OPS
+from novatune.reference.attention import hf_attention
+from novatune.reference.linear_cross_entropy import hf_linear_ce
+from novatune.tune.calls import candidates
 from novatune.tune.measure import Timing
-from novatune.tune.opspecs import OPS
-from novatune.tune.opspecs_model import doc_lengths
 from novatune.tune.select import Measured, memory_filter
 from novatune.tune.validate import validate
 

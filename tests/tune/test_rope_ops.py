@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from novatune.ops import _backend
+from novatune.ops import dispatch
+from novatune.ops.contract import Candidate
 from novatune.ops.qk_norm_rope import qk_norm_rope
+from novatune.ops.registry import OPS
 from novatune.ops.rope import apply_rope
-from novatune.tune import engine, select
-from novatune.tune.candidates import REGISTRY, Candidate, candidates
-from novatune.tune.candidates_rope import hf_apply_rope, hf_qk_norm_rope
-from novatune.tune.opspecs import NOT_IN_REGISTRY, OPS, call_signature
+from novatune.reference.qk_norm_rope import hf_qk_norm_rope
+from novatune.reference.rope import hf_apply_rope
+from novatune.tune import engine
+from novatune.tune.calls import candidates
 from novatune.tune.validate import validate
 
 SHAPE = (13, 3, 1, 8)  # tokens, q heads, kv heads, head_dim (odd_shapes adds 37 and 1 tokens)
@@ -34,8 +36,7 @@ def _get(op, name, shape=SHAPE):
 
 
 def test_registry_lists_rope_ops_with_their_families():
-    assert {"rope", "qk_norm_rope"} <= set(REGISTRY) and {"rope", "qk_norm_rope"} <= set(OPS)
-    assert not any("rope" in k for k in NOT_IN_REGISTRY)
+    assert {"rope", "qk_norm_rope"} <= set(OPS)
     for op in ("rope", "qk_norm_rope"):
         cs = {c.name: c for c in candidates(op, SHAPE, torch.float32, "cpu")}
         assert {c.family for c in cs.values()} == {"eager", "default", "triton", "compile"}
@@ -140,25 +141,25 @@ def test_selection_is_applied_through_the_dispatch_hook():
             calls.append(op)
             return fn(*args)
         return run
-    table = {call_signature(ROPE, r_args): spy(hf_apply_rope, "rope"),
-             call_signature(QK, q_args): spy(hf_qk_norm_rope, "qk_norm_rope")}
-    assert call_signature(ROPE, r_args) == ("rope", SHAPE, "float32/float32", "cpu")
-    prev = select.install(select.Dispatcher(table))
+    table = {ROPE.call_signature(r_args): spy(hf_apply_rope, "rope"),
+             QK.call_signature(q_args): spy(hf_qk_norm_rope, "qk_norm_rope")}
+    assert ROPE.call_signature(r_args) == ("rope", SHAPE, "float32/float32", "cpu")
+    prev = dispatch.install(table)
     try:
         got_r = apply_rope(*r_args)
         got_q = qk_norm_rope(*q_args)
         # (b, h, s, d) calls are not dispatched: entries were validated and timed in (b, s, h, d)
         apply_rope(r_in["q"].transpose(1, 2), r_in["k"].transpose(1, 2), r_in["cos"], r_in["sin"], 1)
     finally:
-        select.install(prev)
+        dispatch.install(prev)
     assert calls == ["rope", "qk_norm_rope"]
     for a, b in zip(got_r + got_q, hf_apply_rope(*r_args) + hf_qk_norm_rope(*q_args)):
         torch.testing.assert_close(a, b)
-    with select.recording() as rec:  # the tune engine learns the real shapes this way
+    with dispatch.recording() as rec:  # the tune engine learns the real shapes this way
         apply_rope(*r_args)
         qk_norm_rope(*q_args)
     assert set(rec.seen) == set(table)
-    assert _backend.OVERRIDE is prev
+    assert dispatch.ACTIVE is prev
 
 
 def test_spent_budget_keeps_the_default_instead_of_failing():

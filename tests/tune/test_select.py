@@ -1,13 +1,9 @@
-"""Selection with injected timings (noise margin, simpler wins within it) and the ops' dispatch hook."""
+"""Selection with injected timings (noise margin, simpler wins within it). The dispatch table: tests/ops/test_dispatch.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from novatune import ops
-from novatune.ops import _backend
-from novatune.tune import select
-from novatune.tune.select import Dispatcher, Measured, choose
+from novatune.tune.select import Measured, choose
 
 
 def m(name, complexity, median, spread):
@@ -43,34 +39,3 @@ def test_single_and_empty():
     assert choose([m("only", 4, 1.0, 0.0)]).name == "only"
     with pytest.raises(ValueError):
         choose([])
-
-
-def test_dispatch_hook_runs_the_selected_function_for_its_shape_only():
-    calls = []
-
-    def fake(x, weight, eps):
-        calls.append(x.shape)
-        return torch.full_like(x, 7.0)
-
-    x, w = torch.randn(3, 8), torch.ones(8)
-    key = ("rms_norm", (3, 8), "float32/float32", "cpu")
-    prev = select.install(Dispatcher({key: fake}))
-    try:
-        assert torch.equal(ops.rms_norm(x, w, 1e-6), torch.full_like(x, 7.0))
-        other = ops.rms_norm(torch.randn(5, 8), w, 1e-6)  # another shape: the default path
-        assert not torch.equal(other, torch.full_like(other, 7.0))
-        assert calls == [(3, 8)]
-    finally:
-        select.install(prev)
-    assert _backend.OVERRIDE is prev
-
-
-def test_recording_counts_the_signatures_the_ops_see():
-    with select.recording() as rec:
-        for _ in range(3):
-            ops.rms_norm(torch.randn(2, 3, 8), torch.ones(8), 1e-6)   # (2*3, 8) rows
-        ops.swiglu(torch.randn(4, 6), torch.randn(4, 6))
-    assert rec.seen[("rms_norm", (6, 8), "float32/float32", "cpu")] == 3
-    assert rec.seen[("swiglu", (4, 6), "float32", "cpu")] == 1
-    assert _backend.OVERRIDE is None or not isinstance(_backend.OVERRIDE, Dispatcher) or \
-        _backend.OVERRIDE.seen is None

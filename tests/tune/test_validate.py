@@ -8,8 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from novatune.tune.candidates import Candidate, candidates, hf_rms_norm, hf_swiglu
-from novatune.tune.opspecs import RMS_NORM, SWIGLU
+from novatune.ops.contract import Candidate
+from novatune.ops.registry import OPS
+from novatune.reference.rms_norm import hf_rms_norm
+from novatune.reference.swiglu import hf_swiglu
+from novatune.tune.calls import candidates
+
+RMS_NORM, SWIGLU = OPS["rms_norm"], OPS["swiglu"]
 from novatune.tune.validate import validate
 
 SHAPES = [(6, 32), (1, 32), (5, 32)]  # first = "real", then odd row counts

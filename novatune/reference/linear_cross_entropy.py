@@ -1,0 +1,30 @@
+"""Cross-entropy of the lm_head: F.cross_entropy(hidden @ weight.T + bias, labels).
+
+`linear_cross_entropy_ref` computes the logits in fp32 (the oracle); `hf_linear_ce` is HF's lm_head + loss, the
+logits in the input dtype and then `.float()` (the stock formula).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             ignore_index: int = -100, reduction: str = "mean", normalizer=None,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 oracle (differentiable)."""
+    H = hidden.shape[-1]
+    logits = hidden.float().reshape(-1, H) @ weight.float().t()  # (T, V) fp32
+    if bias is not None:
+        logits = logits + bias.float()
+    y = labels.reshape(-1).to(logits.device)
+    if normalizer is not None:
+        return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum") / normalizer
+    return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction=reduction)
+
+
+def hf_linear_ce(hidden, weight, labels, ignore_index: int = -100, reduction: str = "mean"):
+    """HF's lm_head + ForCausalLMLoss with labels already shifted: logits in the input dtype, then .float()."""
+    logits = (hidden @ weight.T).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction)
