@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 EPILOG_MAIN = """examples:
   novatune train                                  # the embedded demo: tiny Qwen3, arithmetic chat data, CPU ok

@@ -102,26 +102,16 @@ def run(args) -> int:
     import torch
 
     from novatune.commands.cli import load_config
-    from novatune.data.dataset import BatchStream, build_data
     from novatune.measure.timing import copy_bandwidth_gbps
-    from novatune.train.loop import _packed_kwargs_mode, forward_backward
-    from novatune.train.model import (
-        apply_patch,
-        build_model,
-        load_tokenizer,
-        model_config,
-        pick_device,
-        pick_dtype,
-        prepare,
-    )
-    from novatune.train.optim import build_optimizer
+    from novatune.ops import dispatch
+    from novatune.ops.registry import OPS
+    from novatune.train.model import pick_device
+    from novatune.train.session import build
     from novatune.tune import model_choices
     from novatune.tune import report as rep
     from novatune.tune.cache import TuneCache, environment
-    from novatune.tune.engine import choice_line, step_check, tune_op
-    from novatune.ops import dispatch
-    from novatune.ops.registry import OPS
     from novatune.tune.calls import model_level
+    from novatune.tune.engine import choice_line, step_check, tune_op
     from novatune.tune.profile import profile_steps, rank_targets
 
     t_start = time.perf_counter()
@@ -130,7 +120,6 @@ def run(args) -> int:
     out_dir = Path(args.out or Path(cfg.checkpoint.output_dir) / "tune")
     out_dir.mkdir(parents=True, exist_ok=True)
     device = pick_device(cfg.model.device)
-    dtype = pick_dtype(cfg.model.dtype, device)
     notes: list[str] = []
     build_future = None
     if device.type == "cuda" and "cuda" in families:
@@ -145,31 +134,18 @@ def run(args) -> int:
     if note:
         notes.append(note)
 
-    torch.manual_seed(cfg.train.seed)
-    tokenizer = load_tokenizer(cfg.model, base)
-    mconf = model_config(cfg.model, tokenizer, base)
-    data = build_data(cfg.data, tokenizer, mconf.vocab_size, base)
-    model = prepare(build_model(cfg.model, device, dtype, tokenizer, base, seed=cfg.train.seed,
-                                qlora=cfg.method.type == "qlora"), cfg)
-    patch_report = apply_patch(model, cfg.model)
+    # the trainer's own build (QLoRA embedding quantisation included): what is tuned is what trains
+    session = build(cfg, base)
+    model, patch_report = session.model, session.patch_report
     dispatch.install({})  # time the built-in defaults first, whatever an older cache selected
     if patch_report is not None and patch_report.choices:
         notes.append(f"{len(patch_report.choices)} choice(s) from the existing cache were set aside for this run")
         patch_report.choices.clear()
-    opt = build_optimizer(model, cfg.train, device)
-    stream = BatchStream(data.rows, cfg.train.micro_batch, cfg.train.seed, cfg.data.shuffle,
-                         pad_id=(tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id
-                                 is not None else 0))
-    mbs = [stream.next() for _ in range(cfg.train.grad_accum)]  # the same data for every timed step
-    mode = _packed_kwargs_mode(cfg, patch_report)
-    params = [p for p in model.parameters() if p.requires_grad]
+    mbs = session.next_micro_batches()  # the same data for every timed step
 
     def make_step(micro):
         def step():
-            forward_backward(model, micro, device, mode)
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or float("inf"))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            session.step(micro)
         return step
 
     prof_step, full_step = make_step(mbs[:max(1, args.profile_micro)]), make_step(mbs)

@@ -15,7 +15,7 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -25,10 +25,10 @@ from novatune.train.errors import ConfigError  # noqa: F401 - re-exported: calle
 # ----------------------------------------------------------------------------------------------- the sections
 @dataclass
 class ModelConfig:
-    name: Optional[str] = None  # HF id or local path to load pretrained weights from
-    arch: Optional[str] = None  # named architecture for random init (see novatune.train.arch.ARCHS)
+    name: str | None = None  # HF id or local path to load pretrained weights from
+    arch: str | None = None  # named architecture for random init (see novatune.train.arch.ARCHS)
     arch_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2}
-    tokenizer: Optional[str] = None  # local path, or "demo" (bundled); default: model.name
+    tokenizer: str | None = None  # local path, or "demo" (bundled); default: model.name
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
     patch: bool = True  # call novatune.patch(model, **patch_options) before training
@@ -38,10 +38,10 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    path: Optional[str] = None  # file, directory of files, or a `datasets` save_to_disk folder
+    path: str | None = None  # file, directory of files, or a `datasets` save_to_disk folder
     type: Literal["auto", "jsonl", "json", "parquet", "datasets", "synthetic"] = "auto"
     split: str = "train"  # for DatasetDict folders
-    limit: Optional[int] = None  # keep only the first N records
+    limit: int | None = None  # keep only the first N records
     # synthetic: random token documents with log-normal lengths (the benchmark workload)
     num_docs: int = 1000
     median_length: int = 600
@@ -54,7 +54,7 @@ class SourceConfig:
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     format: Literal["auto", "text", "alpaca", "messages", "prompt_completion", "tokens"] = "auto"
-    chat_template: Optional[str] = None  # jinja text or a path to a .jinja file; default: the tokenizer's
+    chat_template: str | None = None  # jinja text or a path to a .jinja file; default: the tokenizer's
     loss_on: Literal["all", "assistant", "completion"] = "all"
     max_length: int = 2048
     packing: bool = True
@@ -75,13 +75,13 @@ class MethodConfig:
     # qlora only (null: true for qlora): the frozen input embedding in NF4 too, rows dequantised as gathered
     # (novatune.ops.nf4.NF4Embedding; Qwen3-8B: 1.16 -> 0.30 GiB). Skipped, with a printed reason, when the
     # embedding is tied to lm_head (lm_head stays dense, so the shared table must too).
-    quantize_embeddings: Optional[bool] = None
+    quantize_embeddings: bool | None = None
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 1
-    max_steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
     micro_batch: int = 1
     grad_accum: int = 1
     lr: float = 2e-5
@@ -92,7 +92,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping
-    fused_adamw: Optional[bool] = None  # null: fused on CUDA, foreach on CPU
+    fused_adamw: bool | None = None  # null: fused on CUDA, foreach on CPU
     seed: int = 42
     # a step whose loss or grad norm is NaN/inf: stop the run (default) or skip its update (train/nonfinite.py)
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -121,7 +121,7 @@ class LoggingConfig:
     every: int = 1
     tensorboard: bool = True  # event files when the tensorboard package is installed
     progress: bool = True  # live rich bar on a terminal; plain lines otherwise
-    peak_tflops: Optional[float] = None  # MFU denominator; null: table by GPU name
+    peak_tflops: float | None = None  # MFU denominator; null: table by GPU name
     measure_peak: bool = False  # measure the bf16 matmul rate at start (BENCHMARKS.md's definition)
 
 

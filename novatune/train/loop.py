@@ -14,19 +14,14 @@ import torch
 
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
-from novatune.train.config import Config, summary as config_summary, to_yaml
+from novatune.train.config import Config, to_yaml
+from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
 from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
-from novatune.train.session import (
-    build,
-    cpu_threads_for_load,
-    forward_backward,
-    packed_kwargs_mode,
-)
+from novatune.train.session import build
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
-__all__ = ["RunResult", "cpu_threads_for_load", "forward_backward", "train"]
-_packed_kwargs_mode = packed_kwargs_mode  # the name other commands import
+__all__ = ["RunResult", "train"]
 
 
 @dataclass

@@ -139,9 +139,8 @@ class Progress:
         self.live = enabled and console.is_terminal
         self.t0 = time.perf_counter()
         if self.live:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn, \
-                TimeRemainingColumn
-
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RP
             from rich.table import Column
 
             # the counters and times keep their width; the bar and the description give way on narrow terminals

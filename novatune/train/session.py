@@ -48,8 +48,8 @@ from novatune.train.model import (
     pick_dtype,
     prepare,
 )
-from novatune.train.preflight import cpu_step_warning
 from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.preflight import cpu_step_warning
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):

@@ -12,8 +12,9 @@ from rich.console import Console
 
 from novatune.data.dataset import BatchStream, build_data
 from novatune.train import checkpoint as ckpt
-from novatune.train.loop import forward_backward, train
+from novatune.train.loop import train
 from novatune.train.model import SetupError, apply_patch, build_model, load_tokenizer, prepare
+from novatune.train.session import forward_backward
 
 PATCH = [False, True]
 
