@@ -29,10 +29,10 @@ def patch(target, *, tune: bool | str = "cache", tune_tokens: int = 4096, select
     uses them; False ignores the cache. selection: a novatune.ops.dispatch.Selection to install instead.
     Every choice in effect is listed in the report (report.choices).
     """
-    model, _ = _apply._unwrap(target)
+    model = _apply._unwrap(target)[0]
     existing = getattr(model, "_novatune_report", None)
     if existing is not None and not existing.reverted:
-        return existing
+        return _apply.patch(target, **options)  # idempotent; over a trainer it puts the fused loss back on top
     report = _apply.patch(target, selection=selection, **options)
     if selection is None and tune:
         from novatune.tune.patching import selection_for
