@@ -9,12 +9,10 @@ One line in an existing Hugging Face / TRL script::
 
 Imports point down the layers described in docs/ARCHITECTURE.md; nothing inside the package imports this face.
 """
-from novatune.version import __version__
-
-
 # Bound after the subpackage import on purpose: `novatune.patch` must be the function (the public surface), and
 # importing the subpackage novatune/patch/ would otherwise leave the module object under that name.
-from novatune.patch.apply import patch  # noqa: E402
-from novatune.patch.report import PatchReport  # noqa: E402
+from novatune.patch.apply import patch
+from novatune.patch.report import PatchReport
+from novatune.version import __version__
 
 __all__ = ["patch", "PatchReport", "__version__"]

@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
+from novatune.kernels import nf4 as K
 from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
-from novatune.kernels import nf4 as K
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288, 36 layers
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096),

@@ -23,9 +23,9 @@ import sys
 
 import torch
 
+from novatune.kernels import rms_norm as K
 from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps
-from novatune.kernels import rms_norm as K
 from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
 from novatune.tune.opspecs import OPS
 

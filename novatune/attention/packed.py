@@ -25,7 +25,8 @@ Padding is not packing: rows with an attention_mask containing zeros are rejecte
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ class PackedBatch:
     # ----------------------------------------------------------------------------------------------- constructors
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor | Sequence, device: torch.device | str | None = None
-                          ) -> "PackedBatch":
+                          ) -> PackedBatch:
         """From per-document position ids, shape (batch, seq_len) or (seq_len,) (= one row), tensor or nested list.
 
         A document starts at the start of each row and wherever the position is 0 OR does not increase by exactly 1
@@ -122,7 +123,7 @@ class PackedBatch:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], max_seqlen: int | None = None,
-                        batch: int = 1, device: torch.device | str | None = None) -> "PackedBatch":
+                        batch: int = 1, device: torch.device | str | None = None) -> PackedBatch:
         """From cumulative document offsets, as carried by TRL / `DataCollatorWithFlattening` batches
         (`cu_seq_lens_q`, `max_length_q`; their rows are flattened into one, so batch defaults to 1).
 
@@ -147,7 +148,7 @@ class PackedBatch:
         return pb
 
     @classmethod
-    def graph_static(cls, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int, seq_len: int) -> "PackedBatch":
+    def graph_static(cls, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int, seq_len: int) -> PackedBatch:
         """A PackedBatch over a FIXED device buffer, for CUDA-graph capture (novatune/patch/graphs.py).
 
         `cu_seqlens` (int32, (slots + 1,), on the GPU) is refilled before each replay with one batch's offsets,
@@ -165,7 +166,7 @@ class PackedBatch:
 
     @classmethod
     def from_kwargs(cls, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                    batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> "PackedBatch | None":
+                    batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> PackedBatch | None:
         """From the keyword arguments of a Hugging Face model call; returns None when nothing says the rows are packed.
 
         Uses `cu_seq_lens_q` (+ `max_length_q`) when present (TRL's flattening collator computed them already; with

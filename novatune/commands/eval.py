@@ -69,7 +69,15 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    from novatune.eval.exact_match import SAMPLE, EvalError, EvalSettings, evaluate, load_model, load_problems, render_table
+    from novatune.eval.exact_match import (
+        SAMPLE,
+        EvalError,
+        EvalSettings,
+        evaluate,
+        load_model,
+        load_problems,
+        render_table,
+    )
 
     try:
         for name in ("k_shot", "batch_size", "max_new_tokens", "repeat"):

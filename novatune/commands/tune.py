@@ -70,9 +70,8 @@ def run(args) -> int:
         prepare,
     )
     from novatune.train.optim import build_optimizer
-    from novatune.tune import model_choices
+    from novatune.tune import model_choices, select
     from novatune.tune import report as rep
-    from novatune.tune import select
     from novatune.tune.cache import TuneCache, environment
     from novatune.tune.engine import choice_line, step_check, tune_op
     from novatune.tune.opspecs import OPS

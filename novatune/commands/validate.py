@@ -30,8 +30,8 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from novatune.commands.cli import load_config
     from novatune.bench.runner import default_run_dir
+    from novatune.commands.cli import load_config
     from novatune.proof.validate import render, run_validate
     from novatune.train.config import ConfigError
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}

@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from novatune.patch import forwards
-from novatune.patch import loss, quirks
+from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
-from novatune.patch.trainers import trainer_refusal
-from novatune.patch.versions import check_transformers
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
+from novatune.patch.trainers import trainer_refusal
+from novatune.patch.versions import check_transformers
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
 

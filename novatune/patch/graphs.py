@@ -113,7 +113,7 @@ class _Bucket:
 class _CheckpointHook:
     """Stands in for a layer's `_gradient_checkpointing_func` (HF calls it as func(partial(forward, **kw), x))."""
 
-    def __init__(self, runner: "LayerGraphRunner", index: int, inner):
+    def __init__(self, runner: LayerGraphRunner, index: int, inner):
         self.runner, self.index, self.inner = runner, index, inner
 
     def __call__(self, fn, *args, **kwargs):

@@ -85,10 +85,9 @@ def test_timed_steps_count_only_the_timed_steps_and_match_the_trainer(spec, tmp_
 def test_a_registered_stack_with_its_own_trainer_runs_in_the_worker(spec, tmp_path, monkeypatch):
     """The registration point for a stack that trains with another trainer (e.g. TRL's SFTTrainer)."""
     import json
+    import types
 
     from novatune.bench import worker
-
-    import types
 
     seen = {}
 

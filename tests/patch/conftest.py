@@ -1,1 +1,1 @@
-import sys, os; sys.path.insert(0, os.path.dirname(__file__))
+import sys; import os; sys.path.insert(0, os.path.dirname(__file__))

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from novatune.train.config import from_dict
-from novatune.train.demo import make_records
 from novatune.train.config_checks import validate
+from novatune.train.demo import make_records
 
 TINY_ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=16)

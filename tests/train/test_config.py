@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from novatune.train.config import Config, ConfigError, apply_overrides, from_dict, load, to_yaml
-from novatune.train.demo import demo_config_path
 from novatune.train.config_checks import validate
+from novatune.train.demo import demo_config_path
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,6 @@ import pytest
 from novatune.train.loop import train
 
 
-
 def _quiet():
     from rich.console import Console
 
