@@ -171,7 +171,8 @@ class PackedBatch:
 
         Uses `cu_seq_lens_q` (+ `max_length_q`) when present (TRL's flattening collator computed them already; with
         `batch` rows of equal length - TRL flattens into one row, the default), else `position_ids`;
-        `device` is where the model runs (a host-side cu_seq_lens_q then costs no device sync at all); with neither, returns None (nothing says the rows are packed: use stock attention).
+        `device` is where the model runs (a host-side cu_seq_lens_q then costs no device sync at all); with
+        neither, returns None (nothing says the rows are packed: use stock attention).
 
         `attention_mask` is the 2-D (batch, seq_len) padding mask of the model call. A mask with zeros together with
         packed rows (several documents in a row, or cu_seq_lens) raises ValueError: padding inside packed rows is

@@ -141,7 +141,10 @@ def add_ratios(rows: list[dict]) -> dict:
         r["best_peer"] = peer["stack"] if peer else None
         r["loss_max_rel_diff_vs_stock"] = _max_rel_diff(r["losses"], stock["losses"]) if stock and ran else None
     nova = ok.get("novatune")
-    ratio = lambda a, b: round(a["tok_s"] / b["tok_s"], 4) if a and b else None
+
+    def ratio(a, b):
+        return round(a["tok_s"] / b["tok_s"], 4) if a and b else None
+
     return {"novatune_vs_stock": ratio(nova, stock), "novatune_vs_peer": ratio(nova, peer),
             "peer_vs_stock": ratio(peer, stock)}
 

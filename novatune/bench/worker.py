@@ -183,12 +183,16 @@ def run_stack(spec: dict, log=print) -> dict:
         peak = peak_tflops(session.device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
         source = "GPU datasheet table (novatune.train.metrics)" if peak else None
     n_total, n_train = session.param_counts()
-    gib = lambda b: round(b / 2**30, 3) if b is not None else None
+
+    def gib(n_bytes):
+        return round(n_bytes / 2**30, 3) if n_bytes is not None else None
+
     report = session.patch_report
     return {
         "status": "ok", "reason": None, "warm": spec["warm"], "steps": spec["steps"],
         "tok_s": round(tps, 1), "timed_s": round(m["timed_s"], 6), "timed_tokens": tokens,
-        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"], "gflop_per_tok": _sig(fpt / 1e9),
+        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"],
+        "gflop_per_tok": _sig(fpt / 1e9),
         "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
         "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
         "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),

@@ -131,8 +131,9 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
     results.append(checks.grad_accum_check(ga_nova, ga_stock, dtype))
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = {"time": now, **environment(), "config": config_name or "<demo>", "overrides": list(overrides or []), "steps": steps,
-           "dtype": dtype, "device_type": device.type, "layers": state["layers"], "factor": parity.FACTOR,
+    out = {"time": now, **environment(), "config": config_name or "<demo>", "overrides": list(overrides or []),
+           "steps": steps, "dtype": dtype, "device_type": device.type, "layers": state["layers"],
+           "factor": parity.FACTOR,
            "passed": all(r["passed"] for r in results),
            "noise_floor": {"reference": "stock (sdpa)", "alternative": "stock (eager)", "why": parity.NOISE_FLOOR_WHY},
            "checks": results, "runs": runs}

@@ -151,7 +151,8 @@ def prepare(model, cfg):
             # docstring): the frozen embedding's output requires grad, so each checkpointed layer has a
             # differentiable input, as with reentrant checkpointing it must. Non-reentrant checkpointing would
             # cope without it; it is kept so the trainer runs the graph of the stock PEFT + bitsandbytes recipe
-            # that `novatune bench examples/qlora.yaml` compares against (cost: one (tokens, hidden) gradient per micro-batch).
+            # that `novatune bench examples/qlora.yaml` compares against (cost: one (tokens, hidden) gradient per
+            # micro-batch).
             model.enable_input_require_grads()
     if cfg.method.type in ("lora", "qlora"):
         model = add_lora(model, cfg.method)

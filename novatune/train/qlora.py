@@ -81,7 +81,8 @@ def quantize_embeddings_(model: nn.Module, dtype: torch.dtype) -> str:
     if isinstance(emb, NF4Embedding):
         return f"embeddings: {name} already NF4"
     head = model.get_output_embeddings()
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(head, "weight", None) is getattr(emb, "weight", 0):
+    shares_weight = getattr(head, "weight", None) is getattr(emb, "weight", 0)
+    if getattr(model.config, "tie_word_embeddings", False) or shares_weight:
         return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: tied to lm_head, which "
                 f"stays dense (quantising the shared table would change lm_head's weights too)")
     if type(emb) is not nn.Embedding:
@@ -147,7 +148,8 @@ def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]
                 out[pre + "bias"] = inner.bias.detach().to(dtype)
             done.append(path)
         elif isinstance(mod, NF4Embedding):
-            out[pre + "weight"] = mod.dequantize(dtype)  # a normal dense embedding in the export (one fp32 -> dtype cast)
+            # a normal dense embedding in the export (one fp32 -> dtype cast)
+            out[pre + "weight"] = mod.dequantize(dtype)
             done.append(path)
         elif getattr(getattr(mod, "weight", None), "quant_state", None) is not None:
             out[pre + "weight"] = dense_weight(mod).to(dtype)

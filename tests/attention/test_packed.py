@@ -112,7 +112,7 @@ def test_block_mask_equals_create_block_mask(block):
         bm = pb.block_mask(block)
         doc = pb.doc_ids()
 
-        def mask_mod(b_, h, q, kv):
+        def mask_mod(b_, h, q, kv, doc=doc):
             return (doc[q] == doc[kv]) & (q >= kv)
 
         ref = create_block_mask(mask_mod, None, None, pb.total_tokens, pb.total_tokens, device="cpu",
