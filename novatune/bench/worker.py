@@ -4,7 +4,7 @@ The spec (written by bench/runner.py) names the stack, the config and overrides,
   {"stack", "stack_dir", "config", "overrides", "warm", "steps", "peak_tflops", "peak_source",
    "profile", "memory", "gc_freeze", "diag"}
 The run is built by novatune.train.session.build with the stack's overrides and hooks and stepped with the
-session's own step. The measurement (BENCHMARKS.md's rules):
+session's own step. The measurement (docs/BENCHMARKS.md's rules):
   * every optimizer step's micro-batches are collated before the first step and pinned on CUDA (a trainer's
     prefetch): the timed steps copy them to the GPU without blocking the host;
   * `warm` warm-up steps, then Python's GC is frozen (gc.freeze: later collections skip the objects that live for

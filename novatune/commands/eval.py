@@ -1,6 +1,6 @@
 """GSM8K-style exact match by generation: k-shot chain-of-thought prompts, batched greedy decoding with a KV cache.
 
-Prints seed 000's table (accuracy with its 95% Wilson interval, per-request throughput and latency, average output
+Prints the results table (accuracy with its 95% Wilson interval, per-request throughput and latency, average output
 tokens) plus the aggregate generated tokens/s, and one JSON summary line last. --output writes the full result
 (every request's output and extracted answer) for `novatune report --eval`.
 """

@@ -111,7 +111,7 @@ def read_datasets(path: Path, split: str) -> Iterator[dict]:
 
 def synthetic_docs(num_docs: int, vocab_size: int, median_length: int = 600, sigma: float = 0.7,
                    min_length: int = 32, max_length: int | None = None, seed: int = 1) -> Iterator[dict]:
-    """Random-token documents with log-normal lengths (median `median_length`), as in BENCHMARKS.md's workload.
+    """Random-token documents with log-normal lengths (median `median_length`), as in docs/BENCHMARKS.md's workload.
 
     Seeded with its own torch.Generator, so the same config always gives the same documents.
     """

@@ -129,7 +129,7 @@ class Report:
                              f"{r0.get('torch', '?')}, transformers {r0.get('transformers', '?')}, git "
                              f"`{r0.get('git_sha', '?')}`. tok/s = trained tokens / wall time of the timed steps; "
                              f"peak GiB = torch.cuda.max_memory_allocated over them; ratios are tok/s over tok/s "
-                             f"of the same run (BENCHMARKS.md).")
+                             f"of the same run (docs/BENCHMARKS.md).")
             if g is self.head:
                 bench_x = cand.get("x_stock")
                 if bench_x is not None:
