@@ -9,7 +9,7 @@ import transformers
 from tiny_models import FAMILIES, packed_batch
 
 import novatune
-from novatune.harness.numerics import assert_close
+from novatune.measure.numerics import assert_close
 
 TOL = 2e-5
 ROWS = [[5, 19, 8], [32]]  # documents of 19 and 32 tokens are longer than the window
