@@ -143,9 +143,9 @@ def main(argv=None) -> int:
         print("bench_linear_cross_entropy: needs a CUDA GPU", file=sys.stderr)
         return 1
 
+    from novatune.kernels.linear_cross_entropy import fp32_addmm_available, plan_mode
     from novatune.measure.results import write_row
     from novatune.measure.timing import copy_bandwidth_gbps, matmul_tflops
-    from novatune.kernels.linear_cross_entropy import fp32_addmm_available, plan_mode
 
     T, H, V = args.tokens, args.hidden, args.vocab
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

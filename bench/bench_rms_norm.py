@@ -91,10 +91,10 @@ def build_candidates(n: int, weight, names):
 def run_shape(tag, rows, n, names, bw_gbps, args):
     import torch
 
+    from novatune.kernels.rms_norm import RESIDENCY, rms_norm_bwd_launch_config, rms_norm_fwd_config, rms_norm_ref
     from novatune.measure.numerics import rel_err
     from novatune.measure.results import write_row
     from novatune.measure.timing import kernel_us, wall_us
-    from novatune.kernels.rms_norm import RESIDENCY, rms_norm_bwd_launch_config, rms_norm_fwd_config, rms_norm_ref
 
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -149,9 +149,14 @@ def sweep(tag, rows, n, args):
     import torch
     from triton.testing import do_bench_cudagraph
 
+    from novatune.kernels.rms_norm import (
+        num_sms,
+        rms_norm_bwd,
+        rms_norm_bwd_launch_config,
+        rms_norm_fwd,
+        rms_norm_fwd_config,
+    )
     from novatune.measure.results import write_row
-    from novatune.kernels.rms_norm import (num_sms, rms_norm_bwd, rms_norm_bwd_launch_config, rms_norm_fwd,
-                                           rms_norm_fwd_config)
 
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(rows, n, device=dev, dtype=dt)

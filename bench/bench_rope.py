@@ -42,10 +42,10 @@ def main(argv=None):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+    from novatune.kernels import rope as K
     from novatune.measure.numerics import rel_err
     from novatune.measure.results import write_row
     from novatune.measure.timing import copy_bandwidth_gbps, kernel_us, wall_us
-    from novatune.kernels import rope as K
     from novatune.ops.rope import apply_rope
 
     if not torch.cuda.is_available():

@@ -9,9 +9,6 @@ One line in an existing Hugging Face / TRL script::
 
 Imports point down the layers described in docs/ARCHITECTURE.md; nothing inside the package imports this face.
 """
-from novatune.version import __version__
-
-
 # Bound after the subpackage import on purpose: `novatune.patch` must be the function (the public surface), and
 # importing the subpackage novatune/patch/ would otherwise leave the module object under that name.
 from novatune.patch import apply as _apply  # noqa: E402

@@ -13,7 +13,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 from novatune.measure.results import write_row
 

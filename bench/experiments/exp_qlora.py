@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
+from novatune.kernels import nf4 as K
 from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
-from novatune.kernels import nf4 as K
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288, 36 layers
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096),
@@ -79,7 +79,8 @@ def main(argv=None) -> None:
     print(f"per layer: dequant pairs {layer['pairs']:.0f} us, element {layer['element']:.0f}, bnb {layer['bnb']:.0f}; "
           f"one GEMM pass {layer['gemm']:.0f} us")
     print(f"per micro-step (36 layers x 3 passes): dequant pairs {108 * layer['pairs'] / 1e3:.1f} ms, element "
-          f"{108 * layer['element'] / 1e3:.1f}, bnb {108 * layer['bnb'] / 1e3:.1f}; GEMMs ~{108 * layer['gemm'] / 1e3:.1f} ms")
+          f"{108 * layer['element'] / 1e3:.1f}, bnb {108 * layer['bnb'] / 1e3:.1f}; "
+          f"GEMMs ~{108 * layer['gemm'] / 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

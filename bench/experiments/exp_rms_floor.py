@@ -23,11 +23,11 @@ import sys
 
 import torch
 
+from novatune.kernels import rms_norm as K
 from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps
-from novatune.kernels import rms_norm as K
-from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
 from novatune.ops.registry import OPS
+from novatune.tune.measure import input_sets, kernel_us, time_fwd_bwd
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exp_rms_dw as X  # noqa: E402

@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels import swiglu as K
 from novatune.measure.numerics import rel_err
 from novatune.measure.results import write_row
 from novatune.measure.timing import copy_bandwidth_gbps, kernel_us
-from novatune.kernels import swiglu as K
 
 
 @triton.jit

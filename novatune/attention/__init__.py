@@ -9,8 +9,15 @@ layer) and `varlen_attention` (document-causal attention over packed rows, sever
 
 See README.md in this folder.
 """
-from novatune.attention.backends import (AUTO_ORDER, BACKENDS, AttentionChoice, BackendUnavailable, last_choice,
-                                         varlen_attention, why_unavailable)
+from novatune.attention.backends import (
+    AUTO_ORDER,
+    BACKENDS,
+    AttentionChoice,
+    BackendUnavailable,
+    last_choice,
+    varlen_attention,
+    why_unavailable,
+)
 from novatune.attention.packed import PackedBatch
 
 __all__ = ["PackedBatch", "varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER",

@@ -14,7 +14,7 @@ Backends:
              d <= 256)
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
   sdpa       F.scaled_dot_product_attention(is_causal=True) per row; only when every row is one document (on sm90
-             it dispatches to cuDNN, the fastest measured: BENCHMARKS.md)
+             it dispatches to cuDNN, the fastest measured: docs/BENCHMARKS.md)
   sdpa_docs  one causal SDPA call per document (CPU path; a slow but correct last resort on CUDA)
   reference  exact fp32 math per document (tests, numerics baseline)
 
@@ -28,7 +28,9 @@ import contextlib
 import functools
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,13 +96,14 @@ _WATCHERS: list[list] = []
 
 
 # ------------------------------------------------------------------------------------------------ varlen (FA2)
-# varlen_attn's keyword arguments changed in every release (BENCHMARKS.md): 2.10 `is_causal=True`; 2.11
+# varlen_attn's keyword arguments changed in every release (docs/BENCHMARKS.md): 2.10 `is_causal=True`; 2.11
 # `window_size=(-1, 0)`, which must be a TUPLE (2.11+ computes `is_causal = window_size == (-1, 0)`); 2.12 adds
 # `enable_gqa` and raises on hk != hq without it. Read the signature once, at import.
 try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    from torch.nn.attention.varlen import varlen_attn
 
-    _VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters)
+    _varlen_attn: Callable[..., Any] | None = varlen_attn
+    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
     _VARLEN_IMPORT_ERROR = ""
 except Exception as e:  # noqa: BLE001 - older torch or a broken build: the backend is simply unavailable
     _varlen_attn, _VARLEN_PARAMS = None, frozenset()
@@ -117,7 +120,9 @@ _VARLEN_GQA = "flag" if "enable_gqa" in _VARLEN_PARAMS else "native"
 
 def _varlen(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     global _VARLEN_GQA
-    kw = {}
+    if _varlen_attn is None:
+        raise BackendUnavailable(_VARLEN_IMPORT_ERROR)
+    kw: dict[str, Any] = {}
     if window is not None:
         kw["window_size"] = (window - 1, 0)  # FlashAttention keys [i - left, i + right]: HF's window of `window` keys
     elif "is_causal" in _VARLEN_PARAMS:
@@ -225,7 +230,7 @@ def _sdpa_docs(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     outs = []
     a = 0
     gqa = k.shape[1] != q.shape[1]
-    for n in packed.lengths:  # host list: no device sync
+    for n in packed.host_lengths():  # host list: no device sync
         qd, kd, vd = (t[a:a + n].unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, h, n, d)
         if window is not None and n > window:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_local_causal(n, window, q.device),
@@ -250,7 +255,7 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     kv_head = torch.arange(hq, device=q.device) // (hq // hk)  # query head h reads kv head h // G
     outs = []
     a = 0
-    for n in packed.lengths:
+    for n in packed.host_lengths():
         qd = q[a:a + n].float().transpose(0, 1)                      # (hq, n, d)
         kd = k[a:a + n].float().transpose(0, 1)[kv_head]             # (hq, n, d)
         vd = v[a:a + n].float().transpose(0, 1)[kv_head]

@@ -11,7 +11,7 @@ Invariants (checked by the constructors):
   * every row start r * seq_len is a document start (a document never spans two rows);
   * `max_seqlen` is a Python int, `lengths` a Python list: the kernels need them on the host, and reading them back
     from the GPU in every layer would be a device sync per layer (Unsloth/NVIDIA measured +43% forward from caching
-    exactly this metadata, seed 002).
+    exactly this metadata).
 
 Cost model: built ONCE per batch and reused by every layer. The host work happens here (one D2H copy of
 position_ids or cu_seqlens if they live on the GPU - pass CPU tensors to avoid even that), followed by one
@@ -25,7 +25,8 @@ Padding is not packing: rows with an attention_mask containing zeros are rejecte
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ __all__ = ["PackedBatch"]
 
 # FlexAttention's default sparse block (tokens per BlockMask tile).
 FLEX_BLOCK = 128
+
+_NOT_ON_HOST = ("this PackedBatch is a CUDA-graph static buffer (PackedBatch.graph_static): its document offsets are "
+                "on the device only, so only the varlen backend can run on it")
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -77,20 +81,22 @@ class PackedBatch:
             if not bool(torch.isin(row_starts, cu).all()):
                 raise ValueError("every row must start a new document (a cu_seqlens entry at each r * seq_len)")
         self.batch, self.seq_len, self.total_tokens = int(batch), int(seq_len), tokens
-        self.lengths: list[int] = lengths.tolist()
-        self.num_docs = len(self.lengths)
-        self.max_seqlen = max(self.lengths)
+        # None on a graph_static batch only: its offsets live in a device buffer refilled before each replay
+        host_lengths: list[int] = lengths.tolist()
+        self.lengths: list[int] | None = host_lengths
+        self.num_docs = len(host_lengths)
+        self.max_seqlen = max(host_lengths)
         # Row starts are document starts, so "one document per row" is just a count.
         self.one_doc_per_row = self.num_docs == self.batch
-        self.cu_seqlens_cpu = _pin(cu, self.device)
+        self.cu_seqlens_cpu: torch.Tensor | None = _pin(cu, self.device)
         self.cu_seqlens = _to_device(self.cu_seqlens_cpu, self.device)
         self._doc_ids: dict[int, torch.Tensor] = {}  # padded length -> device int32 doc id per token
-        self._block_masks: dict[int, Any] = {}
+        self._block_masks: dict[tuple[int, int | None], Any] = {}  # (block size, window) -> BlockMask
 
     # ----------------------------------------------------------------------------------------------- constructors
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor | Sequence, device: torch.device | str | None = None
-                          ) -> "PackedBatch":
+                          ) -> PackedBatch:
         """From per-document position ids, shape (batch, seq_len) or (seq_len,) (= one row), tensor or nested list.
 
         A document starts at the start of each row and wherever the position is 0 OR does not increase by exactly 1
@@ -101,6 +107,7 @@ class PackedBatch:
         Computed on the host: a CUDA position_ids is copied to the CPU once (the only device sync, once per batch;
         pass the collator's CPU tensor to avoid it). `device` defaults to position_ids' device (CPU for a list).
         """
+        dev: torch.device | str | None
         if isinstance(position_ids, torch.Tensor):
             dev = position_ids.device if device is None else device
             pos = position_ids.detach().to("cpu")
@@ -122,13 +129,14 @@ class PackedBatch:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], max_seqlen: int | None = None,
-                        batch: int = 1, device: torch.device | str | None = None) -> "PackedBatch":
+                        batch: int = 1, device: torch.device | str | None = None) -> PackedBatch:
         """From cumulative document offsets, as carried by TRL / `DataCollatorWithFlattening` batches
         (`cu_seq_lens_q`, `max_length_q`; their rows are flattened into one, so batch defaults to 1).
 
         The offsets are read on the host (one D2H copy when they live on the GPU, once per batch). `max_seqlen`, when
         given, is checked against the offsets: a too-small value would make FlashAttention skip tokens silently.
         """
+        dev: torch.device | str | None
         if isinstance(cu_seqlens, torch.Tensor):
             dev = cu_seqlens.device if device is None else device
             cu = cu_seqlens.detach().to("cpu")
@@ -147,7 +155,7 @@ class PackedBatch:
         return pb
 
     @classmethod
-    def graph_static(cls, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int, seq_len: int) -> "PackedBatch":
+    def graph_static(cls, cu_seqlens: torch.Tensor, max_seqlen: int, batch: int, seq_len: int) -> PackedBatch:
         """A PackedBatch over a FIXED device buffer, for CUDA-graph capture (novatune/patch/graphs.py).
 
         `cu_seqlens` (int32, (slots + 1,), on the GPU) is refilled before each replay with one batch's offsets,
@@ -165,12 +173,13 @@ class PackedBatch:
 
     @classmethod
     def from_kwargs(cls, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                    batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> "PackedBatch | None":
+                    batch: int = 1, device: torch.device | str | None = None, **hf_kwargs) -> PackedBatch | None:
         """From the keyword arguments of a Hugging Face model call; returns None when nothing says the rows are packed.
 
         Uses `cu_seq_lens_q` (+ `max_length_q`) when present (TRL's flattening collator computed them already; with
         `batch` rows of equal length - TRL flattens into one row, the default), else `position_ids`;
-        `device` is where the model runs (a host-side cu_seq_lens_q then costs no device sync at all); with neither, returns None (nothing says the rows are packed: use stock attention).
+        `device` is where the model runs (a host-side cu_seq_lens_q then costs no device sync at all); with
+        neither, returns None (nothing says the rows are packed: use stock attention).
 
         `attention_mask` is the 2-D (batch, seq_len) padding mask of the model call. A mask with zeros together with
         packed rows (several documents in a row, or cu_seq_lens) raises ValueError: padding inside packed rows is
@@ -202,6 +211,19 @@ class PackedBatch:
                                  "the packing")
         return packed
 
+    # ----------------------------------------------------------------------------------------------- host layout
+    def host_lengths(self) -> list[int]:
+        """The document lengths as a host list; ValueError on a graph_static batch, which has none."""
+        if self.lengths is None:
+            raise ValueError(_NOT_ON_HOST)
+        return self.lengths
+
+    def host_offsets(self) -> torch.Tensor:
+        """cu_seqlens on the host; ValueError on a graph_static batch, which has them on the device only."""
+        if self.cu_seqlens_cpu is None:
+            raise ValueError(_NOT_ON_HOST)
+        return self.cu_seqlens_cpu
+
     # ----------------------------------------------------------------------------------------------- lazy extras
     def doc_ids(self, pad_to: int | None = None) -> torch.Tensor:
         """int32 document index of each flattened token, on `device`, built once and cached.
@@ -211,7 +233,7 @@ class PackedBatch:
         n = max(pad_to or 0, self.total_tokens)
         if n not in self._doc_ids:
             ids = torch.repeat_interleave(torch.arange(self.num_docs, dtype=torch.int32),
-                                          torch.tensor(self.lengths, dtype=torch.int64))
+                                          torch.tensor(self.host_lengths(), dtype=torch.int64))
             if n > self.total_tokens:
                 ids = torch.cat([ids, torch.full((n - self.total_tokens,), self.num_docs, dtype=torch.int32)])
             self._doc_ids[n] = _to_device(_pin(ids, self.device), self.device)
@@ -247,7 +269,7 @@ def _doc_causal_block_mask(pb: PackedBatch, block: int):
     T = pb.total_tokens
     nb = -(-T // block)
     # first / last document id of every block, from the host offsets (no device work, no sync)
-    cu = pb.cu_seqlens_cpu.to(torch.int64)
+    cu = pb.host_offsets().to(torch.int64)
     first_tok = torch.arange(nb, dtype=torch.int64) * block
     last_tok = torch.clamp(first_tok + block, max=T) - 1
     lo = torch.searchsorted(cu, first_tok, right=True) - 1  # (nb,)
@@ -260,11 +282,14 @@ def _doc_causal_block_mask(pb: PackedBatch, block: int):
     full = below & complete & (lo.view(1, nb) == hi.view(nb, 1))
     partial = any_ & ~full
 
-    def ordered(m: torch.Tensor):
-        # the layout BlockMask expects: per query block, the count and the ascending indices of the set kv blocks
-        num = m.sum(-1, dtype=torch.int32)
-        idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return num.view(1, 1, nb), idx.view(1, 1, nb, nb)
+    dev = pb.device
+
+    def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the layout BlockMask expects, on the model's device: per query block, the count and the ascending indices
+        # of the set kv blocks
+        num = m.sum(-1, dtype=torch.int32).view(1, 1, nb)
+        idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32).view(1, 1, nb, nb)
+        return _to_device(_pin(num, dev), dev), _to_device(_pin(idx, dev), dev)
 
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)
@@ -273,12 +298,10 @@ def _doc_causal_block_mask(pb: PackedBatch, block: int):
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    dev = pb.device
-    extra = {}
+    extra: dict[str, Any] = {}
     if "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters:
         extra["seq_lengths"] = (T, T)  # else the lengths are read as nb * block: wrong when T % block != 0
-    return BlockMask.from_kv_blocks(*(_to_device(_pin(t, dev), dev) for t in (kv_num, kv_idx, full_num, full_idx)),
-                                    BLOCK_SIZE=block, mask_mod=mask_mod, **extra)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, **extra)
 
 
 def _doc_local_block_mask(pb: PackedBatch, block: int, window: int):

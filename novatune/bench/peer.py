@@ -1,4 +1,4 @@
-"""The best peer stack (BENCHMARKS.md): Liger-Kernel's fused ops + torch's varlen attention, wired into HF the way
+"""The best peer stack (docs/BENCHMARKS.md): Liger-Kernel's fused ops + torch's varlen attention, wired into HF the way
 the published anchor figures were measured, so `novatune bench` measures the same peer as the anchors.
 
 * Liger: `apply_liger_kernel_to_<model_type>(rope, rms_norm, swiglu, fused_linear_cross_entropy)`, called before

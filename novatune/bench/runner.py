@@ -7,9 +7,9 @@ installed, novatune_full under QLoRA) gets a row with status "absent" and the re
 Each stack runs `python -m novatune.bench.worker SPEC.json` (bench/worker.py): the run is built by the trainer's
 own builder (novatune.train.session.build) and stepped with the session's step, `warm` warm-up steps then `steps`
 timed ones. Separate processes keep memory peaks, caches and Liger's process-wide class patching from leaking
-between stacks (BENCHMARKS.md rule).
+between stacks (docs/BENCHMARKS.md rule).
 
-Figures (BENCHMARKS.md): tokens/s = real (non-padding) tokens of the timed steps / their wall time; peak GiB =
+Figures (docs/BENCHMARKS.md): tokens/s = real (non-padding) tokens of the timed steps / their wall time; peak GiB =
 torch.cuda.max_memory_allocated() over the timed steps (reset after warm-up); FLOPs/token = 6 x matmul params
 + attention causal within documents (novatune.train.metrics.flops_per_token, from the timed batches' own
 document lengths); MFU = tokens/s x FLOPs/token / the bf16 rate: on a GPU the driver measures an 8192^3 bf16
@@ -141,7 +141,10 @@ def add_ratios(rows: list[dict]) -> dict:
         r["best_peer"] = peer["stack"] if peer else None
         r["loss_max_rel_diff_vs_stock"] = _max_rel_diff(r["losses"], stock["losses"]) if stock and ran else None
     nova = ok.get("novatune")
-    ratio = lambda a, b: round(a["tok_s"] / b["tok_s"], 4) if a and b else None
+
+    def ratio(a, b):
+        return round(a["tok_s"] / b["tok_s"], 4) if a and b else None
+
     return {"novatune_vs_stock": ratio(nova, stock), "novatune_vs_peer": ratio(nova, peer),
             "peer_vs_stock": ratio(peer, stock)}
 

@@ -4,7 +4,7 @@ The spec (written by bench/runner.py) names the stack, the config and overrides,
   {"stack", "stack_dir", "config", "overrides", "warm", "steps", "peak_tflops", "peak_source",
    "profile", "memory", "gc_freeze", "diag"}
 The run is built by novatune.train.session.build with the stack's overrides and hooks and stepped with the
-session's own step. The measurement (BENCHMARKS.md's rules):
+session's own step. The measurement (docs/BENCHMARKS.md's rules):
   * every optimizer step's micro-batches are collated before the first step and pinned on CUDA (a trainer's
     prefetch): the timed steps copy them to the GPU without blocking the host;
   * `warm` warm-up steps, then Python's GC is frozen (gc.freeze: later collections skip the objects that live for
@@ -185,12 +185,16 @@ def run_stack(spec: dict, log=print) -> dict:
         peak = peak_tflops(session.device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
         source = "GPU datasheet table (novatune.train.metrics)" if peak else None
     n_total, n_train = session.param_counts()
-    gib = lambda b: round(b / 2**30, 3) if b is not None else None
+
+    def gib(n_bytes):
+        return round(n_bytes / 2**30, 3) if n_bytes is not None else None
+
     report = session.patch_report
     return {
         "status": "ok", "reason": None, "warm": spec["warm"], "steps": spec["steps"],
         "tok_s": round(tps, 1), "timed_s": round(m["timed_s"], 6), "timed_tokens": tokens,
-        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"], "gflop_per_tok": _sig(fpt / 1e9),
+        "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"],
+        "gflop_per_tok": _sig(fpt / 1e9),
         "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
         "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
         "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),

@@ -61,7 +61,7 @@ def run(args) -> int:
     except ValueError as e:
         raise ConfigError("--stacks", str(e)) from None
     if args.warm < 1:
-        raise ConfigError("--warm", f"must be >= 1, got {args.warm}", "BENCHMARKS.md asks for >= 2 warm-up steps")
+        raise ConfigError("--warm", f"must be >= 1, got {args.warm}", "docs/BENCHMARKS.md asks for >= 2 warm-up steps")
     cfg, _ = load_config(args)  # config errors surface here, before any process starts
     steps = args.steps if args.steps is not None else (cfg.train.max_steps or 0) - args.warm
     if steps < 1:

@@ -1,6 +1,6 @@
 """GSM8K-style exact match by generation: k-shot chain-of-thought prompts, batched greedy decoding with a KV cache.
 
-Prints seed 000's table (accuracy with its 95% Wilson interval, per-request throughput and latency, average output
+Prints the results table (accuracy with its 95% Wilson interval, per-request throughput and latency, average output
 tokens) plus the aggregate generated tokens/s, and one JSON summary line last. --output writes the full result
 (every request's output and extracted answer) for `novatune report --eval`.
 """
@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
                      help="override an --arch config field, e.g. num_hidden_layers=2 (repeatable)")
     src.add_argument("--tokenizer", help="local tokenizer folder or 'demo' (default: the model's; --arch: demo)")
     src.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    src.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto: bf16 on CUDA, fp32 on CPU")
+    src.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                     help="auto: bf16 on CUDA, fp32 on CPU")
     src.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2, ...)")
     src.add_argument("--seed", type=int, default=0, help="random-init seed for --arch")
     d = p.add_argument_group("data and decoding")

@@ -1,6 +1,6 @@
 """Check that training with novatune is the same training as stock, from the same init and data:
 (a) per-step loss parity within a measured noise floor (stock sdpa vs stock eager attention: two valid kernels),
-(b) seed 000's weight-change table (every projection of the chosen layers: stock vs base, novatune vs base,
+(b) the weight-change table (every projection of the chosen layers: stock vs base, novatune vs base,
 stock vs novatune), (c) gradient norms, (d) packing contamination (changing one document of a packed row must not
 move any other document's logits), (e) gradient-accumulation invariance (one micro-batch of rows vs one per row).
 

@@ -29,7 +29,9 @@ def collate(rows: list[list[Doc]], pad_id: int = 0) -> dict:
     n_tokens = 0
     attn_keys = 0.0
     for row in rows:
-        r_ids, r_pos, r_lab = [], [], []
+        r_ids: list[int] = []
+        r_pos: list[int] = []
+        r_lab: list[int] = []
         for d_ids, d_mask in row:
             n = len(d_ids)
             r_ids += d_ids

@@ -16,7 +16,7 @@ full conversation (true of ChatML, Llama 3 and Qwen templates); if not, we say s
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from novatune.data.sources import DataError
 

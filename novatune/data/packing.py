@@ -102,7 +102,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def greedy_rows(docs: list[Doc], max_length: int, stats: PackStats) -> list[list[Doc]]:
     """Documents in their order, filling each row to the brim; a document that does not fit is cut at the row's end
-    and its rest starts the next row as a document of its own (TRL's "wrapped" packing; BENCHMARKS.md's reference
+    and its rest starts the next row as a document of its own (TRL's "wrapped" packing; docs/BENCHMARKS.md's reference
     rows). Rows are 100% full except the last; pieces shorter than 2 tokens carry no loss and are dropped."""
     rows: list[list[Doc]] = []
     row: list[Doc] = []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
@@ -111,7 +111,7 @@ def read_datasets(path: Path, split: str) -> Iterator[dict]:
 
 def synthetic_docs(num_docs: int, vocab_size: int, median_length: int = 600, sigma: float = 0.7,
                    min_length: int = 32, max_length: int | None = None, seed: int = 1) -> Iterator[dict]:
-    """Random-token documents with log-normal lengths (median `median_length`), as in BENCHMARKS.md's workload.
+    """Random-token documents with log-normal lengths (median `median_length`), as in docs/BENCHMARKS.md's workload.
 
     Seeded with its own torch.Generator, so the same config always gives the same documents.
     """

@@ -13,7 +13,7 @@ Measured, per request: the output tokens (up to and including the EOS or the tok
 padding after a finished sequence is not counted) and the latency (the synchronised wall time of the `generate`
 call that served it: in a batch every request returns when the batch does). Reported: accuracy with its 95% Wilson
 interval, average output tokens, average latency per request, average per-request throughput (output tokens /
-latency, seed 000's "Avg throughput") and the aggregate generated tokens/s (all output tokens / all generate time,
+latency, the table's "Avg throughput") and the aggregate generated tokens/s (all output tokens / all generate time,
 the figure batching raises). One warm-up generate call (a few tokens) runs first and is not timed.
 
 The answer extracted from an output is the number after the first `####`; else the number after the last "answer
@@ -309,7 +309,7 @@ def summarize(requests: list[dict], total_time: float, settings: EvalSettings) -
 
 
 def render_table(results: list[dict]) -> str:
-    """Seed 000's layout: one column per evaluated model."""
+    """The results table: one column per evaluated model."""
     labels = [r.get("label") or r.get("model") or "?" for r in results]
     rows = [("Accuracy", lambda r: f"{r['accuracy']:.3f} ({r['correct']}/{r['n']})"),
             ("95% interval (Wilson)", lambda r: f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}"),

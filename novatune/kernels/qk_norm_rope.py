@@ -67,8 +67,20 @@ from novatune.kernels.rms_norm import RESIDENCY, _persistent_grid, _resident_per
 
 MAX_HEAD_DIM = 256
 from novatune.kernels.qk_norm_rope_config import (  # noqa: E402,F401 - launch configs live beside
-    _BWD_PER_THREAD, _BWD_STAGES, _BWD_TILE, _FWD_MAX_TOKEN_TILE, _FWD_PER_THREAD, _FWD_TILE, _INTERP_TILE, _floor_pow2,
-    _head_blocks, _item_elems, _rows_tile, qk_norm_rope_bwd_config, qk_norm_rope_fwd_config)
+    _BWD_PER_THREAD,
+    _BWD_STAGES,
+    _BWD_TILE,
+    _FWD_MAX_TOKEN_TILE,
+    _FWD_PER_THREAD,
+    _FWD_TILE,
+    _INTERP_TILE,
+    _floor_pow2,
+    _head_blocks,
+    _item_elems,
+    _rows_tile,
+    qk_norm_rope_bwd_config,
+    qk_norm_rope_fwd_config,
+)
 
 
 # ----------------------------------------------------------------------------------------------- kernel helpers

@@ -225,7 +225,7 @@ def _persistent_grid(n_blocks: int, num_sms: int, per_sm: int) -> int:
     return triton.cdiv(n_blocks, triton.cdiv(n_blocks, g))  # same blocks per program, fewer partial rows
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_limits(device_index: int) -> tuple[int, int, int, int]:
     """(SMs, registers per SM, threads per SM, shared memory per SM) with Hopper values where torch lacks one."""
     p = torch.cuda.get_device_properties(device_index)
@@ -234,7 +234,7 @@ def _device_limits(device_index: int) -> tuple[int, int, int, int]:
             getattr(p, "shared_memory_per_multiprocessor", 228 * 1024))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _block_smem(device_index: int) -> int:
     p = torch.cuda.get_device_properties(device_index)
     return getattr(p, "shared_memory_per_block_optin", 0) or 163 * 1024  # torch without the field: an A100's

@@ -26,7 +26,7 @@ def git_sha() -> str:
 def environment() -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "device": "cpu"}
+    env: dict[str, str | None] = {"torch": torch.__version__, "device": "cpu"}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))

@@ -1,4 +1,4 @@
-"""GPU timing used by bench/, `novatune bench` and the tune engine (BENCHMARKS.md's two figures).
+"""GPU timing used by bench/, `novatune bench` and the tune engine (docs/BENCHMARKS.md's two figures).
 
 * kernel_us: the sum of GPU kernel durations per call from torch.profiler - the efficiency figure, free of
   host overhead, compared with the HBM floor (per_kernel_us: the same, per kernel name).
@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -43,7 +43,7 @@ class CallRecord:
     args: tuple                # ArgRecord per positional argument, in call order
 
     @classmethod
-    def of(cls, op: str, signature: tuple, args: tuple) -> "CallRecord":
+    def of(cls, op: str, signature: tuple, args: tuple) -> CallRecord:
         recs = tuple(ArgRecord(tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor)
                      else ArgRecord(value=a) for a in args)
         return cls(op, signature, recs)

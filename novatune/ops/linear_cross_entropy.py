@@ -45,7 +45,6 @@ so memory stays bounded on the CPU too.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -60,7 +59,7 @@ _REDUCTIONS = ("mean", "sum")
 
 
 @torch.library.custom_op("novatune::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: Tensor, bias: Optional[Tensor],
+def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: Tensor, bias: Tensor | None,
                             ignore_index: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
                             chunk_tokens: int, mode: str = "auto",
                             vocab_slice: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -159,9 +158,9 @@ def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
 
 
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", normalizer=None, bias: Optional[Tensor] = None, *,
-                         chunk_tokens: Optional[int] = None, mode: str = "auto",
-                         vocab_slice: Optional[int] = None) -> Tensor:
+                         reduction: str = "mean", normalizer=None, bias: Tensor | None = None, *,
+                         chunk_tokens: int | None = None, mode: str = "auto",
+                         vocab_slice: int | None = None) -> Tensor:
     """Cross-entropy of (hidden @ lm_weight.T + bias) against labels, fused and chunked; a 0-dim fp32 loss.
 
     hidden (..., H), lm_weight (V, H) (may be the tied embedding's Parameter), labels (...) int, aligned with
@@ -224,7 +223,7 @@ class NovaLinearCrossEntropy(nn.Module):
         self.mode = mode
 
     def forward(self, hidden: Tensor, lm_weight: Tensor, labels: Tensor, normalizer=None,
-                bias: Optional[Tensor] = None) -> Tensor:
+                bias: Tensor | None = None) -> Tensor:
         return linear_cross_entropy(hidden, lm_weight, labels, self.ignore_index, self.reduction, normalizer, bias,
                                     mode=self.mode)
 

@@ -21,8 +21,6 @@ to tune: the GEMMs are the vendor's), so the CPU path is the GPU path and the fp
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -52,8 +50,8 @@ def _bwd_impl(dy, x, weight, bias, lora_a, lora_b, xa, scaling, x_lora, need_dx,
 
 # ----------------------------------------------------------------------------------------------- registered ops
 @torch.library.custom_op("novatune::lora_linear_fwd", mutates_args=())
-def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor,
-                    scaling: float, x_lora: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                    scaling: float, x_lora: Tensor | None) -> tuple[Tensor, Tensor]:
     """(y, xa): y (*x.shape[:-1], out) in x's dtype; xa = x_l Aᵀ (tokens, r), saved for the backward."""
     return _fwd_impl(x, weight, bias, lora_a, lora_b, scaling, x_lora)
 
@@ -66,8 +64,8 @@ def _lora_linear_fwd_fake(x, weight, bias, lora_a, lora_b, scaling, x_lora):
 
 
 @torch.library.custom_op("novatune::lora_linear_bwd", mutates_args=())
-def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor,
-                    xa: Tensor, scaling: float, x_lora: Optional[Tensor], need_dx: bool, need_dweight: bool,
+def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor,
+                    xa: Tensor, scaling: float, x_lora: Tensor | None, need_dx: bool, need_dweight: bool,
                     need_dbias: bool, need_da: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                               Tensor]:
     outs = _bwd_impl(dy, x, weight, bias, lora_a, lora_b, xa, scaling, x_lora, need_dx, need_dweight, need_dbias,

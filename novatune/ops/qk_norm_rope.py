@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from novatune.kernels import qk_norm_rope as _k
-from novatune.reference import qk_norm_rope as _ref
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import (
@@ -51,6 +50,7 @@ from novatune.ops.contract import (
     variant_grid,
 )
 from novatune.ops.rope import noncontig_heads, qk_dy_shapes, qk_shape
+from novatune.reference import qk_norm_rope as _ref
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_fwd", "qk_norm_rope_bwd"]
 

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from novatune.kernels import rms_norm as _k
-from novatune.reference import rms_norm as _ref
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import (
@@ -43,6 +42,7 @@ from novatune.ops.contract import (
     triton_reason,
     variant_grid,
 )
+from novatune.reference import rms_norm as _ref
 
 __all__ = ["rms_norm", "NovaRMSNorm", "rms_norm_fwd", "rms_norm_bwd"]
 
@@ -156,7 +156,7 @@ class NovaRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> "NovaRMSNorm":
+    def from_module(cls, module: nn.Module) -> NovaRMSNorm:
         """A NovaRMSNorm sharing an HF-style norm's `weight` (the same Parameter object, so optimisers and FSDP
         still see it) and its `variance_epsilon` (or a float `eps`)."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))

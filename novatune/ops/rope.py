@@ -27,7 +27,6 @@ import functools
 import torch
 
 from novatune.kernels import rope as _k
-from novatune.reference import rope as _ref
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import (
@@ -42,6 +41,7 @@ from novatune.ops.contract import (
     triton_reason,
     variant_grid,
 )
+from novatune.reference import rope as _ref
 
 
 def _new_like(x: torch.Tensor) -> torch.Tensor:

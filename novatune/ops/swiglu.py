@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 from novatune.kernels import swiglu as K
-from novatune.reference import swiglu as _ref
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import (
@@ -46,6 +45,7 @@ from novatune.ops.contract import (
     triton_reason,
     variant_grid,
 )
+from novatune.reference import swiglu as _ref
 
 
 def _fwd_impl(gate: Tensor, up: Tensor, on_triton: bool) -> Tensor:

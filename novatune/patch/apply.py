@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from novatune.patch import forwards
-from novatune.patch import loss, quirks
+from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
-from novatune.patch.trainers import trainer_refusal
-from novatune.patch.versions import check_transformers
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
+from novatune.patch.trainers import trainer_refusal
+from novatune.patch.versions import check_transformers
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
 
@@ -88,9 +87,9 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
-          cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True, early_tied_grad: bool = True,
-          swiglu_inplace_backward: bool = True, lora: bool = True, cuda_graphs: bool | str = "auto",
-          strict: bool = False, selection=None) -> PatchReport:
+          cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
+          early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
+          cuda_graphs: bool | str = "auto", strict: bool = False, selection=None) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
@@ -256,8 +255,9 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
     if not cross_entropy:
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", "cross_entropy=False")
     elif not isinstance(lm_head, nn.Linear) or lm_head.bias is not None:
+        with_bias = " with bias" if getattr(lm_head, "bias", None) is not None else ""
         report.add(spec.lm_head_attr, "cross_entropy", "skipped",
-                   f"lm_head is {type(lm_head).__name__}{' with bias' if getattr(lm_head, 'bias', None) is not None else ''}"
+                   f"lm_head is {type(lm_head).__name__}{with_bias}"
                    " (fused CE needs a plain bias-free Linear; a LoRA-wrapped lm_head keeps stock loss)")
     elif "cross_entropy" in refused:
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", refused["cross_entropy"])

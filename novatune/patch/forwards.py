@@ -11,16 +11,15 @@ captures the kwargs, so the recompute in backward sees the same metadata.
 """
 from __future__ import annotations
 
-
 import torch
 
+from novatune.attention.backends import varlen_attention
 from novatune.attention.packed import PackedBatch
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu_mlp
 from novatune.patch.lora import grouped_qlora
-from novatune.attention.backends import varlen_attention
 
 PACKED_KWARG = "novatune_packed"
 

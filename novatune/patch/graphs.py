@@ -113,7 +113,7 @@ class _Bucket:
 class _CheckpointHook:
     """Stands in for a layer's `_gradient_checkpointing_func` (HF calls it as func(partial(forward, **kw), x))."""
 
-    def __init__(self, runner: "LayerGraphRunner", index: int, inner):
+    def __init__(self, runner: LayerGraphRunner, index: int, inner):
         self.runner, self.index, self.inner = runner, index, inner
 
     def __call__(self, fn, *args, **kwargs):
@@ -459,7 +459,7 @@ def install(model: nn.Module, stack: nn.Module, state, report, requested) -> Non
     why = None
     if not torch.cuda.is_available():
         why = "CUDA is not available"
-    elif not layers or not all(hasattr(l, "gradient_checkpointing") for l in layers):
+    elif not layers or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
         why = "the decoder layers are not HF GradientCheckpointingLayers"
     elif not state.all_attention_patched:
         why = "not every attention layer is novatune's (the graphs need the packed varlen path)"

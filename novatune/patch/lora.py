@@ -10,9 +10,9 @@ gradient-checkpointed layer (training) the recomputed forward's dense weight is 
 instead: one dequantisation fewer per linear, at most one layer's dense weights alive (the first forward's saved
 tensors are not kept under checkpointing). The NF4 view of bnb's state is built once per weight.
 Everything else is reported as skipped with the reason: DoRA and other variants, several active adapters, merged
-adapters, other quantised or custom base layers (FP4, 8-bit), a bias in lora_B, fan_in_fan_out (Conv1D) layers, LoRA outside the projections (lm_head,
-embeddings). The SwiGLU MLP and the attention forwards *call* the projection modules, so they pick the fused
-forward up with no change.
+adapters, other quantised or custom base layers (FP4, 8-bit), a bias in lora_B, fan_in_fan_out (Conv1D) layers,
+LoRA outside the projections (lm_head, embeddings). The SwiGLU MLP and the attention forwards *call* the projection
+modules, so they pick the fused forward up with no change.
 
 The bound forward computes what PEFT's `Linear.forward` computes for one active vanilla adapter:
     result = base_layer(x) + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling
@@ -157,9 +157,9 @@ def _checkpoint_owner(model: nn.Module, path: str) -> nn.Module | None:
 
 def _dequant_weight(module: nn.Module, weight, quant, dtype: torch.dtype) -> DequantWeight:
     """The layer's NF4 stand-in (views bnb's storage; dequantised per GEMM), built once per (weight, quant state,
-    storage, dtype), compared by identity: reading bnb's state costs ~tens of µs of host time per call, and a QLoRA micro-step makes
-    ~750 of these calls on a host-bound step. A new Params4bit (`.to()`, re-quantisation, a loaded checkpoint)
-    changes the key and rebuilds it."""
+    storage, dtype), compared by identity: reading bnb's state costs ~tens of µs of host time per call, and a QLoRA
+    micro-step makes ~750 of these calls on a host-bound step. A new Params4bit (`.to()`, re-quantisation, a loaded
+    checkpoint) changes the key and rebuilds it."""
     cached = getattr(module, "_novatune_nf4", None)
     if (cached is None or cached[0] is not weight or cached[1] is not quant or cached[2] != weight.data_ptr()
             or cached[3] != dtype):

@@ -1,7 +1,7 @@
 """What the generic applier needs to know about a model family: data, not code.
 
 A family spec names the Hugging Face classes and attribute paths; `apply.py` does the same work for every family.
-Only `patch/specs/` knows Hugging Face class names (ARCHITECTURE.md).
+Only `patch/specs/` knows Hugging Face class names (docs/ARCHITECTURE.md).
 """
 from __future__ import annotations
 

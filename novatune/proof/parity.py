@@ -138,7 +138,7 @@ def _stats(w: torch.Tensor, w0: torch.Tensor) -> tuple[float, float, float]:
 
 
 def weight_change_check(base: dict, stock: dict, alt: dict, nova: dict, dtype: str) -> dict:
-    """Seed 000's table for every matrix of the chosen layers, plus the comparison with the floor run."""
+    """The weight-change table for every matrix of the chosen layers, plus the comparison with the floor run."""
     rows = []
     for key in sorted(base):
         w0, ws, we, wn = base[key], stock[key], alt[key], nova[key]
@@ -189,7 +189,7 @@ def same_init_check(bases: dict[str, dict]) -> dict:
 
 
 def render_weight_table(rows: list[dict]) -> str:
-    """Seed 000's layout: one line per matrix, stock vs base, novatune vs base, stock vs novatune."""
+    """The weight-change table: one line per matrix, stock vs base, novatune vs base, stock vs novatune."""
     lines = [(f"{'layer':>5s} {'param':24s} {'stock vs base':>13s} {'novatune vs base':>16s} "
               f"{'stock vs novatune':>17s} {'(update diff)':>13s} {'floor':>9s}")]
     for r in rows:

@@ -8,7 +8,7 @@ GPU memory of each is released before the next), from the same init and the same
 then, on novatune's trained model: the packing-contamination and gradient-accumulation checks (checks.py), and
 the same two on that model with the patch reverted (stock) for their sanity run / floor.
 
-Checks: same_init, loss_parity (a), weight_change (b, seed 000's table for the chosen layers' matrices),
+Checks: same_init, loss_parity (a), weight_change (b, the weight-change table of the chosen layers' matrices),
 grad_norm (c, pre-clip total norm per step), packing_contamination (d), grad_accum_invariance (e).
 In-process on purpose: tests plant faults by monkeypatching novatune's ops and run this same code.
 Speed at the headline workload (4B): steps default to 4, only the chosen layers' weights are copied (to the CPU).
@@ -133,8 +133,9 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
     results.append(checks.grad_accum_check(ga_nova, ga_stock, dtype))
 
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = {"time": now, **environment(), "config": config_name or "<demo>", "overrides": list(overrides or []), "steps": steps,
-           "dtype": dtype, "device_type": device.type, "layers": state["layers"], "factor": parity.FACTOR,
+    out = {"time": now, **environment(), "config": config_name or "<demo>", "overrides": list(overrides or []),
+           "steps": steps, "dtype": dtype, "device_type": device.type, "layers": state["layers"],
+           "factor": parity.FACTOR,
            "passed": all(r["passed"] for r in results),
            "noise_floor": {"reference": "stock (sdpa)", "alternative": "stock (eager)", "why": parity.NOISE_FLOOR_WHY},
            "checks": results, "runs": runs}
@@ -144,7 +145,7 @@ def run_validate(cfg, base_dir: Path | None, run_dir: Path, steps: int = 4, laye
 
 
 def render(result: dict) -> str:
-    """The check table, the per-step losses and seed 000's weight table."""
+    """The check table, the per-step losses and the weight-change table."""
     from novatune.proof.parity import render_weight_table
 
     lines = [f"{'check':22s} {'result':6s} detail"]
@@ -160,7 +161,7 @@ def render(result: dict) -> str:
                      f"{r['floor_rel']:10.2e} {r['novatune_rel']:12.2e}")
     lines.append("")
     wc = next(c for c in result["checks"] if c["name"] == "weight_change")
-    lines.append("weight change (seed 000's table; stock vs novatune: max|Ws-Wn| / max|Ws-W0|, then the update "
+    lines.append("weight change (stock vs novatune: max|Ws-Wn| / max|Ws-W0|, then the update "
                  "difference ||Ws-Wn|| / ||Ws-W0|| and the same for stock eager):")
     lines.append(render_weight_table(wc["rows"]))
     lines.append("")

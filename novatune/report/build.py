@@ -91,8 +91,9 @@ class Report:
         saving = "" if costmod.not_projectable(base, cand) else \
             f", {100 * costmod.cost_reduction(s):.1f}% lower cost per training token"
         self.add("headline", f"**{cand['stack']} {cand['tok_s']:,.0f} tok/s vs {base['stack']} {base['tok_s']:,.0f} "
-                             f"tok/s: {s:.3f}x ({100 * (s - 1):+.1f}% throughput{saving})** on {self.head.workload()}, {dev}, git "
-                             f"`{base.get('git_sha', '?')}`, measured {self.head.time()}.")
+                             f"tok/s: {s:.3f}x ({100 * (s - 1):+.1f}% throughput{saving})** on "
+                             f"{self.head.workload()}, {dev}, git `{base.get('git_sha', '?')}`, "
+                             f"measured {self.head.time()}.")
 
     def speed(self) -> None:
         self.add("h2", "Speed and memory")
@@ -128,7 +129,7 @@ class Report:
                              f"{r0.get('torch', '?')}, transformers {r0.get('transformers', '?')}, git "
                              f"`{r0.get('git_sha', '?')}`. tok/s = trained tokens / wall time of the timed steps; "
                              f"peak GiB = torch.cuda.max_memory_allocated over them; ratios are tok/s over tok/s "
-                             f"of the same run (BENCHMARKS.md).")
+                             f"of the same run (docs/BENCHMARKS.md).")
             if g is self.head:
                 bench_x = cand.get("x_stock")
                 if bench_x is not None:
@@ -230,7 +231,8 @@ class Report:
             r = t.result
             self.add("h3", f"Top {'kernels' if r['kind'] == 'gpu' else 'CPU ops'}: {t.name}")
             self.add("table", ["name", "ms", "category"], [[n[:110], _ms(ms), c] for n, ms, c in r["top"]])
-            self.add("note", f"{t.path.name}: {r['kernels']} {'GPU events' if r['kind'] == 'gpu' else 'top-level CPU ops'}"
+            events = "GPU events" if r["kind"] == "gpu" else "top-level CPU ops"
+            self.add("note", f"{t.path.name}: {r['kernels']} {events}"
                              f", {r['attributed']} attributed to a category through what launched them (module / "
                              f"Python frame / forward op)." + ("" if r["kind"] == "gpu" else
                              " CPU-only trace: times are CPU op times."))
@@ -281,8 +283,8 @@ class Report:
 
         self.add("h2", "GSM8K evaluation")
         if not self.inp.evals:
-            self.add("note", "No eval results (`novatune eval --output FILE.json`, passed with --eval or found in a run "
-                             "folder).")
+            self.add("note", "No eval results (`novatune eval --output FILE.json`, passed with --eval or found in a "
+                             "run folder).")
             return
         res = [r for _, r in self.inp.evals]
         md = render_table(res).splitlines()
@@ -290,10 +292,10 @@ class Report:
         self.add("table", [c.strip() for c in cells[0]], [[c.strip() for c in row] for row in cells[2:]])
         r0 = res[0]
         self.add("note", f"{r0['n']} problems, {r0['k_shot']}-shot chain of thought, greedy decoding (batch "
-                         f"{r0['batch_size']}, max {r0['max_new_tokens']} new tokens), exact match on the final number. "
-                         f"Latency per request = wall time of the batched generate call that served it; throughput per "
-                         f"request = its output tokens / that latency; generated tok/s = all output tokens / all "
-                         f"generate time.")
+                         f"{r0['batch_size']}, max {r0['max_new_tokens']} new tokens), exact match on the final "
+                         f"number. Latency per request = wall time of the batched generate call that served it; "
+                         f"throughput per request = its output tokens / that latency; generated tok/s = all output "
+                         f"tokens / all generate time.")
         if len(res) >= 2:
             a, b = res[0], res[1]
             overlap = a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
@@ -328,7 +330,8 @@ class Report:
                 [f"GPU-hours for {budget:,.0f} tokens", _f(c["gpu_hours_before"], ",.1f"),
                  _f(c["gpu_hours_after"], ",.1f")]]
         if price is not None:
-            rows += [["$ per 1M training tokens", _f(c["cost_per_m_before"], ",.4f"), _f(c["cost_per_m_after"], ",.4f")],
+            rows += [["$ per 1M training tokens", _f(c["cost_per_m_before"], ",.4f"),
+                      _f(c["cost_per_m_after"], ",.4f")],
                      [f"$ for {budget:,.0f} tokens", _f(c["budget_cost_before"], ",.2f"),
                       _f(c["budget_cost_after"], ",.2f")]]
         self.add("table", ["", base["stack"], cand["stack"]], rows)
@@ -337,8 +340,8 @@ class Report:
         self.add("h3", "Monthly fine-tuning spend at the measured speedup")
         self.add("table", ["baseline monthly spend", "equivalent spend with novatune", "estimated monthly savings"],
                  [[f"${s:,.0f}", f"${a:,.0f}", f"${d:,.0f}"] for s, a, d in c["monthly"]])
-        self.add("note", "Equivalent spend = spend / speedup: the same tokens trained in proportionally fewer GPU-hours "
-                         "(no price needed). Savings depend on utilisation, configuration and workload mix.")
+        self.add("note", "Equivalent spend = spend / speedup: the same tokens trained in proportionally fewer "
+                         "GPU-hours (no price needed). Savings depend on utilisation, configuration and workload mix.")
 
     def inputs(self) -> None:
         self.add("h2", "Inputs")

@@ -1,4 +1,4 @@
-"""Cost analysis from a measured throughput pair (seed 000's "business impact" tables).
+"""Cost analysis from a measured throughput pair (the report's "business impact" tables).
 
 With the same GPU, the same $/GPU-hour, utilisation and workload shape, cost is proportional to GPU time, and GPU
 time per token to 1 / tokens/s. So for a speedup s = tok/s(after) / tok/s(before):

@@ -212,7 +212,8 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
     for t in inp.traces:
         try:
             t.result = breakdown(t.path)
-            inp.read.append(f"{t.path}: trace ({t.result['kernels']} {'GPU events' if t.result['kind'] == 'gpu' else 'top-level CPU ops'})")
+            events = "GPU events" if t.result["kind"] == "gpu" else "top-level CPU ops"
+            inp.read.append(f"{t.path}: trace ({t.result['kernels']} {events})")
         except (ValueError, OSError, KeyError, TypeError) as e:
             t.error = f"{type(e).__name__}: {e}"
             inp.ignored.append(f"{t.path}: unreadable trace ({t.error})")

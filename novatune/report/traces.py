@@ -5,8 +5,8 @@ streams add up (it is CUDA time, not wall time; `span_ms` is the wall span from 
 
 Each kernel is put in one category: GEMM, attention, norms, activation, RoPE, loss, optimizer, copies, other. Its
 name alone is often enough (`flash_fwd`, `nvjet`, `cutlass ... gemm`, `multi_tensor_apply`), but stock HF computes
-RMSNorm or RoPE as chains of generic elementwise kernels (pow, mean, rsqrt, mul, cat: seed 001's "multiple ATen
-operators"). Those are attributed through what launched them: the kernel's `correlation` id leads to the CUDA
+RMSNorm or RoPE as chains of generic elementwise kernels (pow, mean, rsqrt, mul, cat: several ATen operators
+per norm). Those are attributed through what launched them: the kernel's `correlation` id leads to the CUDA
 runtime call, whose enclosing CPU ops and Python frames on the same thread (with_stack=True traces carry
 `nn.Module: Qwen3RMSNorm_0` and `apply_rotary_pos_emb` frames) name the module; a backward op
 (`autograd::engine::evaluate_function: MulBackward0`) inherits the context of the forward op with the same

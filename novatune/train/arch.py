@@ -10,7 +10,7 @@ import inspect
 from typing import Any
 
 ARCHS: dict[str, dict[str, Any]] = {
-    # BENCHMARKS.md's headline model: Qwen/Qwen3-4B-Instruct-2507
+    # docs/BENCHMARKS.md's headline model: Qwen/Qwen3-4B-Instruct-2507
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=5e6, max_position_embeddings=262144),
@@ -73,6 +73,7 @@ def count_matmul_params(config) -> int:
 
 
 def attention_flops_per_token(config, avg_keys: float) -> float:
-    """BENCHMARKS.md: 3 (fwd+bwd) x 4 (QK^T and PV, 2 flops each) x avg attended keys x q_heads x head_dim x layers."""
+    """docs/BENCHMARKS.md's formula: 3 (fwd+bwd) x 4 (QK^T and PV, 2 flops each) x avg attended keys x q_heads x
+    head_dim x layers."""
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 3 * 4 * avg_keys * config.num_attention_heads * hd * config.num_hidden_layers

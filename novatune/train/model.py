@@ -7,7 +7,7 @@ every parameter, so the optimizer and checkpoints are unaffected by it.
 QLoRA (method.type qlora) differs in two places: the model's linears are bitsandbytes NF4 (`model.name`: loaded
 with novatune.train.qlora.bnb_config; `model.arch`: built, then quantised in place), and PEFT's
 prepare_model_for_kbit_training is deliberately NOT called (its fp32 casts of embeddings, norms and lm_head halve
-the speed: BENCHMARKS.md's QLoRA anchor); only the one piece of it training needs is done here (input grads under
+the speed: docs/BENCHMARKS.md's QLoRA anchor); only the one piece of it training needs is done here (input grads under
 gradient checkpointing, `prepare`).
 """
 from __future__ import annotations
@@ -148,7 +148,8 @@ def prepare(model, cfg):
             # docstring): the frozen embedding's output requires grad, so each checkpointed layer has a
             # differentiable input, as with reentrant checkpointing it must. Non-reentrant checkpointing would
             # cope without it; it is kept so the trainer runs the graph of the stock PEFT + bitsandbytes recipe
-            # that `novatune bench examples/qlora.yaml` compares against (cost: one (tokens, hidden) gradient per micro-batch).
+            # that `novatune bench examples/qlora.yaml` compares against (cost: one (tokens, hidden) gradient per
+            # micro-batch).
             model.enable_input_require_grads()
     if cfg.method.type in ("lora", "qlora"):
         model = add_lora(model, cfg.method)

@@ -25,7 +25,7 @@ novatune.train.qlora builds it, per quantised tensor of n weights:
                and drops the copy after it; novatune's fused QLoRA linear does too, except inside a checkpointed
                layer, where the recomputed forward's dense weights serve the backward: one layer's linears.
 
-Checked against BENCHMARKS.md's H200 peaks (headline workload, checkpointing on): stock 38.5 GiB estimated vs 39.0
+Checked against docs/BENCHMARKS.md's H200 peaks (headline workload, checkpointing on): stock 38.5 GiB estimated vs 39.0
 measured; with fused cross-entropy 31.5 vs 32.2 (varlen + Liger); LoRA r16 16.2 vs 17.0 (stock) and 9.3 vs 9.8.
 Without checkpointing the patched model needs less than estimated (fused norms/SwiGLU keep fewer copies).
 """

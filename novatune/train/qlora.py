@@ -8,7 +8,7 @@
   one layer at a time (the bf16 weight is freed as its NF4 copy appears, so the peak is the bf16 model, never
   two copies). lm_head stays in bf16 as transformers' bnb integration leaves it (llm_int8_skip_modules default).
   PEFT's prepare_model_for_kbit_training is NOT called: it casts embeddings, lm_head and norms to fp32, which
-  halves QLoRA speed (BENCHMARKS.md's QLoRA anchor: 2,504 vs 4,888 tok/s) for no accuracy the bf16 loss needs.
+  halves QLoRA speed (docs/BENCHMARKS.md's QLoRA anchor: 2,504 vs 4,888 tok/s) for no accuracy the bf16 loss needs.
 * `quantize_embeddings_(model, dtype)`: the frozen input embedding in NF4 as well (novatune.ops.nf4.NF4Embedding:
   the same layout, rows dequantised as they are gathered), unless it is tied to lm_head (which stays dense, so the
   shared table must too): Qwen3-8B's untied 152k x 4096 table is 1.16 GiB in bf16, 0.30 GiB in NF4, the step that
@@ -81,7 +81,8 @@ def quantize_embeddings_(model: nn.Module, dtype: torch.dtype) -> str:
     if isinstance(emb, NF4Embedding):
         return f"embeddings: {name} already NF4"
     head = model.get_output_embeddings()
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(head, "weight", None) is getattr(emb, "weight", 0):
+    shares_weight = getattr(head, "weight", None) is getattr(emb, "weight", 0)
+    if getattr(model.config, "tie_word_embeddings", False) or shares_weight:
         return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: tied to lm_head, which "
                 f"stays dense (quantising the shared table would change lm_head's weights too)")
     if type(emb) is not nn.Embedding:
@@ -147,7 +148,8 @@ def merged_state_dict(peft_model, dtype: torch.dtype) -> dict[str, torch.Tensor]
                 out[pre + "bias"] = inner.bias.detach().to(dtype)
             done.append(path)
         elif isinstance(mod, NF4Embedding):
-            out[pre + "weight"] = mod.dequantize(dtype)  # a normal dense embedding in the export (one fp32 -> dtype cast)
+            # a normal dense embedding in the export (one fp32 -> dtype cast)
+            out[pre + "weight"] = mod.dequantize(dtype)
             done.append(path)
         elif getattr(getattr(mod, "weight", None), "quant_state", None) is not None:
             out[pre + "weight"] = dense_weight(mod).to(dtype)

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import novatune.ops
-from novatune.attention import (AUTO_ORDER, BackendUnavailable, PackedBatch, backends, last_choice,
-                                varlen_attention)
+from novatune.attention import AUTO_ORDER, BackendUnavailable, PackedBatch, backends, last_choice, varlen_attention
 from novatune.measure.numerics import assert_close
 
 ROWS = [[5, 1, 1, 20, 3], [30], [2, 27, 1]]  # docs of length 1, a one-doc row, a last doc of length 1

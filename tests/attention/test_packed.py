@@ -112,7 +112,7 @@ def test_block_mask_equals_create_block_mask(block):
         bm = pb.block_mask(block)
         doc = pb.doc_ids()
 
-        def mask_mod(b_, h, q, kv):
+        def mask_mod(b_, h, q, kv, doc=doc):
             return (doc[q] == doc[kv]) & (q >= kv)
 
         ref = create_block_mask(mask_mod, None, None, pb.total_tokens, pb.total_tokens, device="cpu",
@@ -121,3 +121,11 @@ def test_block_mask_equals_create_block_mask(block):
         assert torch.equal(bm.kv_num_blocks, ref.kv_num_blocks), rows
         assert torch.equal(bm.full_kv_num_blocks, ref.full_kv_num_blocks), rows
         assert pb.block_mask(block) is bm  # cached: built once per batch
+
+
+def test_graph_static_batch_refuses_host_side_work():
+    # a CUDA-graph static batch keeps its offsets in a device buffer only: host-side work says so, by name
+    pb = PackedBatch.graph_static(torch.tensor([0, 3, 8, 8], dtype=torch.int32), 8, batch=1, seq_len=8)
+    for host_side_work in (pb.host_lengths, pb.host_offsets, pb.doc_ids, pb.block_mask):
+        with pytest.raises(ValueError, match="graph_static"):
+            host_side_work()

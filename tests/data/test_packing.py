@@ -85,8 +85,9 @@ def test_stream_is_seeded_and_resumable():
 
 
 def _tiny_qwen3(vocab=300, patched=False):
-    from novatune.train.arch import arch_config
     from transformers import AutoModelForCausalLM
+
+    from novatune.train.arch import arch_config
 
     cfg = arch_config("qwen3-tiny", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16), vocab)

@@ -66,7 +66,7 @@ def test_wilson_interval_known_values():
     assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
     lo, hi = wilson_interval(10, 10)
     assert lo == pytest.approx(0.7225, abs=1e-4) and hi == 1.0
-    # seed 000's 47/50: centre pulled towards 1/2, interval inside (0, 1) and containing the estimate
+    # 47/50: centre pulled towards 1/2, interval inside (0, 1) and containing the estimate
     lo, hi = wilson_interval(47, 50)
     assert lo < 0.94 < hi and hi < 1 and math.isclose(lo, 0.8378, abs_tol=1e-3)
 

@@ -23,9 +23,9 @@ import math
 import pytest
 import torch
 
-from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels import linear_cross_entropy_lowmem as L
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 
 DTYPES = [torch.bfloat16, torch.float32]
 IDS = ["bf16", "fp32"]

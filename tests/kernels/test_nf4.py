@@ -9,8 +9,8 @@ scale), never noise. The round-trip bound is derived in the module docstring; he
 import pytest
 import torch
 
-from novatune.measure.numerics import poison_
 from novatune.kernels import nf4 as K
+from novatune.measure.numerics import poison_
 from novatune.ops import nf4 as ops_nf4
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

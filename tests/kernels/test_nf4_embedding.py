@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from novatune.measure.numerics import poison_
 from novatune.kernels import nf4 as K
+from novatune.measure.numerics import poison_
 from novatune.ops import nf4 as ops_nf4
 from novatune.ops.nf4 import NF4Embedding
 

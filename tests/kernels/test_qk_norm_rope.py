@@ -25,7 +25,6 @@ one-token-per-item configs run on a few tokens only.
 import pytest
 import torch
 
-from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels.qk_norm_rope import (
     qk_norm_rope_bwd,
     qk_norm_rope_bwd_config,
@@ -35,6 +34,7 @@ from novatune.kernels.qk_norm_rope import (
     qk_norm_rope_fwd_config,
     qk_norm_rope_ref,
 )
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 
 EPS = 1e-6
 TOL_SEQ = {torch.float32: 1e-6, torch.bfloat16: 1e-3}  # vs the same rounding sequence (see docstring)

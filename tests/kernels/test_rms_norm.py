@@ -9,8 +9,8 @@ Tolerances (relative norm error, novatune.measure.numerics):
 import pytest
 import torch
 
-from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.kernels.rms_norm import (
+    _sum_partials,
     rms_norm_bwd,
     rms_norm_bwd_config,
     rms_norm_bwd_launch_config,
@@ -19,7 +19,7 @@ from novatune.kernels.rms_norm import (
     rms_norm_fwd_config,
     rms_norm_ref,
 )
-from novatune.kernels.rms_norm import _sum_partials
+from novatune.measure.numerics import REL_TOL, assert_close, poison_
 
 EPS = 1e-6
 # (rows, N): the interpreter is slow, so many rows only with small N and N=2560 only with few rows.

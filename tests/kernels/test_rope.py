@@ -14,8 +14,8 @@ The interpreter runs one program per token at ~5 ms each: shapes are kept to a f
 import pytest
 import torch
 
-from novatune.measure.numerics import assert_close, poison_
 from novatune.kernels.rope import rope_bwd, rope_bwd_ref, rope_fwd, rope_ref
+from novatune.measure.numerics import assert_close, poison_
 from novatune.ops._backend import interpreter_on
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}

@@ -10,8 +10,8 @@ reference and do all math in fp32, so the only error is the single rounding of e
 import pytest
 import torch
 
-from novatune.measure.numerics import assert_close, poison_, rel_err
 from novatune.kernels import swiglu as K
+from novatune.measure.numerics import assert_close, poison_, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 BF16_TOL = 4e-3 if HAS_CUDA else 8e-3

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from novatune.measure.numerics import REL_TOL, assert_close
 from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels.linear_cross_entropy import linear_cross_entropy_ref
+from novatune.measure.numerics import REL_TOL, assert_close
 
 # Imported from the module: `from novatune.ops import linear_cross_entropy` returns the submodule today (the lazy
 # package __getattr__ loses to the submodule attribute the import system sets; reported to the lead).

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from novatune.measure.numerics import assert_close, poison_
 from novatune.kernels.rms_norm import rms_norm_ref
+from novatune.measure.numerics import assert_close, poison_
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm, rms_norm_bwd, rms_norm_fwd
 
 EPS = 1e-6

@@ -16,8 +16,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from novatune.measure.numerics import assert_close
 from novatune.kernels.rope import rope_ref
+from novatune.measure.numerics import assert_close
 from novatune.ops._backend import interpreter_on
 from novatune.ops.rope import apply_rope, rope_bwd, rope_fwd
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from novatune.measure.numerics import assert_close
 from novatune.kernels.swiglu import swiglu_ref
+from novatune.measure.numerics import assert_close
 from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_mlp
 
 HAS_CUDA = torch.cuda.is_available()

@@ -1,1 +1,4 @@
-import sys, os; sys.path.insert(0, os.path.dirname(__file__))
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

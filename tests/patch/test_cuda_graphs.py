@@ -176,7 +176,7 @@ def _padded_vs_real():
             out = varlen_attention(q, k, v, pb, backend="varlen")
             res.append([out.detach().float(), *torch.autograd.grad(out, (q, k, v), dout)])
         errs = [assert_close(a.float(), b.float(), 1e-6, name) for a, b, name in zip(*res, ("out", "dq", "dk", "dv"))]
-        print(f"{len(lens)} documents: padded vs real rel. errors {['%.1e' % e for e in errs]}")
+        print(f"{len(lens)} documents: padded vs real rel. errors {[f'{e:.1e}' for e in errs]}")
 
 
 @pytest.mark.gpu

@@ -8,13 +8,12 @@ fp32 adapters: judged against an fp32 copy of the model, no further from it than
 """
 import pytest
 import torch
+from tiny_models import FAMILIES, packed_batch, tiny_model
 from torch import nn
 
 import novatune
 from novatune.measure.numerics import assert_close
 from novatune.patch import lora as lora_patch
-
-from tiny_models import FAMILIES, packed_batch, tiny_model
 
 peft = pytest.importorskip("peft")
 

@@ -2,11 +2,10 @@
 the stock model computes (CPU, fp32: the ops run their Triton kernels in the interpreter, or the references)."""
 import pytest
 import torch
+from tiny_models import FAMILIES, packed_batch, tiny_model
 
 import novatune
 from novatune.measure.numerics import assert_close
-
-from tiny_models import FAMILIES, packed_batch, tiny_model
 
 # fp32 end to end: kernels and references differ from HF only in summation order -> ~1e-6 relative; the tolerance
 # leaves room for that through 2 layers and the backward.

@@ -6,11 +6,10 @@ Tolerance: fp32; the patched path differs from stock in summation order only -> 
 import pytest
 import torch
 import transformers
+from tiny_models import FAMILIES, packed_batch
 
 import novatune
 from novatune.measure.numerics import assert_close
-
-from tiny_models import FAMILIES, packed_batch
 
 TOL = 2e-5
 ROWS = [[5, 19, 8], [32]]  # documents of 19 and 32 tokens are longer than the window

@@ -1,4 +1,4 @@
-"""proof/parity.py: tolerances derived from the noise floor, the per-step series check, seed 000's weight table,
+"""proof/parity.py: tolerances derived from the noise floor, the per-step series check, the weight-change table,
 the same-init guard. Pure functions on small made-up numbers and tensors (no training here; the trainer-driven
 runs are in tests/integration/test_cli_validate_bench.py)."""
 from __future__ import annotations

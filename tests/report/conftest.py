@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-STOCK_TOK_S, NOVA_TOK_S = 1000.0, 1564.0  # speedup 1.564 (seed 000's)
+STOCK_TOK_S, NOVA_TOK_S = 1000.0, 1564.0  # speedup 1.564, as in test_cost_math_by_hand
 ENV = {"time": "2026-11-21T09:00:00+00:00", "torch": "2.11.0+cu130", "device": "NVIDIA H100 80GB HBM3",
        "transformers": "5.17.0", "git_sha": "abc1234"}
 

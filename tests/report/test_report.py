@@ -24,7 +24,7 @@ def bench_row(stack: str, tok_s: float, losses: list[float], step_s: list[float]
 
 
 def test_cost_math_by_hand():
-    # seed 000: 1,540 -> 2,409 tok/s on an A100
+    # a worked example: 1,540 -> 2,409 tok/s on an A100
     a = cost.analysis(1540.0, 2409.0, price=1.79, token_budget=1e9, spends=(100_000, 1_000_000))
     assert a["speedup"] == pytest.approx(1.564286, rel=1e-6)
     assert a["cost_reduction"] == pytest.approx(0.360731, rel=1e-5)  # 1 - 1540/2409
@@ -120,7 +120,7 @@ def test_report_tables(built_report):
     # weight-change table (validate.json's rows, not repeated from weight_change.json beside it)
     assert md.count("| 13 | self_attn.q_proj.weight | CHANGED | CHANGED | MATCH |") == 1
     assert "| loss_parity | pass |" in md
-    # eval: seed 000's rows, intervals overlap -> sampling noise
+    # eval: the fixture's rows (47/50 vs 48/50), intervals overlap -> sampling noise
     assert "| Accuracy | 0.940 (47/50) | 0.960 (48/50) |" in md and "Avg latency / req (s)" in md
     assert "within sampling noise" in md
     # op-time breakdown: stock before novatune, norms 16 -> 12 us, trace copies beside the report

@@ -1,6 +1,6 @@
 """The HTML report in a real browser: headless Chromium (Debian's `chromium`) screenshots the fixture report through
-scripts/screenshot_report.sh (network routed to a dead proxy). Skips, saying why, where no Chromium is installed (.ci/run
-installs it when apt-get can)."""
+scripts/screenshot_report.sh (network routed to a dead proxy). Skips, saying why, where no Chromium is installed
+(.ci/run installs it when apt-get can)."""
 from __future__ import annotations
 
 import shutil

@@ -4,9 +4,10 @@ export loads with from_pretrained as a plain transformers model whose logits equ
 Tolerances (CPU, fp32 compute):
 * LoRA: PEFT's merge_and_unload sums W + s·BA in fp32 and the merged GEMM is x(W + s·BA)ᵀ instead of xWᵀ + s(xAᵀ)Bᵀ:
   reassociation only, relative error ~1e-6 over 2 layers -> 1e-5 (REL_TOL fp32).
-* QLoRA (NF4 linears and NF4 input embedding): the adapter model computes with bnb's dequantised W in fp32 (compute dtype fp32 here), the merged model
-  with dequant(W) + s·BA stored in fp32: the same reassociation -> 1e-5. A bf16 export adds one rounding of each
-  merged weight (2^-9 relative) and bf16 GEMMs: judged at 2e-2 (several chained bf16 roundings over 2 layers).
+* QLoRA (NF4 linears and NF4 input embedding): the adapter model computes with bnb's dequantised W in fp32 (compute
+  dtype fp32 here), the merged model with dequant(W) + s·BA stored in fp32: the same reassociation -> 1e-5. A bf16
+  export adds one rounding of each merged weight (2^-9 relative) and bf16 GEMMs: judged at 2e-2 (several chained bf16
+  roundings over 2 layers).
 """
 import pytest
 import torch

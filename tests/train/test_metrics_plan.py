@@ -1,4 +1,4 @@
-"""Schedules, FLOPs/MFU arithmetic (BENCHMARKS.md's formula), the memory planner, the metrics files."""
+"""Schedules, FLOPs/MFU arithmetic (docs/BENCHMARKS.md's formula), the memory planner, the metrics files."""
 from __future__ import annotations
 
 import json
@@ -46,7 +46,7 @@ def test_peak_table():
 def test_plan_headline_workload_matches_the_anchor():
     cfg = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch=false"])
     est = plan(cfg, gpu_mem_gib=141)
-    # stock HF with checkpointing measured 39.0 GiB peak on the H200 (BENCHMARKS.md)
+    # stock HF with checkpointing measured 39.0 GiB peak on the H200 (docs/BENCHMARKS.md)
     assert 35 * GiB < est["peak"] < 43 * GiB and not est["oom"]
     assert est["weights"] == pytest.approx(4.02e9 * 2, rel=0.01) and est["optimizer"] == 2 * est["weights"]
     est40 = plan(cfg, gpu_mem_gib=40)

@@ -203,7 +203,7 @@ def test_plan_qlora_example_matches_the_anchor():
     repo = Path(__file__).resolve().parents[2]
     stock = plan(load(repo / "examples" / "qlora.yaml", ["model.patch=false", "method.quantize_embeddings=false"]),
                  gpu_mem_gib=24)
-    # BENCHMARKS.md's QLoRA anchor (H200, PEFT + bnb without the fp32 cast): weights 5.83 GiB, peak 11.04 GiB
+    # docs/BENCHMARKS.md's QLoRA anchor (H200, PEFT + bnb without the fp32 cast): weights 5.83 GiB, peak 11.04 GiB
     assert stock["weights"] / GiB == pytest.approx(5.83, rel=0.02)
     assert stock["peak"] / GiB == pytest.approx(11.04, rel=0.05)
     assert 40e6 < stock["trainable"] < 48e6  # r16 on the seven projections of 36 layers: 43.6M

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import novatune
-from novatune.tune import engine
-from novatune.tune.cache import TuneCache, environment
 from novatune.ops.contract import Candidate, doc_lengths
 from novatune.ops.registry import OPS
 from novatune.reference.attention import hf_attention
 from novatune.reference.linear_cross_entropy import hf_linear_ce
+from novatune.tune import engine
+from novatune.tune.cache import TuneCache, environment
 from novatune.tune.calls import candidates
 from novatune.tune.measure import Timing
 from novatune.tune.select import Measured, memory_filter
