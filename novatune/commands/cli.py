@@ -33,6 +33,7 @@ EPILOG_TRAIN = """examples:
   novatune train --output-dir /tmp/demo               # the demo, elsewhere
   novatune train my.yaml --set train.max_steps=100 --set data.max_length=4096
   novatune train my.yaml --set data.sources.0.path=other.jsonl --set model.patch=false
+  novatune train my.yaml --nproc 8 --set parallel.strategy=fsdp2    # = torchrun --nproc-per-node 8 -m novatune ...
 
 Overrides are YAML values: --set train.betas=[0.9,0.95]  --set model.arch_overrides.num_hidden_layers=2.
 A run resumes from the newest checkpoint in checkpoint.output_dir (checkpoint.resume: auto); --set
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "a live progress bar, writes metrics.jsonl, checkpoints and the final export.")
     add_config_args(t, optional=True)
     t.add_argument("--output-dir", help="same as --set checkpoint.output_dir=DIR")
+    t.add_argument("--nproc", type=int, metavar="N", help="run N processes on this host through torchrun "
+                   "(needs parallel.strategy fsdp2 or ddp); plain `torchrun -m novatune train` works too")
     p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
                        epilog=EPILOG_PLAN, description="Memory estimate: weights, gradients, optimizer states, "
                        "activations with and without gradient checkpointing, logits; warns before an OOM.")
@@ -100,11 +103,29 @@ def load_config(args):
     return load_with_base(args.config, args.overrides, getattr(args, "output_dir", None))
 
 
-def cmd_train(args) -> int:
-    from novatune.train.loop import train
+def cmd_train(args, argv: list[str]) -> int:
+    from novatune.parallel import dist as pdist
+    from novatune.train.config import ConfigError
 
     cfg, base = load_config(args)
-    train(cfg, base_dir=base)
+    if args.nproc is not None and not pdist.launched_by_torchrun():
+        if args.nproc < 1:
+            raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "pass the number of processes, e.g. 2")
+        if cfg.parallel.strategy == "none" and args.nproc > 1:
+            raise ConfigError("parallel.strategy", f"--nproc {args.nproc} needs a multi-process strategy",
+                              "add --set parallel.strategy=fsdp2 (or ddp)")
+        from novatune.parallel.launch import relaunch
+
+        return relaunch(args.nproc, argv)
+    from novatune.train.loop import train
+
+    d = None
+    try:
+        result = train(cfg, base_dir=base)
+        d = result.session.dist
+    finally:
+        if d is not None:
+            pdist.teardown(d)
     return 0
 
 
@@ -139,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 0
-    handlers = {"train": cmd_train, "plan": cmd_plan, "env": cmd_env}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    handlers = {"train": lambda a: cmd_train(a, argv), "plan": cmd_plan, "env": cmd_env}
     try:
         if args.command in PLUGGED_COMMANDS:
             return importlib.import_module(PLUGGED_COMMANDS[args.command]).run(args)

@@ -219,7 +219,10 @@ def _read_json(path: Path, problems: list[str]):
 
 def _check_files(path: Path, manifest: dict, problems: list[str]) -> None:
     algo = manifest.get("hash", "sha256")
-    for name in FILES:
+    # a sharded (DCP) checkpoint lists its own files (one shard per rank); its required ones must be among them
+    names = FILES if manifest.get("layout") != "dcp" else \
+        sorted(set(manifest["files"]) | {"state.json", "rng_0.pt", "dcp/.metadata"})
+    for name in names:
         entry, f = manifest["files"].get(name), path / name
         if entry is None:
             problems.append(f"manifest.json lists no {name}")
@@ -252,11 +255,12 @@ def verify(path: str | Path) -> list[str]:
              "the scheduler": (state.get("scheduler") or {}).get("last_epoch")}
     if STEP_RE.match(path.name):
         steps["the folder name"] = step_of(path)
-    try:
-        with safe_open(str(path / "weights.safetensors"), framework="pt") as f:
-            steps["the weights"] = int((f.metadata() or {}).get("step", -1))
-    except Exception as e:  # noqa: BLE001  (any unreadable header is damage)
-        problems.append(f"weights.safetensors is unreadable ({e})")
+    if manifest.get("layout") != "dcp":
+        try:
+            with safe_open(str(path / "weights.safetensors"), framework="pt") as f:
+                steps["the weights"] = int((f.metadata() or {}).get("step", -1))
+        except Exception as e:  # noqa: BLE001  (any unreadable header is damage)
+            problems.append(f"weights.safetensors is unreadable ({e})")
     disagree = {k: v for k, v in steps.items() if v != step}
     if disagree:
         problems.append(f"the step disagrees: manifest.json says {step}, " +
@@ -289,12 +293,21 @@ def _read_checked(path: Path, model, device: torch.device) -> tuple[dict, dict, 
     return weights, opt_state, state, torch.load(path / "rng.pt", weights_only=False)
 
 
-def load(path: str | Path, model, optimizer, scheduler, device: torch.device) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; returns its state.json."""
+def load(path: str | Path, model, optimizer, scheduler, device: torch.device, dist=None) -> dict:
+    """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; returns its state.json.
+    A sharded (DCP) checkpoint loads through train/sharded_checkpoint.py, into a wrapped or a plain model; a
+    one-process checkpoint only into a one-process run (`dist`: the run's novatune.parallel Dist, or None)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.resume: {path} is not a checkpoint folder; give a checkpoints/step_N "
                               f"folder, or resume: auto / never")
+    from novatune.train import sharded_checkpoint
+
+    if sharded_checkpoint.is_sharded(path):
+        return sharded_checkpoint.load(path, model, optimizer, scheduler, dist)
+    if dist is not None and dist.active:
+        raise CheckpointMismatch(f"checkpoint.resume: {path} was written by a one-process run (parallel.strategy "
+                                 f"none); resume it with parallel.strategy none, or start a new output_dir")
     weights, opt_state, state, rng = _read_checked(path, model, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -314,7 +327,7 @@ def set_aside(path: Path) -> Path:
 
 
 def resume(setting: str, output_dir: str | Path, model, optimizer, scheduler, device: torch.device,
-           warn=print) -> tuple[Path | None, dict | None]:
+           warn=print, dist=None) -> tuple[Path | None, dict | None]:
     """Apply checkpoint.resume (auto | never | a path); returns (checkpoint resumed from, its state) or Nones."""
     if setting == "never":
         return None, None
@@ -323,19 +336,24 @@ def resume(setting: str, output_dir: str | Path, model, optimizer, scheduler, de
         if p.is_dir() and not (p / "manifest.json").exists() and list_checkpoints(p):
             p = latest(p)  # an output_dir: its newest checkpoint
         try:
-            return p, load(p, model, optimizer, scheduler, device)
+            return p, load(p, model, optimizer, scheduler, device, dist)
         except CheckpointError as e:
             raise CheckpointError(f"{e}. checkpoint.resume names it explicitly, so nothing falls back: give an "
                                   f"intact checkpoint, or resume: auto to take the newest intact one") from None
     damaged = []
-    for p in reversed(list_checkpoints(output_dir)):
+    candidates = list_checkpoints(output_dir)
+    if dist is not None:
+        dist.barrier()  # every rank has listed the folder before any rank sets one aside
+    for p in reversed(candidates):
         try:
-            state = load(p, model, optimizer, scheduler, device)
+            state = load(p, model, optimizer, scheduler, device, dist)
         except CheckpointMismatch:
             raise
         except CheckpointError as e:
             damaged.append(str(e))
-            warn(f"WARNING: {e}; set aside as {set_aside(p).name}; trying the previous checkpoint")
+            # one rank moves it (every rank sees the same damage and goes on to the same previous checkpoint)
+            aside = set_aside(p).name if dist is None or dist.main else f"damaged-{p.name}"
+            warn(f"WARNING: {e}; set aside as {aside}; trying the previous checkpoint")
             continue
         if damaged:
             warn(f"WARNING: resuming from the older intact checkpoint {p} (step {state['step']}), not the newest")
