@@ -175,7 +175,10 @@ def plain_model(cfg, tokenizer, dtype: torch.dtype, base_dir: Path | None = None
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if cfg.method.type != "full":
             model = add_lora(model, cfg.method)
-    return model.to_empty(device="cpu")
+    model = model.to_empty(device="cpu")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.tie_weights()  # to_empty gives each parameter its own storage: tied embeddings share one again
+    return model
 
 
 def export(model, cfg, tokenizer, output_dir: str | Path, dtype: torch.dtype, dist: Dist,
