@@ -1,6 +1,6 @@
 """2 processes on the CPU (gloo, through torchrun) against 1 process at the same global batch.
 
-The tiny demo model (2 layers, fp32, novatune.patch on) trains 8 steps of 2 rows each: one process with
+The tiny demo model (2 layers, fp32, novatune.patch on) trains 6 steps of 2 rows each: one process with
 micro_batch 2, or two processes with micro_batch 1 each (rank r takes rows r, r + 2, ... of the same global
 order), grad_accum 2 in both. Tolerances: everything is fp32 and the two runs differ only in the order of the
 reductions (the gradient of one process is one matmul over both rows; under FSDP2 each rank's gradient is summed
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 8
+STEPS = 6
 BASE = ["--set", f"train.max_steps={STEPS}", "--set", "train.grad_accum=2", "--set", "data.max_length=128",
         "--set", "data.sources.0.limit=80", "--set", "model.arch_overrides.num_hidden_layers=2",
         "--set", "logging.every=1", "--set", "logging.tensorboard=false", "--set", "logging.progress=false",
@@ -43,8 +43,15 @@ def run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 def train_cli(out: Path, *extra: str, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """`novatune train` (nproc: `novatune train --nproc N`, which re-runs itself under torchrun)."""
     more = ["--nproc", str(nproc)] if nproc else []
     return run(["-m", "novatune", "train", "--output-dir", str(out), *more, *BASE, *extra])
+
+
+def torchrun(out: Path, *extra: str, script: list[str] = ("-m", "novatune", "train")) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m novatune train ...` (one process less than going through --nproc)."""
+    return run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *script, *BASE,
+                "--set", f"checkpoint.output_dir={out}", *extra])
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -75,7 +82,7 @@ def one_proc(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_two(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2") / "run"
-    p = train_cli(out, *TWO, "--set", "parallel.strategy=fsdp2", nproc=2)
+    p = torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2")
     assert p.stdout.count("step 1/") == 1, "one progress display (rank 0's)"
     return out
 
@@ -100,23 +107,22 @@ def test_fsdp2_two_processes_equal_one(one_proc, fsdp_two):
 
 def test_fsdp2_killed_run_resumes_the_same_curve(fsdp_two, tmp_path):
     out = tmp_path / "run"
-    over = [a for a in (*BASE, *TWO, "--set", "parallel.strategy=fsdp2", "--set", f"checkpoint.output_dir={out}")]
-    run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/parallel/stop_after.py", "3",
-         *over])
+    fsdp2 = ("--set", "parallel.strategy=fsdp2")
+    torchrun(out, *TWO, *fsdp2, script=["tests/parallel/stop_after.py", "3"])
     assert not (out / "final").exists() and max(losses(out)) == 3  # ended after step 3, checkpoint at step 2
-    train_cli(out, *TWO, "--set", "parallel.strategy=fsdp2", nproc=2)  # the same command resumes
+    torchrun(out, *TWO, *fsdp2)  # the same command resumes
     assert_same_losses(losses(out), losses(fsdp_two), range(1, STEPS + 1))
     assert_same_weights(fsdp_two / "final", out / "final")
 
 
 def test_two_process_checkpoint_resumes_in_one_process(fsdp_two, tmp_path):
     out = tmp_path / "run"
-    ck = fsdp_two / "checkpoints" / "step_00000004"
+    ck = fsdp_two / "checkpoints" / "step_00000002"
     p = train_cli(out, *ONE, "--set", f"checkpoint.resume={ck}")
     assert "resumed from" in p.stdout
     got = losses(out)
-    assert sorted(got) == list(range(5, STEPS + 1))
-    assert_same_losses(got, losses(fsdp_two), range(5, STEPS + 1))
+    assert sorted(got) == list(range(3, STEPS + 1))
+    assert_same_losses(got, losses(fsdp_two), range(3, STEPS + 1))
     assert_same_weights(fsdp_two / "final", out / "final")
 
 
