@@ -105,6 +105,7 @@ def test_fsdp2_two_processes_equal_one(one_proc, fsdp_two):
     assert row["world_size"] == 2 and row["tokens_per_s_per_proc"] == pytest.approx(row["tokens_per_s"] / 2)
 
 
+@pytest.mark.slow  # two torchrun launches: ~50-95 s on a busy 2-core machine
 def test_fsdp2_killed_run_resumes_the_same_curve(fsdp_two, tmp_path):
     out = tmp_path / "run"
     fsdp2 = ("--set", "parallel.strategy=fsdp2")
@@ -124,6 +125,21 @@ def test_two_process_checkpoint_resumes_in_one_process(fsdp_two, tmp_path):
     assert sorted(got) == list(range(3, STEPS + 1))
     assert_same_losses(got, losses(fsdp_two), range(3, STEPS + 1))
     assert_same_weights(fsdp_two / "final", out / "final")
+
+
+def test_a_damaged_shard_is_caught_before_resuming(fsdp_two, tmp_path):
+    import shutil
+
+    from novatune.train import checkpoint as ckpt
+
+    ck = tmp_path / "step_00000002"
+    shutil.copytree(fsdp_two / "checkpoints" / ck.name, ck)
+    assert ckpt.verify(ck) == []
+    shard = ck / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert any("__1_0.distcp does not match its checksum" in p for p in ckpt.verify(ck))
 
 
 def test_ddp_two_processes_equal_one(one_proc, tmp_path):
