@@ -103,7 +103,7 @@ def load_config(args):
     return load_with_base(args.config, args.overrides, getattr(args, "output_dir", None))
 
 
-def cmd_train(args, argv: list[str]) -> int:
+def cmd_train(args) -> int:
     from novatune.parallel import dist as pdist
     from novatune.train.config import ConfigError
 
@@ -116,7 +116,7 @@ def cmd_train(args, argv: list[str]) -> int:
                               "add --set parallel.strategy=fsdp2 (or ddp)")
         from novatune.parallel.launch import relaunch
 
-        return relaunch(args.nproc, argv)
+        return relaunch(args.nproc, args.argv)
     from novatune.train.loop import train
 
     d = None
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 0
-    argv = list(sys.argv[1:] if argv is None else argv)
-    handlers = {"train": lambda a: cmd_train(a, argv), "plan": cmd_plan, "env": cmd_env}
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc re-runs under torchrun
+    handlers = {"train": cmd_train, "plan": cmd_plan, "env": cmd_env}
     try:
         if args.command in PLUGGED_COMMANDS:
             return importlib.import_module(PLUGGED_COMMANDS[args.command]).run(args)
