@@ -16,6 +16,7 @@ command to resume.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from pathlib import Path
@@ -119,13 +120,13 @@ def cmd_train(args) -> int:
         return relaunch(args.nproc, args.argv)
     from novatune.train.loop import train
 
-    d = None
-    try:
-        result = train(cfg, base_dir=base)
-        d = result.session.dist
-    finally:
-        if d is not None:
-            pdist.teardown(d)
+    result = train(cfg, base_dir=base)
+    d = result.session.dist
+    # The wrapped model goes before the process group: DDP's reducer holds the group and its last gloo work, and
+    # a group destroyed from the reducer's destructor joins a worker thread that waits for the GIL (a hang at exit).
+    del result
+    gc.collect()
+    pdist.teardown(d)
     return 0
 
 

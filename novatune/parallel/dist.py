@@ -95,5 +95,7 @@ def setup(strategy: str, device_type: str) -> Dist:
 
 
 def teardown(d: Dist) -> None:
+    """Leave the process group once every rank is done (no rank still waits in a collective)."""
     if d.active:
+        dist.barrier(group=d.control)
         dist.destroy_process_group()

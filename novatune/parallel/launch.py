@@ -6,6 +6,7 @@ the first failing rank's, or 0.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -33,5 +34,20 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run `novatune <argv>` under torchrun with `nproc` processes on this host; returns its exit code."""
-    return subprocess.call(torchrun_command(nproc, argv))
+    """Run `novatune <argv>` under torchrun with `nproc` processes on this host; returns its exit code.
+
+    This process only waits. Ctrl-C reaches torchrun and the workers from the terminal (one process group), so it
+    is not sent again (a second SIGINT aborts a worker mid-step); a SIGTERM sent to this process alone is passed
+    to torchrun, which passes it to the workers: they finish the step, save and exit."""
+    proc = subprocess.Popen(torchrun_command(nproc, argv))
+
+    def on_signal(signum, frame) -> None:
+        if signum != signal.SIGINT:
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

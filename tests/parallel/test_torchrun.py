@@ -147,3 +147,35 @@ def test_ddp_two_processes_equal_one(one_proc, tmp_path):
     train_cli(out, *TWO, "--set", "parallel.strategy=ddp", nproc=2)
     assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))
     assert_same_weights(one_proc / "final", out / "final")
+
+
+@pytest.mark.slow  # a long run stopped from outside: ~40-90 s on a busy 2-core machine
+def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint(tmp_path):
+    """SIGTERM to `novatune train --nproc 2` reaches both workers through torchrun; they agree on the step to stop
+    at (a host-side all-reduce of the stop flag each step), save one sharded checkpoint at it, and exit."""
+    import signal
+    import time
+
+    from novatune.train import checkpoint as ckpt
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "novatune", "train", "--output-dir", str(out), "--nproc", "2", *BASE, *TWO,
+           "--set", "parallel.strategy=fsdp2", "--set", "train.max_steps=500", "--set", "checkpoint.save_every=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(losses(out)) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    last = ckpt.latest(out)
+    assert last is not None, log[-3000:]
+    assert ckpt.verify(last) == []
+    assert ckpt.step_of(last) == max(losses(out)) < 500, log[-3000:]
+    assert "stopped by SIGTERM" in log and not (out / "final").exists()
