@@ -19,7 +19,6 @@ import argparse
 import gc
 import importlib
 import sys
-from pathlib import Path
 
 EPILOG_MAIN = """examples:
   novatune train                                  # the embedded demo: tiny Qwen3, arithmetic chat data, CPU ok

@@ -16,7 +16,8 @@ import torch
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
 from novatune.train import sharded_checkpoint as sharded
-from novatune.train.config import Config, summary as config_summary, to_yaml
+from novatune.train.config import Config, to_yaml
+from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
 from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
 from novatune.train.session import (

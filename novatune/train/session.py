@@ -40,7 +40,8 @@ import torch
 from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.parallel import wrap as pwrap
-from novatune.parallel.dist import Dist, setup as setup_dist
+from novatune.parallel.dist import Dist
+from novatune.parallel.dist import setup as setup_dist
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
     apply_patch,
@@ -52,8 +53,8 @@ from novatune.train.model import (
     pick_dtype,
     prepare,
 )
-from novatune.train.preflight import cpu_step_warning
 from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.preflight import cpu_step_warning
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
