@@ -92,7 +92,7 @@ def test_strategy_none_under_a_multi_process_torchrun_is_refused(monkeypatch):
 
 
 TINY = ["train.max_steps=3", "train.micro_batch=2", "train.grad_accum=2", "data.max_length=128",
-        "data.sources.0.limit=40", "model.arch_overrides.num_hidden_layers=2"]
+        "data.sources.0.limit=40", "model.arch_overrides.num_hidden_layers=2", "model.device=cpu"]
 
 
 def step_twice(strategy: str, method: str):

@@ -24,7 +24,8 @@ STEPS = 6
 BASE = ["--set", f"train.max_steps={STEPS}", "--set", "train.grad_accum=2", "--set", "data.max_length=128",
         "--set", "data.sources.0.limit=80", "--set", "model.arch_overrides.num_hidden_layers=2",
         "--set", "logging.every=1", "--set", "logging.tensorboard=false", "--set", "logging.progress=false",
-        "--set", "checkpoint.save_every=2", "--set", "checkpoint.keep=10"]
+        "--set", "checkpoint.save_every=2", "--set", "checkpoint.keep=10",
+        "--set", "model.device=cpu"]  # gloo on CPUs also on a GPU machine (two ranks, maybe one GPU)
 ONE = ["--set", "train.micro_batch=2"]
 TWO = ["--set", "train.micro_batch=1"]
 
