@@ -19,6 +19,8 @@ with the function named by its module, imported only in that stack's worker:
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
   trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
+  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): one process, a one-member process group, each
+                  decoder layer and the root fully_shard-ed; what the sharding costs beside `novatune`
 A stack that cannot run here gives a row with status "absent" and the reason; it is never dropped silently.
 """
 from __future__ import annotations
@@ -96,6 +98,12 @@ def _full_refused_under_qlora(cfg) -> str | None:
     return None
 
 
+def _fsdp2_refused_under_qlora(cfg) -> str | None:
+    if cfg.method.type == "qlora":
+        return "novatune_fsdp2: parallel.strategy fsdp2 refuses qlora (NF4 base weights cannot be sharded yet)"
+    return None
+
+
 def run_from(target: str) -> Callable:
     """`module:function` -> a run function importing its module when called (the worker process only)."""
     module, _, name = target.partition(":")
@@ -125,6 +133,8 @@ register(Stack("trl-sft", "TRL SFTTrainer + novatune.patch(trainer) on the same 
                patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
+register(Stack("novatune_fsdp2", "novatune under FSDP2 (fully_shard, world size 1)",
+               NOVATUNE + ["parallel.strategy=fsdp2"], unavailable=_fsdp2_refused_under_qlora, patched=True))
 
 
 def load_plugins() -> None:

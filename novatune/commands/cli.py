@@ -16,6 +16,7 @@ command to resume.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -32,6 +33,7 @@ EPILOG_TRAIN = """examples:
   novatune train --output-dir /tmp/demo               # the demo, elsewhere
   novatune train my.yaml --set train.max_steps=100 --set data.max_length=4096
   novatune train my.yaml --set data.sources.0.path=other.jsonl --set model.patch=false
+  novatune train my.yaml --nproc 8 --set parallel.strategy=fsdp2    # = torchrun --nproc-per-node 8 -m novatune ...
 
 Overrides are YAML values: --set train.betas=[0.9,0.95]  --set model.arch_overrides.num_hidden_layers=2.
 A run resumes from the newest checkpoint in checkpoint.output_dir (checkpoint.resume: auto); --set
@@ -77,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "a live progress bar, writes metrics.jsonl, checkpoints and the final export.")
     add_config_args(t, optional=True)
     t.add_argument("--output-dir", help="same as --set checkpoint.output_dir=DIR")
+    t.add_argument("--nproc", type=int, metavar="N", help="run N processes on this host through torchrun "
+                   "(needs parallel.strategy fsdp2 or ddp); plain `torchrun -m novatune train` works too")
     p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
                        epilog=EPILOG_PLAN, description="Memory estimate: weights, gradients, optimizer states, "
                        "activations with and without gradient checkpointing, logits; warns before an OOM.")
@@ -100,12 +104,29 @@ def load_config(args):
 
 
 def cmd_train(args) -> int:
-    from novatune.train.loop import train
+    from novatune.parallel import dist as pdist
+    from novatune.train.config import ConfigError
 
     cfg, base = load_config(args)
+    if args.nproc is not None and not pdist.launched_by_torchrun():
+        if args.nproc < 1:
+            raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "pass the number of processes, e.g. 2")
+        if cfg.parallel.strategy == "none" and args.nproc > 1:
+            raise ConfigError("parallel.strategy", f"--nproc {args.nproc} needs a multi-process strategy",
+                              "add --set parallel.strategy=fsdp2 (or ddp)")
+        from novatune.parallel.launch import relaunch
+
+        return relaunch(args.nproc, args.argv)
+    from novatune.train.loop import train
     from novatune.tune.patching import selection_for
 
-    train(cfg, base_dir=base, select=selection_for)
+    result = train(cfg, base_dir=base, select=selection_for)
+    d = result.session.dist
+    # The wrapped model goes before the process group: DDP's reducer holds the group and its last gloo work, and
+    # a group destroyed from the reducer's destructor joins a worker thread that waits for the GIL (a hang at exit).
+    del result
+    gc.collect()
+    pdist.teardown(d)
     return 0
 
 
@@ -140,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 0
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc re-runs under torchrun
     handlers = {"train": cmd_train, "plan": cmd_plan, "env": cmd_env}
     try:
         if args.command in PLUGGED_COMMANDS:

@@ -81,18 +81,35 @@ def build_data(dcfg, tokenizer=None, vocab_size: int | None = None, base_dir: Pa
     return PackedData(rows, stats, formats)
 
 
+def row_counts(row: list[Doc]) -> tuple[int, int, float]:
+    """(target tokens, tokens, attended keys) of one packed row, as collate() counts them for its batch."""
+    targets = sum(sum(1 for m in mask[1:] if m) for _, mask in row)
+    return targets, sum(len(ids) for ids, _ in row), sum(len(ids) ** 2 / 2 for ids, _ in row)
+
+
 class BatchStream:
-    """Micro-batches of `micro_batch` rows, in a seeded order per epoch, resumable from (epoch, index)."""
+    """Micro-batches of `micro_batch` rows, in a seeded order per epoch, resumable from (epoch, index).
+
+    With `world` processes the stream walks the same global order on every rank, `micro_batch * world` rows at a
+    time, and rank r collates rows r, r + world, ... of each global micro-batch. Its micro-batch dict also carries
+    the counts of the whole global micro-batch (`global_target_tokens`, `global_tokens`, `global_attn_keys`),
+    computed from the rows on every rank without communication: the loss of a step is normalised by the target
+    tokens of all ranks. The state (epoch, index) is global, so a checkpoint resumes under another world size. A
+    global micro-batch at an epoch's end with fewer rows than ranks (one rank would get none) is skipped."""
 
     def __init__(self, rows: list[list[Doc]], micro_batch: int, seed: int = 0, shuffle: bool = True,
-                 pad_id: int = 0):
+                 pad_id: int = 0, rank: int = 0, world: int = 1):
         self.rows, self.micro_batch, self.seed, self.shuffle, self.pad_id = rows, micro_batch, seed, shuffle, pad_id
+        self.rank, self.world = rank, world
         self.epoch, self.index = 0, 0
         self._order = self._make_order(0)
 
     @property
     def batches_per_epoch(self) -> int:
-        return -(-len(self.rows) // self.micro_batch)
+        """Global micro-batches per epoch (each holds micro_batch rows on every rank)."""
+        per = self.micro_batch * self.world
+        return -(-len(self.rows) // per) if self.world == 1 else len(self.rows) // per + (
+            len(self.rows) % per >= self.world)
 
     def _make_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -101,12 +118,19 @@ class BatchStream:
         return torch.randperm(len(self.rows), generator=g).tolist()
 
     def next(self) -> dict:
-        if self.index >= len(self._order):
+        if self.index + self.world > len(self._order):  # world 1: the epoch is used up
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._make_order(self.epoch)
-        take = self._order[self.index: self.index + self.micro_batch]
+        take = self._order[self.index: self.index + self.micro_batch * self.world]
         self.index += len(take)
-        return collate([self.rows[i] for i in take], self.pad_id)
+        if self.world == 1:
+            return collate([self.rows[i] for i in take], self.pad_id)
+        batch = collate([self.rows[i] for i in take[self.rank::self.world]], self.pad_id)
+        counts = [row_counts(self.rows[i]) for i in take]
+        batch["global_target_tokens"] = sum(c[0] for c in counts)
+        batch["global_tokens"] = sum(c[1] for c in counts)
+        batch["global_attn_keys"] = sum(c[2] for c in counts)
+        return batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "rows": len(self.rows)}

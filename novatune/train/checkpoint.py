@@ -219,7 +219,10 @@ def _read_json(path: Path, problems: list[str]):
 
 def _check_files(path: Path, manifest: dict, problems: list[str]) -> None:
     algo = manifest.get("hash", "sha256")
-    for name in FILES:
+    # a sharded (DCP) checkpoint lists its own files (one shard per rank); its required ones must be among them
+    names = FILES if manifest.get("layout") != "dcp" else \
+        sorted(set(manifest["files"]) | {"state.json", "rng_0.pt", "dcp/.metadata"})
+    for name in names:
         entry, f = manifest["files"].get(name), path / name
         if entry is None:
             problems.append(f"manifest.json lists no {name}")
@@ -258,11 +261,12 @@ def verify(path: str | Path) -> list[str]:
              if isinstance(state.get("scheduler") or {}, dict) else None}
     if STEP_RE.match(path.name):
         steps["the folder name"] = step_of(path)
-    try:
-        with safe_open(str(path / "weights.safetensors"), framework="pt") as f:
-            steps["the weights"] = int((f.metadata() or {}).get("step", -1))
-    except Exception as e:  # noqa: BLE001  (any unreadable header is damage)
-        problems.append(f"weights.safetensors is unreadable ({e})")
+    if manifest.get("layout") != "dcp":
+        try:
+            with safe_open(str(path / "weights.safetensors"), framework="pt") as f:
+                steps["the weights"] = int((f.metadata() or {}).get("step", -1))
+        except Exception as e:  # noqa: BLE001  (any unreadable header is damage)
+            problems.append(f"weights.safetensors is unreadable ({e})")
     disagree = {k: v for k, v in steps.items() if v != step}
     if disagree:
         problems.append(f"the step disagrees: manifest.json says {step}, " +
@@ -295,12 +299,24 @@ def _read_checked(path: Path, model, device: torch.device) -> tuple[dict, dict, 
     return weights, opt_state, state, torch.load(path / "rng.pt", weights_only=False)
 
 
-def load(path: str | Path, model, optimizer, scheduler, device: torch.device) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; returns its state.json."""
+def load(path: str | Path, model, optimizer, scheduler, device: torch.device, dist=None,
+         load_sharded=None) -> dict:
+    """Restore weights, optimizer, scheduler and RNG from a verified checkpoint; returns its state.json.
+    A sharded (DCP) checkpoint loads through `load_sharded` (train/sharded_checkpoint.load, handed in by the loop:
+    that module builds on this one), into a wrapped or a plain model; a one-process checkpoint only into a
+    one-process run (`dist`: the run's novatune.parallel Dist, or None)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.resume: {path} is not a checkpoint folder; give a checkpoints/step_N "
                               f"folder, or resume: auto / never")
+    if is_sharded(path):
+        if load_sharded is None:
+            raise CheckpointMismatch(f"checkpoint {path} is sharded (written by a multi-process run); resume it "
+                                     f"through novatune train")
+        return load_sharded(path, model, optimizer, scheduler, dist)
+    if dist is not None and dist.active:
+        raise CheckpointMismatch(f"checkpoint.resume: {path} was written by a one-process run (parallel.strategy "
+                                 f"none); resume it with parallel.strategy none, or start a new output_dir")
     weights, opt_state, state, rng = _read_checked(path, model, device)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -312,6 +328,17 @@ def load(path: str | Path, model, optimizer, scheduler, device: torch.device) ->
     return state
 
 
+SHARDED_LAYOUT = "dcp"
+
+
+def is_sharded(path: Path) -> bool:
+    """A checkpoint written by torch.distributed.checkpoint (its manifest names the sharded layout)."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("layout") == SHARDED_LAYOUT
+    except (OSError, ValueError):
+        return False
+
+
 def set_aside(path: Path) -> Path:
     """Move a damaged checkpoint out of the way (kept for inspection, no longer counted or pruned)."""
     dest = path.parent / f"damaged-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -320,7 +347,7 @@ def set_aside(path: Path) -> Path:
 
 
 def resume(setting: str, output_dir: str | Path, model, optimizer, scheduler, device: torch.device,
-           warn=print) -> tuple[Path | None, dict | None]:
+           warn=print, dist=None, load_sharded=None) -> tuple[Path | None, dict | None]:
     """Apply checkpoint.resume (auto | never | a path); returns (checkpoint resumed from, its state) or Nones."""
     if setting == "never":
         return None, None
@@ -329,19 +356,24 @@ def resume(setting: str, output_dir: str | Path, model, optimizer, scheduler, de
         if p.is_dir() and not (p / "manifest.json").exists() and list_checkpoints(p):
             p = latest(p)  # an output_dir: its newest checkpoint
         try:
-            return p, load(p, model, optimizer, scheduler, device)
+            return p, load(p, model, optimizer, scheduler, device, dist, load_sharded)
         except CheckpointError as e:
             raise CheckpointError(f"{e}. checkpoint.resume names it explicitly, so nothing falls back: give an "
                                   f"intact checkpoint, or resume: auto to take the newest intact one") from None
     damaged = []
-    for p in reversed(list_checkpoints(output_dir)):
+    candidates = list_checkpoints(output_dir)
+    if dist is not None:
+        dist.barrier()  # every rank has listed the folder before any rank sets one aside
+    for p in reversed(candidates):
         try:
-            state = load(p, model, optimizer, scheduler, device)
+            state = load(p, model, optimizer, scheduler, device, dist, load_sharded)
         except CheckpointMismatch:
             raise
         except CheckpointError as e:
             damaged.append(str(e))
-            warn(f"WARNING: {e}; set aside as {set_aside(p).name}; trying the previous checkpoint")
+            # one rank moves it (every rank sees the same damage and goes on to the same previous checkpoint)
+            aside = set_aside(p).name if dist is None or dist.main else f"damaged-{p.name}"
+            warn(f"WARNING: {e}; set aside as {aside}; trying the previous checkpoint")
             continue
         if damaged:
             warn(f"WARNING: resuming from the older intact checkpoint {p} (step {state['step']}), not the newest")

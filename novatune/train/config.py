@@ -105,6 +105,15 @@ class MemoryConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # none: one process | ddp: DistributedDataParallel | fsdp2: torch.distributed.fsdp.fully_shard per decoder
+    # layer, then the root (novatune/parallel/). ddp/fsdp2 run under torchrun (`novatune train --nproc N`), or as
+    # one process without it. The global batch is micro_batch x grad_accum x the number of processes.
+    strategy: Literal["none", "ddp", "fsdp2"] = "none"
+    reshard_after_forward: bool = True  # fsdp2: free the gathered layer after its forward (gathered again in backward)
+
+
+@dataclass
 class CheckpointConfig:
     output_dir: str = "runs/run"
     save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
@@ -132,6 +141,7 @@ class Config:
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -360,7 +370,8 @@ def summary(cfg: Config) -> str:
     length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
     lines = [
         ("model", f"{model}, {m.dtype}, {m.attention}, patch {'on' if m.patch else 'off'}, device {m.device}"),
-        ("method", method + (", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")),
+        ("method", method + (", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")
+         + (f", parallel {cfg.parallel.strategy}" if cfg.parallel.strategy != "none" else "")),
         ("data", f"{sources}; format {d.format}, loss_on {d.loss_on}, max_length {d.max_length}, packing "
                  f"{d.packing_strategy if d.packing else 'off'}"),
         ("train", f"{length}, micro_batch {t.micro_batch} x grad_accum {t.grad_accum}, lr {t.lr:g} {t.schedule} "

@@ -136,6 +136,11 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         raise ConfigError("train.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}", "e.g. 1.0 (0: no clipping)")
     if t.max_skipped_steps < 0:
         raise ConfigError("train.max_skipped_steps", f"must be >= 0, got {t.max_skipped_steps}", "e.g. 3")
+    if cfg.parallel.strategy != "none" and cfg.method.type == "qlora":
+        raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy} with qlora is not supported yet: the "
+                          "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "
+                          "sharded by fully_shard, nor broadcast as plain parameters by DDP",
+                          "use method.type: lora (frozen bf16 base, sharded) or parallel.strategy: none")
     # checkpoint / logging
     if cfg.checkpoint.save_every < 0:
         raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",

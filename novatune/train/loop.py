@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,11 +15,12 @@ import torch
 
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
+from novatune.train import sharded_checkpoint as sharded
 from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
 from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
-from novatune.train.session import build
+from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
 __all__ = ["RunResult", "train"]
@@ -49,45 +51,62 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     Hooks for the harness (`novatune bench` / `validate` measure this loop rather than a copy of it):
     `model_hook(model)` runs once the model is built, prepared and patched, before the optimizer exists (snapshot
     weights, switch a peer stack's attention); `step_hook(step, micro_batches)` runs after each optimizer step and
-    its metrics row (time and meter the steps). `select`: the tune engine's Selection maker (train.session.build)."""
+    its metrics row (time and meter the steps).
+
+    Under torchrun (parallel.strategy ddp/fsdp2) every rank runs this function; rank 0 alone claims the output
+    folder, prints, and writes config.yaml, metrics.jsonl, run.json and summary.json; checkpoints and the export
+    are written by all ranks together (train/sharded_checkpoint.py). `select`: the tune engine's Selection maker
+    (train.session.build)."""
     from rich.console import Console
 
+    dist = join(cfg)
     console = console or Console(soft_wrap=True)
+    if not dist.main:
+        console = Console(quiet=True)  # one display: rank 0's
     t_start = time.perf_counter()
     out_dir = Path(cfg.checkpoint.output_dir)
-    notes = run_dir.claim(out_dir, cfg.checkpoint.resume)  # refuses to mix runs or overwrite a finished one
+    notes = run_dir.claim(out_dir, cfg.checkpoint.resume) if dist.main else []  # refuses to mix or overwrite runs
+    dist.barrier()
     console.rule("[bold]novatune train")
     for note in notes:
         console.print(f"[yellow]{note}[/]")
     console.print(config_summary(cfg), highlight=False, markup=False)
-    (out_dir / "config.yaml").write_text(to_yaml(cfg))
+    if dist.main:
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    session = build(cfg, base_dir, console, model_hook=model_hook, select=select)
+    session = build(cfg, base_dir, console, model_hook=model_hook, dist=dist, select=select)
     model, tokenizer, opt, sched, stream = (session.model, session.tokenizer, session.optimizer, session.scheduler,
                                             session.stream)
     device, dtype, report, total = session.device, session.dtype, session.patch_report, session.total_steps
 
     step, tokens_seen = 0, 0
     resume_from, state = ckpt.resume(cfg.checkpoint.resume, out_dir, model, opt, sched, device,
-                                     warn=lambda msg: console.print(f"[bold red]{msg}[/]", highlight=False))
+                                     warn=lambda msg: console.print(f"[bold red]{msg}[/]", highlight=False),
+                                     dist=dist, load_sharded=sharded.load)
     if resume_from is not None:
         stream.load_state_dict(state["data"])
         step, tokens_seen = state["step"], state.get("tokens", 0)
         console.print(f"resumed from {resume_from} at step {step}", highlight=False)
-    run_dir.mark(out_dir, "running", total_steps=total)
+    if dist.main:
+        run_dir.mark(out_dir, "running", total_steps=total)
 
     result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report,
                        pack_stats=session.data.stats)
     lora, qlora = session.lora, cfg.method.type == "qlora"
     peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
-    metrics = MetricsLog(out_dir, cfg.logging.tensorboard, console, resume_step=step)
+    metrics = MetricsLog(out_dir, cfg.logging.tensorboard, console, resume_step=step) if dist.main else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     def save(at: int) -> Path:
-        return ckpt.save(out_dir, at, model, opt, sched, {"data": stream.state_dict(), "tokens": tokens_seen,
-                                                           "total_steps": total, "config": to_yaml(cfg)},
-                         keep=cfg.checkpoint.keep)
+        state = {"data": stream.state_dict(), "tokens": tokens_seen, "total_steps": total, "config": to_yaml(cfg),
+                 "world_size": dist.world}
+        if session.strategy != "none":
+            return sharded.save(out_dir, at, model, opt, sched, state, cfg.checkpoint.keep, dist)
+        return ckpt.save(out_dir, at, model, opt, sched, state, keep=cfg.checkpoint.keep)
+
+    def stop_requested() -> bool:  # every rank stops at the same step boundary
+        return dist.any_true(signals.requested is not None) if dist.active else signals.requested is not None
 
     progress = Progress(total, step, cfg.logging.progress, console)
     win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
@@ -97,7 +116,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     signals = StopSignals()
     try:
         signals.__enter__()
-        while step < total and signals.requested is None:
+        stopping = stop_requested()
+        while step < total and not stopping:
             mbs = session.next_micro_batches()
             out = session.forward_backward(mbs)
             loss, gnorm = out.loss, out.grad_norm
@@ -110,12 +130,13 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 session.skip_update()
                 advance_schedule(sched)  # a skipped step still advances the schedule (train/nonfinite.py)
             step += 1
-            n_tok = sum(mb["num_tokens"] for mb in mbs)
+            n_tok = sum(mb.get("global_tokens", mb["num_tokens"]) for mb in mbs)  # all ranks' tokens
             tokens_seen += n_tok
             win_tokens += n_tok
-            win_keys += sum(mb["attn_keys"] for mb in mbs)
+            win_keys += sum(mb.get("global_attn_keys", mb["attn_keys"]) for mb in mbs)
             pending.append((step, loss, gnorm, lr, applied))
-            if step % cfg.logging.every == 0 or step == total or signals.requested is not None:
+            stopping = stop_requested()
+            if step % cfg.logging.every == 0 or step == total or stopping:
                 vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
                 lr, applied = pending[-1][3], pending[-1][4]
                 pending.clear()
@@ -124,14 +145,18 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 tps = win_tokens / max(now - win_t, 1e-9)
                 mfu = None
                 if peak:
-                    mfu = tps * session.flops_per_token(win_keys / max(1, win_tokens)) / (peak * 1e12)
+                    mfu = tps * session.flops_per_token(win_keys / max(1, win_tokens)) / (peak * dist.world * 1e12)
                 mem = gpu_mem_gib(device)
                 row = {"step": step, "total_steps": total, "loss": as_json_number(vals[-1][1]), "lr": lr,
                        "grad_norm": as_json_number(vals[-1][2]), "tokens": tokens_seen, "tokens_per_s": tps,
                        "mfu": mfu, "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+                if dist.active:  # tokens_per_s is the total over the processes; memory is per rank
+                    row.update(world_size=dist.world, tokens_per_s_per_proc=tps / dist.world,
+                               mem_gib_per_rank=dist.gather(mem[1] if mem else None))
                 if not applied:
                     row["skipped"] = True
-                metrics.write(row)
+                if metrics is not None:
+                    metrics.write(row)
                 progress.update(step, row)
                 win_t, win_tokens, win_keys = now, 0, 0.0
             else:
@@ -155,7 +180,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         signals.__exit__()
         gc.unfreeze()  # frozen objects are never collected: hand them back once training is over
         progress.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     for s, l_, _, _, _ in pending:
         result.losses[s] = float(l_)
     result.steps, result.tokens = step, tokens_seen
@@ -164,24 +190,28 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         console.print(f"[yellow]aborted during step {step + 1} without saving; "
                       + (f"the last checkpoint is {last}[/]" if last else "no checkpoint was written[/]"))
         raise KeyboardInterrupt
-    if signals.requested is not None and step < total:
+    if stopping and step < total:
+        signum = signals.requested or signal.SIGTERM  # a rank the signal did not reach stops with the others
         last = ckpt.latest(out_dir)  # already saved at this step (save_every), or nothing trained since the resume
         where = last if step == start_step or (last and ckpt.step_of(last) == step) else save(step)
-        msg = f"stopped by {signal_name(signals.requested)} after step {step}; checkpoint {where}; run the same " \
+        msg = f"stopped by {signal_name(signum)} after step {step}; checkpoint {where}; run the same " \
               f"command to resume"
         console.print(f"[yellow]{msg}[/]", highlight=False)
-        raise RunInterrupted(signals.requested, msg)
+        raise RunInterrupted(signum, msg)
     if step >= total:
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
             save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
         if cfg.checkpoint.export:
             if report is not None:
                 report.revert()  # export a plain transformers model
-            # QLoRA: merged/ is dense (NF4 dequantised + delta) in the run's compute dtype
-            result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
-                                          qlora=qlora, merged_dtype=dtype)
+            if session.strategy != "none":  # gathered to rank 0, loaded into a plain model there
+                result.exported = sharded.export(model, cfg, tokenizer, out_dir, dtype, dist, base_dir)
+            else:  # QLoRA: merged/ is dense (NF4 dequantised + delta) in the run's compute dtype
+                result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
+                                              qlora=qlora, merged_dtype=dtype)
             console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
-        run_dir.mark(out_dir, "finished", steps=step)
+        if dist.main:
+            run_dir.mark(out_dir, "finished", steps=step)
     session.release_optimizer_state()  # the caller keeps the model (and the session), not the AdamW moments
     result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
@@ -189,6 +219,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     summary = {"steps": step, "total_steps": total, "first_loss": as_json_number(losses[0]) if losses else None,
                "last_loss": as_json_number(losses[-1]) if losses else None, "tokens": tokens_seen,
                "wall_s": round(result.wall_s, 2), "output_dir": str(out_dir), "device": str(device)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if dist.active:
+        summary["world_size"] = dist.world
+    if dist.main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)
     return result

@@ -26,6 +26,8 @@ detection, and attention would cross documents.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -37,6 +39,9 @@ import torch
 
 from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
+from novatune.parallel import wrap as pwrap
+from novatune.parallel.dist import Dist
+from novatune.parallel.dist import setup as setup_dist
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
     apply_patch,
@@ -52,13 +57,22 @@ from novatune.train.optim import build_optimizer, build_scheduler
 from novatune.train.preflight import cpu_step_warning
 
 
-def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None):
-    """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced)."""
-    n_items = max(1, sum(mb["num_target_tokens"] for mb in micro_batches))  # host ints: no device sync
+def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
+                     loss_scale: float = 1.0, grad_sync=None):
+    """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced).
+
+    Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
+    loss is normalised by the whole global batch, and `loss_scale` (the world size) undoes the ranks' gradient
+    averaging. `grad_sync(last)` gives the context of each backward (gradient communication on the last only).
+    The returned loss is this rank's part; the session sums it over the ranks."""
+    n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
-    for mb in micro_batches:
-        out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
-        out.loss.backward()  # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
+    for i, mb in enumerate(micro_batches):
+        ctx = grad_sync(i == len(micro_batches) - 1) if grad_sync is not None else contextlib.nullcontext()
+        with ctx:
+            out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
+            # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
+            (out.loss * loss_scale if loss_scale != 1.0 else out.loss).backward()
         total += out.loss.detach().float()
     return total
 
@@ -111,11 +125,18 @@ class Session:
     total_steps: int
     packed_kwargs: str | None
     weights_bytes: int | None = None  # CUDA memory allocated once the model is built and patched (QLoRA: NF4)
+    dist: Dist = dataclasses.field(default_factory=Dist)  # rank, world size, strategy (novatune/parallel)
 
     def __post_init__(self):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.cfg.train.max_grad_norm
         self.clip = clip if clip > 0 else float("inf")
+        self.strategy = self.dist.strategy if self.dist.active else "none"
+
+    @property
+    def inner_model(self) -> torch.nn.Module:
+        """The model under a DDP wrapper (FSDP2 shards in place: the model itself)."""
+        return pwrap.unwrap(self.model)
 
     @property
     def lora(self) -> bool:
@@ -124,7 +145,8 @@ class Session:
     @property
     def base_config(self):
         """The transformers config of the model under any PEFT wrapper (for FLOP counts)."""
-        return getattr(self.model, "get_base_model", lambda: self.model)().config
+        inner = self.inner_model
+        return getattr(inner, "get_base_model", lambda: inner)().config
 
     def next_micro_batches(self) -> list[dict]:
         """The next optimizer step's `grad_accum` micro-batches (host tensors, document offsets computed)."""
@@ -146,9 +168,14 @@ class Session:
 
     def forward_backward(self, micro_batches: list[dict]) -> StepOutput:
         """Gradients of one optimizer step, accumulated over the micro-batches and clipped; nothing synced."""
-        loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        return StepOutput(loss, gnorm)
+        if self.strategy == "none":
+            loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
+            return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
+        loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
+                                pwrap.loss_scale(self.strategy, self.dist.world),
+                                lambda last: pwrap.grad_sync(self.model, self.strategy, last))
+        self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
+        return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
 
     def apply_update(self) -> None:
         """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped."""
@@ -206,15 +233,25 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
     return model, report
 
 
+def join(cfg) -> Dist:
+    """This process's place in the run (parallel.strategy; novatune/parallel/dist.py)."""
+    return setup_dist(cfg.parallel.strategy, pick_device(cfg.model.device).type)
+
+
 def build(cfg, base_dir: Path | None = None, console=None, before_model: Callable | None = None,
-          model_hook: Callable | None = None, total_steps: int | None = None,
+          model_hook: Callable | None = None, total_steps: int | None = None, dist: Dist | None = None,
           select: Callable | None = None) -> Session:
     """Build the configured run (module docstring). `before_model(transformers_config)` runs before the model
     exists; `model_hook(model)` once it is built, prepared and patched, before the optimizer exists (snapshot the
     weights, switch a peer's attention). `total_steps` overrides the schedule's length (default: train.max_steps,
-    or the epochs' worth of optimizer steps). `select(model, tune, tune_tokens) -> Selection` is the tune engine's
-    choice for a patched model (the layer above passes novatune.tune.patching.selection_for; train sits below tune)."""
+    or the epochs' worth of optimizer steps). `dist`: the process group joined (default: join(cfg)); ddp/fsdp2
+    wrap the model after the patch and before the optimizer exists. `select(model, tune, tune_tokens) ->
+    Selection` is the tune engine's choice for a patched model (the layer above passes
+    novatune.tune.patching.selection_for; train sits below tune)."""
+    dist = dist if dist is not None else join(cfg)
     device = pick_device(cfg.model.device)
+    if device.type == "cuda" and dist.active:
+        device = torch.device("cuda", dist.local_rank)
     dtype = pick_dtype(cfg.model.dtype, device)
     if device.type == "cpu":
         cpu_threads_for_load(console)
@@ -240,11 +277,14 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
         console.print(f"model: {type(model).__name__} {n_total / 1e6:,.2f}M parameters ({n_train / 1e6:,.2f}M "
                       f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
 
+    if dist.active:
+        model = pwrap.wrap(model, dist.strategy, dtype, device, cfg.parallel.reshard_after_forward)
     opt = build_optimizer(model, cfg.train, device)
-    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer))
+    stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
+                         rank=dist.rank, world=dist.world)
     if total_steps is None:
         total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * stream.batches_per_epoch
                                                        / cfg.train.grad_accum)
     sched = build_scheduler(opt, cfg.train, total_steps)
     return Session(cfg, model, tokenizer, data, stream, opt, sched, report, device, dtype, total_steps,
-                   packed_kwargs_mode(cfg, report), weights)
+                   packed_kwargs_mode(cfg, report), weights, dist)

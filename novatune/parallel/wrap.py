@@ -1,0 +1,86 @@
+"""The model wrapped for its strategy, after novatune.patch and gradient checkpointing have been applied.
+
+FSDP2 (`fully_shard`): each decoder layer is one FSDP unit (its parameters gathered just before its forward, and
+before its backward), then the root takes what is left (embeddings, final norm, lm_head). The patched modules run
+on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and back to
+plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
+base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
+gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32.
+
+DDP: `DistributedDataParallel` over the whole model, gradients all-reduced in buckets during the backward.
+
+Both average the gradients over the ranks. The trainer's loss is already normalised by the target tokens of the
+whole global batch, so `loss_scale(world)` (x world) turns that average back into the sum: N ranks then give the
+gradient of one process at the same global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of an HF causal LM (under a PEFT wrapper too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(base).__name__} has no .model.layers: the per-layer FSDP2 units cannot be found; "
+                         f"use parallel.strategy: ddp for this model")
+    return list(layers)
+
+
+def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True):
+    """The model wrapped for `strategy` (fsdp2 | ddp); the returned module is what the trainer calls."""
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if dtype == torch.bfloat16 else MixedPrecisionPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # the root's parameters are used again right after its forward (lm_head in the backward): keep them
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    raise ValueError(f"unknown parallel strategy {strategy!r}")
+
+
+def unwrap(model):
+    """The module DDP wraps (FSDP2 wraps in place: the model itself)."""
+    return getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+
+
+def loss_scale(strategy: str, world: int) -> float:
+    """What each rank's loss is multiplied by so the ranks' averaged gradients equal the global batch's."""
+    return float(world) if strategy in ("ddp", "fsdp2") else 1.0
+
+
+def grad_sync(model, strategy: str, sync: bool):
+    """A context for one micro-batch's backward: gradient communication only on the last micro-batch of a step
+    (the others accumulate locally; the result is the same, with one reduction per step instead of grad_accum)."""
+    if strategy == "ddp" and not sync:
+        return model.no_sync()
+    if strategy == "fsdp2":
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total gradient norm over all ranks' shards (pre-clip), and the gradients clipped to `max_norm`.
+
+    With sharded (DTensor) gradients the norm of the local shards is not the model's norm: the DTensor norm is
+    made whole (`full_tensor`, one all-reduce) before the clip coefficient is computed from it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+    return total
