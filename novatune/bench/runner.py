@@ -230,7 +230,8 @@ def render_table(summary: dict) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         lines.append(f"{r['stack']:14s} {'ok':7s} {r['tok_s']:9,.0f} {_fmt(r['x_stock'], '8.3f', '       -')} "
                      f"{_fmt(r['x_peer'], '7.3f', '      -')} {mfu:>6s} {_fmt(r.get('peak_gib'), '9.2f', '        -')} "
-                     f"{r['gflop_per_tok']:9.3g} {_fmt(r['loss_max_rel_diff_vs_stock'], '13.2e', '            -')}")
+                     f"{_fmt(r.get('gflop_per_tok'), '9.3g', '        -')} "
+                     f"{_fmt(r.get('loss_max_rel_diff_vs_stock'), '13.2e', '            -')}")
     ok = [r for r in summary["rows"] if r["status"] == "ok"]
     if ok:
         lines.append(f"per-step loss (steps 1..{len(ok[0]['losses'])}: the first {summary['warm']} warm-up):")

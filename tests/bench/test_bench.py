@@ -142,3 +142,14 @@ def test_the_trl_stack_trains_like_the_session(spec, tmp_path):
     finally:
         gc.unfreeze()
     assert row["losses"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_the_table_takes_a_row_from_a_stack_with_its_own_trainer():
+    """A run-function stack (trl-sft) has no FLOP count or loss comparison of its own: the table still renders."""
+    rows = [{"stack": "novatune", "status": "ok", "tok_s": 200.0, "x_stock": None, "x_peer": None, "mfu": None,
+             "peak_gib": 1.0, "gflop_per_tok": 24.9, "loss_max_rel_diff_vs_stock": None, "losses": [1.0, 2.0]},
+            {"stack": "trl-sft", "status": "ok", "tok_s": 190.0, "x_stock": None, "x_peer": None,
+             "peak_gib": 1.1, "losses": [1.0, 2.0]}]
+    sp = {"novatune_vs_stock": None, "novatune_vs_peer": None, "peer_vs_stock": None}
+    table = render_table({"rows": rows, "warm": 1, "speedup": sp})
+    assert "trl-sft" in table and "190" in table
