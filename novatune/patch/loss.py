@@ -129,10 +129,12 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     call["use_cache"] = False
     outputs = _backbone(self, binding, call, kwargs)
     hidden = outputs.last_hidden_state
-    if shift_labels is None:  # TRL's shapes: (b, s - 1) without shift_labels, (b, s) with them
-        hidden, targets = hidden[:, :-1], labels[:, 1:]
-    else:
-        targets = shift_labels
+    # TRL's shapes are (b, s - 1) without shift_labels. All s positions go through the GEMMs, the last one with an
+    # ignored target, and the outputs drop it: slicing the hidden states to s - 1 rows instead makes the logits'
+    # leading dimension odd (4095), which sends cuBLAS to a slow unaligned kernel (14.6 ms vs ~4 ms per lm_head
+    # GEMM on an H200, bench/experiments/exp_trl_overhead.py).
+    trim = shift_labels is None
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) if trim else shift_labels
     targets = targets.to(hidden.device)
     mask = targets != -100
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
@@ -141,9 +143,12 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     log_probs, entropy, is_top1 = token_statistics(flat_hidden.detach(), self._novatune_lm_head.weight.detach(),
                                                    flat_targets)
     log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, log_probs.view(mask.shape), mask)
+    entropy, is_top1 = entropy.view(mask.shape), is_top1.view(mask.shape)
+    if trim:
+        log_probs, entropy, is_top1, mask = (t[:, :-1] for t in (log_probs, entropy, is_top1, mask))
     divisor = mask.sum().clamp(min=1) if num_items is None else num_items
-    return _FusedOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, entropy=entropy.view(mask.shape),
-                        is_top1=is_top1.view(mask.shape), label_mask=mask)
+    return _FusedOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
+                        label_mask=mask)
 
 
 class _FusedOutput(OrderedDict):
@@ -164,7 +169,7 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
     Logits are computed in the input dtype and read in fp32 (as HF's `logits.float()`), in row chunks of at most
     STATS_CHUNK_BYTES fp32 logits. Ignored tokens get 0 / 0 / False (TRL's convention)."""
-    rows = max(1, STATS_CHUNK_BYTES // (4 * weight.shape[0]))
+    rows = max(128, STATS_CHUNK_BYTES // (4 * weight.shape[0]) // 128 * 128)  # aligned GEMM row blocks
     out_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
     out_ent = torch.zeros_like(out_lp)
     out_top = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
