@@ -103,7 +103,8 @@ class NF4Tensor:
 
     @property
     def nbytes(self) -> int:
-        ts = [self.packed, self.absmax, self.code] + [t for t in (self.absmax2, self.code2, self.offset) if t is not None]
+        optional = [t for t in (self.absmax2, self.code2, self.offset) if t is not None]
+        ts = [self.packed, self.absmax, self.code] + optional
         return sum(t.numel() * t.element_size() for t in ts)
 
 

@@ -140,7 +140,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return torch.ops.novatune.rms_norm_fwd(x, weight, eps)[0]
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read)
     if (hook := dispatch.ACTIVE) is not None and (out := hook("rms_norm", x, weight, eps)) is not None:
         return out
     return _eager(x, weight, eps)

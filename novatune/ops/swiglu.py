@@ -172,7 +172,8 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
         gate, up = gate.to(dt), up.to(dt)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.swiglu_fwd(gate, up)  # traced: functional, the compiler plans the buffers
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read)
     if (hook := dispatch.ACTIVE) is not None and (out := hook("swiglu", gate, up, inplace_backward)) is not None:
         return out
     return _eager(gate, up, inplace_backward)
