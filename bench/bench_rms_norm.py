@@ -119,7 +119,7 @@ def run_shape(tag, rows, n, names, bw_gbps, args):
         x = x0.clone().requires_grad_()
         dy = dy0.clone()  # own copy: Liger's in-place backward overwrites dy with dx
 
-        def step():
+        def step(x=x, mod=mod, dy=dy):  # bound now: the loop deletes these names at its end
             x.grad = None
             mod.weight.grad = None
             mod(x).backward(dy)
@@ -137,7 +137,7 @@ def run_shape(tag, rows, n, names, bw_gbps, args):
         row["kernel_us"] = round(kernel_us(step, **(dict(iters=5, warmup=2) if args.quick else {})), 2)
         row["frac_of_floor"] = round(floor_us / row["kernel_us"], 3)
         results.append(write_row(args.results, row))
-        del mod, x, dy, y
+        del mod, x, dy, y, step
         torch.cuda.empty_cache()
     return results
 

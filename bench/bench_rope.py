@@ -109,9 +109,9 @@ def main(argv=None):
         q, k = leaves(uu)
         gq, gk = torch.randn(q.shape, device=dev, dtype=dt), torch.randn(k.shape, device=dev, dtype=dt)
         if raw:
-            step = lambda: fn(q, k, cos, sin, uu)  # noqa: E731
+            step = lambda q=q, k=k: fn(q, k, cos, sin, uu)  # noqa: E731
         else:
-            def step():
+            def step(q=q, k=k, gq=gq, gk=gk):  # bound now: the loop deletes these names at its end
                 oq, ok = fn(q, k, cos, sin, uu)
                 return torch.autograd.grad((oq, ok), (q, k), (gq, gk))
             # numerics vs the fp32 reference, forward and both grads
@@ -124,7 +124,7 @@ def main(argv=None):
         wus = wall_us(step, **it)
         row.update(kernel_us=round(kus, 2), wall_us=round(wus, 2), frac_floor=round(floor_us / kus, 3))
         rows.append(write_row(args.results, row))
-        del q, k, gq, gk
+        del q, k, gq, gk, step
 
     print(f"\nRoPE fwd+bwd, q (1,{hq},{s},{d}) + k (1,{hk},{s},{d}) bf16, layout {args.layout}; "
           f"{torch.cuda.get_device_name()}, copy {gbps:.0f} GB/s, HBM floor {floor_us:.1f} us")

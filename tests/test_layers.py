@@ -45,7 +45,9 @@ def imports_of(path: Path, module: str) -> set[str]:
     found = set()
     tree = ast.parse(path.read_text(), filename=str(path))
     for block in ast.walk(tree):  # `if TYPE_CHECKING:` imports exist for annotations only, never at run time
-        if isinstance(block, ast.If) and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING":
+        if not isinstance(block, ast.If):
+            continue
+        if getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING":
             block.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

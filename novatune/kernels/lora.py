@@ -135,18 +135,18 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_
     dy = dy.to(cd)
     a, b = lora_a.to(cd), lora_b.to(cd)
     xl = x if x_lora is None else x_lora.to(cd)
-    g = torch.mm(dy, b) if (need_da or need_dx) else None  # (tokens, r): reads dy once
+    g = torch.mm(dy, b) if (need_da or need_dx) else None  # (tokens, r): reads dy once; None when not needed
     db = _scaled_mm(dy.t(), xa, scaling).to(adt) if need_db else None  # (out, r): reads dy again
-    da = _scaled_mm(g.t(), xl, scaling).to(adt) if need_da else None  # (r, in)
+    da = _scaled_mm(g.t(), xl, scaling).to(adt) if g is not None and need_da else None  # (r, in)
     dx_out = dx_lora = None
-    if x_lora is not None:
-        if need_dx:
+    if g is not None and need_dx:
+        if x_lora is not None:
             # the LoRA branch's input gradient, routed through the dropout by the caller's autograd
             dx_lora = _scaled_mm(g, a, scaling).to(x_lora.dtype)  # (tokens, in)
             dx_out = torch.mm(dy, _dense(weight), out=dx)
-    elif need_dx:
-        dx_out = _scaled_mm(g, a, scaling, dx)  # K = r GEMM writes dx ...
-        dx_out.addmm_(dy, _dense(weight))  # ... the big GEMM accumulates into it
+        else:
+            dx_out = _scaled_mm(g, a, scaling, dx)  # K = r GEMM writes dx ...
+            dx_out.addmm_(dy, _dense(weight))  # ... the big GEMM accumulates into it
     dweight = torch.mm(dy.t(), x).to(weight.dtype) if need_dweight else None
     dbias = dy.sum(0, dtype=torch.float32).to(dbias_dtype) if dbias_dtype is not None else None
     return dx_out, dx_lora, dweight, dbias, da, db
@@ -206,7 +206,7 @@ def lora_group_bwd(dys: list[Tensor], x: Tensor, weights: list, w_cat: Tensor | 
     outs = [b.shape[0] for b in b_casts]
     dys = [dy.to(cd) for dy in dys]
     g = x.new_empty(x.shape[0], sum(ranks)) if (need_da or need_dx) else None
-    dbs = [None] * len(dys)
+    dbs: list[Tensor | None] = [None] * len(dys)
     r = 0
     for i, (dy, b, k) in enumerate(zip(dys, b_casts, ranks)):
         if g is not None:
@@ -214,9 +214,11 @@ def lora_group_bwd(dys: list[Tensor], x: Tensor, weights: list, w_cat: Tensor | 
         if need_db:
             dbs[i] = _scaled_mm(dy.t(), xa[:, r:r + k], scaling).to(adt)  # (out_i, r_i)
         r += k
-    das = list(_scaled_mm(g.t(), x, scaling).to(adt).split(ranks)) if need_da else [None] * len(dys)
+    das: list[Tensor | None] = [None] * len(dys)
+    if g is not None and need_da:
+        das = list(_scaled_mm(g.t(), x, scaling).to(adt).split(ranks))
     dx = None
-    if need_dx:
+    if g is not None and need_dx:
         if w_cat is None:
             w_cat = x.new_empty(sum(outs), x.shape[1])
             o = 0

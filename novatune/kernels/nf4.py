@@ -103,8 +103,15 @@ class NF4Tensor:
 
     @property
     def nbytes(self) -> int:
-        ts = [self.packed, self.absmax, self.code] + [t for t in (self.absmax2, self.code2, self.offset) if t is not None]
+        optional = [t for t in (self.absmax2, self.code2, self.offset) if t is not None]
+        ts = [self.packed, self.absmax, self.code] + optional
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def second_level(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(absmax2, code2, offset) of a double-quantised tensor."""
+        if self.absmax2 is None or self.code2 is None or self.offset is None:
+            raise ValueError("nf4: double quantisation needs absmax2, code2 and offset, and one of them is unset")
+        return self.absmax2, self.code2, self.offset
 
 
 def check(t: NF4Tensor) -> None:
@@ -119,7 +126,7 @@ def check(t: NF4Tensor) -> None:
         raise ValueError(f"nf4: {nblocks} blocks of {t.blocksize} need {nblocks} absmax values, got {t.absmax.numel()}")
     if t.code.numel() != 16:
         raise ValueError(f"nf4: code must hold the 16 NF4 levels, got {t.code.numel()} values")
-    if t.nested:
+    if t.absmax2 is not None:  # nested
         if t.absmax.dtype != torch.uint8 or t.code2 is None or t.offset is None or t.code2.numel() != 256:
             raise ValueError("nf4: double quantisation needs uint8 absmax codes, code2 (256 levels) and offset")
         if t.absmax2.numel() != -(-nblocks // t.blocksize2):
@@ -192,9 +199,10 @@ def absmax_ref(t: NF4Tensor) -> Tensor:
     """The fp32 first-level scales the dequantisation uses (double quantisation undone, bnb's two roundings)."""
     if not t.nested:
         return t.absmax.float()
+    absmax2, code2, offset = t.second_level()
     idx = torch.arange(t.absmax.numel(), device=t.absmax.device) // t.blocksize2
-    a = t.code2[t.absmax.long()] * t.absmax2[idx]  # one fp32 rounding ...
-    return a + t.offset.reshape(())  # ... and a second one, as bnb (dequantize_blockwise, then += offset)
+    a = code2[t.absmax.long()] * absmax2[idx]  # one fp32 rounding ...
+    return a + offset.reshape(())  # ... and a second one, as bnb (dequantize_blockwise, then += offset)
 
 
 def nf4_dequantize_ref(t: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -233,8 +241,9 @@ def nf4_embedding_ref(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None = Non
     q = torch.where(e % 2 == 0, byte >> 4, byte & 0xF).long()
     blk = e // t.blocksize
     if t.nested:
-        a = t.code2[t.absmax[blk].long()] * t.absmax2[blk // t.blocksize2]  # absmax_ref's two roundings, per block
-        a = a + t.offset.reshape(())
+        absmax2, code2, offset = t.second_level()
+        a = code2[t.absmax[blk].long()] * absmax2[blk // t.blocksize2]  # absmax_ref's two roundings, per block
+        a = a + offset.reshape(())
     else:
         a = t.absmax[blk]
     return (t.code[q] * a).to(dtype).view(*ids.shape, H)
@@ -372,9 +381,7 @@ def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor |
     n = t.numel
     if n == 0:
         return out
-    a2 = t.absmax2 if t.nested else t.absmax  # placeholders for the unused pointers (never read: NESTED=False)
-    c2 = t.code2 if t.nested else t.code
-    off = t.offset.reshape(1) if t.nested else t.code
+    a2, c2, off = _second_level_args(t)
     flat = out.view(-1)
     if n % 2 == 0 and flat.storage_offset() % 2 == 0:  # whole pairs: the byte-per-pair kernel
         kind, word = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32),
@@ -412,12 +419,19 @@ def nf4_embedding(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None = None, o
     return out
 
 
+def _second_level_args(t: NF4Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """absmax2, code2 and offset (shape (1,)) as the kernels take them; without double quantisation, placeholders
+    for the unused pointers (never read: NESTED=False)."""
+    if not t.nested:
+        return t.absmax, t.code, t.code
+    absmax2, code2, offset = t.second_level()
+    return absmax2, code2, offset.reshape(1)
+
+
 def _embedding_launch(t: NF4Tensor, flat_ids: Tensor, out: Tensor, dtype: torch.dtype) -> None:
     """The launch itself, ids unchecked (the tests drive the kernel's out-of-range NaN rows through it)."""
     (V, H), T = t.shape, flat_ids.numel()
-    a2 = t.absmax2 if t.nested else t.absmax  # placeholders for the unused pointers (never read: NESTED=False)
-    c2 = t.code2 if t.nested else t.code
-    off = t.offset.reshape(1) if t.nested else t.code
+    a2, c2, off = _second_level_args(t)
     block_h = min(triton.next_power_of_2(H), 1024)
     block_t = max(1, 4096 // block_h)  # ~4096 elements per program: whole 64-element blocks for H >= 64
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))

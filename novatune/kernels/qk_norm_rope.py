@@ -113,15 +113,15 @@ def _load_halves(X, bi, si, sb, ss, sh, t_ok, hb, H, HALF: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _store_halves(O, t64, t_ok, hb, H, v1, v2, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+def _store_halves(OUT, t64, t_ok, hb, H, v1, v2, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                   SOFT_RNE: tl.constexpr):
     """Store fp32 halves into a contiguous (tokens, H, 2 * HALF) tensor, rounded to its dtype."""
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
     mask = _mask3(t_ok, h < H, HALF, BLOCK_D)
     off = (t64 * (H * 2 * HALF))[:, None, None] + (h * (2 * HALF))[None, :, None] + dd[None, None, :]
-    tl.store(O + off, _round_to(v1, O.dtype.element_ty, SOFT_RNE), mask=mask)
-    tl.store(O + off + HALF, _round_to(v2, O.dtype.element_ty, SOFT_RNE), mask=mask)
+    tl.store(OUT + off, _round_to(v1, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
+    tl.store(OUT + off + HALF, _round_to(v2, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
 
 
 @triton.jit
@@ -381,7 +381,8 @@ def _check_weight(w: torch.Tensor, d: int, name: str) -> torch.Tensor:
 
 def _check_out(t: torch.Tensor, shape, dtype, name: str) -> None:
     assert t.shape == tuple(shape) and t.dtype == dtype and t.is_contiguous(), (
-        f"{name}: need contiguous {tuple(shape)} {dtype}, got {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()}")
+        f"{name}: need contiguous {tuple(shape)} {dtype}, "
+        f"got {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()}")
 
 
 def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

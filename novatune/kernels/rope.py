@@ -25,8 +25,8 @@ lookup, a few stride reads and the launch - no view tensors, no triton.cdiv / ne
 Kernel: grid (b * s tokens, head splits). A program loads the token's cos/sin once (fp32), then rotates a block of
 q heads and a block of k heads (GQA: hk may differ from hq) as (heads, half) tiles: fp32 math, one rounding to the
 output dtype. Head splits only exist to give short sequences enough programs (each split re-reads the token's
-cos/sin, 4 * d bytes, from L2); at training shapes one program covers all 32 + 8 heads of a token. Partial rotary (rotating only the first rotary_dim < d features) is NOT
-supported: d of q/k must equal the tables' d.
+cos/sin, 4 * d bytes, from L2); at training shapes one program covers all 32 + 8 heads of a token. Partial rotary
+(rotating only the first rotary_dim < d features) is NOT supported: d of q/k must equal the tables' d.
 """
 from __future__ import annotations
 

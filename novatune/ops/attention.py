@@ -8,6 +8,8 @@ on the kernel's tiling; a NaN in q is not used: CPU SDPA's online max drops it, 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from novatune.attention.backends import varlen_attention, why_unavailable
@@ -92,7 +94,8 @@ def _candidates(shape, dtype, device: str) -> list:
            Candidate("attention", "novatune_default", "default", {"backend": "auto"}, make=lambda: _backend_fn("auto"),
                      deterministic=not cuda)]
     for b in BACKENDS:
-        out.append(Candidate("attention", f"backend_{b}", _FAMILY[b], {"backend": b}, make=lambda b=b: _backend_fn(b),
+        out.append(Candidate("attention", f"backend_{b}", _FAMILY[b], {"backend": b},
+                             make=functools.partial(_backend_fn, b),
                              deterministic=b == "reference" or not cuda,
                              unavailable=_why_not(b, shape, dtype, device)))
     return out

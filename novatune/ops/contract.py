@@ -52,6 +52,8 @@ class Candidate:
 
     def functional(self) -> Callable:
         if self._fn is None:
+            if self.make is None:
+                raise ValueError(f"candidate {self.op}/{self.name} has no `make`: nothing builds its functional")
             self._fn = self.make()
         return self._fn
 

@@ -109,7 +109,7 @@ class _Dispatcher:
         if spec is None:
             return None
         key = spec.call_signature(args)
-        if self.seen is not None:
+        if self.seen is not None and self.calls is not None:  # recording: both are set
             self.seen[key] += 1
             rec = CallRecord.of(op, key, args)
             self.calls.setdefault((key, rec.args), rec)

@@ -44,6 +44,7 @@ so memory stays bounded on the CPU too.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -283,7 +284,8 @@ def _candidates(shape, dtype, device: str) -> list:
                      make=lambda: _mode_fn("auto"))]
     for m in MODES:
         params = {"mode": m} if m != "inplace" or t >= h else {"mode": m, "note": "tokens < hidden: runs as 'tokens'"}
-        out.append(Candidate("linear_cross_entropy", f"mode_{m}", "triton", params, make=lambda m=m: _mode_fn(m)))
+        out.append(Candidate("linear_cross_entropy", f"mode_{m}", "triton", params,
+                             make=functools.partial(_mode_fn, m)))
     out.append(Candidate("linear_cross_entropy", "torch_compile", "compile", make=lambda: compiled(_ref.hf_linear_ce),
                          deterministic=False, selectable=False))
     return out

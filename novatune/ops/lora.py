@@ -70,7 +70,8 @@ def lora_linear_bwd(dy: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
                                                                               Tensor]:
     outs = _bwd_impl(dy, x, weight, bias, lora_a, lora_b, xa, scaling, x_lora, need_dx, need_dweight, need_dbias,
                      need_da, need_db)
-    return tuple(x.new_empty(0) if t is None else t for t in outs)
+    dx, dx_lora, dweight, dbias, da, db = (x.new_empty(0) if t is None else t for t in outs)
+    return dx, dx_lora, dweight, dbias, da, db
 
 
 @lora_linear_bwd.register_fake

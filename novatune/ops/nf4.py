@@ -112,6 +112,14 @@ class NF4Embedding(nn.Module):
     nn.Embedding's output). The NF4 state is registered as buffers so .to()/.cuda() move it and the state dict
     carries it; novatune.train.qlora's merged export writes the dequantised dense `weight` instead."""
 
+    # the buffers of _STATE (all set: the table is double-quantised)
+    packed: Tensor
+    absmax: Tensor
+    code: Tensor
+    absmax2: Tensor
+    code2: Tensor
+    offset: Tensor
+
     def __init__(self, t: NF4Tensor, compute_dtype: torch.dtype, padding_idx: int | None = None):
         super().__init__()
         K.check(t)

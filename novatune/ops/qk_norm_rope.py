@@ -184,7 +184,8 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     _check(q, k, q_weight, k_weight, cos, sin)
     if torch.compiler.is_compiling():
         return tuple(torch.ops.novatune.qk_norm_rope_fwd(q, k, q_weight, k_weight, eps, cos, sin)[:2])
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read)
     if (hook := dispatch.ACTIVE) is not None and (
             out := hook("qk_norm_rope", q, k, q_weight, k_weight, eps, cos, sin)) is not None:
         return out

@@ -140,7 +140,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return torch.ops.novatune.rms_norm_fwd(x, weight, eps)[0]
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read)
     if (hook := dispatch.ACTIVE) is not None and (out := hook("rms_norm", x, weight, eps)) is not None:
         return out
     return _eager(x, weight, eps)
@@ -161,7 +162,7 @@ class NovaRMSNorm(nn.Module):
         still see it) and its `variance_epsilon` (or a float `eps`)."""
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         weight = getattr(module, "weight", None)
-        if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        if not isinstance(eps, float) or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
             raise ValueError(f"{type(module).__name__} is not an HF-style RMSNorm (1-D weight, float epsilon)")
         new = cls(weight.shape[0], eps, device="meta")
         new.weight = weight
@@ -238,13 +239,15 @@ def _cuda_pair(variant):
                                                                                                **b)))
 
 
+def _torch_rms_norm(x, weight, eps):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def _candidates(shape, dtype, device: str) -> list:
     n = shape[-1]
-    native = getattr(torch.nn.functional, "rms_norm", None)
     out = [Candidate("rms_norm", "hf_eager", "eager", make=lambda: _ref.hf_rms_norm),
            Candidate("rms_norm", "torch_native", "native",
-                     make=lambda: (lambda x, weight, eps: native(x, (x.shape[-1],), weight, eps)),
-                     unavailable=None if native else "torch has no F.rms_norm"),
+                     make=lambda: _torch_rms_norm),
            Candidate("rms_norm", "novatune_default", "default", make=lambda: _eager),
            Candidate("rms_norm", "torch_compile", "compile", make=lambda: compiled(_ref.hf_rms_norm),
                      deterministic=False)]

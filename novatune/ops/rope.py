@@ -177,7 +177,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         if len(_CHECKED) >= 4096:   # bound only (every sequence length would be a new key)
             _CHECKED.clear()
         _CHECKED.add(key)
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read).
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read).
     # Only the (b, s, h, d) layout is consulted: the tune entries are validated and timed there (the patched
     # model's layout), and a (b, h, s, d) call of the same size would run its kernel at other strides.
     if (hook := dispatch.ACTIVE) is not None and _k.normalize_unsqueeze_dim(unsqueeze_dim) == 2 and (

@@ -172,7 +172,8 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
         gate, up = gate.to(dt), up.to(dt)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.swiglu_fwd(gate, up)  # traced: functional, the compiler plans the buffers
-    # an implementation `novatune tune` selected for this shape (dispatch.ACTIVE is None: nothing tuned, one global read)
+    # an implementation `novatune tune` selected for this shape
+    # (dispatch.ACTIVE is None: nothing tuned, one global read)
     if (hook := dispatch.ACTIVE) is not None and (out := hook("swiglu", gate, up, inplace_backward)) is not None:
         return out
     return _eager(gate, up, inplace_backward)
@@ -202,10 +203,11 @@ class NovaSwiGLUMLP(nn.Module):
 
     @classmethod
     def from_module(cls, mlp: nn.Module) -> NovaSwiGLUMLP:
-        missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, n)]
+        names = ("gate_proj", "up_proj", "down_proj")
+        missing = [n for n in names if not hasattr(mlp, n)]
         if missing:
             raise TypeError(f"{type(mlp).__name__} has no {', '.join(missing)}: not a gated MLP")
-        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return cls(*(getattr(mlp, n) for n in names))
 
     def forward(self, x: Tensor) -> Tensor:
         return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)

@@ -58,7 +58,8 @@ class DataConfig:
     loss_on: Literal["all", "assistant", "completion"] = "all"
     max_length: int = 2048
     packing: bool = True
-    packing_strategy: Literal["bfd", "greedy"] = "bfd"  # bfd: whole documents, best fit; greedy: in order, cut at row ends
+    # bfd: whole documents, best fit; greedy: in order, cut at row ends
+    packing_strategy: Literal["bfd", "greedy"] = "bfd"
     overlong: Literal["split", "drop", "truncate"] = "split"
     add_eos: bool = True
     shuffle: bool = True

@@ -95,7 +95,9 @@ def _refresh(inputs: dict, spec: OpSpec, gen) -> dict:
     out = {}
     for k, v in inputs.items():
         if isinstance(v, Tensor) and v.is_floating_point() and k in spec.tensor_args:
-            f = (torch.rand(v.shape, generator=gen) * 0.5 + 0.75) * (torch.randint(0, 2, v.shape, generator=gen) * 2 - 1)
+            magnitude = torch.rand(v.shape, generator=gen) * 0.5 + 0.75
+            sign = torch.randint(0, 2, v.shape, generator=gen) * 2 - 1
+            f = magnitude * sign
             out[k] = _clone_layout((v.float() * f.to(v.device)).to(v.dtype))
         else:
             out[k] = v

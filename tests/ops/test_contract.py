@@ -43,7 +43,8 @@ def test_kernel_candidates_use_the_ops_own_autograd_wrapper(op, monkeypatch):
         return real(fwd, bwd)
     monkeypatch.setattr(mod, "make_function", spy)
     key = (7, 32) if op in ("rms_norm", "swiglu") else (13, 2, 1, 8)
-    kernel = [c for c in mod.SPEC.candidates(key, torch.float32, "cpu") if c.kernels is not None and c.family == "triton"]
+    candidates = mod.SPEC.candidates(key, torch.float32, "cpu")
+    kernel = [c for c in candidates if c.kernels is not None and c.family == "triton"]
     assert kernel
     for c in kernel:
         c._fn = None

@@ -117,7 +117,8 @@ def _assert_fwd_matches_hf(out, hf_out, qn, cos, sin, flipped=None):
     if flipped is not None:
         scale = torch.where(flipped.unsqueeze(-1).expand_as(mag), 2.0 ** -5, scale)
     worst = float((diff - scale * mag).max())
-    assert worst <= 0, f"forward vs HF: |diff| exceeds its bound (2^-6 (|a| + |b|), 2^-5 where rstd differs) by {worst:.3e}"
+    assert worst <= 0, (f"forward vs HF: |diff| exceeds its bound (2^-6 (|a| + |b|), 2^-5 where rstd differs) "
+                        f"by {worst:.3e}")
     assert float((diff > 0).float().mean()) < 0.3
     assert_close(out, hf_out, REL_TOL[torch.bfloat16], "forward vs HF")
 

@@ -220,7 +220,10 @@ def test_gpu_real_shape_autograd():
 def test_gpu_compiled_mlp_matches_eager():
     """torch.compile(fullgraph=True) traces the custom ops through their fake impls and gives the same values."""
     mlp = _tiny_qwen3_mlp().cuda()
-    fn = lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj)
+
+    def fn(m, t):
+        return swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj)
+
     compiled = torch.compile(fn, fullgraph=True)
     _compare_mlps(mlp, compiled, "cuda")
 

@@ -1,7 +1,7 @@
 """Planted faults for `novatune validate` tests: each breaks novatune's patched model the way a real bug would.
 
-They monkeypatch the names novatune.patch.forwards (and patch.loss) calls at run time, so they apply to every model patched while
-the monkeypatch is active (and to none after the test)."""
+They monkeypatch the names novatune.patch.forwards (and patch.loss) calls at run time, so they apply to every model
+patched while the monkeypatch is active (and to none after the test)."""
 from __future__ import annotations
 
 import torch

@@ -45,7 +45,8 @@ def test_cuda_candidates_validate_at_real_and_odd_shapes(op, shape):
     results = {c.name: validate(OPS[op], c, stock, odd_shapes(shape, "cuda"), torch.bfloat16, "cuda")
                for c in allc if c.family == "cuda"}
     for name, v in results.items():
-        print(op, shape, name, "ok" if v.ok else f"[{v.check}] {v.reason}", f"max err {max(v.errors.values(), default=0):.2e}")
+        verdict = "ok" if v.ok else f"[{v.check}] {v.reason}"
+        print(op, shape, name, verdict, f"max err {max(v.errors.values(), default=0):.2e}")
     bad = {n: f"[{v.check}] {v.reason}" for n, v in results.items() if not v.ok}
     assert not bad, bad
     assert all("poisoned" in v.checks and "deterministic" in v.checks for v in results.values())

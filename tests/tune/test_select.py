@@ -1,4 +1,5 @@
-"""Selection with injected timings (noise margin, simpler wins within it). The dispatch table: tests/ops/test_dispatch.py."""
+"""Selection with injected timings (noise margin, simpler wins within it).
+The dispatch table: tests/ops/test_dispatch.py."""
 from __future__ import annotations
 
 import pytest

@@ -13,9 +13,9 @@ from novatune.ops.registry import OPS
 from novatune.reference.rms_norm import hf_rms_norm
 from novatune.reference.swiglu import hf_swiglu
 from novatune.tune.calls import candidates
+from novatune.tune.validate import validate
 
 RMS_NORM, SWIGLU = OPS["rms_norm"], OPS["swiglu"]
-from novatune.tune.validate import validate
 
 SHAPES = [(6, 32), (1, 32), (5, 32)]  # first = "real", then odd row counts
 
