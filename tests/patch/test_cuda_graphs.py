@@ -88,9 +88,9 @@ def padded_eager_attention(monkeypatch):
 
     orig = forwards.varlen_attention
 
-    def padded(q, k, v, packed, scale=None, backend="auto"):
+    def padded(q, k, v, packed, scale=None, backend="auto", **kw):
         return orig(q, k, v, packed if packed.lengths is None else _as_graphs_pad(packed), scale=scale,
-                    backend=backend)
+                    backend=backend, **kw)
 
     monkeypatch.setattr(forwards, "varlen_attention", padded)
 
