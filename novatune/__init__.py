@@ -39,8 +39,8 @@ def patch(target, *, tune: bool | str = "cache", tune_tokens: int = 4096, select
 
 
 def _signature():
-    """apply.patch's options plus tune / tune_tokens, so `inspect.signature(novatune.patch)` lists every option
-    (the trainer binds a config's patch_options against it before any work)."""
+    """apply.patch's options plus tune / tune_tokens, so `inspect.signature(novatune.patch)` and help() list
+    every option."""
     import inspect
 
     base = inspect.signature(_apply.patch)
