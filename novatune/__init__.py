@@ -31,7 +31,7 @@ def patch(target, *, tune: bool | str = "cache", tune_tokens: int = 4096, select
     if existing is not None and not existing.reverted:
         return _apply.patch(target, **options)  # idempotent; over a trainer it puts the fused loss back on top
     report = _apply.patch(target, selection=selection, **options)
-    if selection is None and tune:
+    if selection is None and tune and getattr(model, "_novatune_report", None) is report:  # not a refused model
         from novatune.tune.patching import selection_for
 
         selection_for(model, tune, tune_tokens).apply(model, report)

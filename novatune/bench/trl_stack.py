@@ -89,6 +89,8 @@ def run(spec: dict, cfg, base_dir) -> dict:
     res = run_trl_stack(cfg, spec["warm"] + spec["steps"], spec["warm"], base_dir,
                         output_dir=Path(spec["stack_dir"]) / "trl")
     tps = res["tokens_per_s"]
+    if not tps:
+        raise RuntimeError("the TRL stack timed no step after the warm-up: give more steps than warm-up steps")
     return {"warm": spec["warm"], "steps": spec["steps"], "tok_s": round(tps, 1) if tps else None,
             "timed_s": res["timed_s"], "timed_tokens": res["timed_tokens"], "peak_gib": res["peak_gib"],
             "losses": res["losses"], "trl": res["trl"], "patch_report": res["patch_report"],
@@ -116,6 +118,10 @@ class _Meter(transformers.TrainerCallback):
         self.t0 = self.t1 = self.peak_gib = None
 
     def on_step_end(self, args, state, control, **kwargs):
+        # a clock is read only after the warm-up and after the last step: no sync inside the timed steps, as in
+        # the bench worker's own loop
+        if state.global_step not in (self.warmup, state.max_steps):
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if state.global_step == self.warmup:

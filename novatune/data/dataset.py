@@ -103,13 +103,13 @@ class BatchStream:
         self.rank, self.world = rank, world
         self.epoch, self.index = 0, 0
         self._order = self._make_order(0)
+        self._counts: list[tuple[int, int, float]] | None = None  # per row, counted once (multi-process only)
 
     @property
     def batches_per_epoch(self) -> int:
         """Global micro-batches per epoch (each holds micro_batch rows on every rank)."""
         per = self.micro_batch * self.world
-        return -(-len(self.rows) // per) if self.world == 1 else len(self.rows) // per + (
-            len(self.rows) % per >= self.world)
+        return len(self.rows) // per + (len(self.rows) % per >= self.world)
 
     def _make_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -126,7 +126,9 @@ class BatchStream:
         if self.world == 1:
             return collate([self.rows[i] for i in take], self.pad_id)
         batch = collate([self.rows[i] for i in take[self.rank::self.world]], self.pad_id)
-        counts = [row_counts(self.rows[i]) for i in take]
+        if self._counts is None:  # the rows never change after packing: count them once, not per micro-batch
+            self._counts = [row_counts(r) for r in self.rows]
+        counts = [self._counts[i] for i in take]
         batch["global_target_tokens"] = sum(c[0] for c in counts)
         batch["global_tokens"] = sum(c[1] for c in counts)
         batch["global_attn_keys"] = sum(c[2] for c in counts)

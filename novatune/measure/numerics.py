@@ -1,7 +1,7 @@
 """Numerical checks shared by tests, benchmarks and the tune validator.
 
 Error metric: ||out - ref|| / ||ref|| over the whole tensor, with the reference in fp32 (or fp64). Typical
-levels (METHOD.md): fp32 arithmetic < 1e-5; bf16 operands 1e-3 .. 1e-2; NaN never passes.
+levels (docs/BENCHMARKS.md): fp32 arithmetic < 1e-5; bf16 operands 1e-3 .. 1e-2; NaN never passes.
 """
 from __future__ import annotations
 

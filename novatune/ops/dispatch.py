@@ -81,6 +81,8 @@ class Selection:
             report._undo.append(lambda: install(prev))
         for s in self.settings:
             mods = [m for m in model.modules() if s.attr in m.__dict__]
+            if not mods:  # no module of this model takes the setting: nothing applied, nothing reported
+                continue
             explicit = [m for m in mods if m.__dict__[s.attr] != "auto"]
             if explicit:
                 report.add("", "tune", "note", f"tune: {s.op}: the explicit setting "
@@ -101,11 +103,12 @@ class _Dispatcher:
         self.table = dict(table)
         self.seen: Counter | None = Counter() if record else None
         self.calls: dict[tuple, CallRecord] | None = {} if record else None
+        from novatune.ops.registry import OPS  # here, not at module level: the registry imports the ops
+
+        self.ops = OPS  # resolved once per dispatcher, not on every op call
 
     def __call__(self, op: str, *args):
-        from novatune.ops.registry import OPS
-
-        spec = OPS.get(op)
+        spec = self.ops.get(op)
         if spec is None:
             return None
         key = spec.call_signature(args)

@@ -131,8 +131,8 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     hidden = outputs.last_hidden_state
     # TRL's shapes are (b, s - 1) without shift_labels. All s positions go through the GEMMs, the last one with an
     # ignored target, and the outputs drop it: slicing the hidden states to s - 1 rows instead makes the logits'
-    # leading dimension odd (4095), which sends cuBLAS to a slow unaligned kernel (14.6 ms vs ~4 ms per lm_head
-    # GEMM on an H200, bench/experiments/exp_trl_overhead.py).
+    # leading dimension odd (4095), which sends cuBLAS to a slow unaligned kernel (the profile of
+    # bench/experiments/exp_trl_overhead.py: bench/results/traces/trl_overhead_d29fdeb.txt).
     trim = shift_labels is None
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) if trim else shift_labels
     targets = targets.to(hidden.device)

@@ -80,6 +80,8 @@ def _seconds(row: dict) -> float | None:
 
 
 def _starts_call(prev: dict, row: dict) -> bool:
+    if "call" in row or "call" in prev:  # rows that name their call (an A/B of two trees shares one)
+        return row.get("call") != prev.get("call")
     if row.get("git_sha") != prev.get("git_sha"):
         return True
     if "run_index" in row and "run_index" in prev:

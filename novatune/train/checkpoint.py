@@ -48,6 +48,8 @@ from novatune.train.nonfinite import nonfinite_names, require_finite
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 FILES = ("weights.safetensors", "optimizer.pt", "rng.pt", "state.json")
+SHARDED_LAYOUT = "dcp"
+SHARDED_REQUIRED = {"state.json", "rng_0.pt", "dcp/.metadata"}  # every sharded checkpoint has these
 STATE_KEYS = ("step", "scheduler", "data")
 
 
@@ -114,7 +116,7 @@ def file_digest(path: Path, algo: str) -> str:
 
 def default_hash() -> str:
     try:
-        import xxhash  # noqa: F401  (an order of magnitude faster than sha256 on multi-GB optimizer states)
+        import xxhash  # noqa: F401  (a non-cryptographic hash: checksums of multi-GB states cost less than sha256)
 
         return "xxh3_128"
     except ImportError:
@@ -220,8 +222,7 @@ def _read_json(path: Path, problems: list[str]):
 def _check_files(path: Path, manifest: dict, problems: list[str]) -> None:
     algo = manifest.get("hash", "sha256")
     # a sharded (DCP) checkpoint lists its own files (one shard per rank); its required ones must be among them
-    names = FILES if manifest.get("layout") != "dcp" else \
-        sorted(set(manifest["files"]) | {"state.json", "rng_0.pt", "dcp/.metadata"})
+    names = FILES if manifest.get("layout") != SHARDED_LAYOUT else sorted(set(manifest["files"]) | SHARDED_REQUIRED)
     for name in names:
         entry, f = manifest["files"].get(name), path / name
         if entry is None:
@@ -328,7 +329,6 @@ def load(path: str | Path, model, optimizer, scheduler, device: torch.device, di
     return state
 
 
-SHARDED_LAYOUT = "dcp"
 
 
 def is_sharded(path: Path) -> bool:

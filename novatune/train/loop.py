@@ -106,7 +106,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         return ckpt.save(out_dir, at, model, opt, sched, state, keep=cfg.checkpoint.keep)
 
     def stop_requested() -> bool:  # every rank stops at the same step boundary
-        return dist.any_true(signals.requested is not None) if dist.active else signals.requested is not None
+        return dist.any_true(signals.requested is not None)
 
     progress = Progress(total, step, cfg.logging.progress, console)
     win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
@@ -138,7 +138,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             stopping = stop_requested()
             if step % cfg.logging.every == 0 or step == total or stopping:
                 vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
-                lr, applied = pending[-1][3], pending[-1][4]
+                lr = pending[-1][3]
+                skipped = [s for s, _, _, _, ok in pending if not ok]  # any step of the window, not only the last
                 pending.clear()
                 result.losses.update({s: v for s, v, _ in vals})
                 now = time.perf_counter()
@@ -153,8 +154,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 if dist.active:  # tokens_per_s is the total over the processes; memory is per rank
                     row.update(world_size=dist.world, tokens_per_s_per_proc=tps / dist.world,
                                mem_gib_per_rank=dist.gather(mem[1] if mem else None))
-                if not applied:
+                if skipped:
                     row["skipped"] = True
+                    row["skipped_steps"] = skipped
                 if metrics is not None:
                     metrics.write(row)
                 progress.update(step, row)

@@ -41,8 +41,11 @@ def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     floats = {n: t for n, t in tensors.items() if t.is_floating_point()}
     if not floats:
         return []
-    flags = torch.stack([_all_finite(t).cpu() for t in floats.values()])
-    return [n for n, ok in zip(floats, flags.tolist()) if not ok]
+    ok: dict[str, bool] = {}
+    for device in {t.device for t in floats.values()}:  # one host copy per device, not one per tensor
+        names = [n for n, t in floats.items() if t.device == device]
+        ok.update(zip(names, torch.stack([_all_finite(floats[n]) for n in names]).cpu().tolist()))
+    return [n for n in floats if not ok[n]]
 
 
 def require_finite(tensors: dict[str, torch.Tensor], what: str, fix: str) -> None:

@@ -38,12 +38,6 @@ from novatune.parallel.dist import Dist
 from novatune.train import checkpoint as ckpt
 from novatune.train.nonfinite import NonFiniteError, nonfinite_names
 
-LAYOUT = ckpt.SHARDED_LAYOUT
-REQUIRED = ("state.json", "rng_0.pt", "dcp/.metadata")
-
-
-is_sharded = ckpt.is_sharded
-
 
 def _local(sd: dict) -> dict[str, torch.Tensor]:
     """This rank's shards of the floating tensors of a (nested) state dict, by dotted name."""
@@ -62,8 +56,8 @@ def _publish(tmp: Path, final: Path, step: int, state: dict, scheduler) -> None:
     algo = ckpt.default_hash()
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     files = {n: {"bytes": (tmp / n).stat().st_size, "hash": ckpt.file_digest(tmp / n, algo)} for n in names}
-    (tmp / "manifest.json").write_text(json.dumps({"format": 1, "layout": LAYOUT, "step": step, "hash": algo,
-                                                   "files": files}, indent=1))
+    manifest = {"format": 1, "layout": ckpt.SHARDED_LAYOUT, "step": step, "hash": algo, "files": files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for n in (*names, "manifest.json"):
         ckpt.fsync_path(tmp / n)
     ckpt.fsync_path(tmp / "dcp")

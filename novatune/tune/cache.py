@@ -109,10 +109,9 @@ class TuneCache:
 
 
 def selection_from_cache(cache: TuneCache, device) -> tuple[dict, list[dict], list[str]]:
-    from novatune.ops.registry import OPS
-
     """(dispatch table, the entries used, notes) for the kept, non-default choices recorded for this device and
     these versions. An entry whose candidate no longer exists (or cannot be built) is skipped with a note."""
+    from novatune.ops.registry import OPS
     from novatune.tune.calls import candidates, model_level, signature
 
     env = environment(device)

@@ -124,3 +124,11 @@ def test_the_cli_writes_the_page_and_refuses_a_missing_folder(tmp_path: Path, ca
     assert out.read_text() == render_results_page(REPO / "bench" / "results")
     assert main(["report", "--results-page", str(tmp_path / "nope")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_rows_naming_their_call_stay_one_call_across_two_trees() -> None:
+    """An A/B call runs two trees (two git shas) side by side: the `call` field keeps them together."""
+    rows = [{"git_sha": "old", "time": "2026-11-24T20:00:00+00:00", "call": "ab"},
+            {"git_sha": "new", "time": "2026-11-24T20:03:00+00:00", "call": "ab"},
+            {"git_sha": "new", "time": "2026-11-24T20:04:00+00:00", "call": "next"}]
+    assert [len(c) for c in split_calls(rows)] == [2, 1]
