@@ -11,7 +11,8 @@ it). The checks, on every case of the op's SPEC.call_cases (the ranks, eps value
 plus odd shapes, > 65,535 rows and |x| ~ 1e4) for each dtype, and on calls recorded from a model (`calls`):
 
   values     forward output and every gradient vs the fp32 reference, bounded by the STOCK implementation's own
-             error on the same inputs: per element |fn - ref| <= 4 |stock - ref| + 2u |ref| + 2u rms(ref's row);
+             error on the same inputs: per element |fn - ref| <= 4 |stock - ref| + 2u |ref| + 2u rms(ref's row)
+             + stock's largest error in that row;
              per tensor rms(fn - ref) <= 2 rms(stock - ref) + u rms(ref); and no systematic scaling (the
              projection of the error on ref, sum(e * ref) / sum(ref^2), <= 4 x stock's + u / 4 + 2u / sqrt(n)),
              u = the unit roundoff of the tensor's dtype (fp32: 1e-5, reductions; times SPEC.tolerance_scale).
@@ -141,6 +142,12 @@ def _err_stats(got: Tensor, stock: Tensor, ref: Tensor, dtype, label: str, scale
         raise _Fail(f"{label}: {int(bad.sum())} non-finite elements where the reference is finite")
     # the absolute floor follows each row's magnitude (rows of very different scales; cancellation inside a row)
     row_rms = r.where(fin, 0).pow(2).mean(-1, keepdim=True).sqrt().expand_as(r) if r.dim() >= 2 else None
+    # Two correct implementations that round intermediates in a different order have uncorrelated errors per
+    # element: where stock happens to land on the reference, 4x its error is ~0, and a term that cancels (RoPE's
+    # dq = dy cos + rot(dy) sin) leaves the candidate a few ulps of the terms off. Stock's worst error in the same
+    # row bounds what rounding alone does there; larger faults still fail, and the rms and scaling checks below
+    # catch an error that is worse everywhere.
+    row_worst = (s - r).abs().where(fin, 0).amax(-1, keepdim=True).expand_as(r) if r.dim() >= 2 else None
     g, s, r = g[fin], s[fin], r[fin]
     if r.numel() == 0:
         return
@@ -148,7 +155,7 @@ def _err_stats(got: Tensor, stock: Tensor, ref: Tensor, dtype, label: str, scale
     ec, es = (g - r).abs(), (s - r).abs()
     rms_r = float(r.pow(2).mean().sqrt())
     floor = 2 * u * (row_rms[fin].clamp_min(0.05 * rms_r) if row_rms is not None else rms_r)
-    limit = K_ELEM * es + 2 * u * r.abs() + floor
+    limit = K_ELEM * es + 2 * u * r.abs() + floor + (row_worst[fin] if row_worst is not None else 0)
     over = ec > limit
     if bool(over.any()):
         i = int(torch.argmax((ec - limit) / (limit + 1e-30)))

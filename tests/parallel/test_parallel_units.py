@@ -131,12 +131,22 @@ def test_fsdp2_in_one_process_steps_like_the_plain_model(method):
 
 @pytest.mark.gpu
 def test_fsdp2_on_one_gpu_steps_like_the_plain_model():
-    """bf16 on CUDA (nccl, one rank): the mixed-precision policy computes in bf16 and reduces in fp32, which over
-    one rank returns the bf16 gradient unchanged, so the steps match the plain model up to the GPU kernels'
-    run-to-run differences (bf16: 1e-2 relative on the weights after two AdamW steps, 1e-3 on the loss)."""
+    """bf16 on CUDA (nccl, one rank). The mixed-precision policy reduces in fp32, and FSDP2 then accumulates the
+    micro-batches' gradients in fp32 too, where the plain bf16 model accumulates in bf16: a gradient element near
+    zero can change sign between the two, and AdamW (|update| <= ~lr per step: m / sqrt(v) is about +-1 in the
+    first steps) then moves that weight the other way. Bound per element: 2 x 1.5 x lr per step plus one bf16 ulp
+    of the weight; and all but 0.1% of the weights match to 1e-2 relative (the kernels' run-to-run differences)."""
+    from novatune.train.config import load_with_base
+
+    lr = load_with_base(None, TINY)[0].train.lr
     ref_losses, ref_state, _ = step_twice("none", "full", "cuda")
     losses, state, sharded = step_twice("fsdp2", "full", "cuda")
     assert sharded
     assert losses == pytest.approx(ref_losses, rel=1e-3)
     for k in state:
-        torch.testing.assert_close(state[k].float(), ref_state[k].float(), rtol=1e-2, atol=1e-3)
+        got, ref = state[k].float(), ref_state[k].float()
+        diff = (got - ref).abs()
+        bound = 2 * 2 * 1.5 * lr + ref.abs() * 2.0 ** -7
+        assert bool((diff <= bound).all()), f"{k}: {float((diff - bound).max()):.3g} past the Adam-flip bound"
+        close = diff <= 1e-3 + 1e-2 * ref.abs()
+        assert float(close.float().mean()) >= 0.999, f"{k}: {int((~close).sum())} of {close.numel()} weights differ"
