@@ -66,7 +66,7 @@ def run_fwd_bwd(spec: OpSpec, fn, leaves: dict, dy: torch.Tensor) -> dict:
     """{"out": y, <tensor arg>: its gradient} for one forward + backward of fn on `leaves` (from _leaves).
     dy is cloned per call: a candidate that overwrites its incoming gradient must not corrupt later checks.
     Multi-output ops (spec.outputs, e.g. rope's (q_embed, k_embed)) return a tuple and take a tuple dy."""
-    y = fn(*leaves.values())
+    y = spec.call(fn, leaves)
     grads = torch.autograd.grad(y, [leaves[k] for k in spec.tensor_args], map_dy(torch.clone, dy),
                                 allow_unused=True)
     if len(spec.outputs) == 1:

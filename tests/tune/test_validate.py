@@ -145,9 +145,23 @@ def test_swiglu_correct_accepted_and_swapped_operands_rejected():
                                       if c.name == "novatune_default").functional(), op="swiglu"),
                  spec=SWIGLU, stock=stock, shapes=shapes)
     assert good.ok, (good.check, good.reason)
-    bad = check(cand("swapped", lambda g, u, inplace=False: hf_swiglu(u, g), op="swiglu"), spec=SWIGLU,
+    bad = check(cand("swapped", lambda g, u, *, inplace_backward=False: hf_swiglu(u, g), op="swiglu"), spec=SWIGLU,
                 stock=stock, shapes=shapes)
     assert not bad.ok and bad.check == "values"
+
+
+def test_candidate_with_keyword_only_flag_is_validated_through_the_contract():
+    """A swiglu taking inplace_backward by keyword only (the public signature) is called as the op's contract
+    says, in every check (values, layout, NaN, timing), and accepted."""
+    stock = cand("hf_eager", hf_swiglu, family="eager", op="swiglu")
+
+    default = next(c for c in candidates("swiglu", (4, 24), torch.float32, "cpu")
+                   if c.name == "novatune_default").functional()
+
+    def mine(gate, up, *, inplace_backward=False):
+        return default(gate, up, inplace_backward)
+    v = check(cand("mine", mine, family="default", op="swiglu"), spec=SWIGLU, stock=stock, shapes=[(4, 24)])
+    assert v.ok, (v.check, v.reason)
 
 
 def test_unavailable_and_crashing_candidates_are_recorded_not_raised():
