@@ -62,7 +62,7 @@ when it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no reco
 chunk_tokens means "tokens", an explicit vocab_slice "vocab" (with mode="inplace": the temp block's rows).
 
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
-`linear_cross_entropy_ref` is the plain fp32 reference (F.cross_entropy on fp32 logits).
+The fp32 oracle (F.cross_entropy on fp32 logits) is novatune.reference.linear_cross_entropy.
 """
 from __future__ import annotations
 
@@ -582,6 +582,3 @@ def linear_cross_entropy_bwd(grad_output: torch.Tensor, *grads: torch.Tensor | N
         else:
             x.copy_(x.float() * g)
     return grads
-
-
-from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref  # noqa: E402,F401 - oracle

@@ -75,6 +75,20 @@ def test_reference_imports_no_kernel():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_kernels_import_no_oracle():
+    """reference/ is the one home of the oracles: a kernel module neither imports nor re-exports one, so a kernel
+    and the oracle it is checked with share no code and each oracle has one import path."""
+    for path in (ROOT / "kernels").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith("novatune.reference")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+    import importlib
+    for path in (ROOT / "kernels").glob("*.py"):
+        mod = importlib.import_module(f"novatune.kernels.{path.stem}")
+        foreign = [n for n, v in vars(mod).items() if callable(v) and getattr(v, "__module__", "") and
+                   v.__module__.startswith("novatune.reference")]
+        assert not foreign, f"kernels/{path.name} re-exports oracles {foreign}"
+
+
 def test_tune_engine_names_no_op():
     names = [re.escape(n) for n in OPS]
     pattern = re.compile(r"[\"'](" + "|".join(names) + r")[\"']")

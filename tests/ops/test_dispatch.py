@@ -57,8 +57,8 @@ def test_selection_apply_installs_table_and_settings_and_revert_restores():
 
     model, report = Lm(), PatchReport(family="x", model_class="Lm")
     key = ("swiglu", (1, 4), "float32", "cpu")
-    sel = Selection(table={key: lambda g, u, *, inplace_backward=False: g * 0}, settings=(Setting("loss", "_novatune_ce_mode",
-                                                                                      "vocab", "n"),),
+    sel = Selection(table={key: lambda g, u, *, inplace_backward=False: g * 0},
+                    settings=(Setting("loss", "_novatune_ce_mode", "vocab", "n"),),
                     entries=({"op": "swiglu"},), notes=("a note",))
     sel.apply(model, report)
     assert model.__dict__["_novatune_ce_mode"] == "vocab" and report.choices == [{"op": "swiglu"}]
