@@ -121,7 +121,8 @@ def load(path: Path, model, optimizer, scheduler, dist: Dist | None = None) -> d
     """Restore a verified DCP checkpoint into this (wrapped or plain) model and optimizer; returns state.json.
     Every check runs before the model changes: the state is read into fresh state dicts, then set."""
     dist = dist or Dist()
-    problems = ckpt.verify(path)
+    # every rank reads the same folder: rank 0 hashes it (GBs for a large model) and every rank gets its verdict
+    problems = dist.from_main(lambda: ckpt.verify(path))
     if problems:
         raise ckpt.CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -140,3 +140,32 @@ def test_fsdp2_on_one_gpu_steps_like_the_plain_model():
     assert losses == pytest.approx(ref_losses, rel=1e-3)
     for k in state:
         torch.testing.assert_close(state[k].float(), ref_state[k].float(), rtol=1e-2, atol=1e-3)
+
+
+class _FakeRank(pdist.Dist):
+    """A rank of a two-process run whose broadcast hands out what rank 0 would send (no process group)."""
+
+    sent: list | None = None
+
+    def broadcast(self, value):
+        if self.main:
+            self.sent = value
+            return value
+        assert value is None, "a non-main rank contributes nothing to a broadcast from rank 0"
+        return ["dcp/__0_0.distcp does not match its checksum"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_resume_is_verified_by_rank_0_only(rank, tmp_path, monkeypatch):
+    """Resuming a DCP checkpoint: rank 0 hashes the folder and broadcasts its verdict; another rank hashes
+    nothing and raises the same damage."""
+    from novatune.train import checkpoint as ckpt
+    from novatune.train import sharded_checkpoint
+
+    hashed = []
+    monkeypatch.setattr(ckpt, "verify", lambda path: hashed.append(path) or ["manifest.json is missing"])
+    d = _FakeRank(rank=rank, world=2, strategy="fsdp2")
+    with pytest.raises(ckpt.CheckpointError, match="is damaged"):
+        sharded_checkpoint.load(tmp_path, None, None, None, d)
+    assert hashed == ([tmp_path] if rank == 0 else [])
+    assert d.sent == (["manifest.json is missing"] if rank == 0 else None)
