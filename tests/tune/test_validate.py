@@ -172,3 +172,31 @@ def test_unavailable_and_crashing_candidates_are_recorded_not_raised():
         raise RuntimeError("ptxas fatal: out of registers")
     v = check(Candidate("rms_norm", "broken", "cuda", make=boom))
     assert not v.ok and v.check == "builds" and "ptxas" in v.reason
+
+
+def test_real_shape_values_are_checked_once_when_the_contract_runs_the_recorded_call():
+    """The contract check runs the model's recorded call at the real shape (its rank, strides, repeats); the
+    validator then leaves out its own values and fresh runs there instead of checking the real shape twice."""
+    from novatune import ops as nops
+    from novatune.ops import dispatch
+
+    with dispatch.recording() as rec:
+        nops.rms_norm(torch.randn(2, 3, 32), torch.ones(32), 1e-6)   # the model's call: (2, 3, 32) -> key (6, 32)
+    calls = list(rec.calls.values())
+    shapes_seen = []
+
+    def counting(x, w, eps):
+        shapes_seen.append(tuple(x.shape))
+        return hf_rms_norm(x, w, eps)
+
+    def real_2d_calls(**kw):
+        shapes_seen.clear()
+        v = validate(RMS_NORM, cand("counting", counting, family="default"), STOCK, SHAPES, torch.float32, "cpu",
+                     **kw)
+        assert v.ok, (v.check, v.reason)
+        return shapes_seen.count((6, 32)), shapes_seen.count((2, 3, 32))
+
+    alone, _ = real_2d_calls(contract=False)
+    with_calls, recorded = real_2d_calls(calls=calls)
+    assert recorded >= 1                  # the contract ran the model's own call
+    assert with_calls == alone - 2        # values + fresh at the real shape ran once, in the contract
