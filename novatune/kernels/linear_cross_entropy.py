@@ -93,9 +93,39 @@ _TILE_OVERRIDE: tuple[int, int] | None = None  # (rows, block_v) for the row ker
 
 
 @triton.jit
-def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, V, ignore_index,
-                    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
-    """ROWS rows of Z (n_rows, V) per program: loss_t to loss_ptr; if WRITE_GRAD, Z[t] <- dL/dZ[t] in place.
+def _online_stats(z, off, m, s, t, top, STATS: tl.constexpr):
+    """Merge one (ROWS, BLOCK_V) block of fp32 logits (masked lanes -inf), its first column `off`, into the running
+    max m and sum s of exp(z - m) per row; with STATS also t = sum exp(z - m) * z and the first argmax `top`
+    (a later block takes it only with a strictly larger max: ties keep the lowest column, as torch.argmax).
+    m_ref = 0 while a row has seen no finite value so exp() never sees -inf - -inf."""
+    b_max = tl.max(z, axis=1)
+    m_new = tl.maximum(m, b_max)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = tl.exp(z - m_ref[:, None])
+    rescale = tl.exp(m - m_ref)
+    s = s * rescale + tl.sum(e, axis=1)
+    if STATS:
+        t = t * rescale + tl.sum(e * tl.where(z == float("-inf"), 0.0, z), axis=1)
+        top = tl.where(b_max > m, off + tl.argmax(z, axis=1).to(tl.int64), top)
+    return m_new, s, t, top
+
+
+@triton.jit
+def _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_range):
+    """Per row: lse, the entropy lse - t / s (= -sum p log p, TRL's formula) and the first argmax; 0, 0 and -1 on
+    ignored rows."""
+    ent = lse - t / tl.where(active, s, 1.0)
+    tl.store(lse_ptr + rows, tl.where(active, lse, 0.0), mask=in_range)
+    tl.store(ent_ptr + rows, tl.where(active, ent, 0.0), mask=in_range)
+    tl.store(top_ptr + rows, tl.where(active, top, -1), mask=in_range)
+
+
+@triton.jit
+def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, lse_ptr, ent_ptr, top_ptr, n_rows, V,
+                    ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                    STATS: tl.constexpr):
+    """ROWS rows of Z (n_rows, V) per program: loss_t to loss_ptr; if WRITE_GRAD, Z[t] <- dL/dZ[t] in place; if
+    STATS, the token statistics of the same pass (_store_stats).
 
     Ignored rows are masked out of every load (no HBM traffic for them: masked lanes are not fetched), get loss 0
     and, with WRITE_GRAD, a zero gradient row."""
@@ -110,20 +140,20 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
     # thread's pass-2 store over the same element.
     z_y = tl.load(z_ptr + rows * stride_z + tl.where(valid, label, 0), mask=active & valid, other=0.0)
 
-    # Pass 1: online max m and sum s of exp(z - m) per row, fp32. m_ref = 0 while a row has seen no finite
-    # value (inactive rows; never for an active row after its first block) so exp() never sees -inf - -inf.
+    # Pass 1: online max m and sum s of exp(z - m) per row, fp32 (and the statistics' t and argmax)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], dtype=tl.float32)
+    t = tl.zeros([ROWS], dtype=tl.float32)
+    top = tl.full([ROWS], -1, tl.int64)
     for off in range(0, V, BLOCK_V):
         c = off + cols
         z = tl.load(z_rows + c, mask=active[:, None] & (c < V), other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-        m = m_new
+        m, s, t, top = _online_stats(z, off, m, s, t, top, STATS)
     lse = m + tl.log(tl.where(active, s, 1.0))  # (ROWS,) -inf on inactive rows (unused there; no log(0))
     loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))
     tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
+    if STATS:
+        _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_range)
 
     if WRITE_GRAD:  # pass 2
         _grad_over_logits(z_rows, cols, V, label, lse, active, in_range, divisor_ptr, z_ptr.dtype.element_ty,
@@ -148,16 +178,18 @@ def _grad_over_logits(z_rows, cols, n_cols, label_col, lse, active, in_range, di
 
 
 @triton.jit
-def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_ptr, n_rows, n_cols, col_off, V,
-                     ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, FIRST: tl.constexpr,
-                     STATS: tl.constexpr, FINAL: tl.constexpr, GRAD: tl.constexpr):
+def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_ptr, lse_ptr, ent_ptr, top_ptr,
+                     n_rows, n_cols, col_off, V, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+                     FIRST: tl.constexpr, STATS: tl.constexpr, FINAL: tl.constexpr, GRAD: tl.constexpr,
+                     TOKEN_STATS: tl.constexpr):
     """mode="vocab": ROWS rows of one vocab slice Z (n_rows, n_cols) = logits[:, col_off : col_off + n_cols].
 
-    stats (3, n_rows) fp32: running max m, sum of exp(z - m), and z_{y_t} (picked up by the slice holding y_t).
-    STATS: merge the slice into them (FIRST: start from (-inf, 0, 0) instead of loading them); FINAL (with STATS,
-    on the last slice): lse_t into stats[0] and loss_t into loss_ptr. GRAD: Z <- dL/dZ in place from stats[0]
-    (lse; with FINAL, the lse just computed). Ignored rows are masked out of every load, get loss 0 and a zero
-    gradient row."""
+    stats (3, n_rows) fp32 (4 with TOKEN_STATS): running max m, sum of exp(z - m), z_{y_t} (picked up by the slice
+    holding y_t) and t = sum exp(z - m) * z; top_ptr the running first argmax. STATS: merge the slice into them
+    (FIRST: start from (-inf, 0, 0) instead of loading them); FINAL (with STATS, on the last slice): lse_t into
+    stats[0], loss_t into loss_ptr and, with TOKEN_STATS, the token statistics (_store_stats).
+    GRAD: Z <- dL/dZ in place from stats[0] (lse; with FINAL, the lse just computed). Ignored rows are masked out
+    of every load, get loss 0 and a zero gradient row."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     in_range = rows < n_rows
     label = tl.load(labels_ptr + rows, mask=in_range, other=ignore_index).to(tl.int64)  # (ROWS,)
@@ -173,34 +205,43 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
     if STATS:
         # z_y read before the loop: its reductions (block-wide barriers) order the read before GRAD's stores.
         z_l = tl.load(z_ptr + rows * stride_z + tl.where(in_slice, local, 0), mask=in_slice, other=0.0)
+        t_ptr = stats_ptr + 3 * n_rows + rows
         if FIRST:
             m = tl.full([ROWS], float("-inf"), tl.float32)
             s = tl.zeros([ROWS], dtype=tl.float32)
             z_y = tl.zeros([ROWS], dtype=tl.float32)
+            t = tl.zeros([ROWS], dtype=tl.float32)
+            top = tl.full([ROWS], -1, tl.int64)
         else:
             m = tl.load(m_ptr, mask=in_range, other=float("-inf"))
             s = tl.load(s_ptr, mask=in_range, other=0.0)
             z_y = tl.load(y_ptr, mask=in_range, other=0.0)
+            if TOKEN_STATS:
+                t = tl.load(t_ptr, mask=in_range, other=0.0)
+                top = tl.load(top_ptr + rows, mask=in_range, other=-1)
+            else:
+                t = tl.zeros([ROWS], dtype=tl.float32)
+                top = tl.full([ROWS], -1, tl.int64)
         z_y = tl.where(in_slice, z_l.to(tl.float32), z_y)
-        # online max / sum-exp, fp32; m_ref = 0 while a row has seen no finite value (inactive rows) so exp()
-        # never sees -inf - -inf
-        for off in range(0, n_cols, BLOCK_V):
+        for off in range(0, n_cols, BLOCK_V):  # online max / sum-exp (and t, argmax), fp32
             c = off + cols
             z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-            m = m_new
+            m, s, t, top = _online_stats(z, col_off + off, m, s, t, top, TOKEN_STATS)
         if FINAL:
             lse = m + tl.log(tl.where(active, s, 1.0))  # -inf on inactive rows (unused there; no log(0))
             valid = (label >= 0) & (label < V)
             loss = tl.where(valid, lse - z_y, float("nan"))
             tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
             tl.store(m_ptr, lse, mask=in_range)  # for pass 2's launches
+            if TOKEN_STATS:
+                _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_range)
         else:
             tl.store(m_ptr, m, mask=in_range)
             tl.store(s_ptr, s, mask=in_range)
             tl.store(y_ptr, z_y, mask=in_range)
+            if TOKEN_STATS:
+                tl.store(t_ptr, t, mask=in_range)
+                tl.store(top_ptr + rows, top, mask=in_range)
 
     if GRAD:
         if not FINAL:
@@ -222,21 +263,33 @@ def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 def _rows_triton(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                 ignore_index: int, write_grad: bool) -> None:
+                 ignore_index: int, write_grad: bool, stats=None) -> None:
     n_rows, V = z.shape
     if n_rows == 0:
         return
+    lse, ent, top = stats if stats is not None else (loss_rows,) * 3  # unused pointers without STATS
     # GPU: one row per program, 4096-column blocks (16 elements per thread at 8 warps; V = 151936 gives 38
     # blocks). The interpreter pays per operation, not per element: 16 rows x up to 8192 columns per program.
     rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))
     block_v = min(triton.next_power_of_2(V), block_v)
-    _ce_rows_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, loss_rows, divisor, n_rows, V,
+    _ce_rows_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, loss_rows, divisor, lse, ent, top, n_rows,
+                                                  V,
                                                   ignore_index, ROWS=rows, BLOCK_V=block_v,
-                                                  WRITE_GRAD=write_grad, num_warps=8)
+                                                  WRITE_GRAD=write_grad, STATS=stats is not None, num_warps=8)
+
+
+def _stats_torch(zf: torch.Tensor, lse: torch.Tensor, active: torch.Tensor, stats) -> None:
+    """The token statistics of fp32 logits zf (rows, V) (their CPU path; see _store_stats) into stats = (lse,
+    entropy, first argmax), each (rows,)."""
+    lse_out, ent, top = stats
+    p = torch.exp(zf - lse.unsqueeze(1))
+    lse_out.copy_(torch.where(active, lse, 0.0))
+    ent.copy_(torch.where(active, lse - (p * zf).sum(1), 0.0))
+    top.copy_(torch.where(active, zf.argmax(1), -1))
 
 
 def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                ignore_index: int, write_grad: bool) -> None:
+                ignore_index: int, write_grad: bool, stats=None) -> None:
     """Same contract as the kernel in plain PyTorch (the CPU path; z is fp32 there, so this is exact fp32)."""
     rows, V = z.shape
     ignored = labels == ignore_index
@@ -246,6 +299,8 @@ def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, 
     lse = torch.logsumexp(zf, dim=1)  # (rows,)
     loss = torch.where(valid, lse - zf.gather(1, safe).squeeze(1), torch.full_like(lse, float("nan")))
     loss_rows.copy_(torch.where(ignored, torch.zeros_like(loss), loss))
+    if stats is not None:
+        _stats_torch(zf, lse, ~ignored, stats)
     if write_grad:
         scale = torch.where(ignored, torch.zeros_like(lse), 1.0 / divisor.float())  # (rows,)
         g = torch.exp(zf - lse.unsqueeze(1))
@@ -255,21 +310,22 @@ def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, 
 
 def _slice_triton(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
                   divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                  final: bool, grad: bool) -> None:
+                  final: bool, grad: bool, token_stats=None) -> None:
     n_rows, n_cols = z.shape
     if n_rows == 0:
         return
     rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))  # as _rows_triton
     block_v = min(triton.next_power_of_2(n_cols), block_v)
-    _ce_slice_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, stats, loss_rows, divisor, n_rows,
-                                                   n_cols, col_off, V, ignore_index, ROWS=rows, BLOCK_V=block_v,
-                                                   FIRST=first, STATS=update, FINAL=final, GRAD=grad,
-                                                   num_warps=8)
+    lse, ent, top = token_stats if token_stats is not None else (stats,) * 3  # unused pointers without them
+    _ce_slice_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, stats, loss_rows, divisor, lse, ent, top,
+                                                   n_rows, n_cols, col_off, V, ignore_index, ROWS=rows,
+                                                   BLOCK_V=block_v, FIRST=first, STATS=update, FINAL=final,
+                                                   GRAD=grad, TOKEN_STATS=token_stats is not None, num_warps=8)
 
 
 def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
                  divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                 final: bool, grad: bool) -> None:
+                 final: bool, grad: bool, token_stats=None) -> None:
     """Same contract as _ce_slice_kernel in plain PyTorch (the CPU path: z is fp32 there). Statistics are kept
     for ignored rows too (finite), and only masked at the end."""
     n_rows, n_cols = z.shape
@@ -282,24 +338,37 @@ def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, los
     if update:
         if first:
             m = torch.full((n_rows,), float("-inf"), device=z.device)
-            s = torch.zeros(n_rows, device=z.device)
-            z_y = torch.zeros(n_rows, device=z.device)
+            s, z_y, t = (torch.zeros(n_rows, device=z.device) for _ in range(3))
+            top = torch.full((n_rows,), -1, device=z.device, dtype=torch.int64)
         else:
             m, s, z_y = stats[0].clone(), stats[1].clone(), stats[2].clone()
+            t, top = (stats[3].clone(), token_stats[2].clone()) if token_stats is not None else (None, None)
         z_y = torch.where(in_slice, zf.gather(1, safe).squeeze(1), z_y)
-        m_new = torch.maximum(m, zf.amax(1))
+        b_max = zf.amax(1)
+        m_new = torch.maximum(m, b_max)
         m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        s = s * torch.exp(m - m_ref) + torch.exp(zf - m_ref.unsqueeze(1)).sum(1)
+        e = torch.exp(zf - m_ref.unsqueeze(1))
+        s = s * torch.exp(m - m_ref) + e.sum(1)
+        if token_stats is not None:  # as _online_stats
+            t = t * torch.exp(m - m_ref) + (e * zf).sum(1)
+            top = torch.where(b_max > m, col_off + zf.argmax(1), top)
         if final:
             lse = m_new + torch.log(s)
             valid = (labels >= 0) & (labels < V)
             loss = torch.where(valid, lse - z_y, torch.full_like(lse, float("nan")))
             loss_rows.copy_(torch.where(active, loss, torch.zeros_like(loss)))
             stats[0].copy_(lse)
+            if token_stats is not None:
+                token_stats[0].copy_(torch.where(active, lse, 0.0))
+                token_stats[1].copy_(torch.where(active, lse - t / s, 0.0))
+                token_stats[2].copy_(torch.where(active, top, -1))
         else:
             stats[0].copy_(m_new)
             stats[1].copy_(s)
             stats[2].copy_(z_y)
+            if token_stats is not None:
+                stats[3].copy_(t)
+                token_stats[2].copy_(top)
     if grad:
         lse = stats[0] if lse is None else lse
         scale = torch.where(active, 1.0 / divisor.float(), torch.zeros_like(lse))  # (rows,)
@@ -378,7 +447,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
                              loss_rows: torch.Tensor | None = None, dhidden: torch.Tensor | None = None,
                              dweight: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
-                             use_triton: bool = True):
+                             use_triton: bool = True, token_stats: tuple | None = None):
     """Loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
 
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
@@ -387,6 +456,9 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     mode "auto" | "tokens" | "vocab" | "inplace" with chunk_tokens / vocab_slice forcing the split size
     (`plan_mode`). mode "inplace" returns A itself as dweight's buffer: a preallocated dweight is used as A.
     use_triton=False runs the same loops in fp32 with plain PyTorch rows (the CPU reference path).
+    token_stats: (lse, entropy, argmax), each (T,) (fp32, fp32, int64, contiguous), filled from the same pass over
+    the logits: per token log-sum-exp, entropy -sum p log p = lse - sum p z (TRL's formula) and the first argmax
+    (torch.argmax's tie rule); 0, 0, -1 on ignored tokens. The token's log-prob is -loss_rows.
     """
     T, H = hidden.shape
     V = weight.shape[0]
@@ -405,7 +477,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
         gh = dhidden if (dhidden is not None and use_triton) else torch.empty(T, H, device=dev, dtype=dt)
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
-            grad_bias, max(1, int(size)), use_triton, dweight)
+            grad_bias, max(1, int(size)), use_triton, dweight, token_stats)
     gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
 
     loss = loss_rows.sum() / divisor
@@ -418,7 +490,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-                grad_weight, grad_bias, C, use_triton, dweight):
+                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None):
     """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None)."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -446,7 +518,8 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
             torch.mm(h_c, w_t, out=z)
         else:
             torch.addmm(bias, h_c, w_t, out=z)
-        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad)  # z is now dL/dz
+        stats = None if token_stats is None else tuple(x[s:e] for x in token_stats)
+        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad, stats)  # z is now dL/dz
         if not grad:
             continue
         if grad_hidden:
@@ -480,7 +553,7 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
 
 
 def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-               grad_weight, grad_bias, Vc, use_triton, dweight):
+               grad_weight, grad_bias, Vc, use_triton, dweight, token_stats=None):
     """mode="vocab": slices of Vc vocab columns, two passes. Fills loss_rows, gh, gb_acc; returns grad_W."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -500,7 +573,8 @@ def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ign
     if grad_hidden and dt in _HALF and n:
         acc = torch.empty(T, H, device=dev, dtype=torch.float32)
         direct = fp32_addmm_available(dev, dt)
-    stats = torch.empty(3, T, device=dev, dtype=torch.float32)  # running max, sum-exp, z_label; then lse
+    # running max, sum-exp, z_label (then lse) and, for the token statistics, sum exp(z - m) * z
+    stats = torch.empty(3 if token_stats is None else 4, T, device=dev, dtype=torch.float32)
     z_flat = torch.empty(T * Vc if n else 0, device=dev, dtype=dt)  # the only logits buffer, both passes
 
     def logits(j):
@@ -538,7 +612,7 @@ def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ign
         last = j == n - 1
         s, e, z = logits(j)
         slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=j == 0, update=True, final=last,
-                 grad=grad and last)
+                 grad=grad and last, token_stats=token_stats)
     if grad and n:
         consume(0, s, e, z)
         for k, j in enumerate(range(n - 2, -1, -1), start=1):  # pass 2, backwards: slice n-1 is done

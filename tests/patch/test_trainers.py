@@ -147,6 +147,35 @@ def test_fused_head_outputs_equal_trls_own(tokenizer):
         torch.testing.assert_close(got_grads[name], ref_grads[name], rtol=2e-4, atol=2e-6, msg=name)
 
 
+def test_fused_head_computes_the_logits_once(tokenizer):
+    """TRL's fused head reads per-token statistics (log_probs, entropy, is_top1): they come from the fused loss's
+    own pass over the logits, so one forward + backward computes the (tokens x vocab) logits once, not twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitsGemms(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fused = func.overloadpacket is torch.ops.novatune.linear_cross_entropy  # its logits GEMMs run inside
+            gemm = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and \
+                sorted(out.shape) == sorted(self.shape)
+            self.count += fused or gemm
+            return out
+
+    model = tiny_qwen3(tokenizer)
+    model.train()
+    novatune.patch(model)
+    ids = torch.randint(0, 512, (2, 23), generator=torch.Generator().manual_seed(3))
+    with LogitsGemms((2 * 23, 512)) as gemms:  # the (tokens, vocab) logits
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        (-out.log_probs.sum() / out.label_mask.sum()).backward()
+    assert gemms.count == 1
+    assert out.entropy.shape == out.is_top1.shape == (2, 22)
+
+
 def test_fused_head_refuses_per_token_weights(tokenizer):
     """A gradient that weights tokens differently (TRL's DFT, RL losses) cannot flow through the fused SUM: it
     raises instead of training on a wrong gradient."""
