@@ -25,11 +25,12 @@ could be known (the chunking is what saves the memory).
 
 Ops:
   novatune::linear_cross_entropy(hidden (T,H), weight (V,H), labels (T,), divisor 0-dim, bias?, ignore_index,
-      grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0)
+      grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0, token_stats=False)
       (vocab_slice: columns per slice of "vocab", rows of the temp block of "inplace"; 0 = planned)
-      -> (loss, dhidden, dweight, dbias)   mutates nothing
-      The gradients (already divided by the divisor) come out of the forward; those not requested (no
-      requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors.
+      -> (loss, dhidden, dweight, dbias, nll (T,), stats (2, T) = (lse, entropy), argmax (T,) int64)
+      mutates nothing. The gradients (already divided by the divisor) come out of the forward; those not
+      requested (no requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors;
+      so do the token statistics unless token_stats (the functional's return_token_stats: TokenStats).
   novatune::linear_cross_entropy_scale_(grad!, grad_output) -> ()
       The eager backward: multiplies a saved gradient by grad_output IN PLACE, which avoids a second (V, H)
       buffer at the backward's memory peak (0.78 GB at Qwen3-4B). Consequence: a second backward through the

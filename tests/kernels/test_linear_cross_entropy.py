@@ -621,3 +621,29 @@ def test_token_stats_match_the_logits_they_come_from(mode, kw, dtype, use_triton
     assert torch.equal(stats[0][~keep], torch.zeros_like(stats[0][~keep])) and bool((stats[2][~keep] == -1).all())
     plain, *_ = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode=mode, use_triton=use_triton, **kw)
     assert torch.equal(loss, plain)  # asking for the statistics changes nothing else
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["inplace", "tokens", "vocab"])
+def test_qwen3_4b_token_stats_gpu(mode):
+    """The token statistics at the real shape (TRL's headline call: 4096 tokens, Qwen3-4B's vocab) against TRL's
+    formulas on the bf16 logits: lse and entropy within 2e-5 x max|z| absolute (fp32 sums of 151936 terms in another
+    order), the argmax the largest reference logit up to one bf16 step (the plans' logits GEMMs may round a
+    near-tie differently; exact ties keep the first index in every plan, tested on the CPU)."""
+    T, H, V = 4096, 2560, 151936
+    h, w, y = _inputs(T, H, V, torch.bfloat16, "cuda")
+    stats = tuple(poison_(torch.empty(T, device="cuda", dtype=d)) for d in (torch.float32, torch.float32, torch.int64))
+    # with gradients: "inplace" is planned only when grad_W is wanted
+    _, rows, *_ = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, "cuda"), mode=mode, token_stats=stats)
+    keep = y != -100
+    for a in range(0, T, 1024):  # the reference in row blocks: 1024 x V fp32 logits at a time
+        z = (h[a:a + 1024] @ w.T).float()
+        nll, lse, ent, top = oracle.token_stats_ref(z, y[a:a + 1024])
+        tol = 2e-5 * float(z.abs().max())
+        assert float((stats[0][a:a + 1024] - lse).abs().max()) <= tol
+        assert float((stats[1][a:a + 1024] - ent).abs().max()) <= tol
+        assert float((rows[a:a + 1024] - nll).abs().max()) <= tol
+        k = keep[a:a + 1024]
+        got = stats[2][a:a + 1024][k]
+        best = z[k].amax(1)
+        assert bool((z[k].gather(1, got.unsqueeze(1)).squeeze(1) >= best - best.abs() * 2.0 ** -7).all())

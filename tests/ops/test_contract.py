@@ -75,6 +75,22 @@ def test_reference_imports_no_kernel():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_every_candidate_takes_the_keyword_only_flags_by_keyword():
+    """Dispatch, the validator and the checker call every implementation through OpSpec.call (keyword-only flags
+    by keyword): each built-in candidate that runs here accepts that call (torch.compile ones: the same
+    functional compiled, skipped for time)."""
+    gen = torch.Generator().manual_seed(0)
+    for name, spec in OPS.items():
+        if not spec.keyword_args:
+            continue
+        inputs = spec.make_inputs(_key(name), torch.float32, "cpu", gen)
+        for c in spec.candidates(_key(name), torch.float32, "cpu"):
+            if c.unavailable or c.family == "compile":
+                continue
+            out = spec.call(c.functional(), inputs)
+            assert isinstance(out, torch.Tensor), (name, c.name)
+
+
 def test_kernels_import_no_oracle():
     """reference/ is the one home of the oracles: a kernel module neither imports nor re-exports one, so a kernel
     and the oracle it is checked with share no code and each oracle has one import path."""
