@@ -172,7 +172,10 @@ def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, los
             top = torch.full((n_rows,), -1, device=z.device, dtype=torch.int64)
         else:
             m, s, z_y = stats[0].clone(), stats[1].clone(), stats[2].clone()
-            t, top = (stats[3].clone(), token_stats[2].clone()) if token_stats is not None else (None, None)
+            if token_stats is not None:
+                t, top = stats[3].clone(), token_stats[2].clone()
+            else:  # unused without the statistics
+                t, top = torch.zeros_like(s), torch.full((n_rows,), -1, device=z.device, dtype=torch.int64)
         z_y = torch.where(in_slice, zf.gather(1, safe).squeeze(1), z_y)
         b_max = zf.amax(1)
         m_new = torch.maximum(m, b_max)
