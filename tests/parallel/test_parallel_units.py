@@ -169,3 +169,24 @@ def test_sharded_resume_is_verified_by_rank_0_only(rank, tmp_path, monkeypatch):
         sharded_checkpoint.load(tmp_path, None, None, None, d)
     assert hashed == ([tmp_path] if rank == 0 else [])
     assert d.sent == (["manifest.json is missing"] if rank == 0 else None)
+
+
+def test_sharded_save_hashes_each_file_once_spread_over_the_ranks(tmp_path):
+    """Saving a DCP checkpoint: every rank hashes its share of the files (not rank 0 all of them); the shares
+    cover every file exactly once, with the checksums a one-rank hash gives, and about the same bytes per rank."""
+    from novatune.train import checkpoint as ckpt
+    from novatune.train.sharded_checkpoint import hash_share
+
+    (tmp_path / "dcp").mkdir()
+    sizes = {"dcp/.metadata": 300, "dcp/__0_0.distcp": 5000, "dcp/__1_0.distcp": 4900, "dcp/__2_0.distcp": 5100,
+             "rng_0.pt": 40, "rng_1.pt": 40, "rng_2.pt": 40}
+    for i, (name, n) in enumerate(sizes.items()):
+        (tmp_path / name).write_bytes(bytes([i]) * n)
+    algo = ckpt.default_hash()
+    shares = [hash_share(tmp_path, pdist.Dist(rank=r, world=3, strategy="fsdp2"), algo) for r in range(3)]
+    assert sum(len(s) for s in shares) == len(sizes)                      # disjoint ...
+    merged = {n: e for s in shares for n, e in s.items()}
+    assert set(merged) == set(sizes)                                      # ... and complete
+    assert merged == hash_share(tmp_path, pdist.Dist(), algo)             # the checksums of one rank hashing all
+    loads = [sum(e["bytes"] for e in s.values()) for s in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())                 # spread, not all on rank 0
