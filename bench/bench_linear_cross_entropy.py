@@ -88,7 +88,7 @@ def _candidates(args, vocab):
 
 
 def _reference(h, w, y):
-    from novatune.kernels.linear_cross_entropy import linear_cross_entropy_ref
+    from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref
 
     hr = h.detach().float().requires_grad_(True)
     wr = w.detach().float().requires_grad_(True)

@@ -15,7 +15,7 @@ Adapter dtype: fp32 by default (what get_peft_model gives on a bf16 model: autoc
 
 Figures per candidate: kernel µs (sum of GPU kernel durations, torch.profiler) and wall µs (do_bench median), the
 step's peak memory above the resident tensors, overhead over base_frozen, and the relative error of y, dx, dA, dB
-against the fp32 reference (novatune.kernels.lora.lora_linear_ref). Rows go to bench/results/ops.jsonl.
+against the fp32 reference (novatune.reference.lora.lora_linear_ref). Rows go to bench/results/ops.jsonl.
 
     python bench/bench_lora.py               # ~1 min on an H100/H200 (torch.compile warm-up dominates)
     python bench/bench_lora.py --quick       # smoke run: fewer repetitions, same shapes
@@ -80,8 +80,9 @@ def _bind_novatune(layer):
 
 
 def bench_shape(args, n_out, adapter_dtype, hbm_gbps):
-    from novatune.kernels.lora import ORDERS, lora_linear_bwd, lora_linear_fwd, lora_linear_ref
+    from novatune.kernels.lora import ORDERS, lora_linear_bwd, lora_linear_fwd
     from novatune.ops.lora import lora_linear
+    from novatune.reference.lora import lora_linear_ref
 
     tokens, n_in, r = args.tokens, args.hidden, args.r
     alpha = 2 * r

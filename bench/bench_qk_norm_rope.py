@@ -123,10 +123,11 @@ def tables(b, s, hq, hk, d, dev, dt):
 def run_candidates(args, fns, inputs, floor_us, gbps):
     import torch
 
-    from novatune.kernels.qk_norm_rope import RESIDENCY, num_sms, qk_norm_rope_fwd_config, qk_norm_rope_ref
+    from novatune.kernels.qk_norm_rope import RESIDENCY, num_sms, qk_norm_rope_fwd_config
     from novatune.measure.numerics import rel_err
     from novatune.measure.results import write_row
     from novatune.measure.timing import kernel_us, wall_us
+    from novatune.reference.qk_norm_rope import qk_norm_rope_ref
 
     q0, k0, wq0, wk0, cos, sin, gq0, gk0 = inputs
     b, s, hq, d = q0.shape

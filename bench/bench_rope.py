@@ -47,6 +47,7 @@ def main(argv=None):
     from novatune.measure.results import write_row
     from novatune.measure.timing import copy_bandwidth_gbps, kernel_us, wall_us
     from novatune.ops.rope import apply_rope
+    from novatune.reference import rope as R
 
     if not torch.cuda.is_available():
         sys.exit("bench_rope.py needs a CUDA GPU")
@@ -117,8 +118,8 @@ def main(argv=None):
             # numerics vs the fp32 reference, forward and both grads
             oq, ok = fn(q, k, cos, sin, uu)
             dq, dk = torch.autograd.grad((oq, ok), (q, k), (gq, gk))
-            rq, rk = K.rope_ref(q.detach(), k.detach(), cos, sin, uu)
-            rdq, rdk = K.rope_bwd_ref(gq, gk, cos, sin, uu)
+            rq, rk = R.rope_ref(q.detach(), k.detach(), cos, sin, uu)
+            rdq, rdk = R.rope_bwd_ref(gq, gk, cos, sin, uu)
             row["rel_err"] = max(rel_err(a, r) for a, r in [(oq, rq), (ok, rk), (dq, rdq), (dk, rdk)])
         kus = kernel_us(step, iters=10 if args.quick else 30)
         wus = wall_us(step, **it)

@@ -275,7 +275,12 @@ def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedB
     """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine)."""
     if name not in _IMPLS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
-    window = _effective_window(window, packed)
+    return _why_not(name, q, k, packed, _effective_window(window, packed))
+
+
+def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
+    """why_unavailable for a known backend and a window already made effective (_effective_window): the
+    attention call normalises the window once and asks each backend in turn."""
     if name == "varlen":
         return _varlen_why_not(q, k, packed, window)
     if name == "flex":
@@ -330,7 +335,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = _effective_window(window, packed)
     if backend != "auto":
-        why = why_unavailable(backend, q, k, packed, window)
+        if backend not in _IMPLS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS} or 'auto'")
+        why = _why_not(backend, q, k, packed, window)
         if why is not None:
             raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
         out = _IMPLS[backend](q, k, v, packed, scale, window)
@@ -340,7 +347,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     skipped: list[tuple[str, str]] = []
     order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
     for name in order:
-        why = _BROKEN.get(name) or why_unavailable(name, q, k, packed, window)
+        why = _BROKEN.get(name) or _why_not(name, q, k, packed, window)
         if why is not None:
             skipped.append((name, why))
             continue

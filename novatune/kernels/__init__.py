@@ -1,4 +1,4 @@
-"""Raw Triton kernels and their fp32 references, one file per op (<op>_fwd, <op>_bwd, <op>_ref).
+"""Raw Triton kernels, one file per op (<op>_fwd, <op>_bwd); their fp32 oracles live in novatune.reference.
 
 Nothing here imports torch.autograd or transformers: kernels take tensors and return tensors.
 """

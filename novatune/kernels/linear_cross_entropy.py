@@ -30,7 +30,8 @@ mode="tokens" - chunks of tokens, each against the whole vocab:
   max(chunk*V*e, V*H*e), chunks of ~CHUNK_LOGITS_BYTES otherwise. At Qwen3-4B that is ONE chunk up to 5120
   tokens: at 4096 the full bf16 logits (1.24 GB) + grad_W (0.78 GB) = 2.02 GB extra; beyond, a flat 2.33 GB.
 
-mode="vocab" - slices of the vocab (Vc columns = rows Vc of W, contiguous), every token at once:
+mode="vocab" (novatune.kernels.linear_cross_entropy_vocab) - slices of the vocab (Vc columns = rows Vc of W,
+contiguous), every token at once:
 
     pass 1, j = 0 .. n-1:   Z_j = h @ W_j^T  (one (T, Vc) buffer, input dtype)
                             kernel: merges Z_j into running fp32 (max, sum-exp) per row and picks z_{y_t} when
@@ -61,8 +62,12 @@ plan would hold the full logits or an fp32 (V, H) accumulator), and "tokens" wit
 when it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no recompute is worth paying). An explicit
 chunk_tokens means "tokens", an explicit vocab_slice "vocab" (with mode="inplace": the temp block's rows).
 
+Token statistics (`token_stats`, every mode): the same pass over the logits also gives per token the log-sum-exp,
+the entropy lse - sum_v p_v z_v (the online sum of exp(z - m) * z beside the sum-exp) and the first argmax, which
+is what TRL's fused head reports (log p, entropy, is the label the top-1); no second lm_head GEMM.
+
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
-`linear_cross_entropy_ref` is the plain fp32 reference (F.cross_entropy on fp32 logits).
+The fp32 oracle (F.cross_entropy on fp32 logits) is novatune.reference.linear_cross_entropy.
 """
 from __future__ import annotations
 
@@ -73,11 +78,13 @@ import triton
 import triton.language as tl
 
 from novatune.kernels import linear_cross_entropy_lowmem as _lowmem
+from novatune.kernels import linear_cross_entropy_vocab as _vocab
 from novatune.kernels.linear_cross_entropy_lowmem import (  # noqa: F401 - re-exported
     fp32_addmm_available,
     inplace_layout,
     plan_inplace_block,
 )
+from novatune.kernels.linear_cross_entropy_vocab import _grad_over_logits, _online_stats, _store_stats
 
 CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (bytes) when chunking is chosen
 VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
@@ -93,9 +100,11 @@ _TILE_OVERRIDE: tuple[int, int] | None = None  # (rows, block_v) for the row ker
 
 
 @triton.jit
-def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, V, ignore_index,
-                    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
-    """ROWS rows of Z (n_rows, V) per program: loss_t to loss_ptr; if WRITE_GRAD, Z[t] <- dL/dZ[t] in place.
+def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, lse_ptr, ent_ptr, top_ptr, n_rows, V,
+                    ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                    STATS: tl.constexpr):
+    """ROWS rows of Z (n_rows, V) per program: loss_t to loss_ptr; if WRITE_GRAD, Z[t] <- dL/dZ[t] in place; if
+    STATS, the token statistics of the same pass (_store_stats).
 
     Ignored rows are masked out of every load (no HBM traffic for them: masked lanes are not fetched), get loss 0
     and, with WRITE_GRAD, a zero gradient row."""
@@ -110,103 +119,24 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, n_rows, 
     # thread's pass-2 store over the same element.
     z_y = tl.load(z_ptr + rows * stride_z + tl.where(valid, label, 0), mask=active & valid, other=0.0)
 
-    # Pass 1: online max m and sum s of exp(z - m) per row, fp32. m_ref = 0 while a row has seen no finite
-    # value (inactive rows; never for an active row after its first block) so exp() never sees -inf - -inf.
+    # Pass 1: online max m and sum s of exp(z - m) per row, fp32 (and the statistics' t and argmax)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], dtype=tl.float32)
+    t = tl.zeros([ROWS], dtype=tl.float32)
+    top = tl.full([ROWS], -1, tl.int64)
     for off in range(0, V, BLOCK_V):
         c = off + cols
         z = tl.load(z_rows + c, mask=active[:, None] & (c < V), other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-        m = m_new
+        m, s, t, top = _online_stats(z, off, m, s, t, top, STATS)
     lse = m + tl.log(tl.where(active, s, 1.0))  # (ROWS,) -inf on inactive rows (unused there; no log(0))
     loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))
     tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
+    if STATS:
+        _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_range)
 
     if WRITE_GRAD:  # pass 2
         _grad_over_logits(z_rows, cols, V, label, lse, active, in_range, divisor_ptr, z_ptr.dtype.element_ty,
                           BLOCK_V)
-
-
-@triton.jit
-def _grad_over_logits(z_rows, cols, n_cols, label_col, lse, active, in_range, divisor_ptr, Z_DTYPE: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
-    """z <- dL/dz = (softmax - onehot) / D over the rows' n_cols logits, in place, in the logits' dtype; 0 on
-    ignored rows. label_col: each row's label column in these logits (may lie outside them: no -1 term then)."""
-    d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
-    inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
-    lse_ref = tl.where(active, lse, 0.0)
-    for off in range(0, n_cols, BLOCK_V):
-        c = off + cols
-        z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=0.0).to(tl.float32)
-        p = tl.exp(z - lse_ref[:, None])
-        g = tl.where(c == label_col[:, None], p - 1.0, p) * inv[:, None]
-        g = tl.where(active[:, None], g, 0.0)
-        tl.store(z_rows + c, g.to(Z_DTYPE), mask=in_range[:, None] & (c < n_cols))
-
-
-@triton.jit
-def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_ptr, n_rows, n_cols, col_off, V,
-                     ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, FIRST: tl.constexpr,
-                     STATS: tl.constexpr, FINAL: tl.constexpr, GRAD: tl.constexpr):
-    """mode="vocab": ROWS rows of one vocab slice Z (n_rows, n_cols) = logits[:, col_off : col_off + n_cols].
-
-    stats (3, n_rows) fp32: running max m, sum of exp(z - m), and z_{y_t} (picked up by the slice holding y_t).
-    STATS: merge the slice into them (FIRST: start from (-inf, 0, 0) instead of loading them); FINAL (with STATS,
-    on the last slice): lse_t into stats[0] and loss_t into loss_ptr. GRAD: Z <- dL/dZ in place from stats[0]
-    (lse; with FINAL, the lse just computed). Ignored rows are masked out of every load, get loss 0 and a zero
-    gradient row."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-    in_range = rows < n_rows
-    label = tl.load(labels_ptr + rows, mask=in_range, other=ignore_index).to(tl.int64)  # (ROWS,)
-    active = in_range & (label != ignore_index)
-    local = label - col_off  # the label's column in this slice (may be outside it)
-    in_slice = active & (local >= 0) & (local < n_cols)  # implies 0 <= label < V
-    z_rows = z_ptr + rows[:, None] * stride_z  # (ROWS, 1) row pointers
-    cols = tl.arange(0, BLOCK_V)[None, :]  # (1, BLOCK_V)
-    m_ptr = stats_ptr + rows
-    s_ptr = stats_ptr + n_rows + rows
-    y_ptr = stats_ptr + 2 * n_rows + rows
-
-    if STATS:
-        # z_y read before the loop: its reductions (block-wide barriers) order the read before GRAD's stores.
-        z_l = tl.load(z_ptr + rows * stride_z + tl.where(in_slice, local, 0), mask=in_slice, other=0.0)
-        if FIRST:
-            m = tl.full([ROWS], float("-inf"), tl.float32)
-            s = tl.zeros([ROWS], dtype=tl.float32)
-            z_y = tl.zeros([ROWS], dtype=tl.float32)
-        else:
-            m = tl.load(m_ptr, mask=in_range, other=float("-inf"))
-            s = tl.load(s_ptr, mask=in_range, other=0.0)
-            z_y = tl.load(y_ptr, mask=in_range, other=0.0)
-        z_y = tl.where(in_slice, z_l.to(tl.float32), z_y)
-        # online max / sum-exp, fp32; m_ref = 0 while a row has seen no finite value (inactive rows) so exp()
-        # never sees -inf - -inf
-        for off in range(0, n_cols, BLOCK_V):
-            c = off + cols
-            z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
-            m = m_new
-        if FINAL:
-            lse = m + tl.log(tl.where(active, s, 1.0))  # -inf on inactive rows (unused there; no log(0))
-            valid = (label >= 0) & (label < V)
-            loss = tl.where(valid, lse - z_y, float("nan"))
-            tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
-            tl.store(m_ptr, lse, mask=in_range)  # for pass 2's launches
-        else:
-            tl.store(m_ptr, m, mask=in_range)
-            tl.store(s_ptr, s, mask=in_range)
-            tl.store(y_ptr, z_y, mask=in_range)
-
-    if GRAD:
-        if not FINAL:
-            lse = tl.load(m_ptr, mask=active, other=0.0)
-        _grad_over_logits(z_rows, cols, n_cols, local, lse, active, in_range, divisor_ptr,
-                          z_ptr.dtype.element_ty, BLOCK_V)
 
 
 @triton.jit
@@ -222,21 +152,33 @@ def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 def _rows_triton(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                 ignore_index: int, write_grad: bool) -> None:
+                 ignore_index: int, write_grad: bool, stats=None) -> None:
     n_rows, V = z.shape
     if n_rows == 0:
         return
+    lse, ent, top = stats if stats is not None else (loss_rows,) * 3  # unused pointers without STATS
     # GPU: one row per program, 4096-column blocks (16 elements per thread at 8 warps; V = 151936 gives 38
     # blocks). The interpreter pays per operation, not per element: 16 rows x up to 8192 columns per program.
     rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))
     block_v = min(triton.next_power_of_2(V), block_v)
-    _ce_rows_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, loss_rows, divisor, n_rows, V,
+    _ce_rows_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, loss_rows, divisor, lse, ent, top, n_rows,
+                                                  V,
                                                   ignore_index, ROWS=rows, BLOCK_V=block_v,
-                                                  WRITE_GRAD=write_grad, num_warps=8)
+                                                  WRITE_GRAD=write_grad, STATS=stats is not None, num_warps=8)
+
+
+def _stats_torch(zf: torch.Tensor, lse: torch.Tensor, active: torch.Tensor, stats) -> None:
+    """The token statistics of fp32 logits zf (rows, V) (their CPU path; see _store_stats) into stats = (lse,
+    entropy, first argmax), each (rows,)."""
+    lse_out, ent, top = stats
+    p = torch.exp(zf - lse.unsqueeze(1))
+    lse_out.copy_(torch.where(active, lse, 0.0))
+    ent.copy_(torch.where(active, lse - (p * zf).sum(1), 0.0))
+    top.copy_(torch.where(active, zf.argmax(1), -1))
 
 
 def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                ignore_index: int, write_grad: bool) -> None:
+                ignore_index: int, write_grad: bool, stats=None) -> None:
     """Same contract as the kernel in plain PyTorch (the CPU path; z is fp32 there, so this is exact fp32)."""
     rows, V = z.shape
     ignored = labels == ignore_index
@@ -246,65 +188,12 @@ def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, 
     lse = torch.logsumexp(zf, dim=1)  # (rows,)
     loss = torch.where(valid, lse - zf.gather(1, safe).squeeze(1), torch.full_like(lse, float("nan")))
     loss_rows.copy_(torch.where(ignored, torch.zeros_like(loss), loss))
+    if stats is not None:
+        _stats_torch(zf, lse, ~ignored, stats)
     if write_grad:
         scale = torch.where(ignored, torch.zeros_like(lse), 1.0 / divisor.float())  # (rows,)
         g = torch.exp(zf - lse.unsqueeze(1))
         g.scatter_add_(1, safe, torch.where(valid, -1.0, 0.0).to(g.dtype).unsqueeze(1).expand(rows, 1))
-        z.copy_(g * scale.unsqueeze(1))
-
-
-def _slice_triton(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
-                  divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                  final: bool, grad: bool) -> None:
-    n_rows, n_cols = z.shape
-    if n_rows == 0:
-        return
-    rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))  # as _rows_triton
-    block_v = min(triton.next_power_of_2(n_cols), block_v)
-    _ce_slice_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, stats, loss_rows, divisor, n_rows,
-                                                   n_cols, col_off, V, ignore_index, ROWS=rows, BLOCK_V=block_v,
-                                                   FIRST=first, STATS=update, FINAL=final, GRAD=grad,
-                                                   num_warps=8)
-
-
-def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
-                 divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                 final: bool, grad: bool) -> None:
-    """Same contract as _ce_slice_kernel in plain PyTorch (the CPU path: z is fp32 there). Statistics are kept
-    for ignored rows too (finite), and only masked at the end."""
-    n_rows, n_cols = z.shape
-    active = labels != ignore_index
-    local = labels.long() - col_off
-    in_slice = active & (local >= 0) & (local < n_cols)
-    safe = local.clamp(0, max(n_cols - 1, 0)).unsqueeze(1)  # (rows, 1)
-    zf = z.float()
-    lse = None
-    if update:
-        if first:
-            m = torch.full((n_rows,), float("-inf"), device=z.device)
-            s = torch.zeros(n_rows, device=z.device)
-            z_y = torch.zeros(n_rows, device=z.device)
-        else:
-            m, s, z_y = stats[0].clone(), stats[1].clone(), stats[2].clone()
-        z_y = torch.where(in_slice, zf.gather(1, safe).squeeze(1), z_y)
-        m_new = torch.maximum(m, zf.amax(1))
-        m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        s = s * torch.exp(m - m_ref) + torch.exp(zf - m_ref.unsqueeze(1)).sum(1)
-        if final:
-            lse = m_new + torch.log(s)
-            valid = (labels >= 0) & (labels < V)
-            loss = torch.where(valid, lse - z_y, torch.full_like(lse, float("nan")))
-            loss_rows.copy_(torch.where(active, loss, torch.zeros_like(loss)))
-            stats[0].copy_(lse)
-        else:
-            stats[0].copy_(m_new)
-            stats[1].copy_(s)
-            stats[2].copy_(z_y)
-    if grad:
-        lse = stats[0] if lse is None else lse
-        scale = torch.where(active, 1.0 / divisor.float(), torch.zeros_like(lse))  # (rows,)
-        g = torch.exp(zf - lse.unsqueeze(1))
-        g.scatter_add_(1, safe, torch.where(in_slice, -1.0, 0.0).to(g.dtype).unsqueeze(1))
         z.copy_(g * scale.unsqueeze(1))
 
 
@@ -378,7 +267,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
                              loss_rows: torch.Tensor | None = None, dhidden: torch.Tensor | None = None,
                              dweight: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
-                             use_triton: bool = True):
+                             use_triton: bool = True, token_stats: tuple | None = None):
     """Loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
 
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
@@ -387,6 +276,9 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     mode "auto" | "tokens" | "vocab" | "inplace" with chunk_tokens / vocab_slice forcing the split size
     (`plan_mode`). mode "inplace" returns A itself as dweight's buffer: a preallocated dweight is used as A.
     use_triton=False runs the same loops in fp32 with plain PyTorch rows (the CPU reference path).
+    token_stats: (lse, entropy, argmax), each (T,) (fp32, fp32, int64, contiguous), filled from the same pass over
+    the logits: per token log-sum-exp, entropy -sum p log p = lse - sum p z (TRL's formula) and the first argmax
+    (torch.argmax's tie rule); 0, 0, -1 on ignored tokens. The token's log-prob is -loss_rows.
     """
     T, H = hidden.shape
     V = weight.shape[0]
@@ -405,7 +297,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
         gh = dhidden if (dhidden is not None and use_triton) else torch.empty(T, H, device=dev, dtype=dt)
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
-            grad_bias, max(1, int(size)), use_triton, dweight)
+            grad_bias, max(1, int(size)), use_triton, dweight, token_stats)
     gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
 
     loss = loss_rows.sum() / divisor
@@ -418,7 +310,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-                grad_weight, grad_bias, C, use_triton, dweight):
+                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None):
     """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None)."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -446,7 +338,8 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
             torch.mm(h_c, w_t, out=z)
         else:
             torch.addmm(bias, h_c, w_t, out=z)
-        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad)  # z is now dL/dz
+        stats = None if token_stats is None else tuple(x[s:e] for x in token_stats)
+        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad, stats)  # z is now dL/dz
         if not grad:
             continue
         if grad_hidden:
@@ -479,81 +372,9 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
     return gw
 
 
-def _fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-               grad_weight, grad_bias, Vc, use_triton, dweight):
-    """mode="vocab": slices of Vc vocab columns, two passes. Fills loss_rows, gh, gb_acc; returns grad_W."""
-    T, H = hidden.shape
-    V = weight.shape[0]
-    dev, dt = hidden.device, hidden.dtype
-    slice_op = _slice_triton if use_triton else _slice_torch
-    grad = grad_hidden or grad_weight or grad_bias
-    Vc = min(Vc, max(V, 1))
-    n = math.ceil(V / Vc) if T else 0
-    gw = None
-    if grad_weight:  # written slice by slice, every row exactly once: no zero-fill, no accumulator
-        gw = dweight if (dweight is not None and use_triton) else torch.empty(V, H, device=dev, dtype=dt)
-        if n == 0:
-            gw.zero_()
-    # grad_h sums over slices: in gh itself for fp32, else in an fp32 (T, H) buffer - accumulated by the GEMM
-    # (aten::addmm.dtype_out) or, without it, from half partials written to gh (each rounded once).
-    acc = direct = None
-    if grad_hidden and dt in _HALF and n:
-        acc = torch.empty(T, H, device=dev, dtype=torch.float32)
-        direct = fp32_addmm_available(dev, dt)
-    stats = torch.empty(3, T, device=dev, dtype=torch.float32)  # running max, sum-exp, z_label; then lse
-    z_flat = torch.empty(T * Vc if n else 0, device=dev, dtype=dt)  # the only logits buffer, both passes
-
-    def logits(j):
-        s, e = j * Vc, min((j + 1) * Vc, V)
-        z = z_flat[: T * (e - s)].view(T, e - s)  # contiguous (T, e - s) view: the ragged last slice too
-        w_t = weight[s:e].t()  # (H, e - s) view of rows s:e of W
-        if bias is None:
-            torch.mm(hidden, w_t, out=z)
-        else:
-            torch.addmm(bias[s:e], hidden, w_t, out=z)
-        return s, e, z
-
-    def consume(k, s, e, z):  # z = dL/dZ of slice (s, e); k = how many slices were consumed before
-        if grad_weight:
-            torch.mm(z.t(), hidden, out=gw[s:e])  # one GEMM over all T tokens: fp32 inside cuBLAS, one rounding
-        if grad_bias:
-            torch.sum(z, 0, dtype=torch.float32, out=gb_acc[s:e])
-        if grad_hidden:
-            w_j = weight[s:e]
-            if acc is None:  # fp32 (or the fp32 reference path): accumulate in the output itself
-                if k == 0:
-                    torch.mm(z, w_j, out=gh)
-                else:
-                    gh.addmm_(z, w_j)
-            elif direct:
-                torch.addmm(acc, z, w_j, out_dtype=torch.float32, beta=0 if k == 0 else 1, out=acc)
-            else:
-                torch.mm(z, w_j, out=gh)
-                if k == 0:
-                    acc.copy_(gh)
-                else:
-                    acc.add_(gh)
-
-    for j in range(n):  # pass 1: statistics; the last slice also gets its gradient (its logits are at hand)
-        last = j == n - 1
-        s, e, z = logits(j)
-        slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=j == 0, update=True, final=last,
-                 grad=grad and last)
-    if grad and n:
-        consume(0, s, e, z)
-        for k, j in enumerate(range(n - 2, -1, -1), start=1):  # pass 2, backwards: slice n-1 is done
-            s, e, z = logits(j)
-            slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=False, update=False,
-                     final=False, grad=True)
-            consume(k, s, e, z)
-    z_flat = z = None
-    if acc is not None:
-        gh.copy_(acc)
-    elif grad_hidden and n == 0:
-        gh.zero_()
-    if n == 0:
-        loss_rows.zero_()
-    return gw
+def _fwd_vocab(*args):
+    """mode="vocab": novatune.kernels.linear_cross_entropy_vocab.fwd_vocab (the row tiling set here)."""
+    return _vocab.fwd_vocab(*args, tile=_TILE_OVERRIDE)
 
 
 def _fwd_inplace(*args):
@@ -582,6 +403,3 @@ def linear_cross_entropy_bwd(grad_output: torch.Tensor, *grads: torch.Tensor | N
         else:
             x.copy_(x.float() * g)
     return grads
-
-
-from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref  # noqa: E402,F401 - oracle

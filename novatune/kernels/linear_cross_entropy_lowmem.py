@@ -153,11 +153,14 @@ def _check_layout(ld: int, V: int, H: int, rows_a: int, blocks) -> None:
 
 
 @triton.jit
-def _cols_stats_kernel(z_ptr, ld, part_ptr, labels_ptr, n_rows, T, rows_per_split, part_off, ignore_index,
-                       BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One piece z (n_rows, T), row stride ld, of z^T. Program (i, j): tokens [i*BLOCK_T, +BLOCK_T) x rows
-    [j*rows_per_split, +rows_per_split): running max m and sum of exp(z - m) per token, fp32, to part[part_off + j]
-    = (m, s) rows of T; m = -inf, s = 0 for ignored tokens.
+def _cols_stats_kernel(z_ptr, ld, part_ptr, n_out, labels_ptr, n_rows, row_off, T, rows_per_split, part_off,
+                       ignore_index,
+                       BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, STATS: tl.constexpr):
+    """One piece z (n_rows, T), row stride ld, of z^T, its first vocab row row_off. Program (i, j): tokens
+    [i*BLOCK_T, +BLOCK_T) x rows [j*rows_per_split, +rows_per_split): running max m and sum of exp(z - m) per
+    token, fp32, to part[part_off + j] = (m, s) rows of T; m = -inf, s = 0 for ignored tokens. STATS (the token
+    statistics): also t = sum exp(z - m) * z and the first argmax row (as fp32, exact below 2^24 rows): part rows
+    (m, s, t, argmax).
 
     Loads are masked by rows and `tok < ld` only (ld % 16 == 0: 16-byte vector loads; a mask varying per token
     would split them into 2-byte loads), ignored tokens and the padding columns [T, ld) (never written: any value,
@@ -178,6 +181,8 @@ def _cols_stats_kernel(z_ptr, ld, part_ptr, labels_ptr, n_rows, T, rows_per_spli
     # (1.72 ms for 1.16 GiB at Qwen3-4B x 4096, H200, LOG.md run 20); this costs a second exp per element instead.
     m = tl.full([BLOCK_R, BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R, BLOCK_T], dtype=tl.float32)
+    t = tl.zeros([BLOCK_R, BLOCK_T], dtype=tl.float32)
+    top = tl.full([BLOCK_R, BLOCK_T], -1, tl.int32)  # per element: the first row holding its running max
     for r0 in range(r_lo, r_hi, BLOCK_R):
         n_left = (r_hi - r0).to(tl.int32)
         z = tl.load(base + offs, mask=(ridx < n_left)[:, None] & in_ld[None, :], other=float("-inf"))
@@ -185,35 +190,52 @@ def _cols_stats_kernel(z_ptr, ld, part_ptr, labels_ptr, n_rows, T, rows_per_spli
         z = tl.where(active[None, :], z.to(tl.float32), float("-inf"))
         m_new = tl.maximum(m, z)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing finite was seen
-        s = s * tl.exp(m - m_ref) + tl.exp(z - m_ref)
+        e = tl.exp(z - m_ref)
+        s = s * tl.exp(m - m_ref) + e
+        if STATS:
+            t = t * tl.exp(m - m_ref) + e * tl.where(z == float("-inf"), 0.0, z)
+            top = tl.where(z > m, (r0 - r_lo).to(tl.int32) + ridx[:, None], top)
         m = m_new
     m_tok = tl.max(m, axis=0)  # (BLOCK_T,)
     m_tok_ref = tl.where(m_tok == float("-inf"), 0.0, m_tok)
-    s_tok = tl.sum(s * tl.exp(m - m_tok_ref[None, :]), axis=0)
-    p = part_ptr + (part_off + split).to(tl.int64) * 2 * T + tok
+    w = tl.exp(m - m_tok_ref[None, :])
+    s_tok = tl.sum(s * w, axis=0)
+    p = part_ptr + (part_off + split).to(tl.int64) * n_out * T + tok  # n_out rows of T per part
     tl.store(p, m_tok, mask=in_t)
     tl.store(p + T, s_tok, mask=in_t)
+    if STATS:  # the lowest row among the elements holding the token's max: its first argmax
+        first = tl.min(tl.where((m == m_tok[None, :]) & (top >= 0), top, 2**30), axis=0)
+        row = tl.where(first < 2**30, (row_off + r_lo + first).to(tl.float32), -1.0)
+        tl.store(p + 2 * T, tl.sum(t * w, axis=0), mask=in_t)
+        tl.store(p + 3 * T, row, mask=in_t)
 
 
 @triton.jit
-def _cols_finish_kernel(part_ptr, n_parts, za_ptr, zb_ptr, ld, rows_a, labels_ptr, lse_ptr, loss_ptr, T, V,
-                        ignore_index, BLOCK_T: tl.constexpr):
+def _cols_finish_kernel(part_ptr, n_parts, n_out, za_ptr, zb_ptr, ld, rows_a, labels_ptr, lse_ptr, loss_ptr, ent_ptr,
+                        top_ptr, T, V, ignore_index, BLOCK_T: tl.constexpr, STATS: tl.constexpr):
     """Merge the n_parts partial (m, s) per token: lse_t (0 for ignored tokens) and loss_t = lse_t - z_{y_t}
-    (0 ignored, NaN for a label outside [0, V)); z_y read from A's rows (y < rows_a) or B's."""
+    (0 ignored, NaN for a label outside [0, V)); z_y read from A's rows (y < rows_a) or B's. STATS: also the
+    entropy lse - t / s and the first argmax (a later part, higher rows, takes it only with a larger max) to
+    ent_ptr / top_ptr (0 and -1 on ignored tokens)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = tok < T
     label = tl.load(labels_ptr + tok, mask=in_t, other=ignore_index).to(tl.int64)
     active = in_t & (label != ignore_index)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_T], dtype=tl.float32)
+    t = tl.zeros([BLOCK_T], dtype=tl.float32)
+    top = tl.full([BLOCK_T], -1.0, tl.float32)
     p = part_ptr + tok  # advanced by a pointer increment: 64-bit, however many partials
     for _ in range(n_parts):
         m_j = tl.load(p, mask=in_t, other=float("-inf"))
         s_j = tl.load(p + T, mask=in_t, other=0.0)
-        p += 2 * T
         m_new = tl.maximum(m, m_j)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_ref) + s_j * tl.exp(m_j - m_ref)
+        if STATS:
+            t = t * tl.exp(m - m_ref) + tl.load(p + 2 * T, mask=in_t, other=0.0) * tl.exp(m_j - m_ref)
+            top = tl.where(m_j > m, tl.load(p + 3 * T, mask=in_t, other=-1.0), top)
+        p += n_out * T
         m = m_new
     lse = m + tl.log(tl.where(active, s, 1.0))
     valid = (label >= 0) & (label < V)
@@ -224,6 +246,9 @@ def _cols_finish_kernel(part_ptr, n_parts, za_ptr, zb_ptr, ld, rows_a, labels_pt
     loss = tl.where(valid, lse - tl.where(in_a, z_a, z_b), float("nan"))
     tl.store(loss_ptr + tok, tl.where(active, loss, 0.0), mask=in_t)
     tl.store(lse_ptr + tok, tl.where(active, lse, 0.0), mask=in_t)
+    if STATS:
+        tl.store(ent_ptr + tok, tl.where(active, lse - t / tl.where(active, s, 1.0), 0.0), mask=in_t)
+        tl.store(top_ptr + tok, tl.where(active, top.to(tl.int64), -1), mask=in_t)
 
 
 @triton.jit
@@ -264,9 +289,10 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
-def _sweep_triton(za, zb, ld, rows_a, labels, loss_rows, divisor, V, ignore_index, grad) -> None:
+def _sweep_triton(za, zb, ld, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, token_stats=None) -> None:
     """Step 2 of the module docstring over the two pieces za = z^T[:rows_a] and zb = z^T[rows_a:] (row stride ld;
-    padding columns included: they are read and written, never used)."""
+    padding columns included: they are read and written, never used); token_stats (lse, entropy, argmax) filled
+    from the same sweep when given."""
     T = labels.numel()
     dev = labels.device
     if _COLS_TILE_OVERRIDE is not None:
@@ -282,23 +308,26 @@ def _sweep_triton(za, zb, ld, rows_a, labels, loss_rows, divisor, V, ignore_inde
     pieces = [(z, off, z.shape[0]) for z, off in ((za, 0), (zb, rows_a)) if z.shape[0] > 0]
     splits = [triton.cdiv(n, rps) for _, _, n in pieces]
     n_tb = triton.cdiv(T, block_t)
-    parts = _scratch((sum(splits), 2, T), dev, torch.float32)
-    lse = _scratch((T,), dev, torch.float32)
+    stats = token_stats is not None
+    parts = _scratch((sum(splits), 4 if stats else 2, T), dev, torch.float32)
+    lse, ent, top = token_stats if stats else (_scratch((T,), dev, torch.float32), loss_rows, loss_rows)
     part_off = 0
-    for (z, _, n), ns in zip(pieces, splits):
-        _cols_stats_kernel[(n_tb, ns)](z, ld, parts, labels, n, T, rps, part_off, ignore_index, BLOCK_R=block_r,
-                                       BLOCK_T=block_t, num_warps=4)
+    for (z, off, n), ns in zip(pieces, splits):
+        _cols_stats_kernel[(n_tb, ns)](z, ld, parts, parts.shape[1], labels, n, off, T, rps, part_off,
+                                       ignore_index, BLOCK_R=block_r, BLOCK_T=block_t, STATS=stats, num_warps=4)
         part_off += ns
     z_any = pieces[0][0]  # a valid pointer for a piece with no rows (never loaded: masked)
-    _cols_finish_kernel[(n_tb,)](parts, part_off, za if rows_a else z_any, zb if zb.shape[0] else z_any, ld,
-                                 rows_a, labels, lse, loss_rows, T, V, ignore_index, BLOCK_T=block_t, num_warps=4)
+    _cols_finish_kernel[(n_tb,)](parts, part_off, parts.shape[1], za if rows_a else z_any,
+                                 zb if zb.shape[0] else z_any, ld, rows_a, labels, lse, loss_rows, ent, top, T, V,
+                                 ignore_index, BLOCK_T=block_t, STATS=stats, num_warps=4)
     if grad:
         for (z, off, n), ns in zip(pieces, splits):
             _cols_grad_kernel[(n_tb, ns)](z, ld, n, off, labels, lse, divisor, T, rps, ignore_index,
                                           BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4)
 
 
-def _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, block_rows) -> None:
+def _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, block_rows,
+                 token_stats=None) -> None:
     """Same contract in plain PyTorch over row blocks of <= block_rows (the CPU path: z^T is fp32 there)."""
     T = labels.numel()
     dev = labels.device
@@ -314,17 +343,28 @@ def _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, gr
         loc = labels.long() - off
         return active & (loc >= 0) & (loc < z.shape[0]), loc.clamp(0, z.shape[0] - 1).unsqueeze(0)
 
+    t = torch.zeros(T, device=dev)
+    top = torch.full((T,), -1, device=dev, dtype=torch.int64)
     for z, off in blocks:
         zf = z.float()
         hit, loc = local(z, off)
         z_y = torch.where(hit, zf.gather(0, loc).squeeze(0), z_y)
-        m_new = torch.maximum(m, zf.amax(0))
+        b_max = zf.amax(0)
+        m_new = torch.maximum(m, b_max)
         m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        s_sum = s_sum * torch.exp(m - m_ref) + torch.exp(zf - m_ref).sum(0)
+        e = torch.exp(zf - m_ref)
+        s_sum = s_sum * torch.exp(m - m_ref) + e.sum(0)
+        if token_stats is not None:  # as the Triton sweep: a later block takes the argmax only with a larger max
+            t = t * torch.exp(m - m_ref) + (e * zf).sum(0)
+            top = torch.where(b_max > m, off + zf.argmax(0), top)
         m = m_new
     lse = m + torch.log(s_sum)
     loss = torch.where(valid, lse - z_y, torch.full_like(lse, float("nan")))
     loss_rows.copy_(torch.where(active, loss, torch.zeros_like(loss)))
+    if token_stats is not None:
+        token_stats[0].copy_(torch.where(active, lse, 0.0))
+        token_stats[1].copy_(torch.where(active, lse - t / s_sum, 0.0))
+        token_stats[2].copy_(torch.where(active, top, -1))
     if grad:
         scale = torch.where(active, 1.0 / divisor.float(), torch.zeros_like(lse))  # (T,)
         lse = torch.where(active, lse, torch.zeros_like(lse))
@@ -339,7 +379,7 @@ def _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, gr
 
 
 def fwd_inplace(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-                grad_weight, grad_bias, tmp_rows, use_triton, dweight):
+                grad_weight, grad_bias, tmp_rows, use_triton, dweight, token_stats=None):
     """mode="inplace" (module docstring). Fills loss_rows, gh, gb_acc; returns grad_W (A itself) or None."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -366,9 +406,10 @@ def fwd_inplace(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
         else:
             torch.addmm(bias[off: off + z.shape[0]].unsqueeze(1), w_p, h_t, out=z)
     if use_triton:  # 2. statistics, loss, dL/dz in place
-        _sweep_triton(za, zb, ld, rows_a, labels, loss_rows, divisor, V, ignore_index, grad)
+        _sweep_triton(za, zb, ld, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, token_stats)
     else:
-        _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, max(1, int(tmp_rows)))
+        _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, grad, max(1, int(tmp_rows)),
+                     token_stats)
     if not grad:
         return None
 

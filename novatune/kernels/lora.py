@@ -1,4 +1,4 @@
-"""LoRA linear: the GEMM sequences of the fused forward/backward, and the fp32 reference.
+"""LoRA linear: the GEMM sequences of the fused forward/backward (the fp32 oracle is novatune.reference.lora).
 
     y = x Wᵀ (+ b) + s · (x_l Aᵀ) Bᵀ          W (out, in) frozen, A (r, in), B (out, r), s = alpha / r
                                                x_l = x, or dropout(x) for the LoRA branch only (PEFT's order)
@@ -45,20 +45,6 @@ import torch
 from torch import Tensor
 
 ORDERS = ("lora_first", "base_first")
-
-
-def lora_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float,
-                    x_lora: Tensor | None = None) -> Tensor:
-    """fp32 reference, plain PyTorch and differentiable (tests take its gradients by autograd on fp32 leaves).
-
-    Any leading dims on x; returns fp32 of shape (*x.shape[:-1], out). x_lora: the LoRA branch's input (dropout
-    applied by the caller), default x."""
-    x32 = x.float()
-    xl32 = x32 if x_lora is None else x_lora.float()
-    y = x32 @ weight.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y + scaling * ((xl32 @ lora_a.float().t()) @ lora_b.float().t())
 
 
 def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Tensor | None) -> None:

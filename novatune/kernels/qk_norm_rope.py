@@ -505,6 +505,3 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     _sum_partials_kernel[(triton.cdiv(2 * d, rb_n),)](partial, dq_weight, dk_weight, g, d, BLOCK_G=rb_g,
                                                       BLOCK_N=rb_n, SOFT_RNE=not q.is_cuda, num_warps=8)
     return dq, dk, dq_weight, dk_weight
-
-
-from novatune.reference.qk_norm_rope import qk_norm_rope_bwd_ref, qk_norm_rope_ref  # noqa: E402,F401 - oracle

@@ -220,6 +220,3 @@ def rope_fwd(q, k, cos, sin, unsqueeze_dim=1, q_out=None, k_out=None, split=None
 def rope_bwd(dq_embed, dk_embed, cos, sin, unsqueeze_dim=1, dq=None, dk=None, split=None, num_warps=None):
     """(dq, dk) from the output grads: the transposed rotation (by -theta), same layout rules as rope_fwd."""
     return _launch(dq_embed, dk_embed, cos, sin, unsqueeze_dim, dq, dk, True, split, num_warps)
-
-
-from novatune.reference.rope import rope_bwd_ref, rope_ref  # noqa: E402,F401 - re-exported oracle

@@ -22,7 +22,7 @@ Layout: the launchers call .contiguous() on their inputs (a no-op for the contig
 copy for strided views) and always return contiguous outputs of the input's shape. Preallocated outputs
 (out= / dgate= / dup=) must be contiguous, of the same shape and dtype.
 
-`swiglu_ref` / `swiglu_bwd_ref` are the plain-PyTorch fp32 references (results in fp32).
+The fp32 oracle (`swiglu_ref` / `swiglu_bwd_ref`) is in novatune.reference.swiglu.
 """
 from __future__ import annotations
 
@@ -180,6 +180,3 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     grid, meta = _launch_args(n, block, num_warps)
     _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, SOFT_RNE=not gate.is_cuda, **meta)
     return dgate, dup
-
-
-from novatune.reference.swiglu import swiglu_bwd_ref, swiglu_ref  # noqa: E402,F401 - re-exported oracle

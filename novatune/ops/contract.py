@@ -99,16 +99,29 @@ class OpSpec:
         return "patch" if self.setting is not None else "dispatch"
 
     def call(self, fn: Callable, inputs: dict):
-        """fn on `inputs` (a dict in call order), the keyword-only flags by keyword."""
+        """fn on `inputs` (a dict in call order), the keyword-only flags by keyword: the one way every consumer
+        (dispatch, tune, the checker) calls an implementation, so one written to the public signature works."""
         pos = [v for k, v in inputs.items() if k not in self.keyword_args]
         return fn(*pos, **{k: v for k, v in inputs.items() if k in self.keyword_args})
+
+    def call_args(self, fn: Callable, args: tuple):
+        """`call` for arguments in call order as the public functional passes them on: the keyword-only flags
+        last (make_inputs orders its dict the same way)."""
+        n_pos = len(args) - len(self.keyword_args)
+        named = {f"arg{i}": a for i, a in enumerate(args[:n_pos])}
+        named.update(zip(self.keyword_args, args[n_pos:]))
+        return self.call(fn, named)
 
     def grad_shape(self, shape) -> tuple:
         return tuple(self.dy_shape(shape)) if self.dy_shape is not None else tuple(shape)
 
-    def call_signature(self, args: tuple) -> tuple:
+    def table_key(self, shape, dtype: str, device_type: str) -> tuple:
         """(op, shape key, dtype string, device type): the dispatch table's and the tune cache's key."""
-        return (self.name, tuple(self.shape_of(*args)), self.dtype_of(*args), args[0].device.type)
+        return (self.name, tuple(shape), dtype, device_type)
+
+    def call_signature(self, args: tuple) -> tuple:
+        """The table key of a call (args in call order)."""
+        return self.table_key(self.shape_of(*args), self.dtype_of(*args), args[0].device.type)
 
 
 # ----------------------------------------------------------------------------------------------- helpers

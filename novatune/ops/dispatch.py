@@ -117,7 +117,7 @@ class _Dispatcher:
             rec = CallRecord.of(op, key, args)
             self.calls.setdefault((key, rec.args), rec)
         fn = self.table.get(key)
-        return None if fn is None else fn(*args)
+        return None if fn is None else spec.call_args(fn, args)
 
 
 def install(table_or_dispatcher) -> object:

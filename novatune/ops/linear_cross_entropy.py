@@ -25,11 +25,12 @@ could be known (the chunking is what saves the memory).
 
 Ops:
   novatune::linear_cross_entropy(hidden (T,H), weight (V,H), labels (T,), divisor 0-dim, bias?, ignore_index,
-      grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0)
+      grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0, token_stats=False)
       (vocab_slice: columns per slice of "vocab", rows of the temp block of "inplace"; 0 = planned)
-      -> (loss, dhidden, dweight, dbias)   mutates nothing
-      The gradients (already divided by the divisor) come out of the forward; those not requested (no
-      requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors.
+      -> (loss, dhidden, dweight, dbias, nll (T,), stats (2, T) = (lse, entropy), argmax (T,) int64)
+      mutates nothing. The gradients (already divided by the divisor) come out of the forward; those not
+      requested (no requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors;
+      so do the token statistics unless token_stats (the functional's return_token_stats: TokenStats).
   novatune::linear_cross_entropy_scale_(grad!, grad_output) -> ()
       The eager backward: multiplies a saved gradient by grad_output IN PLACE, which avoids a second (V, H)
       buffer at the backward's memory peak (0.78 GB at Qwen3-4B). Consequence: a second backward through the
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -62,27 +64,41 @@ _REDUCTIONS = ("mean", "sum")
 @torch.library.custom_op("novatune::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: Tensor, bias: Tensor | None,
                             ignore_index: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-                            chunk_tokens: int, mode: str = "auto",
-                            vocab_slice: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            chunk_tokens: int, mode: str = "auto", vocab_slice: int = 0,
+                            token_stats: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    T = hidden.shape[0]
+    stats = top = None
+    if token_stats:
+        stats = torch.empty(2, T, device=hidden.device, dtype=torch.float32)  # lse, entropy
+        top = torch.empty(T, device=hidden.device, dtype=torch.int64)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes were settled by the caller
-        loss, _, gh, gw, gb = _k.linear_cross_entropy_fwd(
+        loss, rows, gh, gw, gb = _k.linear_cross_entropy_fwd(
             hidden, weight, labels, divisor, bias=bias, ignore_index=ignore_index, grad_hidden=grad_hidden,
             grad_weight=grad_weight, grad_bias=grad_bias, chunk_tokens=chunk_tokens or None, mode=mode,
-            vocab_slice=vocab_slice or None, use_triton=use_triton(hidden))
-    return (loss, hidden.new_empty(0) if gh is None else gh, weight.new_empty(0) if gw is None else gw,
-            weight.new_empty(0) if gb is None else gb)
+            vocab_slice=vocab_slice or None, use_triton=use_triton(hidden),
+            token_stats=None if stats is None else (stats[0], stats[1], top))
+    def empty(like, dtype=None):  # a fresh one per slot: outputs of a custom op must not alias each other
+        return like.new_empty(0, dtype=dtype)
+
+    return (loss, empty(hidden) if gh is None else gh, empty(weight) if gw is None else gw,
+            empty(weight) if gb is None else gb, rows if token_stats else empty(hidden, torch.float32),
+            empty(hidden, torch.float32) if stats is None else stats,
+            empty(labels, torch.int64) if top is None else top)
 
 
 @linear_cross_entropy_op.register_fake
 def _(hidden, weight, labels, divisor, bias, ignore_index, grad_hidden, grad_weight, grad_bias, chunk_tokens,
-      mode="auto", vocab_slice=0):
+      mode="auto", vocab_slice=0, token_stats=False):
     torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
                  lambda: "linear_cross_entropy: hidden (T, H) and weight (V, H) expected")
     loss = hidden.new_empty((), dtype=torch.float32)
     gh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0)
     gw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0)
     gb = bias.new_empty(bias.shape) if (grad_bias and bias is not None) else weight.new_empty(0)
-    return loss, gh, gw, gb
+    T = hidden.shape[0] if token_stats else 0
+    return (loss, gh, gw, gb, hidden.new_empty(T, dtype=torch.float32),
+            hidden.new_empty((2, T) if token_stats else (0,), dtype=torch.float32),
+            labels.new_empty(T, dtype=torch.int64))
 
 
 @torch.library.custom_op("novatune::linear_cross_entropy_scale_", mutates_args=("grad",))
@@ -96,7 +112,7 @@ def _(grad, grad_output):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, dhidden, dweight, dbias = output
+    _, dhidden, dweight, dbias, *_token_stats = output
     ctx.save_for_backward(dhidden, dweight, dbias)
     # Only the loss is used downstream. By default autograd hands the backward a ZERO tensor for every other output
     # (allocated at the start of the backward: a (V, H) one for dweight, 0.72 GiB at Qwen3-4B, which set the
@@ -111,8 +127,9 @@ def _traced(*tensors: Tensor) -> bool:
             or any(type(t) is not torch.Tensor for t in tensors))
 
 
-def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias):
-    # Only the loss is differentiable in practice; the gradient outputs are internal (the functional drops them).
+def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
+    # Only the loss is differentiable in practice; the gradient outputs and the token statistics are internal (the
+    # functional detaches them).
     saved = ctx.saved_tensors
     in_place = not _traced(g_loss, *saved)
     grads = []
@@ -125,7 +142,7 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias):
         else:  # fp32 multiply, one rounding: the same numbers as the kernel
             grads.append((g.float() * g_loss.float()).to(g.dtype))
     gh, gw, gb = grads
-    return gh, gw, None, None, gb, None, None, None, None, None, None, None
+    return gh, gw, None, None, gb, None, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -158,11 +175,28 @@ def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
                                     f"ignore_index {ignore_index}")
 
 
+class TokenStats(NamedTuple):
+    """Per-token statistics of the logits, from the fused loss's own pass over them (no second lm_head GEMM);
+    each of labels' shape, no gradient. fp32 from the logits as the loss sees them (input dtype, read in fp32).
+
+    nll      -log p(label) = lse - z_label (the token's loss before the reduction; its log-prob is -nll)
+    lse      log sum_v exp(z_v)
+    entropy  -sum_v p_v log p_v = lse - sum_v p_v z_v (TRL's formula)
+    argmax   the first index of the largest logit (torch.argmax's rule), int64
+    Ignored tokens (ignore_index) get 0, 0, 0 and -1."""
+
+    nll: Tensor
+    lse: Tensor
+    entropy: Tensor
+    argmax: Tensor
+
+
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", normalizer=None, bias: Tensor | None = None, *,
-                         chunk_tokens: int | None = None, mode: str = "auto",
-                         vocab_slice: int | None = None) -> Tensor:
-    """Cross-entropy of (hidden @ lm_weight.T + bias) against labels, fused and chunked; a 0-dim fp32 loss.
+                         chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
+                         return_token_stats: bool = False):
+    """Cross-entropy of (hidden @ lm_weight.T + bias) against labels, fused and chunked; a 0-dim fp32 loss, or
+    (loss, TokenStats) with return_token_stats=True (the statistics come from the same pass over the logits).
 
     hidden (..., H), lm_weight (V, H) (may be the tied embedding's Parameter), labels (...) int, aligned with
     hidden (shift them first, as HF's ForCausalLMLoss does). normalizer: loss = sum / normalizer (overrides
@@ -203,11 +237,15 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     _check_label_range(y, lm_weight.shape[0], int(ignore_index))
     divisor = _divisor(y, ignore_index, reduction, normalizer)
     grad_on = torch.is_grad_enabled()
-    loss, *_ = torch.ops.novatune.linear_cross_entropy(
+    loss, _gh, _gw, _gb, nll, stats, top = torch.ops.novatune.linear_cross_entropy(
         h2, lm_weight, y, divisor, bias, int(ignore_index), grad_on and hidden.requires_grad,
         grad_on and lm_weight.requires_grad, grad_on and bias is not None and bias.requires_grad,
-        int(chunk_tokens or 0), mode, int(vocab_slice or 0))
-    return loss
+        int(chunk_tokens or 0), mode, int(vocab_slice or 0), bool(return_token_stats))
+    if not return_token_stats:
+        return loss
+    shape = labels.shape
+    return loss, TokenStats(nll.detach().view(shape), stats[0].detach().view(shape), stats[1].detach().view(shape),
+                            top.view(shape))
 
 
 class NovaLinearCrossEntropy(nn.Module):

@@ -60,6 +60,11 @@ class Dist:
         dist.all_gather_object(out, value, group=self.control)
         return out
 
+    def from_main(self, compute):
+        """compute() run on rank 0 only, its (small, picklable) result on every rank: work every rank would
+        repeat with the same answer (hashing a shared checkpoint folder) is done once."""
+        return self.broadcast(compute() if self.main else None)
+
     def broadcast(self, value):
         """Rank 0's `value` on every rank (a small picklable object)."""
         if not self.active or self.world == 1:

@@ -138,7 +138,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if how != type(model).__name__:
         report.add("", "target", "note", f"patched {how}")
-    whole_model = quirks.refusals(model.config, spec).get("model")
+    refused = quirks.refusals(model.config, spec)  # once per model: every module of a refused kind reads it
+    whole_model = refused.get("model")
     if whole_model:
         if strict:
             raise ValueError(whole_model)
@@ -146,7 +147,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
-    _apply_spec(model, spec, report, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
+    _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward,
                 trainer_refusal=trainer_refusal(trainer, model))
@@ -189,8 +190,11 @@ def _find_state(model: nn.Module):
     return None
 
 
-def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_norm, swiglu, rope, attention,
-                cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace, trainer_refusal=None) -> None:
+def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
+                swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
+                trainer_refusal=None) -> None:
+    """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
+    spec cannot honour."""
     config = model.config
     base = getattr(model, spec.base_model_attr, None)
     is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
@@ -198,7 +202,6 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, *, rms_
     state = PatchState(report)
     attn_total = attn_done = 0
     qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
-    refused = quirks.refusals(config, spec)
     for path, module in model.named_modules():
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]

@@ -11,8 +11,8 @@ Two calling conventions are honoured, both computing exactly what the caller exp
   token log-probs; so `log_probs` accepts only a gradient that weights every non-ignored token the same (TRL's
   "nll" loss: sum / token count). A per-token weighting (TRL's "dft" loss, RL trainers) raises in the backward
   instead of training on a wrong gradient; `patch(trainer)` refuses those trainers up front. The values of
-  `log_probs`, `entropy` and `is_top1` come from one extra no-grad pass over the logits in chunks (TRL logs the
-  mean entropy and token accuracy every step; the pass costs one lm_head GEMM forward).
+  `log_probs`, `entropy` and `is_top1` come from the fused kernel's own pass over the logits (its per-token
+  statistics: -log p, entropy, first argmax), so TRL's per-step metrics cost no second lm_head GEMM.
 
 The stock forward (whatever was on the model before: HF's, or a trainer's wrapper) is kept in a closure, so a
 second binding on top of a wrapper that calls the first one never recurses, and a binding that was reverted while
@@ -31,9 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
-
-# fp32 logits per chunk of the no-grad statistics pass (TRL's fused head): bounds its extra memory
-STATS_CHUNK_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -137,13 +134,12 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) if trim else shift_labels
     targets = targets.to(hidden.device)
     mask = targets != -100
-    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    nll_sum = linear_cross_entropy(flat_hidden, _lm_weight(self), flat_targets, reduction="sum",
-                                   mode=self._novatune_ce_mode)
-    log_probs, entropy, is_top1 = token_statistics(flat_hidden.detach(), self._novatune_lm_head.weight.detach(),
-                                                   flat_targets)
-    log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, log_probs.view(mask.shape), mask)
-    entropy, is_top1 = entropy.view(mask.shape), is_top1.view(mask.shape)
+    flat_targets = targets.reshape(-1)
+    # one pass over the logits: the loss and its gradient, and TRL's per-token statistics from the same sweep
+    nll_sum, stats = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self), flat_targets,
+                                          reduction="sum", mode=self._novatune_ce_mode, return_token_stats=True)
+    log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, -stats.nll.view(mask.shape), mask)
+    entropy, is_top1 = stats.entropy.view(mask.shape), (stats.argmax == flat_targets).view(mask.shape)
     if trim:
         log_probs, entropy, is_top1, mask = (t[:, :-1] for t in (log_probs, entropy, is_top1, mask))
     divisor = mask.sum().clamp(min=1) if num_items is None else num_items
@@ -163,31 +159,10 @@ class _FusedOutput(OrderedDict):
             raise AttributeError(name) from None
 
 
-@torch.no_grad()
-def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
-    """Per token: log p(target), entropy of the next-token distribution, whether the target is the argmax.
-
-    Logits are computed in the input dtype and read in fp32 (as HF's `logits.float()`), in row chunks of at most
-    STATS_CHUNK_BYTES fp32 logits. Ignored tokens get 0 / 0 / False (TRL's convention)."""
-    rows = max(128, STATS_CHUNK_BYTES // (4 * weight.shape[0]) // 128 * 128)  # aligned GEMM row blocks
-    out_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-    out_ent = torch.zeros_like(out_lp)
-    out_top = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
-    for a in range(0, hidden.shape[0], rows):
-        logits = (hidden[a:a + rows] @ weight.T).float()
-        y = targets[a:a + rows]
-        valid = y != ignore_index
-        logp = torch.log_softmax(logits, dim=-1)
-        out_lp[a:a + rows] = logp.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1).masked_fill(~valid, 0.0)
-        out_ent[a:a + rows] = -(logp.exp() * logp).sum(-1).masked_fill(~valid, 0.0)
-        out_top[a:a + rows] = (logits.argmax(-1) == y) & valid
-    return out_lp, out_ent, out_top
-
-
 class _UniformlyWeightedLogProbs(torch.autograd.Function):
     """Per-token log-probs whose gradient flows through the fused loss's SUM.
 
-    forward: values (exact, from `token_statistics`). backward: the caller's gradient must weight every
+    forward: values (the fused kernel's per-token -nll). backward: the caller's gradient must weight every
     non-ignored token the same, w (TRL's nll loss: w = -1 / token count); then d(sum_t w lp_t) = -w d(nll_sum),
     passed to the fused kernel's precomputed gradient as its scale. A non-uniform weighting cannot be expressed
     through a sum: it raises (on CUDA without a host sync, as a device-side assert)."""

@@ -28,3 +28,19 @@ def hf_linear_ce(hidden, weight, labels, ignore_index: int = -100, reduction: st
     logits = (hidden @ weight.T).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction)
+
+
+def token_stats_ref(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
+    """The per-token statistics of `logits` (T, V) as TRL computes them from the full logits, in fp32:
+    (nll = -log p(label), lse, entropy = -sum p log p, argmax (first index, int64)); 0, 0, 0, -1 on ignored
+    tokens. Pass the logits the caller's loss sees (fp32 ones for the oracle, input-dtype ones for the stock)."""
+    z = logits.float()
+    y = labels.reshape(-1)
+    keep = y != ignore_index
+    logp = torch.log_softmax(z, dim=-1)
+    nll = -logp.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    zero = torch.zeros_like(lse)
+    return (torch.where(keep, nll, zero), torch.where(keep, lse, zero), torch.where(keep, entropy, zero),
+            torch.where(keep, z.argmax(-1), torch.full_like(y, -1)))

@@ -194,8 +194,17 @@ def shape_label(row: dict) -> str:
     return fmt(shape)
 
 
+def _ops_call(row: dict) -> tuple:
+    """The call an ops row belongs to: the `call` it names (an A/B of two trees shares one, across hours), else
+    its git sha and hour."""
+    if "call" in row:
+        return ("call", row["call"])
+    return (row.get("git_sha"), row.get("time", "")[:13])
+
+
 def render_ops(rows: list[dict]) -> list[str]:
-    """Per (op, shape): the candidates of its newest call (sha and date), fwd+bwd together."""
+    """Per (op, shape): the candidates of its newest call (the `call` field, else sha and hour), fwd+bwd
+    together."""
     sweeps = [r for r in rows if "phase" in r]
     latest: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -203,8 +212,7 @@ def render_ops(rows: list[dict]) -> list[str]:
             continue
         key = (row.get("op") or row.get("bench"), shape_label(row))
         group = latest.setdefault(key, [])
-        if group and (group[0].get("git_sha"), group[0].get("time", "")[:13]) != (row.get("git_sha"),
-                                                                                  row.get("time", "")[:13]):
+        if group and _ops_call(group[0]) != _ops_call(row):
             group.clear()  # a newer call of this op and shape replaces the older one
         group.append(row)
     lines = []

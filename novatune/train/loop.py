@@ -19,7 +19,7 @@ from novatune.train import sharded_checkpoint as sharded
 from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
-from novatune.train.nonfinite import StepGuard, advance_schedule, as_json_number
+from novatune.train.nonfinite import StepGuard, as_json_number
 from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
@@ -127,8 +127,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             if applied:
                 session.apply_update()
             else:
-                session.skip_update()
-                advance_schedule(sched)  # a skipped step still advances the schedule (train/nonfinite.py)
+                session.skip_update()  # the schedule still advances (train/nonfinite.py)
             step += 1
             n_tok = sum(mb.get("global_tokens", mb["num_tokens"]) for mb in mbs)  # all ranks' tokens
             tokens_seen += n_tok

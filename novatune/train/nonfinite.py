@@ -18,7 +18,6 @@ disk whatever produced it.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -87,10 +86,3 @@ class StepGuard:
                                  f"(train.max_skipped_steps={self.max_skipped}). Fix: lower train.lr or check the "
                                  f"data and the starting weights")
         return False
-
-
-def advance_schedule(scheduler) -> None:
-    """scheduler.step(), also after a skipped update (torch would warn that the optimizer did not step first)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-        scheduler.step()

@@ -13,7 +13,7 @@ One optimizer step = `grad_accum` micro-batches, in two calls so a caller can lo
 change:
   out = session.forward_backward(micro_batches)   # gradients accumulated and clipped; out.loss, out.grad_norm
   session.apply_update()                          # optimizer + scheduler step, gradients zeroed
-  (or session.skip_update(): gradients dropped, weights and schedule unchanged)
+  (or session.skip_update(): gradients dropped, weights unchanged, the schedule advances)
 `session.step(micro_batches)` does both. Neither synchronises with the GPU: the loss and the norm stay on the
 device until the caller reads them.
 
@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,8 +185,13 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
 
     def skip_update(self) -> None:
-        """Drop the accumulated gradients without touching the weights, the optimizer state or the schedule."""
+        """Drop the accumulated gradients without touching the weights or the optimizer state. The step still
+        counts, so the learning-rate schedule advances (as torch's GradScaler does on an overflow): a skipped
+        step keeps the rest of the run on the schedule it was configured with."""
         self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # torch warns when the scheduler steps without an optimizer step
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
 
     def step(self, micro_batches: list[dict]) -> StepOutput:
         """One whole optimizer step: forward_backward, then apply_update."""

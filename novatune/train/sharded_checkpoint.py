@@ -7,7 +7,8 @@ The step folder `<output_dir>/checkpoints/step_N/` holds
   state.json      step, scheduler, data position (global: any number of processes resumes it), tokens, config
   manifest.json   "layout": "dcp", the step, every file's size and checksum; written last by rank 0
 
-All ranks write into one temporary folder; after a barrier rank 0 writes state.json and the manifest, fsyncs and
+All ranks write into one temporary folder; then every rank hashes its share of the files (about the same bytes
+each, `hash_share`), and rank 0 writes state.json and the manifest from the gathered checksums, fsyncs and
 renames the folder into place, then prunes (the same atomic publish as a one-process checkpoint, see
 checkpoint.py). The state dicts come from torch.distributed.checkpoint.state_dict (`get_state_dict`), keyed by
 parameter name, so a checkpoint resumes under a different number of processes (DCP reshards on load), and in a
@@ -50,13 +51,30 @@ def _local(sd: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _publish(tmp: Path, final: Path, step: int, state: dict, scheduler) -> None:
+def hash_share(tmp: Path, dist: Dist, algo: str) -> dict:
+    """{file: {bytes, hash}} for this rank's share of the files every rank wrote into `tmp` (called once all
+    ranks have finished writing): the files, largest first, go to the rank with the fewest bytes so far, so the
+    ranks hash the checkpoint in parallel, about the same number of bytes each, and every file exactly once."""
+    sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
+    load = [0] * dist.world
+    mine = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):  # the same order on every rank
+        r = load.index(min(load))
+        load[r] += sizes[name]
+        if r == dist.rank:
+            mine[name] = {"bytes": sizes[name], "hash": ckpt.file_digest(tmp / name, algo)}
+    return mine
+
+
+def _publish(tmp: Path, final: Path, step: int, state: dict, scheduler, files: dict, algo: str) -> None:
+    """Rank 0: state.json, the manifest over `files` (every rank's hash_share) and state.json, fsync, rename."""
     (tmp / "state.json").write_text(json.dumps({**state, "step": step, "scheduler": scheduler.state_dict()},
                                                indent=1, default=str))
-    algo = ckpt.default_hash()
-    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    files = {n: {"bytes": (tmp / n).stat().st_size, "hash": ckpt.file_digest(tmp / n, algo)} for n in names}
-    manifest = {"format": 1, "layout": ckpt.SHARDED_LAYOUT, "step": step, "hash": algo, "files": files}
+    files = {**files, "state.json": {"bytes": (tmp / "state.json").stat().st_size,
+                                     "hash": ckpt.file_digest(tmp / "state.json", algo)}}
+    names = sorted(files)
+    manifest = {"format": 1, "layout": ckpt.SHARDED_LAYOUT, "step": step, "hash": algo,
+                "files": {n: files[n] for n in names}}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for n in (*names, "manifest.json"):
         ckpt.fsync_path(tmp / n)
@@ -105,9 +123,16 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, state: 
                                      f"step {step} to {root} ({e}); free space or choose another "
                                      f"checkpoint.output_dir, and run the same command to resume")
     _agree_or_raise(dist, error, "writing the checkpoint shards")
+    algo = ckpt.default_hash()
+    try:
+        share = hash_share(tmp, dist, algo)
+    except OSError as e:
+        share, error = {}, ckpt.CheckpointError(f"cannot read back checkpoint step {step} in {root} ({e})")
+    _agree_or_raise(dist, error, "hashing the checkpoint files")
+    files = {n: entry for part in dist.gather(share) for n, entry in part.items()}
     if dist.main:
         try:
-            _publish(tmp, final, step, state, scheduler)
+            _publish(tmp, final, step, state, scheduler, files, algo)
             for old in ckpt.list_checkpoints(output_dir)[:-keep] if keep > 0 else []:
                 ckpt.remove_tree(old)
         except OSError as e:
@@ -121,7 +146,8 @@ def load(path: Path, model, optimizer, scheduler, dist: Dist | None = None) -> d
     """Restore a verified DCP checkpoint into this (wrapped or plain) model and optimizer; returns state.json.
     Every check runs before the model changes: the state is read into fresh state dicts, then set."""
     dist = dist or Dist()
-    problems = ckpt.verify(path)
+    # every rank reads the same folder: rank 0 hashes it (GBs for a large model) and every rank gets its verdict
+    problems = dist.from_main(lambda: ckpt.verify(path))
     if problems:
         raise ckpt.CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
     model_sd, optim_sd = get_state_dict(model, optimizer)

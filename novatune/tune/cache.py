@@ -112,7 +112,7 @@ def selection_from_cache(cache: TuneCache, device) -> tuple[dict, list[dict], li
     """(dispatch table, the entries used, notes) for the kept, non-default choices recorded for this device and
     these versions. An entry whose candidate no longer exists (or cannot be built) is skipped with a note."""
     from novatune.ops.registry import OPS
-    from novatune.tune.calls import candidates, model_level, signature
+    from novatune.tune.calls import candidates, model_level
 
     env = environment(device)
     table, used, notes = {}, [], []
@@ -134,6 +134,6 @@ def selection_from_cache(cache: TuneCache, device) -> tuple[dict, list[dict], li
             notes.append(f"tune cache: {e['op']} {e['shape']}: {e['choice']} could not be loaded "
                          f"({type(err).__name__}: {str(err)[:200]}); default used")
             continue
-        table[signature(e["op"], e["shape"], e["dtype"], dev_type)] = fn
+        table[OPS[e["op"]].table_key(e["shape"], e["dtype"], dev_type)] = fn
         used.append(e)
     return table, used, notes

@@ -1,5 +1,5 @@
 """Helpers shared by the tuner's stages for calling any registered op (novatune.ops.registry): incoming gradients,
-shape strings, the cache's dispatch key. They read the op's SPEC; none names an op."""
+shape strings. They read the op's SPEC; none names an op."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,11 +20,6 @@ def make_dy(spec: OpSpec, shape, dtype, device, gen):
 def map_dy(f: Callable, dy):
     """f applied to a gradient that may be a tuple (multi-output ops)."""
     return tuple(f(t) for t in dy) if isinstance(dy, tuple) else f(dy)
-
-
-def signature(op: str, shape, dtype: str, device_type: str) -> tuple:
-    """The dispatch key of a call: (op, shape, dtype string, device type) - the same fields the cache stores."""
-    return (op, tuple(shape), dtype, device_type)
 
 
 def shape_str(shape) -> str:

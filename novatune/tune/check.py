@@ -58,8 +58,8 @@ class Verdict:
         return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
 
-class _Fail(Exception):
-    pass
+class Fail(Exception):
+    """One failed check, its message the reason."""
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -109,19 +109,23 @@ def _refresh(inputs: dict, spec: OpSpec, gen) -> dict:
 def _as_tuple(y, spec: OpSpec) -> tuple:
     if len(spec.outputs) == 1:
         if not isinstance(y, Tensor):
-            raise _Fail(f"returned {type(y).__name__}, expected a tensor")
+            raise Fail(f"returned {type(y).__name__}, expected a tensor")
         return (y,)
     if not isinstance(y, (tuple, list)) or len(y) != len(spec.outputs) or not all(isinstance(t, Tensor) for t in y):
-        raise _Fail(f"returned {type(y).__name__}, expected a tuple of {len(spec.outputs)} tensors {spec.outputs}")
+        raise Fail(f"returned {type(y).__name__}, expected a tuple of {len(spec.outputs)} tensors {spec.outputs}")
     return tuple(y)
 
 
-def _fwd_bwd(spec: OpSpec, fn, inputs: dict, dys: tuple | None, fp32: bool = False):
-    """(outputs, grads, leaves) of one forward + backward; dys None: random ones made by the caller first."""
+def fwd_bwd(spec: OpSpec, fn, inputs: dict, dys: tuple, fp32: bool = False, copy: bool = True):
+    """(outputs, grads, leaves) of one forward + backward of fn on `inputs` (through spec.call), the incoming
+    gradients `dys` (one per output, cast to each output's dtype). fp32: on fp32 copies (the oracle's call).
+    copy: the tensor inputs are copied first, strides kept (an in-place backward cannot touch the caller's
+    inputs); copy=False differentiates views of them as they are (the validator's misaligned-view check).
+    Shared by the checker and the tune validator (novatune.tune.validate)."""
     leaves = {}
     for k, v in inputs.items():
         if k in spec.tensor_args:
-            t = v.detach().float() if fp32 else _clone_layout(v.detach())
+            t = v.detach().float().clone() if fp32 else _clone_layout(v.detach()) if copy else v.detach()
             leaves[k] = t.requires_grad_(True)
         else:
             leaves[k] = v
@@ -139,7 +143,7 @@ def _err_stats(got: Tensor, stock: Tensor, ref: Tensor, dtype, label: str, scale
     fin = torch.isfinite(r)
     bad = ~torch.isfinite(g) & fin
     if bool(bad.any()):
-        raise _Fail(f"{label}: {int(bad.sum())} non-finite elements where the reference is finite")
+        raise Fail(f"{label}: {int(bad.sum())} non-finite elements where the reference is finite")
     # the absolute floor follows each row's magnitude (rows of very different scales; cancellation inside a row)
     row_rms = r.where(fin, 0).pow(2).mean(-1, keepdim=True).sqrt().expand_as(r) if r.dim() >= 2 else None
     # Two correct implementations that round intermediates in a different order have uncorrelated errors per
@@ -159,17 +163,17 @@ def _err_stats(got: Tensor, stock: Tensor, ref: Tensor, dtype, label: str, scale
     over = ec > limit
     if bool(over.any()):
         i = int(torch.argmax((ec - limit) / (limit + 1e-30)))
-        raise _Fail(f"{label}: {int(over.sum())} of {r.numel()} elements outside the bound (worst: {float(g[i]):.6g} "
+        raise Fail(f"{label}: {int(over.sum())} of {r.numel()} elements outside the bound (worst: {float(g[i]):.6g} "
                     f"vs reference {float(r[i]):.6g}, stock {float(s[i]):.6g})")
     rms_c, rms_s = float(ec.pow(2).mean().sqrt()), float(es.pow(2).mean().sqrt())
     if rms_c > K_RMS * rms_s + u * rms_r:
-        raise _Fail(f"{label}: rms error {rms_c:.3e} > {K_RMS:g} x stock's {rms_s:.3e} + {u:.1e} x rms(ref)")
+        raise Fail(f"{label}: rms error {rms_c:.3e} > {K_RMS:g} x stock's {rms_s:.3e} + {u:.1e} x rms(ref)")
     rr = float(r.pow(2).sum())
     if rr > 0 and r.numel() > 1:
         beta_c, beta_s = float(((g - r) * r).sum()) / rr, float(((s - r) * r).sum()) / rr
         # rounding errors average out as 1/sqrt(n): small tensors get a wider floor (large ones catch a scaling)
         if abs(beta_c) > K_SCALE * abs(beta_s) + u / 4 + 2 * u / r.numel() ** 0.5:
-            raise _Fail(f"{label}: systematically scaled by {1 + beta_c:.5f} (stock {1 + beta_s:.5f})")
+            raise Fail(f"{label}: systematically scaled by {1 + beta_c:.5f} (stock {1 + beta_s:.5f})")
 
 
 def _storage(t: Tensor) -> int:
@@ -180,26 +184,26 @@ def _check_layout(spec: OpSpec, outs, stock_outs, grads, leaves, keep: list, lab
     input_mem = {_storage(v) for v in leaves.values() if isinstance(v, Tensor)}
     for name, o, s in zip(spec.outputs, outs, stock_outs):
         if o.dtype != s.dtype:
-            raise _Fail(f"{label} {name}: dtype {o.dtype}, the stock implementation returns {s.dtype}")
+            raise Fail(f"{label} {name}: dtype {o.dtype}, the stock implementation returns {s.dtype}")
         if o.shape != s.shape:
-            raise _Fail(f"{label} {name}: shape {tuple(o.shape)}, expected {tuple(s.shape)}")
+            raise Fail(f"{label} {name}: shape {tuple(o.shape)}, expected {tuple(s.shape)}")
         if not o.is_contiguous() and o.stride() != s.stride():
-            raise _Fail(f"{label} {name}: strides {o.stride()} are neither contiguous nor the stock's {s.stride()}")
+            raise Fail(f"{label} {name}: strides {o.stride()} are neither contiguous nor the stock's {s.stride()}")
         if _storage(o) in input_mem:
-            raise _Fail(f"{label} {name}: the output shares memory with an input")
+            raise Fail(f"{label} {name}: the output shares memory with an input")
         if any(_storage(o) == _storage(prev) for prev, _ in keep):
-            raise _Fail(f"{label} {name}: the output shares memory with a previous call's output (a static buffer)")
+            raise Fail(f"{label} {name}: the output shares memory with a previous call's output (a static buffer)")
     for k, g in zip(spec.tensor_args, grads):
         if g.dtype != leaves[k].dtype or g.shape != leaves[k].shape:
-            raise _Fail(f"{label} gradient of {k}: {g.dtype} {tuple(g.shape)}, expected {leaves[k].dtype} "
+            raise Fail(f"{label} gradient of {k}: {g.dtype} {tuple(g.shape)}, expected {leaves[k].dtype} "
                         f"{tuple(leaves[k].shape)}")
 
 
 def _one_call(spec: OpSpec, fn, inputs: dict, label: str, keep: list, gen) -> None:
     """One checked call of fn on `inputs` (compared with the stock and the fp32 reference on the same values)."""
     dys = _dys(spec, inputs, gen)
-    stock_outs, stock_grads, _ = _fwd_bwd(spec, spec.stock, inputs, dys)
-    ref_outs, ref_grads, _ = _fwd_bwd(spec, spec.reference, inputs, dys, fp32=True)
+    stock_outs, stock_grads, _ = fwd_bwd(spec, spec.stock, inputs, dys)
+    ref_outs, ref_grads, _ = fwd_bwd(spec, spec.reference, inputs, dys, fp32=True)
     snapshot = {k: _clone_layout(v) for k, v in inputs.items() if isinstance(v, Tensor)}
     outs, grads, leaves = _fwd_bwd_checked(spec, fn, inputs, dys, snapshot, label)
     _check_layout(spec, outs, stock_outs, grads, leaves, keep, label)
@@ -210,7 +214,7 @@ def _one_call(spec: OpSpec, fn, inputs: dict, label: str, keep: list, gen) -> No
         _err_stats(g, s, r, g.dtype, f"{label} gradient of {k}", spec.tolerance_scale)
     for prev, copy in keep:
         if not torch.equal(prev, copy):
-            raise _Fail(f"{label}: a previous call's output changed during this call (outputs must be fresh)")
+            raise Fail(f"{label}: a previous call's output changed during this call (outputs must be fresh)")
     keep.extend((o, o.detach().clone()) for o in outs)
 
 
@@ -228,25 +232,25 @@ def _fwd_bwd_checked(spec: OpSpec, fn, inputs: dict, dys, snapshot: dict, label:
               for k, v in inputs.items()}
     try:
         outs = _as_tuple(spec.call(fn, leaves), spec)
-    except _Fail:
+    except Fail:
         raise
     except Exception as e:  # noqa: BLE001 - a crash on a valid call is a failed check, with its message
-        raise _Fail(f"{label}: the forward raised {type(e).__name__}: {str(e)[:300]}") from None
+        raise Fail(f"{label}: the forward raised {type(e).__name__}: {str(e)[:300]}") from None
     _unchanged(leaves, snapshot, f"{label}: the forward changed input")
     wrt = [leaves[k] for k in spec.tensor_args]
     used = [(o, d.to(o.dtype)) for o, d in zip(outs, dys) if o.requires_grad]
     if not used:
-        raise _Fail(f"{label}: the output does not require grad (not differentiable in {spec.tensor_args})")
+        raise Fail(f"{label}: the output does not require grad (not differentiable in {spec.tensor_args})")
     try:
         grads = torch.autograd.grad([o for o, _ in used], wrt, [d for _, d in used], allow_unused=True)
     except Exception as e:  # noqa: BLE001
-        raise _Fail(f"{label}: the backward raised {type(e).__name__}: {str(e)[:300]}") from None
+        raise Fail(f"{label}: the backward raised {type(e).__name__}: {str(e)[:300]}") from None
     grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, grads)]
     inplace = bool(leaves.get("inplace_backward", False))
     if inplace:
         for k, g in zip(spec.tensor_args, grads):
             if snapshot[k].is_contiguous() and _storage(g) != _storage(leaves[k]):
-                raise _Fail(f"{label}: inplace_backward=True but the gradient of {k} is not written into {k}'s "
+                raise Fail(f"{label}: inplace_backward=True but the gradient of {k} is not written into {k}'s "
                             f"memory (the patched MLP relies on it to save two activation-sized buffers)")
     else:
         _unchanged(leaves, snapshot, f"{label}: the backward changed input")
@@ -257,7 +261,7 @@ def _unchanged(leaves: dict, snapshot: dict, what: str) -> None:
     for k, v in snapshot.items():
         now = leaves[k]
         if not torch.equal(now.detach(), v):
-            raise _Fail(f"{what} {k}")
+            raise Fail(f"{what} {k}")
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -314,7 +318,7 @@ def check_implementation(fn, op: str, *, dtypes=(torch.bfloat16, torch.float32),
                 cur = _refresh(inputs, spec, gen)
             _same_buffers_new_values(spec, fn, inputs, label, keep, gen)
             verdict.calls += 1
-        except _Fail as f:
+        except Fail as f:
             verdict.reasons.append(str(f))
     verdict.passed = not verdict.reasons
     return verdict
@@ -336,8 +340,8 @@ def _same_buffers_new_values(spec: OpSpec, fn, inputs: dict, label: str, keep: l
     for name, g, s, r in zip(spec.outputs, got, want, ref):
         try:
             _err_stats(g, s, r, g.dtype, f"{label} same buffers, new values: output {name}", spec.tolerance_scale)
-        except _Fail as f:
-            raise _Fail(f"{f} (an output cache keyed by the inputs' addresses?)") from None
+        except Fail as f:
+            raise Fail(f"{f} (an output cache keyed by the inputs' addresses?)") from None
 
 
 def describe(op: str) -> str:

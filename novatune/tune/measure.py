@@ -86,7 +86,7 @@ def peak_extra_bytes(spec: OpSpec, fn, sets: list) -> int | None:
 def _stepper(spec: OpSpec, fn, sets):
     def step(i: int):
         leaves, dy = sets[i % len(sets)]
-        y = fn(*leaves.values())
+        y = spec.call(fn, leaves)
         return torch.autograd.grad(y, [leaves[k] for k in spec.tensor_args], dy)
     return step
 

@@ -17,21 +17,24 @@ Checks, in order (the first failure rejects; its name and message are recorded):
                whose spread inside a document depends on tiling) apply that rule instead
   layout       non-contiguous (and misaligned) input views give the same values
   deterministic  where promised: two runs on the same inputs are bitwise identical
+  contract     the implementation checker (novatune.tune.check) on the op's real-call cases and the calls recorded
+               from the model; where it runs a recorded call at the real shape, the values and fresh checks
+               above are left to it there (the model's own ranks and strides, repeated), not run twice
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from novatune.measure.numerics import rel_err
 from novatune.ops.contract import Candidate, OpSpec
-from novatune.tune.calls import make_dy, map_dy, shape_str
-from novatune.tune.check import check_implementation
+from novatune.tune.calls import make_dy, shape_str
+from novatune.tune.check import UNIT, Fail, check_implementation, fwd_bwd
 
 FACTOR = 2.0
 CPU_MAX_ELEMENTS = 50_000
-UNIT_ROUNDOFF = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # fp32: reductions
 
 
 @dataclass
@@ -51,39 +54,24 @@ class Rejected(Exception):
         self.check, self.reason = check, reason
 
 
-def _leaves(spec: OpSpec, inputs: dict, fp32: bool = False) -> dict:
-    out = {}
-    for k, v in inputs.items():
-        if k in spec.tensor_args:
-            t = v.detach().float() if fp32 else v.detach()
-            out[k] = t.clone().requires_grad_(True) if fp32 else t.requires_grad_(True)
-        else:
-            out[k] = v
-    return out
-
-
-def run_fwd_bwd(spec: OpSpec, fn, leaves: dict, dy: torch.Tensor) -> dict:
-    """{"out": y, <tensor arg>: its gradient} for one forward + backward of fn on `leaves` (from _leaves).
-    dy is cloned per call: a candidate that overwrites its incoming gradient must not corrupt later checks.
-    Multi-output ops (spec.outputs, e.g. rope's (q_embed, k_embed)) return a tuple and take a tuple dy."""
-    y = fn(*leaves.values())
-    grads = torch.autograd.grad(y, [leaves[k] for k in spec.tensor_args], map_dy(torch.clone, dy),
-                                allow_unused=True)
-    if len(spec.outputs) == 1:
-        res = {"out": y.detach()}
-    else:
-        if not isinstance(y, (tuple, list)) or len(y) != len(spec.outputs):
-            raise Rejected("values", f"returned {type(y).__name__}, expected a tuple of {len(spec.outputs)} "
-                                     f"outputs {spec.outputs}")
-        res = {name: t.detach() for name, t in zip(spec.outputs, y)}
-    for k, g in zip(spec.tensor_args, grads):
-        res[k] = g if g is not None else torch.zeros_like(leaves[k])
+def run_fwd_bwd(spec: OpSpec, fn, inputs: dict, dy, fp32: bool = False) -> dict:
+    """{output name: value, <tensor arg>: its gradient} for one forward + backward of fn on `inputs` (views kept
+    as they are; fp32: the oracle's call on fp32 copies), through the checker's fwd_bwd. dy (a tensor, or a tuple
+    for multi-output ops such as rope's (q_embed, k_embed)) is cloned per call: a candidate that overwrites its
+    incoming gradient must not corrupt later checks."""
+    dys = tuple(t.clone() for t in dy) if isinstance(dy, tuple) else (dy.clone(),)
+    try:
+        outs, grads, _ = fwd_bwd(spec, fn, inputs, dys, fp32=fp32, copy=False)
+    except Fail as f:
+        raise Rejected("values", str(f)) from None
+    res = {name: t.detach() for name, t in zip(spec.outputs, outs)}
+    res.update(zip(spec.tensor_args, grads))
     return res
 
 
-def reference(spec: OpSpec, inputs: dict, dy: torch.Tensor) -> dict:
+def reference(spec: OpSpec, inputs: dict, dy) -> dict:
     """The fp32 reference's output and gradients (fp32 copies of the inputs)."""
-    return run_fwd_bwd(spec, spec.reference, _leaves(spec, inputs, fp32=True), map_dy(torch.Tensor.float, dy))
+    return run_fwd_bwd(spec, spec.reference, inputs, dy, fp32=True)
 
 
 def _poison_allocator(device, nbytes: int) -> None:
@@ -133,6 +121,69 @@ def _contract(spec: OpSpec, fn, dtype, device, calls, seed: int) -> None:
         raise Rejected("contract", "; ".join(v.reasons)[:900])
 
 
+def _contract_covers(shape, calls, device) -> bool:
+    """True when the contract check will run a call recorded from the model at `shape` (on the CPU only those up
+    to CPU_MAX_ELEMENTS run): its values and fresh-input checks there are stricter than the validator's own."""
+    for rec in calls or ():
+        numel = sum(math.prod(a.shape) for a in rec.args if a.is_tensor)
+        if tuple(rec.signature[1]) == tuple(shape) and (device.type == "cuda" or numel <= CPU_MAX_ELEMENTS):
+            return True
+    return False
+
+
+def _check_shape(spec: OpSpec, cand: Candidate, fn, stock_fn, shape, dtype, device, gen, verdict: Verdict,
+                 values: bool = True) -> None:
+    """Every check at one shape; values=False leaves out values and fresh (the contract checks them on the
+    model's own call at this shape), the poisoned / nan / layout / deterministic checks still run."""
+    tag = shape_str(shape)
+    fresh = [spec.make_inputs(shape, dtype, device, gen) for _ in range(2 if values else 1)]
+    refs, bounds_per = [], []
+    for inputs in fresh:
+        dy = make_dy(spec, shape, dtype, device, gen)
+        ref = reference(spec, inputs, dy)
+        st = run_fwd_bwd(spec, stock_fn, inputs, dy)
+        floor = UNIT.get(dtype, 1e-2)
+        bounds = {k: max(FACTOR * rel_err(st[k], ref[k]), floor) for k in ref}
+        refs.append((inputs, dy, ref))
+        bounds_per.append(bounds)
+        for k, b in bounds.items():
+            verdict.bounds[f"{tag}:{k}"] = max(b, verdict.bounds.get(f"{tag}:{k}", 0.0))
+    # values, then fresh: the second input set right after the first (stale results show here)
+    for check, (inputs, dy, ref), bounds in zip(("values", "fresh") if values else (), refs, bounds_per):
+        _poison_allocator(device, sum(v.numel() * v.element_size() for v in ref.values()))
+        got = run_fwd_bwd(spec, fn, inputs, dy)
+        _compare(tag, got, ref, bounds, verdict, check)
+    inputs, dy, ref = refs[-1]
+    bounds = bounds_per[-1]
+    if cand.kernels is not None:
+        got = spec.poison_call(cand.kernels(), inputs, dy)
+        _compare(tag, got, ref, bounds, verdict, "poisoned")
+    # NaN propagation: the candidate's non-finite pattern must equal the reference's
+    nan_in = _nan_inputs(spec, inputs)
+    ref_nan = reference(spec, nan_in, dy)
+    got_nan = run_fwd_bwd(spec, fn, nan_in, dy)
+    if spec.nan_rule is not None:  # ops whose exact NaN spread is implementation-defined (attention)
+        why = spec.nan_rule(nan_in, ref_nan, got_nan)
+        if why:
+            raise Rejected("nan", f"{tag} {why}")
+    for name, r in ref_nan.items() if spec.nan_rule is None else ():
+        want, have = ~torch.isfinite(r), ~torch.isfinite(got_nan[name])
+        if not torch.equal(want, have):
+            lost = int((want & ~have).sum())
+            extra = int((have & ~want).sum())
+            raise Rejected("nan", f"{tag} {name}: NaN input -> {lost} elements finite that the reference "
+                                  f"has non-finite (swallowed NaN), {extra} non-finite that it has finite")
+    got = run_fwd_bwd(spec, fn, spec.noncontiguous(inputs), dy)
+    _compare(tag, got, ref, bounds, verdict, "layout")
+    if cand.deterministic:
+        a = run_fwd_bwd(spec, fn, inputs, dy)
+        b = run_fwd_bwd(spec, fn, inputs, dy)
+        for name in a:
+            if not torch.equal(a[name], b[name]):
+                raise Rejected("deterministic", f"{tag} {name}: two runs on the same inputs differ "
+                                                f"(determinism is promised for this family)")
+
+
 def validate(spec: OpSpec, cand: Candidate, stock: Candidate, shapes: list, dtype: torch.dtype, device,
              seed: int = 0, calls=None, contract: bool = True) -> Verdict:
     """Run every check for `cand` at each shape in `shapes` (the first is the real one), then (contract) the
@@ -150,54 +201,10 @@ def validate(spec: OpSpec, cand: Candidate, stock: Candidate, shapes: list, dtyp
         except Exception as e:  # noqa: BLE001 - any build failure is a rejection with its message
             raise Rejected("builds", f"{type(e).__name__}: {str(e)[-600:]}") from None
         stock_fn = stock.functional()
+        real_checked = contract and _contract_covers(shapes[0], calls, device)
         for shape in shapes:
-            tag = shape_str(shape)
-            fresh = [spec.make_inputs(shape, dtype, device, gen) for _ in range(2)]
-            refs, bounds_per = [], []
-            for inputs in fresh:
-                dy = make_dy(spec, shape, dtype, device, gen)
-                ref = reference(spec, inputs, dy)
-                st = run_fwd_bwd(spec, stock_fn, _leaves(spec, inputs), dy)
-                floor = UNIT_ROUNDOFF.get(dtype, 1e-2)
-                bounds = {k: max(FACTOR * rel_err(st[k], ref[k]), floor) for k in ref}
-                refs.append((inputs, dy, ref))
-                bounds_per.append(bounds)
-                for k, b in bounds.items():
-                    verdict.bounds[f"{tag}:{k}"] = max(b, verdict.bounds.get(f"{tag}:{k}", 0.0))
-            # values, then fresh: the second input set right after the first (stale results show here)
-            for check, (inputs, dy, ref), bounds in zip(("values", "fresh"), refs, bounds_per):
-                _poison_allocator(device, sum(v.numel() * v.element_size() for v in ref.values()))
-                got = run_fwd_bwd(spec, fn, _leaves(spec, inputs), dy)
-                _compare(tag, got, ref, bounds, verdict, check)
-            inputs, dy, ref = refs[1]
-            bounds = bounds_per[1]
-            if cand.kernels is not None:
-                got = spec.poison_call(cand.kernels(), inputs, dy)
-                _compare(tag, got, ref, bounds, verdict, "poisoned")
-            # NaN propagation: the candidate's non-finite pattern must equal the reference's
-            nan_in = _nan_inputs(spec, inputs)
-            ref_nan = reference(spec, nan_in, dy)
-            got_nan = run_fwd_bwd(spec, fn, _leaves(spec, nan_in), dy)
-            if spec.nan_rule is not None:  # ops whose exact NaN spread is implementation-defined (attention)
-                why = spec.nan_rule(nan_in, ref_nan, got_nan)
-                if why:
-                    raise Rejected("nan", f"{tag} {why}")
-            for name, r in ref_nan.items() if spec.nan_rule is None else ():
-                want, have = ~torch.isfinite(r), ~torch.isfinite(got_nan[name])
-                if not torch.equal(want, have):
-                    lost = int((want & ~have).sum())
-                    extra = int((have & ~want).sum())
-                    raise Rejected("nan", f"{tag} {name}: NaN input -> {lost} elements finite that the reference "
-                                          f"has non-finite (swallowed NaN), {extra} non-finite that it has finite")
-            got = run_fwd_bwd(spec, fn, _leaves(spec, spec.noncontiguous(inputs)), dy)
-            _compare(tag, got, ref, bounds, verdict, "layout")
-            if cand.deterministic:
-                a = run_fwd_bwd(spec, fn, _leaves(spec, inputs), dy)
-                b = run_fwd_bwd(spec, fn, _leaves(spec, inputs), dy)
-                for name in a:
-                    if not torch.equal(a[name], b[name]):
-                        raise Rejected("deterministic", f"{tag} {name}: two runs on the same inputs differ "
-                                                        f"(determinism is promised for this family)")
+            _check_shape(spec, cand, fn, stock_fn, shape, dtype, device, gen, verdict,
+                         values=not (real_checked and shape == shapes[0]))
         if contract:
             _contract(spec, fn, dtype, device, calls, seed)
         verdict.ok = True

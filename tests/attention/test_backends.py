@@ -101,6 +101,23 @@ def test_sliding_window_changes_the_result_and_is_dropped_when_no_document_is_lo
     assert last_choice().backend != "sdpa"
 
 
+def test_window_is_normalised_once_per_call(monkeypatch):
+    """One attention call (one layer) makes its window effective once, whatever number of backends `auto`
+    asks; the public why_unavailable still normalises what it is given."""
+    seen = []
+    real = backends._effective_window
+    monkeypatch.setattr(backends, "_effective_window", lambda w, pb: seen.append(w) or real(w, pb))
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    varlen_attention(q, k, v, pb, window=5)
+    assert seen == [5]
+    seen.clear()
+    varlen_attention(q, k, v, pb, backend="reference", window=5)
+    assert seen == [5]
+    with pytest.raises(ValueError, match=">= 1 key"):
+        backends.why_unavailable("reference", q, k, pb, window=0)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_sliding_window_on_cpu():
     pb = packed_of(ROWS)

@@ -26,6 +26,7 @@ import torch
 from novatune.kernels import linear_cross_entropy as K
 from novatune.kernels import linear_cross_entropy_lowmem as L
 from novatune.measure.numerics import REL_TOL, assert_close, poison_
+from novatune.reference import linear_cross_entropy as oracle
 
 DTYPES = [torch.bfloat16, torch.float32]
 IDS = ["bf16", "fp32"]
@@ -47,7 +48,7 @@ def _ref(h, w, y, reduction="mean", normalizer=None, bias=None):
     hr = h.detach().float().requires_grad_(True)
     wr = w.detach().float().requires_grad_(True)
     br = None if bias is None else bias.detach().float().requires_grad_(True)
-    loss = K.linear_cross_entropy_ref(hr, wr, y, -100, reduction, normalizer, br)
+    loss = oracle.linear_cross_entropy_ref(hr, wr, y, -100, reduction, normalizer, br)
     loss.backward()
     return loss.detach(), hr.grad, wr.grad, (None if br is None else br.grad)
 
@@ -577,3 +578,72 @@ def test_plan_inplace_mode():
     mode, c = K.plan_mode(4096, V, H, bf16, False, "inplace")  # loss only / frozen lm_head: token chunks
     assert mode == "tokens" and c * V * 2 <= K.AUTO_LOGITS_BYTES + 64 * V * 2
     assert K.plan_mode(64, 1000, 16, torch.float32, True) == ("inplace", 1000)  # small problems too (T >= H)
+
+
+# ----------------------------------------------------------------------------------------------- token statistics
+# (lse, entropy, first argmax) from the loss's own pass over the logits, every plan, the Triton kernels (GPU tiling
+# too) and the CPU path. Compared with reference.token_stats_ref on the logits the plan computes from: the input
+# dtype's logits read in fp32 for the kernels (what TRL computes its statistics from), fp32 logits for the CPU path
+# (it computes in fp32). Then the math is the same in another order: lse and entropy to 2e-5 absolute (fp32 sums of
+# up to 1000 terms of magnitude <= ~30: a few ulps of 30, and entropy = lse - E[z] cancels to that absolute level),
+# the argmax exactly (the same logits; duplicated weight rows make exact ties: the first index wins).
+STATS_PLANS = [("tokens", {"chunk_tokens": 16}), ("tokens", {}), ("vocab", {"vocab_slice": 384}),
+               ("inplace", {"vocab_slice": 256})]
+
+
+@pytest.mark.parametrize("tiling", ["interpreter", "gpu"])
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("mode,kw", STATS_PLANS, ids=[f"{m}{'/' + str(k) if k else ''}" for m, k in STATS_PLANS])
+def test_token_stats_match_the_logits_they_come_from(mode, kw, dtype, use_triton, tiling, device, monkeypatch):
+    if tiling == "gpu":
+        if not use_triton:
+            pytest.skip("the CPU path has no tiling")
+        monkeypatch.setattr(K, "_TILE_OVERRIDE", (1, 128))
+        monkeypatch.setattr(L, "_COLS_TILE_OVERRIDE", (32, 16, 3))
+    T, H, V = 37, 16, 1000  # inplace needs T >= H; 1000 columns: 3 vocab slices, 4 row splits in the sweep
+    h, w, y = _inputs(T, H, V, dtype, device)
+    # exact ties at each token's largest logit: token 5's max at columns 12 and 731 (other slices / row splits),
+    # token 6's at 399 and 400 (one block); the first index is the argmax
+    w[12] = w[731] = 2 * h[5]
+    w[399] = w[400] = 2 * h[6]
+    stats = tuple(poison_(torch.empty(T, device=device, dtype=d)) for d in (torch.float32, torch.float32, torch.int64))
+    loss, rows, *_ = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode=mode, use_triton=use_triton,
+                                                token_stats=stats, **kw)
+    logits = (h @ w.T).float() if use_triton else h.float() @ w.float().T
+    nll, lse, ent, top = oracle.token_stats_ref(logits, y)
+    keep = y != -100
+    assert_close(stats[0], lse, 2e-5 * float(lse.abs().max()), "lse")  # rel-norm; ignored rows: exactly 0
+    assert float((stats[1] - ent).abs().max()) <= 2e-5 * max(1.0, float(logits.abs().max()))
+    assert torch.equal(stats[2], top), (stats[2][stats[2] != top], top[stats[2] != top])
+    assert [int(top[5]), int(top[6])] == [12 if keep[5] else -1, 399 if keep[6] else -1]  # the ties are real
+    assert float((rows - nll).abs().max()) <= 2e-5 * max(1.0, float(logits.abs().max()))  # -log p(label)
+    assert torch.equal(stats[0][~keep], torch.zeros_like(stats[0][~keep])) and bool((stats[2][~keep] == -1).all())
+    plain, *_ = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, device), mode=mode, use_triton=use_triton, **kw)
+    assert torch.equal(loss, plain)  # asking for the statistics changes nothing else
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["inplace", "tokens", "vocab"])
+def test_qwen3_4b_token_stats_gpu(mode):
+    """The token statistics at the real shape (TRL's headline call: 4096 tokens, Qwen3-4B's vocab) against TRL's
+    formulas on the bf16 logits: lse and entropy within 2e-5 x max|z| absolute (fp32 sums of 151936 terms in another
+    order), the argmax the largest reference logit up to one bf16 step (the plans' logits GEMMs may round a
+    near-tie differently; exact ties keep the first index in every plan, tested on the CPU)."""
+    T, H, V = 4096, 2560, 151936
+    h, w, y = _inputs(T, H, V, torch.bfloat16, "cuda")
+    stats = tuple(poison_(torch.empty(T, device="cuda", dtype=d)) for d in (torch.float32, torch.float32, torch.int64))
+    # with gradients: "inplace" is planned only when grad_W is wanted
+    _, rows, *_ = K.linear_cross_entropy_fwd(h, w, y, _divisor(y, "cuda"), mode=mode, token_stats=stats)
+    keep = y != -100
+    for a in range(0, T, 1024):  # the reference in row blocks: 1024 x V fp32 logits at a time
+        z = (h[a:a + 1024] @ w.T).float()
+        nll, lse, ent, top = oracle.token_stats_ref(z, y[a:a + 1024])
+        tol = 2e-5 * float(z.abs().max())
+        assert float((stats[0][a:a + 1024] - lse).abs().max()) <= tol
+        assert float((stats[1][a:a + 1024] - ent).abs().max()) <= tol
+        assert float((rows[a:a + 1024] - nll).abs().max()) <= tol
+        k = keep[a:a + 1024]
+        got = stats[2][a:a + 1024][k]
+        best = z[k].amax(1)
+        assert bool((z[k].gather(1, got.unsqueeze(1)).squeeze(1) >= best - best.abs() * 2.0 ** -7).all())

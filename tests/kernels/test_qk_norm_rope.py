@@ -29,12 +29,11 @@ from novatune.kernels.qk_norm_rope import (
     qk_norm_rope_bwd,
     qk_norm_rope_bwd_config,
     qk_norm_rope_bwd_launch_config,
-    qk_norm_rope_bwd_ref,
     qk_norm_rope_fwd,
     qk_norm_rope_fwd_config,
-    qk_norm_rope_ref,
 )
 from novatune.measure.numerics import REL_TOL, assert_close, poison_
+from novatune.reference.qk_norm_rope import qk_norm_rope_bwd_ref, qk_norm_rope_ref
 
 EPS = 1e-6
 TOL_SEQ = {torch.float32: 1e-6, torch.bfloat16: 1e-3}  # vs the same rounding sequence (see docstring)

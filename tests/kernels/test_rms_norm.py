@@ -14,12 +14,11 @@ from novatune.kernels.rms_norm import (
     rms_norm_bwd,
     rms_norm_bwd_config,
     rms_norm_bwd_launch_config,
-    rms_norm_bwd_ref,
     rms_norm_fwd,
     rms_norm_fwd_config,
-    rms_norm_ref,
 )
 from novatune.measure.numerics import REL_TOL, assert_close, poison_
+from novatune.reference.rms_norm import rms_norm_bwd_ref, rms_norm_ref
 
 EPS = 1e-6
 # (rows, N): the interpreter is slow, so many rows only with small N and N=2560 only with few rows.

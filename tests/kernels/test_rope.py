@@ -14,9 +14,10 @@ The interpreter runs one program per token at ~5 ms each: shapes are kept to a f
 import pytest
 import torch
 
-from novatune.kernels.rope import rope_bwd, rope_bwd_ref, rope_fwd, rope_ref
+from novatune.kernels.rope import rope_bwd, rope_fwd
 from novatune.measure.numerics import assert_close, poison_
 from novatune.ops._backend import interpreter_on
+from novatune.reference.rope import rope_bwd_ref, rope_ref
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}
 

@@ -12,6 +12,7 @@ import torch
 
 from novatune.kernels import swiglu as K
 from novatune.measure.numerics import assert_close, poison_, rel_err
+from novatune.reference import swiglu as R
 
 HAS_CUDA = torch.cuda.is_available()
 BF16_TOL = 4e-3 if HAS_CUDA else 8e-3
@@ -38,11 +39,11 @@ def test_fwd_bwd_match_reference(shape, dtype, device):
     y = poison_(torch.empty(shape, dtype=dtype, device=device))
     out = K.swiglu_fwd(g, u, out=y)
     assert out is y and y.dtype == dtype
-    assert_close(y, K.swiglu_ref(g, u), TOL[dtype], "y")
+    assert_close(y, R.swiglu_ref(g, u), TOL[dtype], "y")
 
     dg = poison_(torch.empty_like(g))
     du = poison_(torch.empty_like(u))
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
     K.swiglu_bwd(dy, g, u, dgate=dg, dup=du)
     assert_close(dg, rdg, TOL[dtype], "dgate")
     assert_close(du, rdu, TOL[dtype], "dup")
@@ -51,8 +52,8 @@ def test_fwd_bwd_match_reference(shape, dtype, device):
 def test_fp16(device):
     """fp16 (unit roundoff 2^-11 = 4.9e-4, round-to-nearest on GPU and in the interpreter) -> 1e-3."""
     g, u, dy = _inputs((37, 127), torch.float16, device)
-    assert_close(K.swiglu_fwd(g, u), K.swiglu_ref(g, u), 1e-3, "y")
-    for out, ref, name in zip(K.swiglu_bwd(dy, g, u), K.swiglu_bwd_ref(dy, g, u), ("dgate", "dup")):
+    assert_close(K.swiglu_fwd(g, u), R.swiglu_ref(g, u), 1e-3, "y")
+    for out, ref, name in zip(K.swiglu_bwd(dy, g, u), R.swiglu_bwd_ref(dy, g, u), ("dgate", "dup")):
         assert out.dtype == torch.float16
         assert_close(out, ref, 1e-3, name)
 
@@ -63,7 +64,7 @@ def test_bwd_ref_matches_autograd():
     g.requires_grad_(True)
     u.requires_grad_(True)
     (torch.nn.functional.silu(g) * u).backward(dy)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g.detach(), u.detach())
+    rdg, rdu = R.swiglu_bwd_ref(dy, g.detach(), u.detach())
     assert_close(rdg, g.grad, 1e-6, "dgate closed form")  # fp32 arithmetic inside the reference
     assert_close(rdu, u.grad, 1e-6, "dup closed form")
 
@@ -77,10 +78,10 @@ def test_gpu_configs(block, warps, numel, device):
     g, u, dy = _inputs((numel,), torch.float32, device)
     y = poison_(torch.empty_like(g))
     K.swiglu_fwd(g, u, out=y, block=block, num_warps=warps)
-    assert_close(y, K.swiglu_ref(g, u), 1e-5, "y")
+    assert_close(y, R.swiglu_ref(g, u), 1e-5, "y")
     dg, du = poison_(torch.empty_like(g)), poison_(torch.empty_like(u))
     K.swiglu_bwd(dy, g, u, dgate=dg, dup=du, block=block, num_warps=warps)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
     assert_close(dg, rdg, 1e-5, "dgate")
     assert_close(du, rdu, 1e-5, "dup")
 
@@ -89,9 +90,9 @@ def test_int64_offsets_path(device, monkeypatch):
     """The int64-offset variant (used from 2^31 elements on) computes the same values; forced on a small tensor."""
     monkeypatch.setattr(K, "_I64_THRESHOLD", 0)
     g, u, dy = _inputs((37, 127), torch.float32, device)
-    assert_close(K.swiglu_fwd(g, u), K.swiglu_ref(g, u), 1e-5, "y")
+    assert_close(K.swiglu_fwd(g, u), R.swiglu_ref(g, u), 1e-5, "y")
     dg, du = K.swiglu_bwd(dy, g, u)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
     assert_close(dg, rdg, 1e-5, "dgate")
     assert_close(du, rdu, 1e-5, "dup")
 
@@ -114,9 +115,9 @@ def test_non_contiguous_inputs(device):
     g, u, dy = g.t(), u.t(), dy.t()  # (37, 127), column-major
     y = K.swiglu_fwd(g, u)
     assert y.is_contiguous() and y.shape == (37, 127)
-    assert_close(y, K.swiglu_ref(g, u), 1e-5, "y")
+    assert_close(y, R.swiglu_ref(g, u), 1e-5, "y")
     dg, du = K.swiglu_bwd(dy, g, u)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
     assert_close(dg, rdg, 1e-5, "dgate")
     assert_close(du, rdu, 1e-5, "dup")
 
@@ -129,8 +130,8 @@ def test_extreme_gate_values_stay_finite(device):
     dy = torch.full_like(g, -2.0)
     y = K.swiglu_fwd(g, u)
     dg, du = K.swiglu_bwd(dy, g, u)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
-    for out, ref, name in [(y, K.swiglu_ref(g, u), "y"), (dg, rdg, "dgate"), (du, rdu, "dup")]:
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
+    for out, ref, name in [(y, R.swiglu_ref(g, u), "y"), (dg, rdg, "dgate"), (du, rdu, "dup")]:
         assert torch.isfinite(out).all(), name
         assert_close(out, ref, 1e-6, name)
 
@@ -153,13 +154,13 @@ def test_gpu_real_shape_values_and_rounding():
     g, u, dy = _inputs((4096, 9728), torch.bfloat16, "cuda")
     y = poison_(torch.empty_like(g))
     K.swiglu_fwd(g, u, out=y)
-    ref = K.swiglu_ref(g, u)
+    ref = R.swiglu_ref(g, u)
     err = assert_close(y, ref, 4e-3, "y")
     # one rounding beats eager's two (silu rounded to bf16, then the product)
     assert err <= rel_err(torch.nn.functional.silu(g) * u, ref)
     dg, du = poison_(torch.empty_like(g)), poison_(torch.empty_like(u))
     K.swiglu_bwd(dy, g, u, dgate=dg, dup=du)
-    rdg, rdu = K.swiglu_bwd_ref(dy, g, u)
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
     assert_close(dg, rdg, 4e-3, "dgate")
     assert_close(du, rdu, 4e-3, "dup")
 

@@ -75,6 +75,36 @@ def test_reference_imports_no_kernel():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+def test_every_candidate_takes_the_keyword_only_flags_by_keyword():
+    """Dispatch, the validator and the checker call every implementation through OpSpec.call (keyword-only flags
+    by keyword): each built-in candidate that runs here accepts that call (torch.compile ones: the same
+    functional compiled, skipped for time)."""
+    gen = torch.Generator().manual_seed(0)
+    for name, spec in OPS.items():
+        if not spec.keyword_args:
+            continue
+        inputs = spec.make_inputs(_key(name), torch.float32, "cpu", gen)
+        for c in spec.candidates(_key(name), torch.float32, "cpu"):
+            if c.unavailable or c.family == "compile":
+                continue
+            out = spec.call(c.functional(), inputs)
+            assert isinstance(out, torch.Tensor), (name, c.name)
+
+
+def test_kernels_import_no_oracle():
+    """reference/ is the one home of the oracles: a kernel module neither imports nor re-exports one, so a kernel
+    and the oracle it is checked with share no code and each oracle has one import path."""
+    for path in (ROOT / "kernels").rglob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith("novatune.reference")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+    import importlib
+    for path in (ROOT / "kernels").glob("*.py"):
+        mod = importlib.import_module(f"novatune.kernels.{path.stem}")
+        foreign = [n for n, v in vars(mod).items() if callable(v) and getattr(v, "__module__", "") and
+                   v.__module__.startswith("novatune.reference")]
+        assert not foreign, f"kernels/{path.name} re-exports oracles {foreign}"
+
+
 def test_tune_engine_names_no_op():
     names = [re.escape(n) for n in OPS]
     pattern = re.compile(r"[\"'](" + "|".join(names) + r")[\"']")

@@ -57,11 +57,30 @@ def test_selection_apply_installs_table_and_settings_and_revert_restores():
 
     model, report = Lm(), PatchReport(family="x", model_class="Lm")
     key = ("swiglu", (1, 4), "float32", "cpu")
-    sel = Selection(table={key: lambda g, u, inplace=False: g * 0}, settings=(Setting("loss", "_novatune_ce_mode",
-                                                                                      "vocab", "n"),),
+    sel = Selection(table={key: lambda g, u, *, inplace_backward=False: g * 0},
+                    settings=(Setting("loss", "_novatune_ce_mode", "vocab", "n"),),
                     entries=({"op": "swiglu"},), notes=("a note",))
     sel.apply(model, report)
     assert model.__dict__["_novatune_ce_mode"] == "vocab" and report.choices == [{"op": "swiglu"}]
     assert torch.equal(ops.swiglu(torch.ones(1, 4), torch.ones(1, 4)), torch.zeros(1, 4))
     report.revert()
     assert model.__dict__["_novatune_ce_mode"] == "auto" and dispatch.ACTIVE is None
+
+
+def test_selected_function_gets_keyword_only_flags_by_keyword():
+    """A user's swiglu written to the public signature (`*, inplace_backward`) runs after dispatch: the dispatcher
+    calls through the op's contract (OpSpec.call), not positionally."""
+    seen = []
+
+    def mine(gate, up, *, inplace_backward=False):
+        seen.append(inplace_backward)
+        return torch.nn.functional.silu(gate) * up
+
+    gate, up = torch.randn(3, 8), torch.randn(3, 8)
+    prev = dispatch.install({("swiglu", (3, 8), "float32", "cpu"): mine})
+    try:
+        out = ops.swiglu(gate, up, inplace_backward=True)
+    finally:
+        dispatch.install(prev)
+    assert seen == [True]
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)

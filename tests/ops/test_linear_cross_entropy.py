@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from novatune.kernels import linear_cross_entropy as K
-from novatune.kernels.linear_cross_entropy import linear_cross_entropy_ref
 from novatune.measure.numerics import REL_TOL, assert_close
 
 # Imported from the module: `from novatune.ops import linear_cross_entropy` returns the submodule today (the lazy
@@ -21,6 +20,7 @@ from novatune.ops.linear_cross_entropy import (
     NovaLinearCrossEntropy,
     linear_cross_entropy,
 )
+from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref
 
 LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
 DTYPES = [torch.bfloat16, torch.float32]
@@ -200,7 +200,7 @@ def test_no_grad_computes_loss_only(device):
     # the op returns empty gradient outputs when none is requested (no (V, H) buffer allocated)
     div = (y != -100).sum().float()
     out = torch.ops.novatune.linear_cross_entropy(h.detach(), w.detach(), y, div, None, -100, False, False, False, 0)
-    assert [t.numel() for t in out[1:]] == [0, 0, 0]
+    assert [t.numel() for t in out[1:]] == [0, 0, 0, 0, 0, 0]  # no gradients, no token statistics
     # only the weight requires grad (frozen trunk): no grad_hidden buffer, weight grad still right
     h2 = h.detach()
     linear_cross_entropy(h2, w, y).backward()
@@ -470,3 +470,36 @@ def test_ignore_index_labels_are_not_out_of_range():
     loss = linear_cross_entropy(h, w, y, ignore_index=-7)
     ref = torch.nn.functional.cross_entropy((h @ w.T).reshape(-1, 1000).float(), y.reshape(-1), ignore_index=-7)
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_token_stats_come_with_the_loss_unchanged(plan, dtype, device):
+    """return_token_stats=True: (loss, TokenStats) shaped like the labels, no gradient through the statistics, the
+    loss and every gradient bit-identical to the plain call; values as reference.token_stats_ref computes them from
+    the logits the op uses (tolerances: tests/kernels/test_linear_cross_entropy.py's token-statistics test)."""
+    from novatune.ops._backend import use_triton
+    from novatune.reference.linear_cross_entropy import token_stats_ref
+
+    h, w, y = _inputs((2, 19), 32, 1000, dtype, device)
+    plain = linear_cross_entropy(h, w, y, **PLANS[plan])
+    g_plain = torch.autograd.grad(plain, (h, w))
+    loss, st = linear_cross_entropy(h, w, y, return_token_stats=True, **PLANS[plan])
+    assert torch.equal(loss, plain)
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), g_plain):
+        assert torch.equal(a, b)
+    assert all(t.shape == y.shape and not t.requires_grad for t in st) and st.argmax.dtype == torch.int64
+    h2, w2 = h.detach().reshape(-1, 32), w.detach()
+    logits = (h2 @ w2.T).float() if use_triton(h2) else h2.float() @ w2.float().T
+    want = token_stats_ref(logits, y.reshape(-1))
+    tol = 2e-5 * max(1.0, float(logits.abs().max()))
+    for name, got, ref in zip(("nll", "lse", "entropy"), st[:3], want[:3]):
+        assert float((got.reshape(-1) - ref).abs().max()) <= tol, name
+    assert torch.equal(st.argmax.reshape(-1), want[3])
+
+
+def test_opcheck_with_token_stats(device):
+    h, w, y = _inputs((23,), 16, 300, torch.float32, device)
+    div = (y != -100).sum().float()
+    torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
+                          (h, w, y, div, None, -100, True, True, False, 0, "auto", 0, True))

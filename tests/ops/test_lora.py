@@ -8,9 +8,9 @@ The eager path and the registered op run the same launchers, so they must agree 
 import pytest
 import torch
 
-from novatune.kernels.lora import lora_linear_ref
 from novatune.measure.numerics import assert_close
 from novatune.ops.lora import lora_linear
+from novatune.reference.lora import lora_linear_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 

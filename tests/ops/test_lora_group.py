@@ -8,9 +8,9 @@ roundings per output). dx sums the members inside GEMMs, so it has fewer roundin
 import pytest
 import torch
 
-from novatune.kernels.lora import lora_linear_ref
 from novatune.measure.numerics import assert_close
 from novatune.ops.lora import lora_linear_group
+from novatune.reference.lora import lora_linear_ref
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 

@@ -25,11 +25,11 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from novatune.kernels.qk_norm_rope import qk_norm_rope_ref
 from novatune.measure.numerics import REL_TOL, assert_close, poison_
 from novatune.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_bwd, qk_norm_rope_fwd
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
+from novatune.reference.qk_norm_rope import qk_norm_rope_ref
 
 EPS = 1e-6
 

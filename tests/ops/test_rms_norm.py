@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from novatune.kernels.rms_norm import rms_norm_ref
 from novatune.measure.numerics import assert_close, poison_
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm, rms_norm_bwd, rms_norm_fwd
+from novatune.reference.rms_norm import rms_norm_ref
 
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float32]

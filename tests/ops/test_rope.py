@@ -16,10 +16,10 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from novatune.kernels.rope import rope_ref
 from novatune.measure.numerics import assert_close
 from novatune.ops._backend import interpreter_on
 from novatune.ops.rope import apply_rope, rope_bwd, rope_fwd
+from novatune.reference.rope import rope_ref
 
 TOL_REF = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}
 TOL_HF = {torch.float32: 1e-6, torch.bfloat16: 1e-2}

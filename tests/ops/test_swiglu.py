@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 
-from novatune.kernels.swiglu import swiglu_ref
 from novatune.measure.numerics import assert_close
 from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_mlp
+from novatune.reference.swiglu import swiglu_ref
 
 HAS_CUDA = torch.cuda.is_available()
 BF16_RNE, BF16_TRUNC = 4e-3, 8e-3

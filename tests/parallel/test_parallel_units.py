@@ -150,3 +150,53 @@ def test_fsdp2_on_one_gpu_steps_like_the_plain_model():
         assert bool((diff <= bound).all()), f"{k}: {float((diff - bound).max()):.3g} past the Adam-flip bound"
         close = diff <= 1e-3 + 1e-2 * ref.abs()
         assert float(close.float().mean()) >= 0.999, f"{k}: {int((~close).sum())} of {close.numel()} weights differ"
+
+
+class _FakeRank(pdist.Dist):
+    """A rank of a two-process run whose broadcast hands out what rank 0 would send (no process group)."""
+
+    sent: list | None = None
+
+    def broadcast(self, value):
+        if self.main:
+            self.sent = value
+            return value
+        assert value is None, "a non-main rank contributes nothing to a broadcast from rank 0"
+        return ["dcp/__0_0.distcp does not match its checksum"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_resume_is_verified_by_rank_0_only(rank, tmp_path, monkeypatch):
+    """Resuming a DCP checkpoint: rank 0 hashes the folder and broadcasts its verdict; another rank hashes
+    nothing and raises the same damage."""
+    from novatune.train import checkpoint as ckpt
+    from novatune.train import sharded_checkpoint
+
+    hashed = []
+    monkeypatch.setattr(ckpt, "verify", lambda path: hashed.append(path) or ["manifest.json is missing"])
+    d = _FakeRank(rank=rank, world=2, strategy="fsdp2")
+    with pytest.raises(ckpt.CheckpointError, match="is damaged"):
+        sharded_checkpoint.load(tmp_path, None, None, None, d)
+    assert hashed == ([tmp_path] if rank == 0 else [])
+    assert d.sent == (["manifest.json is missing"] if rank == 0 else None)
+
+
+def test_sharded_save_hashes_each_file_once_spread_over_the_ranks(tmp_path):
+    """Saving a DCP checkpoint: every rank hashes its share of the files (not rank 0 all of them); the shares
+    cover every file exactly once, with the checksums a one-rank hash gives, and about the same bytes per rank."""
+    from novatune.train import checkpoint as ckpt
+    from novatune.train.sharded_checkpoint import hash_share
+
+    (tmp_path / "dcp").mkdir()
+    sizes = {"dcp/.metadata": 300, "dcp/__0_0.distcp": 5000, "dcp/__1_0.distcp": 4900, "dcp/__2_0.distcp": 5100,
+             "rng_0.pt": 40, "rng_1.pt": 40, "rng_2.pt": 40}
+    for i, (name, n) in enumerate(sizes.items()):
+        (tmp_path / name).write_bytes(bytes([i]) * n)
+    algo = ckpt.default_hash()
+    shares = [hash_share(tmp_path, pdist.Dist(rank=r, world=3, strategy="fsdp2"), algo) for r in range(3)]
+    assert sum(len(s) for s in shares) == len(sizes)                      # disjoint ...
+    merged = {n: e for s in shares for n, e in s.items()}
+    assert set(merged) == set(sizes)                                      # ... and complete
+    assert merged == hash_share(tmp_path, pdist.Dist(), algo)             # the checksums of one rank hashing all
+    loads = [sum(e["bytes"] for e in s.values()) for s in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())                 # spread, not all on rank 0

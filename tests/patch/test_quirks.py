@@ -97,6 +97,17 @@ def test_model_level_attribute_refuses_the_whole_model():
     assert "forward" not in model.__dict__
 
 
+def test_quirk_refusals_are_computed_once_per_model(monkeypatch):
+    """The config's math attributes are read once per patch(), not again for the module walk."""
+    from novatune.patch import quirks
+
+    calls = []
+    real = quirks.refusals
+    monkeypatch.setattr(quirks, "refusals", lambda config, spec: calls.append(spec.name) or real(config, spec))
+    report = novatune.patch(build("mistral", attn="sdpa", sliding_window=WINDOW))
+    assert report.replaced("attention") and calls == ["mistral"]
+
+
 def test_attention_module_with_undeclared_qk_norm_is_refused():
     model = build("llama", attn="sdpa")
     attn = model.model.layers[0].self_attn

@@ -147,6 +147,66 @@ def test_fused_head_outputs_equal_trls_own(tokenizer):
         torch.testing.assert_close(got_grads[name], ref_grads[name], rtol=2e-4, atol=2e-6, msg=name)
 
 
+def test_fused_head_computes_the_logits_once(tokenizer):
+    """TRL's fused head reads per-token statistics (log_probs, entropy, is_top1): they come from the fused loss's
+    own pass over the logits, so one forward + backward computes the (tokens x vocab) logits once, not twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LogitsGemms(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            fused = func.overloadpacket is torch.ops.novatune.linear_cross_entropy  # its logits GEMMs run inside
+            gemm = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and \
+                sorted(out.shape) == sorted(self.shape)
+            self.count += fused or gemm
+            return out
+
+    model = tiny_qwen3(tokenizer)
+    model.train()
+    novatune.patch(model)
+    ids = torch.randint(0, 512, (2, 23), generator=torch.Generator().manual_seed(3))
+    with LogitsGemms((2 * 23, 512)) as gemms:  # the (tokens, vocab) logits
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+        (-out.log_probs.sum() / out.label_mask.sum()).backward()
+    assert gemms.count == 1
+    assert out.entropy.shape == out.is_top1.shape == (2, 22)
+
+
+@pytest.mark.gpu
+def test_fused_head_loss_and_statistics_make_no_host_sync():
+    """What TRL's fused head runs per micro-step on CUDA (the fused loss with its token statistics, the uniformly
+    weighted log-probs and their backward, the metrics' sums) queues everything on the device: no host sync
+    (torch.cuda.set_sync_debug_mode("error") raises on one). One warm-up call first (kernel compilation, the
+    one-time fp32-addmm probe)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(512, 256, generator=g).cuda().bfloat16().requires_grad_(True)
+    w = (torch.randn(3001, 256, generator=g) / 16).cuda().bfloat16().requires_grad_(True)
+    y = torch.randint(0, 3001, (2, 256), generator=g).cuda()
+    y[:, :7] = -100
+
+    def micro_step():
+        nll_sum, st = loss_module.linear_cross_entropy(h, w, y.reshape(-1), reduction="sum", return_token_stats=True)
+        mask = y != -100
+        log_probs = loss_module._UniformlyWeightedLogProbs.apply(nll_sum, -st.nll.view(mask.shape), mask)
+        (-log_probs.sum() / mask.sum().clamp(min=1)).backward()
+        return st.entropy.sum() / mask.sum(), (st.argmax.view(mask.shape) == y).sum()
+
+    micro_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        micro_step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
 def test_fused_head_refuses_per_token_weights(tokenizer):
     """A gradient that weights tokens differently (TRL's DFT, RL losses) cannot flow through the fused SUM: it
     raises instead of training on a wrong gradient."""

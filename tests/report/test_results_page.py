@@ -132,3 +132,21 @@ def test_rows_naming_their_call_stay_one_call_across_two_trees() -> None:
             {"git_sha": "new", "time": "2026-11-24T20:03:00+00:00", "call": "ab"},
             {"git_sha": "new", "time": "2026-11-24T20:04:00+00:00", "call": "next"}]
     assert [len(c) for c in split_calls(rows)] == [2, 1]
+
+
+def test_ops_rows_naming_their_call_stay_together_across_trees_and_hours(tmp_path: Path) -> None:
+    """Candidates of one ops call that names itself (`call`) are one group even when they come from two trees
+    (two git shas) and cross an hour boundary; a later call of the same op and shape still replaces them."""
+    op = {**ENV, "bench": "rms_norm", "rows": 4096, "n": 2560, "dtype": "bfloat16"}
+    write(tmp_path, "ops.jsonl", [
+        {**op, "time": "2026-11-24T19:00:00+00:00", "git_sha": "old0000", "candidate": "novatune", "call": "c0",
+         "kernel_us": 50.0, "wall_us": 99.0},
+        {**op, "time": "2026-11-24T20:59:00+00:00", "git_sha": "old1111", "candidate": "hf_eager", "call": "ab",
+         "kernel_us": 475.0, "wall_us": 507.1},
+        {**op, "time": "2026-11-24T21:01:00+00:00", "git_sha": "new2222", "candidate": "novatune", "call": "ab",
+         "kernel_us": 34.8, "wall_us": 80.5},
+    ])
+    section = render_results_page(tmp_path).split("## Operators")[1]
+    assert "| 475.0 | 507.1 |" in table_line(section, "rms_norm", "4096x2560", "hf_eager")
+    assert "| 34.8 | 80.5 |" in table_line(section, "rms_norm", "4096x2560", "novatune")
+    assert "old0000" not in section

@@ -26,7 +26,8 @@ def test_session_steps_give_the_trainers_losses(make_cfg):
 
 def test_forward_backward_then_skip_update_leaves_the_run_unchanged(make_cfg):
     """The seam for a non-finite check: forward_backward() changes no weight; skip_update() drops the gradients
-    without touching weights, optimizer state or schedule; apply_update() then changes the weights."""
+    without touching weights or optimizer state and advances the schedule (a skipped step counts);
+    apply_update() then changes the weights."""
     session = build(make_cfg())
     before = _params(session.model)
     out = session.forward_backward(session.next_micro_batches())
@@ -35,9 +36,10 @@ def test_forward_backward_then_skip_update_leaves_the_run_unchanged(make_cfg):
     assert all(torch.equal(p, before[n]) for n, p in session.model.named_parameters())
     session.skip_update()
     assert all(p.grad is None for p in session.params)
-    assert session.scheduler.last_epoch == 0 and not session.optimizer.state
+    assert session.scheduler.last_epoch == 1 and not session.optimizer.state
+    assert all(torch.equal(p, before[n]) for n, p in session.model.named_parameters())
     session.step(session.next_micro_batches())
-    assert session.scheduler.last_epoch == 1
+    assert session.scheduler.last_epoch == 2
     assert any(not torch.equal(p, before[n]) for n, p in session.model.named_parameters())
 
 

@@ -145,9 +145,23 @@ def test_swiglu_correct_accepted_and_swapped_operands_rejected():
                                       if c.name == "novatune_default").functional(), op="swiglu"),
                  spec=SWIGLU, stock=stock, shapes=shapes)
     assert good.ok, (good.check, good.reason)
-    bad = check(cand("swapped", lambda g, u, inplace=False: hf_swiglu(u, g), op="swiglu"), spec=SWIGLU,
+    bad = check(cand("swapped", lambda g, u, *, inplace_backward=False: hf_swiglu(u, g), op="swiglu"), spec=SWIGLU,
                 stock=stock, shapes=shapes)
     assert not bad.ok and bad.check == "values"
+
+
+def test_candidate_with_keyword_only_flag_is_validated_through_the_contract():
+    """A swiglu taking inplace_backward by keyword only (the public signature) is called as the op's contract
+    says, in every check (values, layout, NaN, timing), and accepted."""
+    stock = cand("hf_eager", hf_swiglu, family="eager", op="swiglu")
+
+    default = next(c for c in candidates("swiglu", (4, 24), torch.float32, "cpu")
+                   if c.name == "novatune_default").functional()
+
+    def mine(gate, up, *, inplace_backward=False):
+        return default(gate, up, inplace_backward)
+    v = check(cand("mine", mine, family="default", op="swiglu"), spec=SWIGLU, stock=stock, shapes=[(4, 24)])
+    assert v.ok, (v.check, v.reason)
 
 
 def test_unavailable_and_crashing_candidates_are_recorded_not_raised():
@@ -158,3 +172,31 @@ def test_unavailable_and_crashing_candidates_are_recorded_not_raised():
         raise RuntimeError("ptxas fatal: out of registers")
     v = check(Candidate("rms_norm", "broken", "cuda", make=boom))
     assert not v.ok and v.check == "builds" and "ptxas" in v.reason
+
+
+def test_real_shape_values_are_checked_once_when_the_contract_runs_the_recorded_call():
+    """The contract check runs the model's recorded call at the real shape (its rank, strides, repeats); the
+    validator then leaves out its own values and fresh runs there instead of checking the real shape twice."""
+    from novatune import ops as nops
+    from novatune.ops import dispatch
+
+    with dispatch.recording() as rec:
+        nops.rms_norm(torch.randn(2, 3, 32), torch.ones(32), 1e-6)   # the model's call: (2, 3, 32) -> key (6, 32)
+    calls = list(rec.calls.values())
+    shapes_seen = []
+
+    def counting(x, w, eps):
+        shapes_seen.append(tuple(x.shape))
+        return hf_rms_norm(x, w, eps)
+
+    def real_2d_calls(**kw):
+        shapes_seen.clear()
+        v = validate(RMS_NORM, cand("counting", counting, family="default"), STOCK, SHAPES, torch.float32, "cpu",
+                     **kw)
+        assert v.ok, (v.check, v.reason)
+        return shapes_seen.count((6, 32)), shapes_seen.count((2, 3, 32))
+
+    alone, _ = real_2d_calls(contract=False)
+    with_calls, recorded = real_2d_calls(calls=calls)
+    assert recorded >= 1                  # the contract ran the model's own call
+    assert with_calls == alone - 2        # values + fresh at the real shape ran once, in the contract
