@@ -46,7 +46,8 @@ class _Group:
 
 class _Saved:
     """What autograd stores instead of an offloaded tensor."""
-    __slots__ = ("engine", "generation", "position", "key", "host", "offloaded", "read", "fetched", "view", "__weakref__")
+    __slots__ = ("engine", "generation", "position", "key", "host", "offloaded", "read", "fetched", "view",
+                 "__weakref__")
 
     def __init__(self, engine, generation: int, position: int, key: tuple, host: Tensor, offloaded):
         self.engine, self.generation, self.position, self.key = engine, generation, position, key

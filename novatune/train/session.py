@@ -42,6 +42,8 @@ from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
+from novatune.train.memory import MemoryPlan, needs_checkpointing, plan_for_run
+from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
     apply_patch,
@@ -54,6 +56,7 @@ from novatune.train.model import (
     prepare,
 )
 from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.plan import plan as estimate
 from novatune.train.preflight import cpu_step_warning
 
 
@@ -126,6 +129,7 @@ class Session:
     packed_kwargs: str | None
     weights_bytes: int | None = None  # CUDA memory allocated once the model is built and patched (QLoRA: NF4)
     dist: Dist = dataclasses.field(default_factory=Dist)  # rank, world size, strategy (novatune/parallel)
+    memory_plan: MemoryPlan | None = None  # per-layer policies and the predicted peak (train/memory.py)
 
     def __post_init__(self):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -212,9 +216,11 @@ def pad_id_of(tokenizer) -> int:
 
 
 def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = None, console=None,
-                        before_model: Callable | None = None, select: Callable | None = None):
+                        before_model: Callable | None = None, select: Callable | None = None,
+                        memory_plan: MemoryPlan | None = None):
     """The model as the trainer trains it: built (QLoRA: NF4 linears), input embedding quantised when configured,
-    checkpointing and LoRA, then novatune.patch. Returns (model, patch report or None)."""
+    checkpointing and LoRA, the memory plan's per-layer policies, then novatune.patch. Returns (model, patch
+    report or None)."""
     if before_model is not None:
         before_model(model_config(cfg.model, tokenizer, base_dir))
     qlora = cfg.method.type == "qlora"
@@ -226,7 +232,9 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         msg = quantize_embeddings_(model, dtype)
         if console is not None:
             console.print(msg, highlight=False, markup=False)
-    model = prepare(model, cfg)
+    model = prepare(model, cfg, needs_checkpointing(memory_plan, cfg))
+    if memory_plan is not None:
+        install_memory_plan(model, memory_plan, pwrap.decoder_layers(model), device)
     report = apply_patch(model, cfg.model, select)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
@@ -268,7 +276,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select)
+    memory_plan = plan_for_run(cfg, estimate(cfg, base_dir, mconf=mconf), mconf, device, console)
+    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select,
+                                        memory_plan)
     if model_hook is not None:
         model_hook(model)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -287,4 +297,4 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
                                                        / cfg.train.grad_accum)
     sched = build_scheduler(opt, cfg.train, total_steps)
     return Session(cfg, model, tokenizer, data, stream, opt, sched, report, device, dtype, total_steps,
-                   packed_kwargs_mode(cfg, report), weights, dist)
+                   packed_kwargs_mode(cfg, report), weights, dist, memory_plan)

@@ -46,7 +46,7 @@ def test_env_reports_versions_and_backends():
 
 def test_plan_warns_before_oom():
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "24")
-    assert r.returncode == 1 and "WARNING" in r.stdout and "estimated peak" in r.stdout
+    assert r.returncode == 1 and "WARNING" in r.stdout and "predicted peak" in r.stdout
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80")
     assert r.returncode == 0 and "fits" in r.stdout
 
