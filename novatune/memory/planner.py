@@ -4,14 +4,16 @@ Inputs are plain numbers (the model's shapes, the micro-batch's tokens, the card
 model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes per element:
 
   kept until the backward (bytes / T / b)      stock HF modules         novatune.patch's fused modules
-    keep        every saved tensor              10h + 9q + 9kv + 4i      4h + 3q + 3kv + 3i
+    keep        every saved tensor              8h + 5q + 5kv + 4i       4h + 3q + 3kv + 3i
     selective   input + matrix-product outputs  3h + 2q + 2kv + 2i       (the same: GEMMs and attention are kept)
     recompute   the layer's input               h                        h
     offload     nothing on the device           0                        0
-  h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate. The stock row is HF's eager modules
-  (RMSNorm's fp32 copies, q/k-norm copies, RoPE's halves, four (T x i) MLP tensors); the fused row keeps each
-  norm's input and its per-row statistics, the projections' outputs, attention's output and log-sum-exp, and
-  SwiGLU's gate and up. Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
+  h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate. The stock row is HF's eager modules:
+  each RMSNorm keeps an fp32 copy of its input, its normalised bf16 value and its output (4 elements per h), the
+  q/k-norms the same per q and kv, RoPE's outputs and v go to attention, which keeps its output; four (T x i) MLP
+  tensors. The fused row keeps each norm's input and its per-row statistics, the projections' outputs,
+  attention's output, and SwiGLU's gate, up and product. Both rows match the saved-tensor bytes counted on a tiny
+  Qwen3 (tests/memory/test_planner.py) within a few percent. Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
   two device slots of the input's size.
 
@@ -90,7 +92,7 @@ class LayerCost:
 def saved_elements_per_token(s: LayerShape) -> dict:
     """Elements per token a layer keeps for its backward under each policy (module docstring's table)."""
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
-    keep = 4 * h + 3 * q + 3 * kv + 3 * i if s.fused else 10 * h + 9 * q + 9 * kv + 4 * i
+    keep = 4 * h + 3 * q + 3 * kv + 3 * i if s.fused else 8 * h + 5 * q + 5 * kv + 4 * i
     return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
 
 
