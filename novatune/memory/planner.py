@@ -13,7 +13,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   q/k-norms the same per q and kv, RoPE's outputs and v go to attention, which keeps its output; four (T x i) MLP
   tensors. The fused row keeps each norm's input and its per-row statistics, the projections' outputs,
   attention's output, and SwiGLU's gate, up and product. Both rows match the saved-tensor bytes counted on a tiny
-  Qwen3 (tests/memory/test_planner.py) within a few percent. Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
+  Qwen3 (tests/memory/test_planner.py) within a few percent.
+  Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
   two device slots of the input's size.
 

@@ -111,6 +111,7 @@ class MemoryConfig:
     budget_gib: float | None = None  # auto: the GPU memory to plan for; null: the card's free memory minus a margin
     # per-layer: one of keep | recompute | selective | offload per decoder layer, `name*N` for N in a row
     layers: list[str] = field(default_factory=list)
+    offload_min_bytes: int = 1 << 20  # offload: smaller saved tensors stay on the device (a copy costs ~10 µs)
 
 
 @dataclass

@@ -59,6 +59,9 @@ def _check_memory(cfg: Config) -> None:
         if name.strip() not in POLICIES or (count and not count.strip().isdigit()):
             raise ConfigError("memory.layers", f"{item!r} is not a layer policy",
                               f"use one of {', '.join(POLICIES)}, optionally with *N for N layers in a row")
+    if mem.offload_min_bytes < 0:
+        raise ConfigError("memory.offload_min_bytes", f"must be >= 0, got {mem.offload_min_bytes}",
+                          "set 0 to offload every saved tensor, or a size in bytes (default 1048576)")
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")

@@ -237,6 +237,8 @@ def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:
         return
     predicted = memory_plan.predicted_peak_gib
     row["predicted_peak_gib"] = predicted
+    if memory_plan.engine is not None:  # bytes moved to host memory since the start (the layers' inputs)
+        row["offloaded_gib"] = memory_plan.engine.stats["offloaded_bytes"] / 2**30
     if first and row.get("mem_gib") and console is not None:
         off = row["mem_gib"] / predicted - 1
         console.print(f"memory: measured peak {row['mem_gib']:.2f} GiB, planned {predicted:.2f} GiB ({off:+.0%}; "

@@ -32,6 +32,7 @@ class MemoryPlan:
     policy: str  # memory.policy as resolved (auto, checkpoint, ...)
     hardware: planner.Hardware
     tokens: int  # per micro-batch
+    offload_min_bytes: int = 1 << 20
     engine: OffloadEngine | None = None
 
     @property
@@ -137,7 +138,7 @@ def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None) -> M
                       + (f" of {budget / GiB:.1f} GiB ({source})" if budget else "")
                       + "".join(f"; {n}" for n in plan.notes), highlight=False)
     tokens = cfg.train.micro_batch * cfg.data.max_length
-    return MemoryPlan(plan, policy, hw or ASSUMED, tokens)
+    return MemoryPlan(plan, policy, hw or ASSUMED, tokens, cfg.memory.offload_min_bytes)
 
 
 def needs_checkpointing(mp: MemoryPlan | None, cfg=None) -> bool:
@@ -151,6 +152,6 @@ def install(model, mp: MemoryPlan, layers: list, device: torch.device) -> Memory
     """Put the plan's policies on the decoder layers (checkpointing is on whenever a layer does not keep)."""
     if all(p == "recompute" for p in mp.plan.policies) or not needs_checkpointing(mp):
         return mp  # HF's own checkpointing (or none) is exactly that
-    mp.engine = OffloadEngine(device) if "offload" in mp.plan.policies else None
+    mp.engine = OffloadEngine(device, mp.offload_min_bytes) if "offload" in mp.plan.policies else None
     install_policies(layers, mp.plan.policies, mp.engine)
     return mp
