@@ -35,7 +35,8 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       method: str, model_class: str, model_type: str, params: int, trainable_params: int, dtype: str,
       device_type: str, seq: int, grad_accum: int, micro_batch: int, gradient_checkpointing: bool,
       memory_policy: str, memory_layers: str ("offload x30, keep x6"), predicted_peak_gib: float (the memory
-      planner's, beside peak_gib), predicted_layers_s: float, planner_hardware: str, offloaded_gib: float | null
+      planner's, beside peak_gib), predicted_layers_s: float, planner_hardware: str,
+      predicted_tokens_per_s: float | null (auto on a GPU: at the measured rates), offloaded_gib: float | null
       (bytes the offload engine moved to the host over the whole process), offload_stats: dict | null,
       nf4_embedding: bool, patch: PatchReport.to_dict() | null, applied: str | null (a peer's patch),
       attention_backend: str | null, cuda_graphs: dict (patched stacks), liger_version: str | null,

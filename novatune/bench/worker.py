@@ -220,6 +220,7 @@ def memory_facts(session) -> dict:
     return {"memory_policy": mp.policy, "memory_layers": mp.plan.describe(),
             "predicted_peak_gib": round(mp.predicted_peak_gib, 3),
             "predicted_layers_s": mp.plan.seconds, "planner_hardware": mp.hardware.source,
+            "predicted_tokens_per_s": mp.predicted_tokens_per_s,
             "offloaded_gib": round(engine.stats["offloaded_bytes"] / 2**30, 3) if engine else None,
             "offload_stats": dict(engine.stats) if engine else None}
 

@@ -108,7 +108,9 @@ class MemoryConfig:
     # (checkpoint, with the layer inputs in host memory) | per-layer (memory.layers) | auto (the planner picks the
     # fastest per-layer mix that fits memory.budget_gib). null: checkpoint if gradient_checkpointing, else none.
     policy: Literal["auto", "none", "checkpoint", "selective", "offload", "per-layer"] | None = None
-    budget_gib: float | None = None  # auto: the GPU memory to plan for; null: the card's free memory minus a margin
+    # the GPU memory to plan for (auto chooses within it; other policies warn beyond it); null: the card's free
+    # memory minus a margin
+    budget_gib: float | None = None
     # per-layer: one of keep | recompute | selective | offload per decoder layer, `name*N` for N in a row
     layers: list[str] = field(default_factory=list)
     offload_min_bytes: int = 1 << 20  # offload: smaller saved tensors stay on the device (a copy costs ~10 µs)

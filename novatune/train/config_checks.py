@@ -65,9 +65,6 @@ def _check_memory(cfg: Config) -> None:
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")
-    if mem.budget_gib is not None and mem.policy != "auto":
-        raise ConfigError("memory.budget_gib", f"is only read with memory.policy: auto (policy is {mem.policy})",
-                          "set memory.policy: auto, or remove memory.budget_gib")
 
 
 def validate(cfg: Config, base_dir: Path | None = None) -> Config:

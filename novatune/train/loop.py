@@ -239,8 +239,13 @@ def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:
     row["predicted_peak_gib"] = predicted
     if memory_plan.engine is not None:  # bytes moved to host memory since the start (the layers' inputs)
         row["offloaded_gib"] = memory_plan.engine.stats["offloaded_bytes"] / 2**30
+    speed = memory_plan.predicted_tokens_per_s
+    if speed is not None:
+        row["predicted_tokens_per_s"] = speed
     if first and row.get("mem_gib") and console is not None:
         off = row["mem_gib"] / predicted - 1
+        pace = (f"; {row['tokens_per_s']:,.0f} tok/s, planned {speed:,.0f} (the first step includes warm-up)"
+                if speed else "")
         console.print(f"memory: measured peak {row['mem_gib']:.2f} GiB, planned {predicted:.2f} GiB ({off:+.0%}; "
-                      f"policy {memory_plan.policy}: {memory_plan.plan.describe()})", highlight=False)
+                      f"policy {memory_plan.policy}: {memory_plan.plan.describe()}){pace}", highlight=False)
 

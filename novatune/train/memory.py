@@ -33,6 +33,7 @@ class MemoryPlan:
     hardware: planner.Hardware
     tokens: int  # per micro-batch
     offload_min_bytes: int = 1 << 20
+    predicted_tokens_per_s: float | None = None  # at measured rates only (auto on a GPU)
     engine: OffloadEngine | None = None
 
     @property
@@ -85,12 +86,13 @@ def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
     return [planner.layer_cost(layer_shape(cfg, mconf, trained), hw)] * mconf.num_hidden_layers
 
 
-def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None) -> planner.Plan:
+def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, shards: int = 1) -> planner.Plan:
     """One policy per decoder layer for memory.policy, its predicted peak (est's static bytes + activations) and
-    time. auto picks the fastest that fits; a fixed policy is evaluated as asked (plan.fits says whether)."""
+    time. auto picks the fastest that fits; a fixed policy is evaluated as asked (plan.fits says whether).
+    `shards`: FSDP2's world size (weights, gradients and optimizer states are split across the ranks)."""
     n = mconf.num_hidden_layers
     costs = layer_costs(cfg, mconf, hw)
-    static = static_bytes(est)
+    static = static_bytes(est, shards)
     policy = memory_policy(cfg.memory)
     if policy == "auto":
         plan = planner.choose(costs, static, budget)
@@ -108,15 +110,26 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None) -> 
     return plan
 
 
-def static_bytes(est: dict) -> int:
-    """Everything but the decoder layers' activations: weights, gradients, optimizer states, live dequantised
-    weights, and stock HF's logits when the fused cross-entropy is off."""
-    return int(est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
-               + (0 if est["patch"] else est["logits_stock"]))
+def static_bytes(est: dict, shards: int = 1) -> int:
+    """Everything but the decoder layers' activations: weights, gradients, optimizer states (split over FSDP2's
+    `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off."""
+    sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
+    return int(sharded + est["dequant"] + (0 if est["patch"] else est["logits_stock"]))
+
+
+def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware) -> float:
+    """Tokens per second of the decoder layers' time plus lm_head's (forward, input gradient and, when it trains,
+    its weight gradient) at the same GEMM rate; embeddings, norms outside the layers and the optimizer are left
+    out (a few percent of a step)."""
+    head_flops = (4 if cfg.method.type in ("lora", "qlora") else 6) * mconf.vocab_size * mconf.hidden_size
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    rate = hw.matmul_tflops * 1e12 * planner.GEMM_EFFICIENCY
+    return tokens / (plan.seconds + head_flops * tokens / rate)
 
 
 def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
-    return (f"memory.policy {policy}: the smallest plan ({plan.describe()}) needs {plan.peak_bytes / GiB:.1f} GiB "
+    which = "the smallest plan" if policy == "auto" else "the plan"
+    return (f"memory.policy {policy}: {which} ({plan.describe()}) needs {plan.peak_bytes / GiB:.1f} GiB "
             f"(weights, gradients and optimizer states {plan.static_bytes / GiB:.1f} GiB, activations "
             f"{(plan.activation_bytes + plan.transient_bytes) / GiB:.1f} GiB) but the budget is "
             f"{plan.budget_bytes / GiB:.1f} GiB ({budget_source}); lower data.max_length or train.micro_batch "
@@ -124,21 +137,27 @@ def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
             f"memory.budget_gib")
 
 
-def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None) -> MemoryPlan:
-    """The session's memory plan, before the model exists: measured rates, the budget, the resolved policies.
-    auto that cannot fit raises SetupError with the numbers and the fix."""
+def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shards: int = 1) -> MemoryPlan:
+    """The session's memory plan, before the model exists: the budget, the resolved policies (auto: at the card's
+    measured rates). auto that cannot fit raises SetupError with the numbers and the fix; a fixed policy over the
+    budget is warned about with the same numbers (the estimate may be pessimistic; the run goes on)."""
     policy = memory_policy(cfg.memory)
-    hw = hardware(device) if policy == "auto" else ASSUMED if device.type != "cuda" else None
+    measured = policy == "auto" and device.type == "cuda"
+    hw = hardware(device) if measured else ASSUMED
     budget, source = default_budget(device, cfg.memory.budget_gib)
-    plan = resolve(cfg, est, mconf, hw or ASSUMED, budget)
+    plan = resolve(cfg, est, mconf, hw, budget, shards)
     if policy == "auto" and not plan.fits:
         raise SetupError(no_fit_message(plan, policy, source))
+    if console is not None and not plan.fits:
+        console.print(f"[bold yellow]warning: {no_fit_message(plan, policy, source)}; or set memory.policy: "
+                      f"auto[/]", highlight=False)
     if console is not None and policy not in ("none", "checkpoint"):
         console.print(f"memory: {policy} -> {plan.describe()}; predicted peak {plan.peak_bytes / GiB:.1f} GiB"
                       + (f" of {budget / GiB:.1f} GiB ({source})" if budget else "")
                       + "".join(f"; {n}" for n in plan.notes), highlight=False)
     tokens = cfg.train.micro_batch * cfg.data.max_length
-    return MemoryPlan(plan, policy, hw or ASSUMED, tokens, cfg.memory.offload_min_bytes)
+    speed = predicted_tokens_per_s(cfg, mconf, plan, hw) if measured else None
+    return MemoryPlan(plan, policy, hw, tokens, cfg.memory.offload_min_bytes, speed)
 
 
 def needs_checkpointing(mp: MemoryPlan | None, cfg=None) -> bool:

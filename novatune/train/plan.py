@@ -131,9 +131,8 @@ def _memory_plan(cfg, est: dict, mconf, gpu_mem_gib: float | None, hw) -> None:
     """est["memory_plan"] (per-layer policies, peak, time) and the verdict against the budget."""
     import torch
 
-    from novatune.memory.planner import GEMM_EFFICIENCY
     from novatune.train.config import memory_policy
-    from novatune.train.memory import ASSUMED, default_budget, hardware, layer_costs, resolve
+    from novatune.train.memory import ASSUMED, default_budget, hardware, layer_costs, predicted_tokens_per_s, resolve
 
     gpu = torch.device("cuda") if torch.cuda.is_available() and not gpu_mem_gib else None
     budget, source = default_budget(gpu, cfg.memory.budget_gib, gpu_mem_gib)
@@ -147,11 +146,7 @@ def _memory_plan(cfg, est: dict, mconf, gpu_mem_gib: float | None, hw) -> None:
     est["oom"] = budget is not None and not mp.fits
     est["advice"] = _advice(cfg, est) if est["oom"] else []
     est["layer_costs"] = layer_costs(cfg, mconf, hw)
-    # lm_head: forward, input gradient and (full fine-tuning) weight gradient, at the same GEMM rate
-    head_flops = (4 if cfg.method.type in ("lora", "qlora") else 6) * mconf.vocab_size * mconf.hidden_size
-    rate = hw.matmul_tflops * 1e12 * GEMM_EFFICIENCY
-    est["tokens_per_s"] = est["tokens_per_micro_batch"] / (mp.seconds + head_flops * est["tokens_per_micro_batch"]
-                                                           / rate)
+    est["tokens_per_s"] = predicted_tokens_per_s(cfg, mconf, mp, hw)
 
 
 def _advice(cfg, est: dict) -> list[str]:

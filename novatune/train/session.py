@@ -42,7 +42,7 @@ from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
-from novatune.train.memory import MemoryPlan, needs_checkpointing, plan_for_run
+from novatune.train.memory import ASSUMED, MemoryPlan, needs_checkpointing, plan_for_run
 from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
@@ -276,7 +276,8 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    memory_plan = plan_for_run(cfg, estimate(cfg, base_dir, mconf=mconf), mconf, device, console)
+    shards = dist.world if dist.active and dist.strategy == "fsdp2" else 1
+    memory_plan = plan_for_run(cfg, estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED), mconf, device, console, shards)
     model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select,
                                         memory_plan)
     if model_hook is not None:

@@ -45,12 +45,24 @@ def test_auto_that_cannot_fit_stops_before_the_model_is_built(make_cfg):
         build(make_cfg(memory={"policy": "auto", "budget_gib": 1e-4}))
 
 
+def test_a_fixed_policy_over_its_budget_is_warned_about_and_runs(make_cfg):
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    s = build(make_cfg(memory={"policy": "checkpoint", "budget_gib": 1e-4}), console=console)
+    said = console.export_text()
+    assert "warning: memory.policy checkpoint: the plan (recompute x2) needs" in said
+    assert "or set memory.policy: auto" in said
+    assert s.memory_plan.plan.policies == ["recompute", "recompute"] and not s.memory_plan.plan.fits
+
+
 @pytest.mark.parametrize("memory,key,fix", [
     ({"policy": "none", "gradient_checkpointing": True}, "memory.policy", "drop memory.gradient_checkpointing"),
     ({"policy": "per-layer"}, "memory.layers", "offload*30"),
     ({"policy": "offload", "layers": ["keep*2"]}, "memory.layers", "memory.policy: per-layer"),
     ({"policy": "per-layer", "layers": ["kep*2"]}, "memory.layers", "optionally with *N"),
     ({"policy": "auto", "budget_gib": -1}, "memory.budget_gib", "free memory"),
+    ({"policy": "offload", "offload_min_bytes": -1}, "memory.offload_min_bytes", "set 0 to offload every"),
     ({"policy": "offlaod"}, "memory.policy", "did you mean 'offload'"),
 ])
 def test_bad_memory_settings_name_the_fix(make_cfg, memory, key, fix):
