@@ -128,3 +128,25 @@ def test_expand_layers():
         expand_layers(["kep*3"], 3)
     with pytest.raises(ValueError, match="names 2 layers but the model has 3"):
         expand_layers(["offload*2"], 3)
+
+
+def test_a_second_backward_through_offloaded_layers_fetches_again():
+    """retain_graph=True: the host copies outlive the first backward, and a slot that another layer's input has
+    overwritten since is filled again, so the second backward sees the saved values too."""
+    model = _model(layers=4)
+    ids, pos, lab = packed_batch([[7, 12, 4], [23]], seed=5)
+
+    def twice():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref = twice()
+    engine = OffloadEngine("cpu", min_bytes=0)
+    install(_layers(model), ["offload"] * 4, engine)
+    got = twice()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    assert engine.stats["unpacked_tensors"] == 8 and engine.stats["fetched_on_demand"] >= 2
