@@ -4,7 +4,8 @@ The model is built on the meta device (no memory, exact parameter count). Estima
 
   weights      params x bytes(dtype)                      (LoRA: + adapter params)
   gradients    trainable x bytes(dtype)
-  optimizer    AdamW: 2 states x trainable x bytes(dtype)  (torch's AdamW keeps states in the param dtype)
+  optimizer    trainable x novatune.memory.planner.optimizer_state_bytes(train.optimizer, bytes(dtype)); AdamW: 2
+               states x bytes(dtype) (torch's AdamW keeps its states in the parameter dtype)
   activations  stock HF modules, per token per layer ~ (20 h + 18 q + 18 kv + 8 i) x bytes/2 bytes: RMSNorm's fp32
                copies (~10 h each norm), q/k projections + q/k-norm fp32 copies + RoPE + attention in/out, the four
                (tokens x intermediate) MLP tensors. With gradient checkpointing: each layer's input (h) plus one
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from novatune.memory.planner import optimizer_state_bytes
 from novatune.train.memory import MARGIN
 
 GiB = 2**30
@@ -113,11 +115,14 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     dequant = max(quant, default=0) * b
     if qlora and cfg.model.patch and cfg.memory.gradient_checkpointing:
         dequant = sum(quant) // L * b
+    # train.optimizer, where the config names one (AdamW otherwise); its state bytes per parameter: the planner's
+    optimizer = getattr(cfg.train, "optimizer", None) or "adamw"
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
-        "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
+        "weights": weights, "gradients": trainable * tb, "optimizer_name": optimizer,
+        "optimizer": int(trainable * optimizer_state_bytes(optimizer, tb)),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
     }
@@ -186,7 +191,7 @@ def render(est: dict) -> str:
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
-             f"  optimizer states (AdamW)     {g(est['optimizer'])}",
+             f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"] if est["qlora"] else []),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"
              + ("   (~0 with novatune.patch's fused cross-entropy)" if est["patch"] else "   <- this run"),

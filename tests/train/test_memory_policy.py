@@ -17,19 +17,21 @@ def _run(cfg, steps=2):
     return s, losses, {n: p.detach().clone() for n, p in s.model.named_parameters()}
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_policies_train_like_checkpointing(make_cfg, method):
-    ref_s, ref_losses, ref_w = _run(make_cfg("ref", method={"type": method},
+@pytest.mark.parametrize("method,patch", [("full", False), ("lora", False), ("full", True)])
+def test_policies_train_like_checkpointing(make_cfg, method, patch):
+    """Stock modules and novatune's patched ones (selective recompute over its custom ops)."""
+    model = {"patch": patch}
+    ref_s, ref_losses, ref_w = _run(make_cfg("ref", method={"type": method}, model=model,
                                              memory={"gradient_checkpointing": True}))
     assert installed(decoder_layers(ref_s.model)) == ["recompute", "recompute"]
-    s, losses, w = _run(make_cfg("mix", method={"type": method},
+    s, losses, w = _run(make_cfg("mix", method={"type": method}, model=model,
                                  memory={"policy": "per-layer", "layers": ["offload", "selective"]}))
     assert installed(decoder_layers(s.model)) == ["offload", "selective"]
     assert s.memory_plan.engine is not None and s.memory_plan.engine.stats["unpacked_tensors"] == 0  # tiny: kept
     assert losses == ref_losses  # the same arithmetic: bit-identical on the CPU
     for n in ref_w:
         assert torch.equal(w[n], ref_w[n]), n
-    keep_s, keep_losses, _ = _run(make_cfg("keep", method={"type": method}, memory={"policy": "none"}))
+    keep_s, keep_losses, _ = _run(make_cfg("keep", method={"type": method}, model=model, memory={"policy": "none"}))
     assert not getattr(decoder_layers(keep_s.model)[0], "gradient_checkpointing", False)
     assert keep_losses == pytest.approx(ref_losses, rel=1e-5)
 
