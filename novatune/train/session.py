@@ -42,6 +42,7 @@ from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
+from novatune.train.config import memory_policy
 from novatune.train.memory import ASSUMED, MemoryPlan, needs_checkpointing, plan_for_run
 from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
@@ -241,6 +242,23 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
     return model, report
 
 
+def memory_plan_for(cfg, base_dir, mconf, device, console, dist: Dist) -> MemoryPlan | None:
+    """The run's memory plan (train/memory.py), before the model is built. Under the stock policies (none,
+    checkpoint) the plan only predicts the peak: a model the estimate cannot build on the meta device trains
+    without the prediction, and says so; any other policy needs the plan and raises."""
+    shards = dist.world if dist.active and dist.strategy == "fsdp2" else 1
+    try:
+        est = estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED)
+    except Exception as e:  # noqa: BLE001 - any failure of the estimate; re-raised where the plan is needed
+        if memory_policy(cfg.memory) not in ("none", "checkpoint"):
+            raise
+        if console is not None:
+            console.print(f"memory: no predicted peak for this model ({type(e).__name__}: {e})", highlight=False,
+                          markup=False)
+        return None
+    return plan_for_run(cfg, est, mconf, device, console, shards)
+
+
 def join(cfg) -> Dist:
     """This process's place in the run (parallel.strategy; novatune/parallel/dist.py)."""
     return setup_dist(cfg.parallel.strategy, pick_device(cfg.model.device).type)
@@ -276,8 +294,7 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    shards = dist.world if dist.active and dist.strategy == "fsdp2" else 1
-    memory_plan = plan_for_run(cfg, estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED), mconf, device, console, shards)
+    memory_plan = memory_plan_for(cfg, base_dir, mconf, device, console, dist)
     model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select,
                                         memory_plan)
     if model_hook is not None:

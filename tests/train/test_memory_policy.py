@@ -76,3 +76,21 @@ def test_bad_memory_settings_name_the_fix(make_cfg, memory, key, fix):
 def test_per_layer_count_must_match_the_model(make_cfg):
     with pytest.raises(SetupError, match="names 3 layers but the model has 2"):
         build(make_cfg(memory={"policy": "per-layer", "layers": ["offload*3"]}))
+
+
+def test_a_model_the_estimate_cannot_handle_trains_without_a_prediction_under_stock_policies(make_cfg,
+                                                                                             monkeypatch):
+    from rich.console import Console
+
+    from novatune.train import session
+
+    def broken(*a, **k):
+        raise NotImplementedError("no meta-device init for this model")
+
+    monkeypatch.setattr(session, "estimate", broken)
+    console = Console(record=True, width=300)
+    s = build(make_cfg(memory={"gradient_checkpointing": True}), console=console)
+    assert s.memory_plan is None and "no predicted peak for this model" in console.export_text()
+    assert installed(decoder_layers(s.model)) == ["recompute", "recompute"]
+    with pytest.raises(NotImplementedError):
+        build(make_cfg("off", memory={"policy": "offload"}))
