@@ -160,8 +160,6 @@ def test_ddp_two_processes_equal_one(one_proc, tmp_path):
     train_cli(out, *TWO, "--set", "parallel.strategy=ddp", nproc=2)
     assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))
     assert_same_weights(one_proc / "final", out / "final")
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    assert 0 < rows[0]["offloaded_gib"] < rows[-1]["offloaded_gib"]  # the engine moved layer 0's inputs
 
 
 @pytest.mark.slow  # a long run stopped from outside: ~40-90 s on a busy 2-core machine
