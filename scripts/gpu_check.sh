@@ -10,6 +10,10 @@
 #   qlora: issue 6's QLoRA (not in the default list; needs the bitsandbytes wheel in .whl/): the NF4 / QLoRA-patch /
 #   merged-export GPU tests, then `novatune bench examples/qlora.yaml` (Qwen3-8B architecture, 2048-token rows,
 #   PEFT + bnb stock vs novatune) and the acceptance figures (peak <= 7 GiB, >= 2x stock tok/s, loss parity); < 6 min.
+#   memory: issue 15's memory policies (not in the default list): the GPU tests of tests/memory, then `novatune bench
+#   examples/qwen3-4b-seed.yaml` with MEM_STACKS (default stock,novatune,novatune_offload,novatune_keep,novatune_auto:
+#   checkpointing, offload on top of it, no recompute, the planner's choice), every row with the planner's
+#   predicted peak beside the measured one; < 9 min (timeouts 150 + 400 s).
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -114,6 +118,24 @@ if st and nt:
     print(f"qlora acceptance: peak {nt['peak_gib']:.2f} GiB <= 7 {ok(nt['peak_gib'] <= 7)}; "
           f"tok/s x{nt['tok_s'] / st['tok_s']:.3f} stock >= 2 {ok(nt['tok_s'] >= 2 * st['tok_s'])}; "
           f"loss max rel diff {rel:.1e} (bf16 noise: < 1e-2) {ok(rel < 1e-2)}")
+PY
+fi
+if has memory; then
+  timeout 150 python3 -m pytest -q -s -m gpu tests/memory 2>&1 | tee "$OUT/memory_tests.log" | grep -E "held|passed|failed|rror" | tail -n 8
+  summary+=("memory gpu tests: $(tail -n 1 "$OUT/memory_tests.log")")
+  timeout 400 python3 -m novatune bench examples/qwen3-4b-seed.yaml \
+    --stacks ${MEM_STACKS:-stock,novatune,novatune_offload,novatune_keep,novatune_auto} --steps ${MEM_STEPS:-4} \
+    --timeout 150 --results "$OUT/memory.jsonl" --run-dir "$OUT/runs/memory" 2>&1 | tee "$OUT/memory_bench.log" | tail -n 14
+  summary+=("novatune bench (memory policies): exit ${PIPESTATUS[0]}")
+  [ -f "$OUT/memory.jsonl" ] && python3 - "$OUT/memory.jsonl" <<'PY'
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("status") == "ok"]
+for r in rows:
+    pred = r.get("predicted_peak_gib")
+    off = f"{100 * (r['peak_gib'] / pred - 1):+.1f}%" if pred and r.get("peak_gib") else "-"
+    print(f"memory {r['stack']:18s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  peak "
+          f"{r['peak_gib']:6.2f} GiB  planned {pred or 0:6.2f} ({off})  {r.get('memory_policy', '-')}: "
+          f"{r.get('memory_layers', '-')}  offloaded {r.get('offloaded_gib')} GiB  loss {r['losses'][-1]}")
 PY
 fi
 echo; echo "=== summary ==="

@@ -34,6 +34,10 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       losses: [float] (every optimizer step, warm-up included), grad_norms: [float] (pre-clip), gc_freeze: bool,
       method: str, model_class: str, model_type: str, params: int, trainable_params: int, dtype: str,
       device_type: str, seq: int, grad_accum: int, micro_batch: int, gradient_checkpointing: bool,
+      memory_policy: str, memory_layers: str ("offload x30, keep x6"), predicted_peak_gib: float (the memory
+      planner's, beside peak_gib), predicted_layers_s: float, planner_hardware: str,
+      predicted_tokens_per_s: float | null (auto on a GPU: at the measured rates), offloaded_gib: float | null
+      (bytes the offload engine moved to the host over the whole process), offload_stats: dict | null,
       nf4_embedding: bool, patch: PatchReport.to_dict() | null, applied: str | null (a peer's patch),
       attention_backend: str | null, cuda_graphs: dict (patched stacks), liger_version: str | null,
       pack: PackStats.to_dict(), memory: dict | str (--memory), profile: dict, trace: str (--profile),
@@ -222,7 +226,7 @@ def _fmt(v, spec: str, none: str = "-") -> str:
 def render_table(summary: dict) -> str:
     """The side-by-side table: one line per stack, then the per-step losses."""
     lines = [(f"{'stack':14s} {'status':7s} {'tok/s':>9s} {'x stock':>8s} {'x peer':>7s} {'MFU':>6s} "
-              f"{'peak GiB':>9s} {'GFLOP/tok':>9s} {'loss vs stock':>13s}")]
+              f"{'peak GiB':>9s} {'GFLOP/tok':>9s} {'loss vs stock':>13s} {'plan GiB':>9s}")]
     for r in summary["rows"]:
         if r["status"] != "ok":
             lines.append(f"{r['stack']:14s} {r['status']:7s} {r.get('reason', '').splitlines()[0][:90]}")
@@ -231,7 +235,8 @@ def render_table(summary: dict) -> str:
         lines.append(f"{r['stack']:14s} {'ok':7s} {r['tok_s']:9,.0f} {_fmt(r['x_stock'], '8.3f', '       -')} "
                      f"{_fmt(r['x_peer'], '7.3f', '      -')} {mfu:>6s} {_fmt(r.get('peak_gib'), '9.2f', '        -')} "
                      f"{_fmt(r.get('gflop_per_tok'), '9.3g', '        -')} "
-                     f"{_fmt(r.get('loss_max_rel_diff_vs_stock'), '13.2e', '            -')}")
+                     f"{_fmt(r.get('loss_max_rel_diff_vs_stock'), '13.2e', '            -')} "
+                     f"{_fmt(r.get('predicted_peak_gib'), '9.2f', '        -')}")
     ok = [r for r in summary["rows"] if r["status"] == "ok"]
     if ok:
         lines.append(f"per-step loss (steps 1..{len(ok[0]['losses'])}: the first {summary['warm']} warm-up):")

@@ -133,6 +133,15 @@ register(Stack("trl-sft", "TRL SFTTrainer + novatune.patch(trainer) on the same 
                patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
+# the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
+# with gradient checkpointing; these override memory.policy on top of the config
+for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),
+                       ("selective", "selective recompute (GEMM outputs kept, elementwise recomputed)"),
+                       ("keep", "no recompute (every activation kept)"),
+                       ("auto", "the memory planner's choice under the card's free memory")):
+    register(Stack(f"novatune_{_policy}", f"novatune, memory.policy {_policy}: {_what}",
+                   NOVATUNE + ["memory.gradient_checkpointing=false",
+                               f"memory.policy={'none' if _policy == 'keep' else _policy}"], patched=True))
 register(Stack("novatune_fsdp2", "novatune under FSDP2 (fully_shard, world size 1)",
                NOVATUNE + ["parallel.strategy=fsdp2"], unavailable=_fsdp2_refused_under_qlora, patched=True))
 

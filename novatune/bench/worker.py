@@ -203,11 +203,26 @@ def run_stack(spec: dict, log=print) -> dict:
         "model_type": session.base_config.model_type, "params": n_total, "trainable_params": n_train,
         "dtype": str(session.dtype).replace("torch.", ""), "device_type": session.device.type,
         "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum, "micro_batch": cfg.train.micro_batch,
-        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing, **memory_facts(session),
         "nf4_embedding": type(session.model.get_input_embeddings()).__name__ == "NF4Embedding",
         "patch": report.to_dict() if report is not None else None, "applied": hooks.applied,
         "liger_version": liger_version(), "pack": session.data.stats.to_dict(), **extra,
     }
+
+
+def memory_facts(session) -> dict:
+    """The memory policy the stack ran, the planner's prediction beside the measured peak_gib, and what the
+    offload engine moved."""
+    mp = session.memory_plan
+    if mp is None:
+        return {}
+    engine = mp.engine
+    return {"memory_policy": mp.policy, "memory_layers": mp.plan.describe(),
+            "predicted_peak_gib": round(mp.predicted_peak_gib, 3),
+            "predicted_layers_s": mp.plan.seconds, "planner_hardware": mp.hardware.source,
+            "predicted_tokens_per_s": mp.predicted_tokens_per_s,
+            "offloaded_gib": round(engine.stats["offloaded_bytes"] / 2**30, 3) if engine else None,
+            "offload_stats": dict(engine.stats) if engine else None}
 
 
 def main(argv: list[str] | None = None) -> int:

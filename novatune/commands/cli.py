@@ -1,7 +1,7 @@
 """The `novatune` command line (also `python -m novatune`).
 
     novatune train [CONFIG] [--set key=value ...] [--output-dir DIR]   train (no CONFIG: the embedded demo)
-    novatune plan CONFIG [--set ...] [--gpu-mem GiB]                    memory estimate before a run
+    novatune plan CONFIG [--set ...] [--gpu-mem GiB]                    memory plan (policy per layer) before a run
     novatune env                                                        versions, GPU, kernels, attention backends
 
 More subcommands live beside their implementation (see PLUGGED_COMMANDS): each such module defines
@@ -43,6 +43,7 @@ checkpoint.resume=never starts over. See examples/*.yaml for complete configs.
 EPILOG_PLAN = """examples:
   novatune plan examples/qwen3-4b-seed.yaml               # compares with this machine's GPU, if any
   novatune plan examples/qwen3-4b-seed.yaml --gpu-mem 24 --set memory.gradient_checkpointing=false
+  novatune plan examples/qwen3-4b-seed.yaml --gpu-mem 40 --set memory.policy=auto    # the planner's per-layer mix
 """
 
 
@@ -82,10 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, metavar="N", help="run N processes on this host through torchrun "
                    "(needs parallel.strategy fsdp2 or ddp); plain `torchrun -m novatune train` works too")
     p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
-                       epilog=EPILOG_PLAN, description="Memory estimate: weights, gradients, optimizer states, "
-                       "activations with and without gradient checkpointing, logits; warns before an OOM.")
+                       epilog=EPILOG_PLAN, description="Memory plan: weights, gradients, optimizer states, "
+                       "logits, each decoder layer's bytes and time under keep / selective / recompute / offload, "
+                       "the memory.policy's assignment with its predicted peak and speed; warns before an OOM.")
     add_config_args(p, optional=False)
-    p.add_argument("--gpu-mem", type=float, metavar="GiB", help="GPU memory to plan for (default: this GPU's)")
+    p.add_argument("--gpu-mem", type=float, metavar="GiB",
+                   help="GPU memory to plan for (default: this GPU's free memory; memory.budget_gib wins)")
     sub.add_parser("env", help="versions, GPU, available kernels and attention backends", formatter_class=fmt,
                    description="Print the environment novatune sees (paste it into bug reports).")
     for name, module in PLUGGED_COMMANDS.items():

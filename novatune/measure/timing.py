@@ -3,7 +3,8 @@
 * kernel_us: the sum of GPU kernel durations per call from torch.profiler - the efficiency figure, free of
   host overhead, compared with the HBM floor (per_kernel_us: the same, per kernel name).
 * wall_us: triton's do_bench median - includes host and launch overhead.
-* copy_bandwidth_gbps / matmul_tflops: the two ceilings, measured in the same process as the figures.
+* copy_bandwidth_gbps / matmul_tflops: the two ceilings, measured in the same process as the figures;
+  host_link_gbps: the pinned host-to-device copy rate (what activation offload moves per second).
 """
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def matmul_tflops(n: int = 8192) -> float:
     b = torch.randn_like(a)
     us = wall_us(lambda: a @ b, warmup_ms=50, rep_ms=200)
     return 2 * n**3 / us / 1e6
+
+
+def host_link_gbps(nbytes: int = 2**28) -> float:
+    """Pinned host-to-device copy rate (GB/s): what an activation offload can move per second each way."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    us = wall_us(lambda: dst.copy_(src, non_blocking=True), warmup_ms=20, rep_ms=100)
+    return nbytes / us / 1e3

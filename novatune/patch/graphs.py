@@ -23,9 +23,10 @@ so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mo
 
 A batch runs the stock checkpointed layers instead (said once per reason in the report) when: the tensors are
 not on CUDA, grad is off, the attention is not novatune's varlen path for every layer, a module in the layers has
-hooks or an active dropout (random draws), most of a layer trains (full fine-tuning: GPU-bound, nothing to gain),
-the batch shape differs from the first capture's, a layer keyword is a tensor the graphs would freeze, a
-parameter was replaced, or an earlier batch's backward is still pending (a second forward before backward).
+hooks or an active dropout (random draws), a memory policy other than recompute is on a layer, most of a layer
+trains (full fine-tuning: GPU-bound, nothing to gain), the batch shape differs from the first capture's, a layer
+keyword is a tensor the graphs would freeze, a parameter was replaced, or an earlier batch's backward is still
+pending (a second forward before backward).
 """
 from __future__ import annotations
 
@@ -250,6 +251,11 @@ class LayerGraphRunner:
         every graph that read it)."""
         if _global_hooks():
             return "global module hooks are registered"
+        for layer in self.layers:
+            hook = layer.__dict__.get("_gradient_checkpointing_func")
+            if not getattr(getattr(hook, "inner", hook), "graphs_compatible", True):
+                return "a memory policy keeps or offloads some layers' activations (the graphs capture the " \
+                       "stock recompute only)"
         params, slots, sig = [], [], []
         for layer in self.layers:
             mine, where, total, trained = [], [], 0, 0

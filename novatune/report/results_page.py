@@ -26,6 +26,8 @@ STACK_NAMES = {
     "hf_sdpa": "stock HF (sdpa)", "stock": "stock HF (sdpa)",
     "varlen_liger": "Liger + varlen (peer)", "liger-peer": "Liger + varlen (peer)",
     "novatune": "novatune", "novatune_eager": "novatune, no CUDA graphs", "novatune_full": "novatune, full FT",
+    "novatune_offload": "novatune, offload", "novatune_selective": "novatune, selective recompute",
+    "novatune_keep": "novatune, no recompute", "novatune_auto": "novatune, memory planner",
 }
 RENDERED = ("e2e", "bench", "ops", "attention", "tune", "train", "validate", "eval")
 

@@ -103,6 +103,17 @@ class TrainConfig:
 @dataclass
 class MemoryConfig:
     gradient_checkpointing: bool = False
+    # What each decoder layer keeps for its backward (novatune/memory/): none (keep everything) | checkpoint
+    # (recompute each layer) | selective (keep the GEMM outputs, recompute the elementwise ops) | offload
+    # (checkpoint, with the layer inputs in host memory) | per-layer (memory.layers) | auto (the planner picks the
+    # fastest per-layer mix that fits memory.budget_gib). null: checkpoint if gradient_checkpointing, else none.
+    policy: Literal["auto", "none", "checkpoint", "selective", "offload", "per-layer"] | None = None
+    # the GPU memory to plan for (auto chooses within it; other policies warn beyond it); null: the card's free
+    # memory minus a margin
+    budget_gib: float | None = None
+    # per-layer: one of keep | recompute | selective | offload per decoder layer, `name*N` for N in a row
+    layers: list[str] = field(default_factory=list)
+    offload_min_bytes: int = 1 << 20  # offload: smaller saved tensors stay on the device (a copy costs ~10 µs)
 
 
 @dataclass
@@ -359,6 +370,22 @@ def load_with_base(path: str | Path | None, overrides: list[str] | None = None,
 
 
 # --------------------------------------------------------------------------------------------- the run summary
+def memory_policy(mem: MemoryConfig) -> str:
+    """memory.policy with its default resolved: checkpoint when gradient_checkpointing is on, else none."""
+    if mem.policy is not None:
+        return mem.policy
+    return "checkpoint" if mem.gradient_checkpointing else "none"
+
+
+def _memory_summary(mem: MemoryConfig) -> str:
+    policy = memory_policy(mem)
+    if policy == "none":
+        return ""
+    if policy == "checkpoint":
+        return ", gradient checkpointing"
+    return f", memory policy {policy}" + (f" (budget {mem.budget_gib:g} GiB)" if mem.budget_gib else "")
+
+
 def summary(cfg: Config) -> str:
     """The resolved config in a few lines for the start of a run (the full one goes to <output_dir>/config.yaml)."""
     m, d, me, t, c = cfg.model, cfg.data, cfg.method, cfg.train, cfg.checkpoint
@@ -371,7 +398,7 @@ def summary(cfg: Config) -> str:
     length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
     lines = [
         ("model", f"{model}, {m.dtype}, {m.attention}, patch {'on' if m.patch else 'off'}, device {m.device}"),
-        ("method", method + (", gradient checkpointing" if cfg.memory.gradient_checkpointing else "")
+        ("method", method + _memory_summary(cfg.memory)
          + (f", parallel {cfg.parallel.strategy}" if cfg.parallel.strategy != "none" else "")),
         ("data", f"{sources}; format {d.format}, loss_on {d.loss_on}, max_length {d.max_length}, packing "
                  f"{d.packing_strategy if d.packing else 'off'}"),

@@ -40,6 +40,33 @@ def _check_qlora(cfg: Config) -> None:
                               "weight and GEMM fp32)", "set model.dtype: bf16 (or auto)")
 
 
+def _check_memory(cfg: Config) -> None:
+    from novatune.memory.policy import POLICIES
+
+    mem = cfg.memory
+    if mem.policy == "none" and mem.gradient_checkpointing:
+        raise ConfigError("memory.policy", "none keeps every activation, but memory.gradient_checkpointing is true",
+                          "drop memory.gradient_checkpointing (memory.policy decides), or choose memory.policy: "
+                          "checkpoint")
+    if mem.policy == "per-layer" and not mem.layers:
+        raise ConfigError("memory.layers", "memory.policy per-layer needs one policy per decoder layer",
+                          "set memory.layers, e.g. [offload*30, keep*6]")
+    if mem.layers and mem.policy != "per-layer":
+        raise ConfigError("memory.layers", f"is only read with memory.policy: per-layer (policy is {mem.policy})",
+                          "set memory.policy: per-layer, or remove memory.layers")
+    for item in mem.layers:
+        name, _, count = item.partition("*")
+        if name.strip() not in POLICIES or (count and not count.strip().isdigit()):
+            raise ConfigError("memory.layers", f"{item!r} is not a layer policy",
+                              f"use one of {', '.join(POLICIES)}, optionally with *N for N layers in a row")
+    if mem.offload_min_bytes < 0:
+        raise ConfigError("memory.offload_min_bytes", f"must be >= 0, got {mem.offload_min_bytes}",
+                          "set 0 to offload every saved tensor, or a size in bytes (default 1048576)")
+    if mem.budget_gib is not None and mem.budget_gib <= 0:
+        raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
+                          "set the GPU memory to plan for in GiB, or null for the card's free memory")
+
+
 def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     from novatune.data.sources import detect_type, resolve_path
     from novatune.train.arch import ARCHS
@@ -141,6 +168,7 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
                           "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "
                           "sharded by fully_shard, nor broadcast as plain parameters by DDP",
                           "use method.type: lora (frozen bf16 base, sharded) or parallel.strategy: none")
+    _check_memory(cfg)
     # checkpoint / logging
     if cfg.checkpoint.save_every < 0:
         raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",

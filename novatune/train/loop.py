@@ -150,6 +150,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 row = {"step": step, "total_steps": total, "loss": as_json_number(vals[-1][1]), "lr": lr,
                        "grad_norm": as_json_number(vals[-1][2]), "tokens": tokens_seen, "tokens_per_s": tps,
                        "mfu": mfu, "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+                _memory_vs_plan(row, session.memory_plan, console, first=step == start_step + cfg.logging.every)
                 if dist.active:  # tokens_per_s is the total over the processes; memory is per rank
                     row.update(world_size=dist.world, tokens_per_s_per_proc=tps / dist.world,
                                mem_gib_per_rank=dist.gather(mem[1] if mem else None))
@@ -226,3 +227,24 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:
+    """The planner's predicted peak beside the measured one in each metrics row; said once at the first row,
+    where a prediction more than 10% off is worth knowing before a long run."""
+    if memory_plan is None:
+        return
+    predicted = memory_plan.predicted_peak_gib
+    row["predicted_peak_gib"] = predicted
+    if memory_plan.engine is not None:  # bytes moved to host memory since the start (the layers' inputs)
+        row["offloaded_gib"] = memory_plan.engine.stats["offloaded_bytes"] / 2**30
+    speed = memory_plan.predicted_tokens_per_s
+    if speed is not None:
+        row["predicted_tokens_per_s"] = speed
+    if first and row.get("mem_gib") and console is not None:
+        off = row["mem_gib"] / predicted - 1
+        pace = (f"; {row['tokens_per_s']:,.0f} tok/s, planned {speed:,.0f} (the first step includes warm-up)"
+                if speed else "")
+        console.print(f"memory: measured peak {row['mem_gib']:.2f} GiB, planned {predicted:.2f} GiB ({off:+.0%}; "
+                      f"policy {memory_plan.policy}: {memory_plan.plan.describe()}){pace}", highlight=False)
+

@@ -138,9 +138,15 @@ def add_lora(model, meth):
         raise SetupError(f"method.targets: {e}; use all-linear or names like [q_proj, v_proj]") from None
 
 
-def prepare(model, cfg):
-    """Gradient checkpointing and LoRA, in that order (PEFT wraps the checkpointed model)."""
-    if cfg.memory.gradient_checkpointing:
+def prepare(model, cfg, checkpointing: bool | None = None):
+    """Gradient checkpointing and LoRA, in that order (PEFT wraps the checkpointed model). `checkpointing`: whether
+    any decoder layer recomputes (default: memory.policy is not none); the memory plan's per-layer policies go on
+    top (train/memory.py)."""
+    if checkpointing is None:
+        from novatune.train.config import memory_policy
+
+        checkpointing = memory_policy(cfg.memory) != "none"
+    if checkpointing:
         # non-reentrant: works with frozen inputs (LoRA) and passes kwargs (position_ids, cu_seqlens) through
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.method.type == "qlora":

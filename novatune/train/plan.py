@@ -4,7 +4,8 @@ The model is built on the meta device (no memory, exact parameter count). Estima
 
   weights      params x bytes(dtype)                      (LoRA: + adapter params)
   gradients    trainable x bytes(dtype)
-  optimizer    AdamW: 2 states x trainable x bytes(dtype)  (torch's AdamW keeps states in the param dtype)
+  optimizer    trainable x novatune.memory.planner.optimizer_state_bytes(train.optimizer, bytes(dtype)); AdamW: 2
+               states x bytes(dtype) (torch's AdamW keeps its states in the parameter dtype)
   activations  stock HF modules, per token per layer ~ (20 h + 18 q + 18 kv + 8 i) x bytes/2 bytes: RMSNorm's fp32
                copies (~10 h each norm), q/k projections + q/k-norm fp32 copies + RoPE + attention in/out, the four
                (tokens x intermediate) MLP tensors. With gradient checkpointing: each layer's input (h) plus one
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from novatune.memory.planner import optimizer_state_bytes
+from novatune.train.memory import MARGIN
+
 GiB = 2**30
-HEADROOM = 0.92  # CUDA context, allocator fragmentation and workspace take the rest
 # bitsandbytes' NF4 layout as novatune.train.qlora quantises (blocksize 64, double quantisation of the absmax in
 # blocks of 256 with an 8-bit dynamic code); see the module docstring for the per-tensor sum
 NF4_BLOCK, ABSMAX_BLOCK = 64, 256
@@ -68,14 +71,18 @@ def _lora_params(model, targets: list[str], r: int) -> int:
     return total
 
 
-def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) -> dict:
+def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mconf=None, hw=None) -> dict:
+    """The estimate of the module docstring, and the memory plan (est["memory_plan"], train/memory.py) under the
+    budget: memory.budget_gib, else a card of `gpu_mem_gib`, else this card's free memory. `hw`: the card's rates
+    (planner.Hardware; default: measured on this GPU, assumed without one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from novatune.train.model import load_tokenizer, model_config
 
-    tok = load_tokenizer(cfg.model, base_dir) if cfg.model.arch else None
-    mconf = model_config(cfg.model, tok, base_dir)
+    if mconf is None:
+        tok = load_tokenizer(cfg.model, base_dir) if cfg.model.arch else None
+        mconf = model_config(cfg.model, tok, base_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mconf)
     n_params = sum(p.numel() for p in model.parameters())
@@ -108,33 +115,50 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
     dequant = max(quant, default=0) * b
     if qlora and cfg.model.patch and cfg.memory.gradient_checkpointing:
         dequant = sum(quant) // L * b
+    # train.optimizer, where the config names one (AdamW otherwise); its state bytes per parameter: the planner's
+    optimizer = getattr(cfg.train, "optimizer", None) or "adamw"
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
-        "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
+        "weights": weights, "gradients": trainable * tb, "optimizer_name": optimizer,
+        "optimizer": int(trainable * optimizer_state_bytes(optimizer, tb)),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
     }
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
-    act = act_ckpt if cfg.memory.gradient_checkpointing else act_full
-    logits = 0 if cfg.model.patch else logits_stock
-    est["peak"] = static + act + logits
-    est["peak_stock"] = static + act + logits_stock
-    source = "--gpu-mem"
-    if gpu_mem_gib is None and torch.cuda.is_available():
-        gpu_mem_gib = torch.cuda.get_device_properties(0).total_memory / GiB
-        source = torch.cuda.get_device_name(0)
-    est["gpu_mem"] = gpu_mem_gib * GiB if gpu_mem_gib else None
-    est["gpu_source"] = source if gpu_mem_gib else None
-    est["oom"] = bool(gpu_mem_gib) and est["peak"] > HEADROOM * gpu_mem_gib * GiB
-    est["advice"] = _advice(cfg, est) if est["oom"] else []
+    est["peak_stock"] = static + (act_ckpt if cfg.memory.gradient_checkpointing else act_full) + logits_stock
+    _memory_plan(cfg, est, mconf, gpu_mem_gib, hw)
     return est
+
+
+def _memory_plan(cfg, est: dict, mconf, gpu_mem_gib: float | None, hw) -> None:
+    """est["memory_plan"] (per-layer policies, peak, time) and the verdict against the budget."""
+    import torch
+
+    from novatune.train.config import memory_policy
+    from novatune.train.memory import ASSUMED, default_budget, hardware, layer_costs, predicted_tokens_per_s, resolve
+
+    gpu = torch.device("cuda") if torch.cuda.is_available() and not gpu_mem_gib else None
+    budget, source = default_budget(gpu, cfg.memory.budget_gib, gpu_mem_gib)
+    if hw is None:
+        hw = hardware(gpu) if gpu is not None else ASSUMED
+    mp = resolve(cfg, est, mconf, hw, budget)
+    est.update(memory_plan=mp, hardware=hw, peak=mp.peak_bytes, budget=budget, budget_source=source,
+               gpu_mem=budget / (1 - MARGIN) if budget and source != "memory.budget_gib" else budget,
+               gpu_source=source if budget else None)
+    est["policy"] = memory_policy(cfg.memory)
+    est["oom"] = budget is not None and not mp.fits
+    est["advice"] = _advice(cfg, est) if est["oom"] else []
+    est["layer_costs"] = layer_costs(cfg, mconf, hw)
+    est["tokens_per_s"] = predicted_tokens_per_s(cfg, mconf, mp, hw)
 
 
 def _advice(cfg, est: dict) -> list[str]:
     tips = []
-    if not cfg.memory.gradient_checkpointing:
+    if est["policy"] not in ("auto", "offload"):
+        tips.append("--set memory.policy=auto (the planner offloads or recomputes layers until the run fits)")
+    if est["policy"] == "none":
         saved = (est["activations_no_ckpt"] - est["activations_ckpt"]) / GiB
         tips.append(f"--set memory.gradient_checkpointing=true (saves ~{saved:.1f} GiB)")
     if not cfg.model.patch:
@@ -155,7 +179,7 @@ def render(est: dict) -> str:
     def g(x):
         return f"{x / GiB:8.2f} GiB"
 
-    ck = est["gradient_checkpointing"]
+    mp, hw = est["memory_plan"], est["hardware"]
     n = est["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     emb = " + NF4 input embedding" if est["nf4_embedding_params"] else ""
@@ -167,22 +191,28 @@ def render(est: dict) -> str:
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
-             f"  optimizer states (AdamW)     {g(est['optimizer'])}",
+             f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"] if est["qlora"] else []),
-             f"  activations, no checkpointing {g(est['activations_no_ckpt'])}" + ("" if ck else "   <- this run"),
-             f"  activations, checkpointing   {g(est['activations_ckpt'])}" + ("   <- this run" if ck else ""),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"
              + ("   (~0 with novatune.patch's fused cross-entropy)" if est["patch"] else "   <- this run"),
-             f"  estimated peak               {g(est['peak'])}"
-             + (f"   (stock modules: {g(est['peak_stock']).strip()})" if est["patch"] else "")]
-    if est["gpu_mem"]:
-        lines.append(f"  GPU memory                   {g(est['gpu_mem'])}   ({est['gpu_source']}; "
-                     f"{int(HEADROOM * 100)}% usable)")
+             "  per decoder layer and micro-batch (kept until its backward / forward + backward time):",
+             *[f"    {p:<10} {g(c.bytes[p])}  {1e3 * c.seconds[p]:7.2f} ms" for c in est["layer_costs"][:1]
+               for p in ("keep", "selective", "recompute", "offload")],
+             f"  memory policy {est['policy']}: {mp.describe()}",
+             f"  activations kept             {g(mp.activation_bytes)}",
+             f"  backward transient           {g(mp.transient_bytes)}   (one recomputed layer; offload slots)",
+             f"  predicted peak               {g(est['peak'])}"
+             + (f"   (stock HF modules: {g(est['peak_stock']).strip()})" if est["patch"] else ""),
+             f"  predicted speed              {est['tokens_per_s']:8,.0f} tok/s   ({hw.matmul_tflops:.0f} TFLOP/s "
+             f"matmul, {hw.link_gbps:.0f} GB/s host link: {hw.source})",
+             *[f"  note: {n}" for n in mp.notes]]
+    if est["budget"]:
+        lines.append(f"  budget                       {g(est['budget'])}   ({est['budget_source']})")
         if est["oom"]:
             lines.append("WARNING: this run will likely run out of GPU memory. Try:")
             lines += [f"  - {t}" for t in est["advice"]]
         else:
-            lines.append(f"  fits, with {(HEADROOM * est['gpu_mem'] - est['peak']) / GiB:.1f} GiB to spare")
+            lines.append(f"  fits, with {(est['budget'] - est['peak']) / GiB:.1f} GiB to spare")
     else:
         lines.append("  no GPU here: pass --gpu-mem GiB to check against a GPU's memory")
     return "\n".join(lines)

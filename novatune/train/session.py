@@ -43,6 +43,9 @@ from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
+from novatune.train.config import memory_policy
+from novatune.train.memory import ASSUMED, MemoryPlan, needs_checkpointing, plan_for_run
+from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
     apply_patch,
@@ -55,6 +58,7 @@ from novatune.train.model import (
     prepare,
 )
 from novatune.train.optim import build_optimizer, build_scheduler
+from novatune.train.plan import plan as estimate
 from novatune.train.preflight import cpu_step_warning
 
 
@@ -127,6 +131,7 @@ class Session:
     packed_kwargs: str | None
     weights_bytes: int | None = None  # CUDA memory allocated once the model is built and patched (QLoRA: NF4)
     dist: Dist = dataclasses.field(default_factory=Dist)  # rank, world size, strategy (novatune/parallel)
+    memory_plan: MemoryPlan | None = None  # per-layer policies and the predicted peak (train/memory.py)
 
     def __post_init__(self):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -218,9 +223,11 @@ def pad_id_of(tokenizer) -> int:
 
 
 def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = None, console=None,
-                        before_model: Callable | None = None, select: Callable | None = None):
+                        before_model: Callable | None = None, select: Callable | None = None,
+                        memory_plan: MemoryPlan | None = None):
     """The model as the trainer trains it: built (QLoRA: NF4 linears), input embedding quantised when configured,
-    checkpointing and LoRA, then novatune.patch. Returns (model, patch report or None)."""
+    checkpointing and LoRA, the memory plan's per-layer policies, then novatune.patch. Returns (model, patch
+    report or None)."""
     if before_model is not None:
         before_model(model_config(cfg.model, tokenizer, base_dir))
     qlora = cfg.method.type == "qlora"
@@ -232,11 +239,30 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         msg = quantize_embeddings_(model, dtype)
         if console is not None:
             console.print(msg, highlight=False, markup=False)
-    model = prepare(model, cfg)
+    model = prepare(model, cfg, needs_checkpointing(memory_plan, cfg))
+    if memory_plan is not None:
+        install_memory_plan(model, memory_plan, pwrap.decoder_layers(model), device)
     report = apply_patch(model, cfg.model, select)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
     return model, report
+
+
+def memory_plan_for(cfg, base_dir, mconf, device, console, dist: Dist) -> MemoryPlan | None:
+    """The run's memory plan (train/memory.py), before the model is built. Under the stock policies (none,
+    checkpoint) the plan only predicts the peak: a model the estimate cannot build on the meta device trains
+    without the prediction, and says so; any other policy needs the plan and raises."""
+    shards = dist.world if dist.active and dist.strategy == "fsdp2" else 1
+    try:
+        est = estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED)
+    except Exception as e:  # noqa: BLE001 - any failure of the estimate; re-raised where the plan is needed
+        if memory_policy(cfg.memory) not in ("none", "checkpoint"):
+            raise
+        if console is not None:
+            console.print(f"memory: no predicted peak for this model ({type(e).__name__}: {e})", highlight=False,
+                          markup=False)
+        return None
+    return plan_for_run(cfg, est, mconf, device, console, shards)
 
 
 def join(cfg) -> Dist:
@@ -274,7 +300,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if console is not None:
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
-    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select)
+    memory_plan = memory_plan_for(cfg, base_dir, mconf, device, console, dist)
+    model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select,
+                                        memory_plan)
     if model_hook is not None:
         model_hook(model)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -293,4 +321,4 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
                                                        / cfg.train.grad_accum)
     sched = build_scheduler(opt, cfg.train, total_steps)
     return Session(cfg, model, tokenizer, data, stream, opt, sched, report, device, dtype, total_steps,
-                   packed_kwargs_mode(cfg, report), weights, dist)
+                   packed_kwargs_mode(cfg, report), weights, dist, memory_plan)

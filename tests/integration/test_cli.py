@@ -46,9 +46,20 @@ def test_env_reports_versions_and_backends():
 
 def test_plan_warns_before_oom():
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "24")
-    assert r.returncode == 1 and "WARNING" in r.stdout and "estimated peak" in r.stdout
+    assert r.returncode == 1 and "WARNING" in r.stdout and "predicted peak" in r.stdout
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80")
     assert r.returncode == 0 and "fits" in r.stdout
+
+
+def test_plan_prints_the_memory_policy_it_chooses():
+    r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "40", "--set", "memory.policy=auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    chosen = next(x for x in r.stdout.splitlines() if "memory policy auto:" in x)
+    assert "offload" in chosen and "keep x36" not in chosen  # 40 GiB cannot keep every layer's activations
+    for words in ("predicted peak", "predicted speed", "tok/s", "fits, with"):
+        assert words in r.stdout
+    r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "30", "--set", "memory.policy=auto")
+    assert r.returncode == 1 and "WARNING" in r.stdout and "method.type=lora" in r.stdout
 
 
 @pytest.mark.parametrize("args,key", [

@@ -107,6 +107,18 @@ def test_fsdp2_two_processes_equal_one(one_proc, fsdp_two):
 
 
 @pytest.mark.slow  # two torchrun launches: ~50-95 s on a busy 2-core machine
+def test_fsdp2_with_offloaded_and_selective_layers_equals_one_process(one_proc, tmp_path):
+    """The memory policies run inside FSDP2's gathered layers (its hooks sit outside the checkpoint function):
+    one layer offloaded (every saved tensor through the engine's host buffers), one selectively recomputed."""
+    out = tmp_path / "run"
+    torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2", "--set", "memory.policy=per-layer",
+             "--set", "memory.layers=[offload, selective]", "--set", "memory.offload_min_bytes=0")
+    assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))
+    assert_same_weights(one_proc / "final", out / "final")
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    assert 0 < rows[0]["offloaded_gib"] < rows[-1]["offloaded_gib"]  # the engine moved layer 0's inputs
+
+
 def test_fsdp2_killed_run_resumes_the_same_curve(fsdp_two, tmp_path):
     out = tmp_path / "run"
     fsdp2 = ("--set", "parallel.strategy=fsdp2")

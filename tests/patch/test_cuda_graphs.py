@@ -279,3 +279,23 @@ def test_graph_static_packed_batch_and_isolated_choices():
 def test_buckets_round_up_to_powers_of_two():
     assert [graphs._pow2_at_least(n, 8) for n in (1, 8, 9, 33)] == [8, 8, 16, 64]
     assert graphs._pow2_at_least(1500, 256) == 2048
+
+
+def test_layers_with_another_memory_policy_stay_out_of_the_graphs():
+    """The graphs capture the stock recompute; a layer that keeps or offloads its activations (novatune/memory)
+    makes the runner leave the batch eager, with the reason in the report; recompute layers do not."""
+    from novatune.memory.offload import OffloadEngine
+    from novatune.memory.policy import install
+
+    model = _cpu_model()
+    novatune.patch(model, cuda_graphs=False, tune=False)
+    stack, state = _find_state(model.get_base_model())
+    layers = list(stack.layers)
+    runner = graphs.LayerGraphRunner(layers, state, full_training=False)
+    install(layers, ["recompute"] * len(layers))
+    runner.ensure_installed()
+    assert runner._check_layers() is None
+    runner.uninstall()
+    install(layers, ["offload"] + ["recompute"] * (len(layers) - 1), OffloadEngine("cpu"))
+    runner.ensure_installed()
+    assert "memory policy keeps or offloads" in runner._check_layers()

@@ -1,0 +1,180 @@
+"""The memory planner: bytes and time per decoder layer under each policy, and the fastest assignment that fits.
+
+Inputs are plain numbers (the model's shapes, the micro-batch's tokens, the card's rates), so the planner needs no
+model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes per element:
+
+  kept until the backward (bytes / T / b)      stock HF modules         novatune.patch's fused modules
+    keep        every saved tensor              8h + 5q + 5kv + 4i       4h + 3q + 3kv + 3i
+    selective   input + matrix-product outputs  3h + 2q + 2kv + 2i       (the same: GEMMs and attention are kept)
+    recompute   the layer's input               h                        h
+    offload     nothing on the device           0                        0
+  h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate. The stock row is HF's eager modules:
+  each RMSNorm keeps an fp32 copy of its input, its normalised bf16 value and its output (4 elements per h), the
+  q/k-norms the same per q and kv, RoPE's outputs and v go to attention, which keeps its output; four (T x i) MLP
+  tensors. The fused row keeps each norm's input and its per-row statistics, the projections' outputs,
+  attention's output, and SwiGLU's gate, up and product. Both rows match the saved-tensor bytes counted on a tiny
+  Qwen3 (tests/memory/test_planner.py) within a few percent.
+  Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
+  While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
+  two device slots of the input's size.
+
+  time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
+    keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
+    recompute  keep + F (the forward again)
+    selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth)
+    offload    recompute + the part of each copy (input bytes at the host link's rate) that the layer's own
+               forward (out) or the next layer's backward (back) does not hide, + a fixed cost per copy
+
+`choose` searches every count of (offload, recompute, selective, keep) layers, placed in that order from the first
+layer (early layers have the longest wait before their backward, so their copies hide best; the last layers'
+activations are the first the backward frees), and returns the fastest that fits the budget.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from novatune.memory.policy import POLICIES
+
+GiB = 2**30
+COPY_OVERHEAD_S = 30e-6  # events, stream switches and the copy launch of one offloaded tensor
+GEMM_EFFICIENCY = 0.75  # share of the square-matmul rate a training step's GEMMs reach (thin LoRA ones less)
+
+# state bytes per trainable parameter of each optimizer, as a function of the parameters' own bytes
+OPTIMIZER_STATE_BYTES = {
+    "adamw": lambda param_bytes: 2 * param_bytes,  # torch AdamW: exp_avg and exp_avg_sq in the parameter dtype
+}
+
+
+def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
+    """Bytes of optimizer state per trainable parameter (train.optimizer's choices register here)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"the planner has no state size for optimizer {optimizer!r}; add it to "
+                         f"novatune.memory.planner.OPTIMIZER_STATE_BYTES (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
+    return OPTIMIZER_STATE_BYTES[optimizer](param_bytes)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer as the planner sees it, for one micro-batch."""
+    hidden: int
+    q_dim: int  # heads x head_dim
+    kv_dim: int  # kv_heads x head_dim
+    intermediate: int
+    heads: int
+    tokens: int  # tokens per micro-batch
+    dtype_bytes: int
+    attended_keys: float  # mean keys each query attends to (causal within documents: ~ document length / 2)
+    trained_share: float = 1.0  # share of the layer's matmul weights that get gradients (LoRA: ~0)
+    fused: bool = True  # novatune.patch's fused modules (False: stock HF modules)
+
+    @property
+    def gemm_params(self) -> int:
+        h = self.hidden
+        return h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 3 * h * self.intermediate
+
+
+@dataclass(frozen=True)
+class Hardware:
+    matmul_tflops: float  # dense bf16 matmul rate (measured, or the datasheet's)
+    hbm_gbps: float  # device memory bandwidth (copy rate)
+    link_gbps: float  # host <-> device copy rate with pinned memory (PCIe / C2C)
+    source: str = "assumed"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    bytes: dict  # policy -> bytes kept on the device from the forward to the backward
+    seconds: dict  # policy -> forward + backward time
+    transient: int  # bytes a recomputed layer holds again during its backward
+    input_bytes: int
+
+
+def saved_elements_per_token(s: LayerShape) -> dict:
+    """Elements per token a layer keeps for its backward under each policy (module docstring's table)."""
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    keep = 4 * h + 3 * q + 3 * kv + 3 * i if s.fused else 8 * h + 5 * q + 5 * kv + 4 * i
+    return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
+
+
+def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
+    per_token = saved_elements_per_token(s)
+    lse = 4 * s.heads * s.tokens  # attention's fp32 log-sum-exp, kept by keep and selective
+    nbytes = {p: n * s.tokens * s.dtype_bytes + (lse if p in ("keep", "selective") else 0)
+              for p, n in per_token.items()}
+    rate = hw.matmul_tflops * 1e12 * GEMM_EFFICIENCY
+    gemm = 2 * s.tokens * s.gemm_params / rate
+    attn = 4 * s.tokens * s.attended_keys * s.q_dim / rate
+    forward = gemm + attn
+    backward = (1 + s.trained_share) * gemm + 2 * attn
+    elementwise = 2 * (nbytes["keep"] - nbytes["selective"]) / (hw.hbm_gbps * 1e9)  # read + write, forward
+    copy = nbytes["recompute"] / (hw.link_gbps * 1e9)
+    exposed = max(0.0, copy - forward) + max(0.0, copy - (forward + backward)) + 2 * COPY_OVERHEAD_S
+    keep = forward + backward
+    seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise,
+               "offload": keep + forward + exposed}
+    return LayerCost(nbytes, seconds, nbytes["keep"], nbytes["recompute"])
+
+
+@dataclass
+class Plan:
+    policies: list[str]
+    peak_bytes: int
+    seconds: float  # decoder layers' forward + backward per micro-batch
+    fits: bool
+    budget_bytes: int | None
+    static_bytes: int
+    activation_bytes: int  # kept between forward and backward, over all layers
+    transient_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict:
+        return {p: self.policies.count(p) for p in POLICIES if p in self.policies}
+
+    def describe(self) -> str:
+        """Runs of equal policies: 'offload x30, keep x6'."""
+        runs = [(p, len(list(g))) for p, g in itertools.groupby(self.policies)]
+        return ", ".join(f"{p} x{n}" for p, n in runs)
+
+
+def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None) -> Plan:
+    """The peak and time of one assignment: static + every layer's kept bytes + the largest transient (a layer
+    recomputed in the backward, or the last kept layer's backward) + the offload slots."""
+    kept = sum(c.bytes[p] for c, p in zip(costs, policies))
+    transient = max((c.transient for c, p in zip(costs, policies) if p in ("recompute", "selective", "offload")),
+                    default=0)
+    if "offload" in policies:
+        transient += 2 * max(c.input_bytes for c in costs)
+    peak = static_bytes + kept + transient
+    seconds = sum(c.seconds[p] for c, p in zip(costs, policies))
+    return Plan(list(policies), peak, seconds, budget is None or peak <= budget, budget, static_bytes, kept,
+                transient)
+
+
+def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
+           allowed: tuple[str, ...] = POLICIES) -> Plan:
+    """The fastest assignment that fits `budget` (module docstring); without a budget, every layer kept. When
+    nothing fits, the assignment with the smallest peak, marked fits=False."""
+    n = len(costs)
+    order = [p for p in ("offload", "recompute", "selective", "keep") if p in allowed]
+    best: Plan | None = None
+    smallest: Plan | None = None
+    for counts in _compositions(n, len(order)):
+        policies = [p for p, k in zip(order, counts) for _ in range(k)]
+        plan = evaluate(policies, costs, static_bytes, budget)
+        if smallest is None or plan.peak_bytes < smallest.peak_bytes:
+            smallest = plan
+        if plan.fits and (best is None or plan.seconds < best.seconds
+                          or (plan.seconds == best.seconds and plan.peak_bytes < best.peak_bytes)):
+            best = plan
+    return best if best is not None else smallest
+
+
+def _compositions(n: int, parts: int):
+    """Every tuple of `parts` non-negative counts summing to n."""
+    if parts == 1:
+        yield (n,)
+        return
+    for first in range(n + 1):
+        for rest in _compositions(n - first, parts - 1):
+            yield (first, *rest)

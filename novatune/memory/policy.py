@@ -1,0 +1,126 @@
+"""Per-layer memory policies, applied where Hugging Face checkpoints a decoder layer.
+
+transformers' GradientCheckpointingLayer calls `layer._gradient_checkpointing_func(partial(forward, **kwargs), *args)`
+when gradient checkpointing is on and the layer trains. `install` replaces that function per layer with a
+`LayerPolicy`, which runs the layer as its policy says:
+
+  keep        no checkpoint: the layer's saved tensors stay on the device until its backward (fastest, most memory)
+  recompute   the stock non-reentrant checkpoint: only the layer's inputs are kept, the whole layer is recomputed
+  selective   a checkpoint that keeps the matrix products' outputs (GEMMs, attention) and recomputes the elementwise
+              ops (norms, activation, RoPE) from them: most of the recompute's time back for part of the memory
+  offload     `recompute`, with the kept inputs moved to host memory until the backward (memory/offload.py)
+
+Module hooks (FSDP2's all-gather, PEFT's) run outside this function, so every policy runs on the gathered layer.
+The policy of a layer changes which tensors are kept, never the arithmetic: gradients equal the stock checkpoint's.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from novatune.memory.offload import OffloadEngine
+
+POLICIES = ("keep", "recompute", "selective", "offload")
+# memory.policy (one word for every layer) -> the layer policy; auto and per-layer are resolved by the caller
+UNIFORM = {"none": "keep", "checkpoint": "recompute", "offload": "offload", "selective": "selective"}
+
+# ops whose outputs `selective` keeps: the matrix products (the time of a recompute) and attention
+_SAVED_OP_NAMES = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "lora_linear_fwd", "matmul_4bit"}
+_ATTENTION = re.compile(r"attention|attn")
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    name = getattr(op, "_opname", None) or str(op)  # OpOverload: "mm"; a higher-order op: its name
+    if name in _SAVED_OP_NAMES or _ATTENTION.search(name):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+class LayerPolicy:
+    """Stands in for one decoder layer's `_gradient_checkpointing_func` (module docstring)."""
+
+    def __init__(self, policy: str, index: int, inner, engine: OffloadEngine | None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown layer policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if policy == "offload" and engine is None:
+            raise ValueError("the offload policy needs an OffloadEngine")
+        self.policy, self.index, self.inner, self.engine = policy, index, inner, engine
+        # patch/graphs.py captures the stock recompute only; a layer kept or offloaded runs outside its graphs
+        self.graphs_compatible = policy == "recompute"
+
+    def __call__(self, fn, *args, **kwargs):
+        if self.policy == "recompute":
+            return self.inner(fn, *args, **kwargs)
+        if self.policy == "keep":
+            return fn(*args, **kwargs)
+        if self.policy == "selective":
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
+        with self.engine.layer(self.index):
+            return self.inner(fn, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerPolicy({self.policy!r}, layer {self.index})"
+
+
+def stock_checkpoint():
+    """The function transformers installs for non-reentrant checkpointing (the `recompute` policy's own)."""
+    return functools.partial(checkpoint, use_reentrant=False)
+
+
+def install(layers: list[torch.nn.Module], policies: list[str], engine: OffloadEngine | None = None) -> None:
+    """Give each decoder layer its policy. Checkpointing must already be on (the layers carry
+    `_gradient_checkpointing_func`); `keep` layers then simply skip it."""
+    if len(layers) != len(policies):
+        raise ValueError(f"{len(policies)} layer policies for {len(layers)} decoder layers")
+    for i, (layer, policy) in enumerate(zip(layers, policies)):
+        inner = layer.__dict__.get("_gradient_checkpointing_func")
+        if inner is None or not getattr(layer, "gradient_checkpointing", False):
+            raise ValueError(f"decoder layer {i} ({type(layer).__name__}) is not gradient-checkpointed: call "
+                             f"model.gradient_checkpointing_enable() before installing memory policies")
+        if isinstance(inner, LayerPolicy):
+            inner = inner.inner
+        layer.__dict__["_gradient_checkpointing_func"] = LayerPolicy(policy, i, inner, engine)
+
+
+def uninstall(layers: list[torch.nn.Module]) -> None:
+    for layer in layers:
+        f = layer.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(f, LayerPolicy):
+            layer.__dict__["_gradient_checkpointing_func"] = f.inner
+
+
+def installed(layers: list[torch.nn.Module]) -> list[str]:
+    """Each layer's policy as installed ('recompute' where HF's own checkpoint function is in place)."""
+    out = []
+    for layer in layers:
+        f = layer.__dict__.get("_gradient_checkpointing_func")
+        while f is not None and not isinstance(f, LayerPolicy) and hasattr(f, "inner"):
+            f = f.inner  # patch/graphs.py wraps whatever it finds
+        out.append(f.policy if isinstance(f, LayerPolicy) else "recompute" if f is not None else "keep")
+    return out
+
+
+def expand_layers(spec: list[str], num_layers: int) -> list[str]:
+    """memory.layers -> one policy per layer. Items are a policy, or `policy*N` for N layers in a row:
+    [offload*30, keep*6] for 36 layers. Raises ValueError naming the fix."""
+    out: list[str] = []
+    for item in spec:
+        name, _, count = str(item).partition("*")
+        name = name.strip()
+        if name not in POLICIES:
+            raise ValueError(f"{item!r}: unknown layer policy {name!r}; use one of {', '.join(POLICIES)}, "
+                             f"optionally with *N for N layers")
+        if count and not count.strip().isdigit():
+            raise ValueError(f"{item!r}: the count after * must be a whole number, e.g. offload*30")
+        out += [name] * (int(count) if count else 1)
+    if len(out) != num_layers:
+        raise ValueError(f"memory.layers names {len(out)} layers but the model has {num_layers}; give one policy per "
+                         f"decoder layer, e.g. [offload*{max(num_layers - 4, 0)}, keep*{min(num_layers, 4)}]")
+    return out

@@ -1,0 +1,176 @@
+"""The run's memory policy: which decoder layers keep, recompute, recompute selectively or offload their activations.
+
+`resolve(cfg, est, ...)` turns memory.policy into one policy per layer (auto: novatune.memory.planner.choose under
+memory.budget_gib, default the card's free memory minus a margin) and predicts the peak; it runs before the model
+is built, so a plan that cannot fit stops the run with the numbers and the fix. `install(model, plan, device)`
+puts the policies on the built model's decoder layers (after checkpointing and LoRA, before novatune.patch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from novatune.memory import planner
+from novatune.memory.offload import OffloadEngine
+from novatune.memory.policy import UNIFORM, expand_layers
+from novatune.memory.policy import install as install_policies
+from novatune.train.config import memory_policy
+from novatune.train.errors import SetupError
+
+GiB = 2**30
+MARGIN = 0.08  # of the card's memory: CUDA context, allocator fragmentation, workspaces
+# rates assumed where no GPU can be measured (an H100 SXM-class card: measured bf16 matmul, HBM copy, PCIe 5)
+ASSUMED = planner.Hardware(matmul_tflops=700.0, hbm_gbps=3000.0, link_gbps=50.0,
+                           source="assumed H100-class rates (run on the GPU to measure)")
+
+
+@dataclass
+class MemoryPlan:
+    """What the session installed and predicted (the metrics rows log `predicted_peak_gib` beside the peak)."""
+    plan: planner.Plan
+    policy: str  # memory.policy as resolved (auto, checkpoint, ...)
+    hardware: planner.Hardware
+    tokens: int  # per micro-batch
+    offload_min_bytes: int = 1 << 20
+    predicted_tokens_per_s: float | None = None  # at measured rates only (auto on a GPU)
+    engine: OffloadEngine | None = None
+
+    @property
+    def predicted_peak_gib(self) -> float:
+        return self.plan.peak_bytes / GiB
+
+
+def hardware(device: torch.device) -> planner.Hardware:
+    """The card's matmul rate, memory and host-link bandwidth, measured (a second or two); assumed on the CPU."""
+    if device.type != "cuda":
+        return ASSUMED
+    from novatune.measure.timing import copy_bandwidth_gbps, host_link_gbps, matmul_tflops
+
+    with torch.cuda.device(device):
+        hw = planner.Hardware(matmul_tflops(), copy_bandwidth_gbps(2**28), host_link_gbps(),
+                              source=f"measured on {torch.cuda.get_device_name(device)}")
+    torch.cuda.empty_cache()
+    return hw
+
+
+def default_budget(device: torch.device | None, budget_gib: float | None = None,
+                   gpu_mem_gib: float | None = None) -> tuple[int | None, str]:
+    """The memory to plan for: memory.budget_gib as given; else a card of --gpu-mem GiB minus the margin; else
+    this card's free memory minus the margin; None without a GPU."""
+    if budget_gib:
+        return int(budget_gib * GiB), "memory.budget_gib"
+    if gpu_mem_gib:
+        return int(gpu_mem_gib * GiB * (1 - MARGIN)), f"{gpu_mem_gib:g} GiB minus {MARGIN:.0%}"
+    if device is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - MARGIN * total), f"{torch.cuda.get_device_name(device)}: free memory minus {MARGIN:.0%}"
+    return None, "no GPU: no budget (pass --gpu-mem or memory.budget_gib)"
+
+
+def layer_shape(cfg, mconf, trained_share: float) -> planner.LayerShape:
+    h = mconf.hidden_size
+    hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    # causal attention within documents: a query sees about half its document; synthetic data names its median
+    doc = min([s.median_length for s in cfg.data.sources if s.type == "synthetic"] or [cfg.data.max_length])
+    return planner.LayerShape(hidden=h, q_dim=mconf.num_attention_heads * hd, kv_dim=mconf.num_key_value_heads * hd,
+                              intermediate=mconf.intermediate_size, heads=mconf.num_attention_heads, tokens=tokens,
+                              dtype_bytes=4 if cfg.model.dtype == "fp32" else 2,
+                              attended_keys=min(doc, cfg.data.max_length) / 2, trained_share=trained_share,
+                              fused=bool(cfg.model.patch))
+
+
+def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
+    trained = 0.0 if cfg.method.type in ("lora", "qlora") else 1.0
+    return [planner.layer_cost(layer_shape(cfg, mconf, trained), hw)] * mconf.num_hidden_layers
+
+
+def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, shards: int = 1) -> planner.Plan:
+    """One policy per decoder layer for memory.policy, its predicted peak (est's static bytes + activations) and
+    time. auto picks the fastest that fits; a fixed policy is evaluated as asked (plan.fits says whether).
+    `shards`: FSDP2's world size (weights, gradients and optimizer states are split across the ranks)."""
+    n = mconf.num_hidden_layers
+    costs = layer_costs(cfg, mconf, hw)
+    static = static_bytes(est, shards)
+    policy = memory_policy(cfg.memory)
+    if policy == "auto":
+        plan = planner.choose(costs, static, budget)
+        if budget is None:
+            plan.notes.append("no memory budget known (no GPU, no memory.budget_gib): every layer keeps its "
+                              "activations")
+    elif policy == "per-layer":
+        try:
+            layers = expand_layers(cfg.memory.layers, n)
+        except ValueError as e:
+            raise SetupError(f"memory.layers: {e}") from None
+        plan = planner.evaluate(layers, costs, static, budget)
+    else:
+        plan = planner.evaluate([UNIFORM[policy]] * n, costs, static, budget)
+    return plan
+
+
+def static_bytes(est: dict, shards: int = 1) -> int:
+    """Everything but the decoder layers' activations: weights, gradients, optimizer states (split over FSDP2's
+    `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off."""
+    sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
+    return int(sharded + est["dequant"] + (0 if est["patch"] else est["logits_stock"]))
+
+
+def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware) -> float:
+    """Tokens per second of the decoder layers' time plus lm_head's (forward, input gradient and, when it trains,
+    its weight gradient) at the same GEMM rate; embeddings, norms outside the layers and the optimizer are left
+    out (a few percent of a step)."""
+    head_flops = (4 if cfg.method.type in ("lora", "qlora") else 6) * mconf.vocab_size * mconf.hidden_size
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    rate = hw.matmul_tflops * 1e12 * planner.GEMM_EFFICIENCY
+    return tokens / (plan.seconds + head_flops * tokens / rate)
+
+
+def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
+    which = "the smallest plan" if policy == "auto" else "the plan"
+    return (f"memory.policy {policy}: {which} ({plan.describe()}) needs {plan.peak_bytes / GiB:.1f} GiB "
+            f"(weights, gradients and optimizer states {plan.static_bytes / GiB:.1f} GiB, activations "
+            f"{(plan.activation_bytes + plan.transient_bytes) / GiB:.1f} GiB) but the budget is "
+            f"{plan.budget_bytes / GiB:.1f} GiB ({budget_source}); lower data.max_length or train.micro_batch "
+            f"(raise train.grad_accum for the same batch), use method.type: lora or qlora, or raise "
+            f"memory.budget_gib")
+
+
+def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shards: int = 1) -> MemoryPlan:
+    """The session's memory plan, before the model exists: the budget, the resolved policies (auto: at the card's
+    measured rates). auto that cannot fit raises SetupError with the numbers and the fix; a fixed policy over the
+    budget is warned about with the same numbers (the estimate may be pessimistic; the run goes on)."""
+    policy = memory_policy(cfg.memory)
+    measured = policy == "auto" and device.type == "cuda"
+    hw = hardware(device) if measured else ASSUMED
+    budget, source = default_budget(device, cfg.memory.budget_gib)
+    plan = resolve(cfg, est, mconf, hw, budget, shards)
+    if policy == "auto" and not plan.fits:
+        raise SetupError(no_fit_message(plan, policy, source))
+    if console is not None and not plan.fits:
+        console.print(f"[bold yellow]warning: {no_fit_message(plan, policy, source)}; or set memory.policy: "
+                      f"auto[/]", highlight=False)
+    if console is not None and policy not in ("none", "checkpoint"):
+        console.print(f"memory: {policy} -> {plan.describe()}; predicted peak {plan.peak_bytes / GiB:.1f} GiB"
+                      + (f" of {budget / GiB:.1f} GiB ({source})" if budget else "")
+                      + "".join(f"; {n}" for n in plan.notes), highlight=False)
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    speed = predicted_tokens_per_s(cfg, mconf, plan, hw) if measured else None
+    return MemoryPlan(plan, policy, hw, tokens, cfg.memory.offload_min_bytes, speed)
+
+
+def needs_checkpointing(mp: MemoryPlan | None, cfg=None) -> bool:
+    """Whether HF's gradient checkpointing goes on: some layer does not keep its activations."""
+    if mp is None:
+        return memory_policy(cfg.memory) != "none"
+    return any(p != "keep" for p in mp.plan.policies)
+
+
+def install(model, mp: MemoryPlan, layers: list, device: torch.device) -> MemoryPlan:
+    """Put the plan's policies on the decoder layers (checkpointing is on whenever a layer does not keep)."""
+    if all(p == "recompute" for p in mp.plan.policies) or not needs_checkpointing(mp):
+        return mp  # HF's own checkpointing (or none) is exactly that
+    mp.engine = OffloadEngine(device, mp.offload_min_bytes) if "offload" in mp.plan.policies else None
+    install_policies(layers, mp.plan.policies, mp.engine)
+    return mp

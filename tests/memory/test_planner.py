@@ -1,0 +1,165 @@
+"""The memory planner: the choice on synthetic layer costs at the budget's edges, its byte model against the
+saved tensors torch really keeps for a tiny Qwen3, selective recompute recomputing no GEMM, the optimizer bytes."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import transformers
+
+from novatune.memory import planner
+from novatune.memory.planner import LayerCost, LayerShape, choose, evaluate, saved_elements_per_token
+
+# 4 identical layers: keep 10 bytes, selective 6, recompute 1, offload 0 (+ two 1-byte slots); a recomputed
+# layer's backward holds 2 bytes again; static 100
+COST = LayerCost(bytes={"keep": 10, "selective": 6, "recompute": 1, "offload": 0},
+                 seconds={"keep": 1.0, "selective": 1.05, "recompute": 1.3, "offload": 1.35}, transient=2,
+                 input_bytes=1)
+
+
+@pytest.mark.parametrize("budget,want,peak", [
+    (None, ["keep"] * 4, 140),  # no budget: nothing limits
+    (140, ["keep"] * 4, 140),  # exactly the peak fits
+    (139, ["selective"] + ["keep"] * 3, 138),
+    (137, ["selective"] * 2 + ["keep"] * 2, 134),
+    (134, ["selective"] * 2 + ["keep"] * 2, 134),
+    (133, ["selective"] * 3 + ["keep"], 130),  # faster than [recompute, keep x3] (also 133)
+    (129, ["selective"] * 4, 126),
+    (125, ["recompute", "selective", "selective", "keep"], 125),
+    (124, ["recompute"] + ["selective"] * 3, 121),  # recompute before offload: smaller than needed, and faster
+    (104, ["offload"] * 4, 104),  # the smallest plan: every layer offloaded, two slots
+])
+def test_choose_takes_the_fastest_plan_that_fits(budget, want, peak):
+    plan = choose([COST] * 4, 100, budget)
+    assert plan.policies == want and plan.peak_bytes == peak and plan.fits
+    assert plan.seconds == pytest.approx(sum(COST.seconds[p] for p in want))
+
+
+def test_nothing_fits_returns_the_smallest_plan_marked():
+    plan = choose([COST] * 4, 100, 103)
+    assert not plan.fits and plan.policies == ["offload"] * 4 and plan.peak_bytes == 104
+
+
+def test_allowed_policies_and_the_order_of_layers():
+    plan = choose([COST] * 4, 100, 120, allowed=("recompute", "keep"))
+    assert plan.policies == ["recompute"] * 3 + ["keep"] and plan.peak_bytes == 100 + 13 + 2
+    assert evaluate(["keep", "offload", "recompute", "keep"], [COST] * 4, 100, 10).describe() == \
+        "keep x1, offload x1, recompute x1, keep x1"
+
+
+def test_optimizer_state_bytes():
+    assert planner.optimizer_state_bytes("adamw", 2) == 4 and planner.optimizer_state_bytes("adamw", 4) == 8
+    with pytest.raises(ValueError, match="OPTIMIZER_STATE_BYTES"):
+        planner.optimizer_state_bytes("lion", 2)
+
+
+def test_times_order_and_offload_hides_its_copies_behind_the_layer():
+    shape = LayerShape(hidden=2560, q_dim=4096, kv_dim=1024, intermediate=9728, heads=32, tokens=4096,
+                       dtype_bytes=2, attended_keys=300)
+    fast = planner.layer_cost(shape, planner.Hardware(700, 3000, 50))
+    t = fast.seconds
+    assert t["keep"] < t["selective"] < t["recompute"] < t["offload"]
+    assert t["offload"] - t["recompute"] == pytest.approx(2 * planner.COPY_OVERHEAD_S)  # 21 MB at 50 GB/s: hidden
+    slow_link = planner.layer_cost(shape, planner.Hardware(700, 3000, 1))  # 1 GB/s: the copy shows
+    assert slow_link.seconds["offload"] - slow_link.seconds["recompute"] > 10e-3
+
+
+# ---------------------------------------------------------------------------------------------- the byte model
+class _SavesLikeFlashAttention(torch.autograd.Function):
+    """Keeps what FlashAttention keeps for its backward: q, k, v, the output and an fp32 log-sum-exp per head and
+    token (the CPU's attention keeps a T x T matrix instead, which no GPU path does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, heads: int):
+        out = q * 1.0
+        ctx.save_for_backward(q, k, v, out, torch.zeros(heads, q.numel() // q.shape[-1] // heads))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("forward only: the test counts saved bytes")
+
+
+def _hf_attention(module, q, k, v, mask, **kw):  # q: (batch, heads, tokens, head_dim)
+    return _SavesLikeFlashAttention.apply(q, k, v, q.shape[1]).transpose(1, 2).contiguous(), None
+
+
+SHAPE = dict(hidden_size=160, intermediate_size=608, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+
+
+def _saved_bytes_per_layer(fused: bool, checkpointed: bool, monkeypatch, tokens=64) -> int:
+    """Bytes autograd keeps after a forward of 3 layers minus after 2: one decoder layer's share, without what
+    every layer shares (cos/sin, the embedding, the loss) and without parameters."""
+    transformers.AttentionInterface.register("novatune_test_saves", _hf_attention)
+    forwards = importlib.import_module("novatune.patch.forwards")
+    monkeypatch.setattr(forwards, "varlen_attention",
+                        lambda q, k, v, packed, **kw: _SavesLikeFlashAttention.apply(q, k, v, q.shape[1]))
+
+    def count(layers: int) -> int:
+        cfg = transformers.Qwen3Config(vocab_size=97, num_hidden_layers=layers, use_cache=False, **SHAPE)
+        cfg._attn_implementation = "novatune_test_saves"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if fused:
+            from novatune.patch.apply import patch
+
+            patch(model)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids, pos = torch.randint(0, 97, (1, tokens)), torch.arange(tokens)[None]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        return sum(storages.values())
+
+    return count(3) - count(2)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stock", "patched"])
+def test_byte_model_matches_the_saved_tensors(fused, monkeypatch):
+    shape = LayerShape(hidden=160, q_dim=256, kv_dim=64, intermediate=608, heads=8, tokens=64, dtype_bytes=2,
+                       attended_keys=32, fused=fused)
+    cost = planner.layer_cost(shape, planner.Hardware(700, 3000, 50))
+    measured = _saved_bytes_per_layer(fused, checkpointed=False, monkeypatch=monkeypatch)
+    # the model is a per-token count: within 3% of what torch keeps (0.4% stock, 0.7% patched when written)
+    assert cost.bytes["keep"] == pytest.approx(measured, rel=0.03)
+    # a checkpointed layer keeps exactly its input
+    assert _saved_bytes_per_layer(fused, checkpointed=True, monkeypatch=monkeypatch) == cost.bytes["recompute"]
+    assert saved_elements_per_token(shape)["recompute"] == 160
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "selective", "keep"])
+def test_selective_recompute_runs_no_matmul_again(policy):
+    from novatune.memory.policy import install
+
+    cfg = transformers.Qwen3Config(vocab_size=97, num_hidden_layers=1, use_cache=False, **SHAPE)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    install(list(model.model.layers), [policy])
+    out = model(input_ids=torch.randint(0, 97, (1, 16)), position_ids=torch.arange(16)[None], use_cache=False)
+    with _CountMatmuls() as counter:
+        out.logits.float().sum().backward()
+    # lm_head's backward: 2 matmuls (input and weight gradients). The decoder layer's 7 linears: 14 in the
+    # backward; recompute runs 6 of them again (the checkpoint stops early: down_proj's output is needed by nothing
+    # the backward keeps), selective none
+    assert counter.n - 2 == {"recompute": 20, "selective": 14, "keep": 14}[policy]
