@@ -61,11 +61,20 @@ class _Saved:
             self.engine._release_host(self.key, self.host, self.read or self.offloaded)
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """`cuda` as the tensors report it (`cuda:0`, the current device): the engine compares each saved tensor's
+    device with its own, and an index-less `cuda` equals no tensor's device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class OffloadEngine:
     """Moves offloaded layers' checkpoint inputs to host memory and back (module docstring). One per model."""
 
     def __init__(self, device: torch.device | str, min_bytes: int = MIN_OFFLOAD_BYTES):
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.min_bytes = min_bytes
         self.cuda = self.device.type == "cuda"
         if self.cuda:

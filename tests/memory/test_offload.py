@@ -150,3 +150,14 @@ def test_a_second_backward_through_offloaded_layers_fetches_again():
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
     assert engine.stats["unpacked_tensors"] == 8 and engine.stats["fetched_on_demand"] >= 2
+
+
+def test_an_index_less_cuda_device_is_the_current_one(monkeypatch):
+    """Tensors report `cuda:0`; an engine built for `cuda` (the run builder's device name) must compare equal,
+    or it offloads nothing."""
+    from novatune.memory.offload import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed("cuda") == torch.device("cuda", 3)
+    assert indexed("cuda:1") == torch.device("cuda", 1)
+    assert indexed("cpu") == torch.device("cpu")
