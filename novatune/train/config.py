@@ -34,6 +34,9 @@ class ModelConfig:
     patch: bool = True  # call novatune.patch(model, **patch_options) before training
     patch_options: dict = field(default_factory=dict)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # build layer by layer straight into the final form (dtype, device; QLoRA: NF4), never the whole model in a
+    # wider form first (novatune/train/load.py); false: transformers' from_config / from_pretrained
+    low_memory_load: bool = True
 
 
 @dataclass
@@ -103,6 +106,10 @@ class TrainConfig:
 @dataclass
 class MemoryConfig:
     gradient_checkpointing: bool = False
+    # the MLP on row chunks, each recomputed in the backward, so its (tokens x intermediate) activations never
+    # exist whole (novatune/patch/tiled.py). auto: batches whose intermediate exceeds 1 GiB (Qwen3-4B: from 55k
+    # tokens); true: every batch longer than one chunk; false: never. Part of novatune's patch (model.patch).
+    tiled_mlp: Literal["auto", True, False] = "auto"
 
 
 @dataclass

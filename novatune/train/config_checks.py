@@ -141,6 +141,12 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
                           "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "
                           "sharded by fully_shard, nor broadcast as plain parameters by DDP",
                           "use method.type: lora (frozen bf16 base, sharded) or parallel.strategy: none")
+    if cfg.memory.tiled_mlp is True and not m.patch:
+        raise ConfigError("memory.tiled_mlp", "the tiled MLP is part of novatune's patch, and model.patch is false",
+                          "set model.patch: true, or memory.tiled_mlp: auto / false")
+    if "tiled_mlp" in (m.patch_options or {}):
+        raise ConfigError("model.patch_options.tiled_mlp", "the MLP tiling is a memory setting",
+                          "set memory.tiled_mlp (auto, true or false) instead")
     # checkpoint / logging
     if cfg.checkpoint.save_every < 0:
         raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",

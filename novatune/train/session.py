@@ -227,7 +227,7 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         if console is not None:
             console.print(msg, highlight=False, markup=False)
     model = prepare(model, cfg)
-    report = apply_patch(model, cfg.model, select)
+    report = apply_patch(model, cfg.model, select, tiled_mlp=cfg.memory.tiled_mlp)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
     return model, report

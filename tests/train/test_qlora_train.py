@@ -53,7 +53,8 @@ def test_qlora_trains_resumes_and_exports_dense(make_cfg):
     assert type(base.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
     assert base.lm_head.weight.dtype == torch.float32  # lm_head stays dense (the run's dtype)
     losses = [full.losses[s] for s in sorted(full.losses)]
-    assert sorted(full.losses) == list(range(1, 7)) and losses[-1] < losses[0] - 0.2, losses
+    # the mean of the last three steps: one micro-batch's loss moves by ~0.3 with the batch drawn (and the init)
+    assert sorted(full.losses) == list(range(1, 7)) and sum(losses[3:]) / 3 < losses[0] - 0.2, losses
 
     cfg = qcfg(make_cfg, "killed", train=steps, memory=mem, checkpoint={"save_every": 2, "keep": 2})
     first = train(cfg, console=quiet(), stop_after=3)  # "killed" after step 3; the last checkpoint is step 2
