@@ -40,6 +40,22 @@ def _check_qlora(cfg: Config) -> None:
                               "weight and GEMM fp32)", "set model.dtype: bf16 (or auto)")
 
 
+def _check_optimizer(cfg: Config) -> None:
+    import importlib.util
+
+    from novatune.train.optim import BNB_FIX, BNB_OPTIMIZERS
+
+    t = cfg.train
+    if t.optimizer in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("train.optimizer", f"{t.optimizer} needs bitsandbytes, which is not installed", BNB_FIX)
+    if t.optimizer != "adamw" and t.fused_adamw is not None:
+        raise ConfigError("train.fused_adamw", f"applies to train.optimizer: adamw, not {t.optimizer}",
+                          "drop train.fused_adamw, or set train.optimizer: adamw")
+    if t.optimizer != "adamw" and cfg.parallel.strategy == "fsdp2":
+        raise ConfigError("train.optimizer", f"{t.optimizer} does not take FSDP2's sharded (DTensor) parameters",
+                          "set train.optimizer: adamw with parallel.strategy: fsdp2, or parallel.strategy: ddp")
+
+
 def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     from novatune.data.sources import detect_type, resolve_path
     from novatune.train.arch import ARCHS
@@ -136,6 +152,7 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         raise ConfigError("train.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}", "e.g. 1.0 (0: no clipping)")
     if t.max_skipped_steps < 0:
         raise ConfigError("train.max_skipped_steps", f"must be >= 0, got {t.max_skipped_steps}", "e.g. 3")
+    _check_optimizer(cfg)
     if cfg.parallel.strategy != "none" and cfg.method.type == "qlora":
         raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy} with qlora is not supported yet: the "
                           "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "

@@ -53,23 +53,25 @@ def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * decay
 
 
+def state_bytes(name: str, numel: int, element_size: int) -> int:
+    """Bytes of optimizer state `name` keeps for one trainable tensor of `numel` elements of `element_size` bytes."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    n = numel
+    if name == "adamw":
+        return 2 * n * element_size  # exp_avg, exp_avg_sq in the parameter's dtype
+    if name == "adamw_kahan":
+        return 8 * n + (n * element_size if element_size < 4 else 0)  # fp32 moments + the compensation
+    if name == "paged_adamw" or n < BNB_MIN_8BIT_SIZE:
+        return 8 * n  # bitsandbytes' 32-bit states are fp32 whatever the parameter's dtype
+    return 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)  # two uint8 moments, an fp32 scale per block each
+
+
 def optimizer_state_bytes(name: str, params: Iterable[torch.Tensor]) -> int:
     """Bytes of optimizer state `name` keeps for `params` (trainable tensors; meta tensors are fine). Paged
     optimizers' state may live on the host (PAGED); everything else stays on the parameters' device."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    total = 0
-    for p in params:
-        n, size = p.numel(), p.element_size()
-        if name == "adamw":
-            total += 2 * n * size  # exp_avg, exp_avg_sq in the parameter's dtype
-        elif name == "adamw_kahan":
-            total += 8 * n + (n * size if size < 4 else 0)  # fp32 moments + the compensation
-        elif name == "paged_adamw" or n < BNB_MIN_8BIT_SIZE:
-            total += 8 * n  # bitsandbytes' 32-bit states are fp32 whatever the parameter's dtype
-        else:
-            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)  # two uint8 moments, an fp32 scale per block each
-    return total
+    return sum(state_bytes(name, p.numel(), p.element_size()) for p in params) if name in OPTIMIZERS else \
+        state_bytes(name, 0, 0)
 
 
 class AdamWKahan(torch.optim.Optimizer):

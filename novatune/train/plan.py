@@ -4,7 +4,9 @@ The model is built on the meta device (no memory, exact parameter count). Estima
 
   weights      params x bytes(dtype)                      (LoRA: + adapter params)
   gradients    trainable x bytes(dtype)
-  optimizer    AdamW: 2 states x trainable x bytes(dtype)  (torch's AdamW keeps states in the param dtype)
+  optimizer    train.optimizer's state (novatune.train.optim.state_bytes): adamw 2 states x trainable x
+               bytes(dtype) (torch's AdamW keeps states in the param dtype); adamw_kahan 8 + 2 (bf16) bytes per
+               trainable parameter; the 8-bit ones ~2; paged_adamw 8 (pageable to the host)
   activations  stock HF modules, per token per layer ~ (20 h + 18 q + 18 kv + 8 i) x bytes/2 bytes: RMSNorm's fp32
                copies (~10 h each norm), q/k projections + q/k-norm fp32 copies + RoPE + attention in/out, the four
                (tokens x intermediate) MLP tensors. With gradient checkpointing: each layer's input (h) plus one
@@ -32,6 +34,8 @@ Without checkpointing the patched model needs less than estimated (fused norms/S
 from __future__ import annotations
 
 from pathlib import Path
+
+from novatune.train.optim import state_bytes
 
 GiB = 2**30
 HEADROOM = 0.92  # CUDA context, allocator fragmentation and workspace take the rest
@@ -112,7 +116,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None) ->
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
-        "weights": weights, "gradients": trainable * tb, "optimizer": 2 * trainable * tb,
+        "weights": weights, "gradients": trainable * tb, "optimizer": state_bytes(cfg.train.optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
     }
