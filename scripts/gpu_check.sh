@@ -10,6 +10,10 @@
 #   qlora: issue 6's QLoRA (not in the default list; needs the bitsandbytes wheel in .whl/): the NF4 / QLoRA-patch /
 #   merged-export GPU tests, then `novatune bench examples/qlora.yaml` (Qwen3-8B architecture, 2048-token rows,
 #   PEFT + bnb stock vs novatune) and the acceptance figures (peak <= 7 GiB, >= 2x stock tok/s, loss parity); < 6 min.
+#   lowmem: issue 15's items 3-5 (not in the default list; bitsandbytes wheel in .whl/): the tests of the low-memory
+#   build (the 8 GiB one included), the tiled MLP and the optimizers (CUDA kernel), then
+#   bench/experiments/exp_lowmem.py (QLoRA 8B capped at 8 GiB vs uncapped, LoRA r16 seed peak, a 65k-token row
+#   tiled vs untiled; LOWMEM_BLOCKS adds optimizer-4b: adamw vs adamw_kahan); < 8 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -115,6 +119,14 @@ if st and nt:
           f"tok/s x{nt['tok_s'] / st['tok_s']:.3f} stock >= 2 {ok(nt['tok_s'] >= 2 * st['tok_s'])}; "
           f"loss max rel diff {rel:.1e} (bf16 noise: < 1e-2) {ok(rel < 1e-2)}")
 PY
+fi
+if has lowmem; then
+  timeout 150 python3 -m pytest -q tests/train/test_load.py tests/kernels/test_adamw_kahan.py \
+    tests/train/test_optim.py tests/patch/test_tiled_mlp.py 2>&1 | tee "$OUT/lowmem_tests.log" | tail -n 8
+  summary+=("lowmem gpu tests: $(tail -n 1 "$OUT/lowmem_tests.log")")
+  timeout 330 python3 bench/experiments/exp_lowmem.py --results "$OUT/lowmem.jsonl" \
+    --blocks ${LOWMEM_BLOCKS:-qlora-8b,lora-r16,long-4b} 2>&1 | tee "$OUT/lowmem.log" | grep -v "^\[" | tail -n 12
+  summary+=("exp_lowmem: exit ${PIPESTATUS[0]}")
 fi
 echo; echo "=== summary ==="
 for s in "${summary[@]}"; do echo "$s"; done
