@@ -199,7 +199,8 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
     from safetensors import safe_open
 
     files = checkpoint_files(folder)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or ())
+    # names whose tensor is another's (lm_head of a tied model): a checkpoint may hold them or not
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
     shared: dict = {}
     used: set[str] = set()
     with ExitStack() as stack:
@@ -219,8 +220,6 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
                 if getattr(target, "_is_hf_initialized", False):
                     continue  # the second owner of a tied tensor: filled with the first
                 if key not in files:
-                    if key in tied:
-                        continue
                     raise SetupError(f"model.name: the checkpoint in {folder} has no tensor {key!r} (its names "
                                      f"follow another layout); {LOW_MEMORY_FIX}")
                 value = read(key)

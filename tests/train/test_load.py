@@ -47,10 +47,12 @@ def saved(tmp_path_factory):
     model.save_pretrained(root / "one")
     model.save_pretrained(root / "shards", max_shard_size="40KB")
     assert (root / "shards" / "model.safetensors.index.json").is_file()
+    # tied: the checkpoint holds the embedding once (no lm_head.weight)
+    build_model(mcfg(low_memory=False, tied=True), CPU, torch.bfloat16, seed=4).save_pretrained(root / "tied")
     return root
 
 
-@pytest.mark.parametrize("layout", ["one", "shards"])
+@pytest.mark.parametrize("layout", ["one", "shards", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pretrained_reloads_every_tensor(saved, layout, dtype):
     folder = saved / layout
@@ -63,6 +65,7 @@ def test_pretrained_reloads_every_tensor(saved, layout, dtype):
         assert torch.equal(g[k], w[k]), k
     assert got.training and not got.config.use_cache
     assert got.config._name_or_path == str(folder)
+    assert (got.lm_head.weight is got.model.embed_tokens.weight) == (layout == "tied")
 
 
 def test_random_init_matches_transformers_statistics():
@@ -171,6 +174,13 @@ def test_missing_or_mismatched_tensors_are_errors(saved, tmp_path):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(SetupError, match=r"no tensor 'model.layers.1.mlp.up_proj.weight'.*low_memory_load: false"):
         build_model(mcfg(name=str(folder)), CPU, torch.float32)
+    # an untied model's lm_head is a tensor of its own: missing from the checkpoint is an error, never left empty
+    shutil.copytree(saved / "one", tmp_path / "headless")
+    state = load_file(str(tmp_path / "headless" / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "headless" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SetupError, match=r"no tensor 'lm_head.weight'"):
+        build_model(mcfg(name=str(tmp_path / "headless")), CPU, torch.float32)
     cfg = json.loads((folder / "config.json").read_text())
     shutil.copytree(saved / "one", tmp_path / "wide")
     (tmp_path / "wide" / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=96)))
