@@ -12,8 +12,8 @@ embedding, lm_head). Each unit is allocated on the target device in its final dt
 
 QLoRA: right after a unit is in place its linears (all but lm_head) become NF4 (novatune.train.qlora
 .quantize_linear), before the next unit is allocated. The device therefore holds the finished units plus one unit
-in the compute dtype: for Qwen3-8B that is 3.5 GiB of NF4 layers, the dense embeddings / lm_head and one 0.36 GiB
-bf16 layer, where building the bf16 model first needs 15 GiB.
+in the compute dtype: for Qwen3-8B (computed from its shapes) 3.3 GiB of NF4 layers, the bf16 embedding and lm_head
+(2 x 1.16 GiB) and one 0.36 GiB bf16 layer, where building the bf16 model first needs 15.3 GiB.
 
 Tied parameters (lm_head sharing the embedding table) are allocated once and shared again. Non-persistent buffers
 (rotary inv_freq) are not in any checkpoint: `_init_weights` computes them, as transformers does. Anything still

@@ -195,9 +195,9 @@ def test_missing_or_mismatched_tensors_are_errors(saved, tmp_path):
 @pytest.mark.gpu
 def test_qwen3_8b_qlora_builds_inside_8_gib():
     # The QLoRA acceptance workload's model (Qwen3-8B architecture, NF4 linears, NF4 input embedding) built under
-    # an 8 GiB cap. Expected: 36 NF4 layers ~3.5 GiB + bf16 embedding and lm_head 2 x 1.16 GiB + one bf16 layer
-    # 0.36 GiB ~ 6.2 GiB at the peak of the build; 5.1 GiB once the embedding is NF4. transformers' bf16 build
-    # first needs ~15 GiB and fails at the first layers.
+    # an 8 GiB cap. Expected from the shapes: 36 NF4 layers 3.3 GiB + bf16 embedding and lm_head 2 x 1.16 GiB + one
+    # bf16 layer 0.36 GiB + quantisation temporaries ~ 6.2 GiB at the peak of the build; 4.8 GiB once the embedding
+    # is NF4. transformers' bf16 build first needs 15.3 GiB and fails half way.
     pytest.importorskip("bitsandbytes")
     from novatune.train.qlora import quantize_embeddings_
 
@@ -217,5 +217,5 @@ def test_qwen3_8b_qlora_builds_inside_8_gib():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     print(f"qwen3-8b qlora build: peak {peak:.2f} GiB, weights {now:.2f} GiB")
-    assert peak < 6.6 and now < 5.5, (peak, now)
+    assert peak < 7.0 and now < 5.2, (peak, now)
     assert sum(type(m).__name__ == "Linear4bit" for m in model.modules()) == 36 * 7
