@@ -53,7 +53,7 @@ def main(argv=None) -> None:
             row.update(experiment="exp_lowmem", block=block, label=label)
             rows.append(row)
             if row["status"] == "ok":
-                print(f"{block:12s} {label:18s} {row['tok_s']:9,.0f} tok/s  peak {row['peak_gib']:6.2f} GiB  "
+                print(f"{block:12s} {label:18s} {row['tok_s']:9,.0f} tok/s  peak {row['peak_gib']} GiB  "
                       f"weights {row.get('weights_gib')} GiB  losses {[round(x, 3) for x in row['losses']]}")
             else:
                 print(f"{block:12s} {label:18s} {row['status']}: {str(row.get('reason'))[:600]}")
@@ -62,8 +62,9 @@ def main(argv=None) -> None:
         ok = [r for r in rows if r["status"] == "ok"]
         if len(ok) == 2:
             ratio = ok[1]["tok_s"] / ok[0]["tok_s"]
-            print(f"{block:12s} ratio {ok[1]['label']} / {ok[0]['label']}: tok/s {ratio:.3f}, "
-                  f"peak {ok[1]['peak_gib'] - ok[0]['peak_gib']:+.2f} GiB")
+            peaks = [r["peak_gib"] for r in ok]
+            delta = f"{peaks[1] - peaks[0]:+.2f} GiB" if None not in peaks else "-"
+            print(f"{block:12s} ratio {ok[1]['label']} / {ok[0]['label']}: tok/s {ratio:.3f}, peak {delta}")
 
 
 if __name__ == "__main__":
