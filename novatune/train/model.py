@@ -118,6 +118,10 @@ def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_uni
     if mcfg.arch:
         torch.manual_seed(seed)
         return load.build_random_(model, device, dtype, qlora, on_unit)
+    if getattr(config, "quantization_config", None):
+        raise SetupError(f"model.name: {mcfg.name} holds pre-quantised weights (its config has a "
+                         f"quantization_config); the low-memory build reads dense checkpoints: "
+                         f"{load.LOW_MEMORY_FIX}")
     if qlora:
         from novatune.train.qlora import require_bnb
 

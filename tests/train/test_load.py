@@ -186,6 +186,11 @@ def test_missing_or_mismatched_tensors_are_errors(saved, tmp_path):
     (tmp_path / "wide" / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=96)))
     with pytest.raises(SetupError, match="mlp.*is \\(128, 64\\) in the checkpoint but \\(96, 64\\)"):
         build_model(mcfg(name=str(tmp_path / "wide")), CPU, torch.float32)
+    shutil.copytree(saved / "one", tmp_path / "prequantised")
+    (tmp_path / "prequantised" / "config.json").write_text(json.dumps(dict(cfg, quantization_config={
+        "quant_method": "bitsandbytes", "load_in_4bit": True})))
+    with pytest.raises(SetupError, match="pre-quantised weights.*low_memory_load: false"):
+        build_model(mcfg(name=str(tmp_path / "prequantised")), CPU, torch.float32)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SetupError, match="no safetensors weights.*low_memory_load: false"):
