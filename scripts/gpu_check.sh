@@ -14,6 +14,10 @@
 #   examples/qwen3-4b-seed.yaml` with MEM_STACKS (default stock,novatune,novatune_offload,novatune_keep,novatune_auto:
 #   checkpointing, offload on top of it, no recompute, the planner's choice), every row with the planner's
 #   predicted peak beside the measured one; < 9 min (timeouts 150 + 400 s).
+#   lowmem: issue 15's items 3-5 (not in the default list; bitsandbytes wheel in .whl/): the tests of the low-memory
+#   build (the 8 GiB one included), the tiled MLP and the optimizers (CUDA kernel), then
+#   bench/experiments/exp_lowmem.py (QLoRA 8B capped at 8 GiB vs uncapped, LoRA r16 seed peak, a 65k-token row
+#   tiled vs untiled; LOWMEM_BLOCKS adds optimizer-4b: adamw vs adamw_kahan); < 8 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -137,6 +141,14 @@ for r in rows:
           f"{r['peak_gib']:6.2f} GiB  planned {pred or 0:6.2f} ({off})  {r.get('memory_policy', '-')}: "
           f"{r.get('memory_layers', '-')}  offloaded {r.get('offloaded_gib')} GiB  loss {r['losses'][-1]}")
 PY
+fi
+if has lowmem; then
+  timeout 150 python3 -m pytest -q tests/train/test_load.py tests/kernels/test_adamw_kahan.py \
+    tests/train/test_optim.py tests/patch/test_tiled_mlp.py 2>&1 | tee "$OUT/lowmem_tests.log" | tail -n 8
+  summary+=("lowmem gpu tests: $(tail -n 1 "$OUT/lowmem_tests.log")")
+  timeout 330 python3 bench/experiments/exp_lowmem.py --results "$OUT/lowmem.jsonl" \
+    --blocks ${LOWMEM_BLOCKS:-qlora-8b,lora-r16,long-4b} 2>&1 | tee "$OUT/lowmem.log" | grep -v "^\[" | tail -n 12
+  summary+=("exp_lowmem: exit ${PIPESTATUS[0]}")
 fi
 echo; echo "=== summary ==="
 for s in "${summary[@]}"; do echo "$s"; done

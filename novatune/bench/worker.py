@@ -2,7 +2,7 @@
 
 The spec (written by bench/runner.py) names the stack, the config and overrides, the step counts and the options:
   {"stack", "stack_dir", "config", "overrides", "warm", "steps", "peak_tflops", "peak_source",
-   "profile", "memory", "gc_freeze", "diag"}
+   "profile", "memory", "gc_freeze", "diag", "gpu_cap_gib" (optional: a GPU memory cap for the whole process)}
 The run is built by novatune.train.session.build with the stack's overrides and hooks and stepped with the
 session's own step. The measurement (docs/BENCHMARKS.md's rules):
   * every optimizer step's micro-batches are collated before the first step and pinned on CUDA (a trainer's
@@ -152,6 +152,18 @@ def patch_facts(session) -> dict:
     return facts
 
 
+def cap_gpu_memory(gib: float | None) -> float | None:
+    """spec "gpu_cap_gib": the process may allocate at most this much on the GPU from the start, model build
+    included (torch.cuda.set_per_process_memory_fraction), as on a card of that size."""
+    if not gib:
+        return None
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_cap_gib needs a CUDA GPU")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+    return gib
+
+
 def run_stack(spec: dict, log=print) -> dict:
     from rich.console import Console
 
@@ -165,6 +177,7 @@ def run_stack(spec: dict, log=print) -> dict:
     if stack.run is not None:  # a stack with its own trainer (e.g. TRL)
         return {"status": "ok", "reason": None, **stack.run(spec, cfg, base)}
     hooks = stack.hooks(cfg, base) if stack.hooks is not None else Hooks()
+    cap = cap_gpu_memory(spec.get("gpu_cap_gib"))
     if spec.get("diag"):
         from novatune.bench.diagnostics import install_diagnostics
 
@@ -206,7 +219,7 @@ def run_stack(spec: dict, log=print) -> dict:
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, **memory_facts(session),
         "nf4_embedding": type(session.model.get_input_embeddings()).__name__ == "NF4Embedding",
         "patch": report.to_dict() if report is not None else None, "applied": hooks.applied,
-        "liger_version": liger_version(), "pack": session.data.stats.to_dict(), **extra,
+        "liger_version": liger_version(), "pack": session.data.stats.to_dict(), "gpu_cap_gib": cap, **extra,
     }
 
 

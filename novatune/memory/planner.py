@@ -40,20 +40,6 @@ GiB = 2**30
 COPY_OVERHEAD_S = 30e-6  # events, stream switches and the copy launch of one offloaded tensor
 GEMM_EFFICIENCY = 0.75  # share of the square-matmul rate a training step's GEMMs reach (thin LoRA ones less)
 
-# state bytes per trainable parameter of each optimizer, as a function of the parameters' own bytes
-OPTIMIZER_STATE_BYTES = {
-    "adamw": lambda param_bytes: 2 * param_bytes,  # torch AdamW: exp_avg and exp_avg_sq in the parameter dtype
-}
-
-
-def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
-    """Bytes of optimizer state per trainable parameter (train.optimizer's choices register here)."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"the planner has no state size for optimizer {optimizer!r}; add it to "
-                         f"novatune.memory.planner.OPTIMIZER_STATE_BYTES (known: {', '.join(OPTIMIZER_STATE_BYTES)})")
-    return OPTIMIZER_STATE_BYTES[optimizer](param_bytes)
-
-
 @dataclass(frozen=True)
 class LayerShape:
     """One decoder layer as the planner sees it, for one micro-batch."""

@@ -18,6 +18,8 @@ from novatune.patch.lora import apply_lora
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
+from novatune.patch.tiled import AUTO_MIN_BYTES, MLPTiling
+from novatune.patch.tiled import check_mode as check_tiled_mlp
 from novatune.patch.trainers import trainer_refusal
 from novatune.patch.versions import check_transformers
 
@@ -31,6 +33,7 @@ class PatchState:
     report: PatchReport
     all_attention_patched: bool = False
     graphs: object = None  # novatune.patch.graphs.LayerGraphRunner when cuda_graphs applies
+    tiling: MLPTiling | None = None  # the MLPs' tiling (batches it tiles run without CUDA graphs)
     _noted: set = field(default_factory=set)
 
     def note_once(self, key: str, text: str) -> None:
@@ -89,7 +92,8 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
-          cuda_graphs: bool | str = "auto", strict: bool = False, selection=None) -> PatchReport:
+          cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
+          selection=None) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
@@ -110,6 +114,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     on CUDA, each checkpointed decoder layer's forward and recompute+backward replay from CUDA graphs (an adapter
     step is host-bound: novatune/patch/graphs.py); True also for full fine-tuning, and raises when it cannot
     apply; False never. Batches the graphs cannot take run the stock checkpointed layers, named in the report.
+    tiled_mlp: "auto" (default) | True | False: the MLP runs on row chunks of a long batch, each recomputed in the
+    backward, so its (tokens x intermediate) activations never exist whole (novatune/patch/tiled.py); "auto" tiles
+    batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than
+    one chunk. Same values; an extra MLP forward per tiled batch.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
     keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
@@ -125,6 +133,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         if trainer is not None:
             _rebind_loss_over_trainer(model, existing, trainer)
         return existing
+    check_tiled_mlp(tiled_mlp)
     if attention not in (False, *ATTENTION_BACKENDS):
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_BACKENDS} or False")
     model_type = getattr(model.config, "model_type", "?")
@@ -149,7 +158,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
-                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward,
+                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     if strict and report.skipped():
@@ -169,6 +178,30 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     model._novatune_report = report
     report._undo.insert(0, lambda: model.__dict__.pop("_novatune_report", None))
     return report
+
+
+def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
+               swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None) -> None:
+    act = str(getattr(config, "hidden_act", "?"))
+    tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
+    why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
+           f"hidden_act={act!r} is not SiLU" if act not in spec.mlp.activations else None)
+    if why is None:
+        _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
+              _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling)
+        report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM"
+                   + (" (gradients written over gate/up)" if swiglu_inplace else "") + tiled)
+        return
+    report.add(path, "mlp", "skipped", why)
+    if tiling is not None and "mlp" not in refused:
+        # the stock MLP is still row-wise: tiling it computes the same function
+        _bind(module, forwards.tiled_stock_mlp_forward, report, _novatune_tiling=tiling)
+        report.add(path, "tiled_mlp", "replaced", f"stock MLP{tiled}")
+
+
+def _tiling_words(tiling: MLPTiling) -> str:
+    return ("every batch longer than one chunk" if tiling.mode is True else
+            f"batches whose intermediate activation exceeds {AUTO_MIN_BYTES / 2**30:g} GiB")
 
 
 def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
@@ -192,14 +225,15 @@ def _find_state(model: nn.Module):
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
                 swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
-                trainer_refusal=None) -> None:
+                tiled_mlp="auto", trainer_refusal=None) -> None:
     """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
     spec cannot honour."""
     config = model.config
+    tiling = MLPTiling(tiled_mlp, int(config.intermediate_size)) if tiled_mlp is not False else None
     base = getattr(model, spec.base_model_attr, None)
     is_causal_lm = base is not None and hasattr(model, spec.lm_head_attr)
     stack = base if is_causal_lm else model  # a bare decoder stack (e.g. AutoModel) can be patched too
-    state = PatchState(report)
+    state = PatchState(report, tiling=tiling)
     attn_total = attn_done = 0
     qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
     for path, module in model.named_modules():
@@ -216,16 +250,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
             _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr)
             report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)")
         elif cls in spec.mlp_classes:
-            act = str(getattr(config, "hidden_act", "?"))
-            if not swiglu or "mlp" in refused:
-                report.add(path, "mlp", "skipped", refused.get("mlp", "swiglu=False"))
-            elif act not in spec.mlp.activations:
-                report.add(path, "mlp", "skipped", f"hidden_act={act!r} is not SiLU")
-            else:
-                _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
-                      _novatune_swiglu_inplace=swiglu_inplace)
-                report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM"
-                           + (" (gradients written over gate/up)" if swiglu_inplace else ""))
+            _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
+                       tiling=tiling)
         elif cls in spec.attention_classes:
             attn_total += 1
             why = ("attention=False" if attention is False else "rope=False" if not rope else

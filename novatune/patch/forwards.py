@@ -20,6 +20,7 @@ from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu_mlp
 from novatune.patch.lora import grouped_qlora
+from novatune.patch.tiled import tiled_rows
 
 PACKED_KWARG = "novatune_packed"
 
@@ -28,10 +29,25 @@ def rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, getattr(self, self._novatune_eps_attr))
 
 
-def swiglu_mlp_forward(self, x):
+def _swiglu_mlp(self, x):
     names = self._novatune_mlp
     return swiglu_mlp(x, getattr(self, names.gate_proj), getattr(self, names.up_proj), getattr(self, names.down_proj),
                       inplace_backward=self._novatune_swiglu_inplace)
+
+
+def swiglu_mlp_forward(self, x):
+    tiling = self._novatune_tiling
+    if tiling is not None and tiling.applies(x):
+        return tiled_rows(lambda rows: _swiglu_mlp(self, rows), x, tiling.chunk_rows(x))
+    return _swiglu_mlp(self, x)
+
+
+def tiled_stock_mlp_forward(self, x):
+    """An MLP kept stock (swiglu off, or an activation the kernel does not compute), tiled on long rows."""
+    tiling = self._novatune_tiling
+    if tiling.applies(x):
+        return tiled_rows(self._novatune_stock_forward, x, tiling.chunk_rows(x))
+    return self._novatune_stock_forward(x)
 
 
 def has_cache(kwargs: dict) -> bool:

@@ -229,6 +229,8 @@ class LayerGraphRunner:
             return "no packed-row metadata for the batch (novatune's attention forward did not run)"
         if not self.state.all_attention_patched:
             return "not every attention layer is novatune's"
+        if self.state.tiling is not None and self.state.tiling.applies(x):
+            return "the MLP is tiled at this row length (a long batch is GPU-bound: graphs gain nothing)"
         if self.shape is not None and (x.shape, x.dtype) != self.shape:
             return f"batch shape {tuple(x.shape)} differs from the captured {tuple(self.shape[0])}"
         if self.token_ref is not None and self.token_ref() is not None:

@@ -34,6 +34,9 @@ class ModelConfig:
     patch: bool = True  # call novatune.patch(model, **patch_options) before training
     patch_options: dict = field(default_factory=dict)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # build layer by layer straight into the final form (dtype, device; QLoRA: NF4), never the whole model in a
+    # wider form first (novatune/train/load.py); false: transformers' from_config / from_pretrained
+    low_memory_load: bool = True
 
 
 @dataclass
@@ -93,7 +96,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping
-    fused_adamw: bool | None = None  # null: fused on CUDA, foreach on CPU
+    # adamw (torch) | adamw_kahan (fp32 moments, compensated bf16 weight update: bf16 updates that do not vanish)
+    # | adamw_8bit | paged_adamw | paged_adamw_8bit (bitsandbytes); novatune/train/optim.py
+    optimizer: Literal["adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = "adamw"
+    fused_adamw: bool | None = None  # adamw only; null: fused on CUDA, foreach on CPU
     seed: int = 42
     # a step whose loss or grad norm is NaN/inf: stop the run (default) or skip its update (train/nonfinite.py)
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -114,6 +120,10 @@ class MemoryConfig:
     # per-layer: one of keep | recompute | selective | offload per decoder layer, `name*N` for N in a row
     layers: list[str] = field(default_factory=list)
     offload_min_bytes: int = 1 << 20  # offload: smaller saved tensors stay on the device (a copy costs ~10 µs)
+    # the MLP on row chunks, each recomputed in the backward, so its (tokens x intermediate) activations never
+    # exist whole (novatune/patch/tiled.py). auto: batches whose intermediate exceeds 1 GiB (Qwen3-4B: from 55k
+    # tokens); true: every batch longer than one chunk; false: never. Part of novatune's patch (model.patch).
+    tiled_mlp: Literal["auto", True, False] = "auto"
 
 
 @dataclass
@@ -402,8 +412,9 @@ def summary(cfg: Config) -> str:
          + (f", parallel {cfg.parallel.strategy}" if cfg.parallel.strategy != "none" else "")),
         ("data", f"{sources}; format {d.format}, loss_on {d.loss_on}, max_length {d.max_length}, packing "
                  f"{d.packing_strategy if d.packing else 'off'}"),
-        ("train", f"{length}, micro_batch {t.micro_batch} x grad_accum {t.grad_accum}, lr {t.lr:g} {t.schedule} "
-                  f"(warmup {t.warmup:g}), clip {t.max_grad_norm:g}, on_nonfinite {t.on_nonfinite}, seed {t.seed}"),
+        ("train", f"{length}, micro_batch {t.micro_batch} x grad_accum {t.grad_accum}, {t.optimizer} lr {t.lr:g} "
+                  f"{t.schedule} (warmup {t.warmup:g}), clip {t.max_grad_norm:g}, on_nonfinite {t.on_nonfinite}, "
+                  f"seed {t.seed}"),
         ("output", f"{c.output_dir} (save_every {c.save_every}, keep {c.keep}, resume {c.resume}, export "
                    f"{'on' if c.export else 'off'}); full config: {Path(c.output_dir) / 'config.yaml'}"),
     ]

@@ -67,6 +67,22 @@ def _check_memory(cfg: Config) -> None:
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")
 
 
+def _check_optimizer(cfg: Config) -> None:
+    import importlib.util
+
+    from novatune.train.optim import BNB_FIX, BNB_OPTIMIZERS
+
+    t = cfg.train
+    if t.optimizer in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("train.optimizer", f"{t.optimizer} needs bitsandbytes, which is not installed", BNB_FIX)
+    if t.optimizer != "adamw" and t.fused_adamw is not None:
+        raise ConfigError("train.fused_adamw", f"applies to train.optimizer: adamw, not {t.optimizer}",
+                          "drop train.fused_adamw, or set train.optimizer: adamw")
+    if t.optimizer != "adamw" and cfg.parallel.strategy == "fsdp2":
+        raise ConfigError("train.optimizer", f"{t.optimizer} does not take FSDP2's sharded (DTensor) parameters",
+                          "set train.optimizer: adamw with parallel.strategy: fsdp2, or parallel.strategy: ddp")
+
+
 def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     from novatune.data.sources import detect_type, resolve_path
     from novatune.train.arch import ARCHS
@@ -163,12 +179,19 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         raise ConfigError("train.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}", "e.g. 1.0 (0: no clipping)")
     if t.max_skipped_steps < 0:
         raise ConfigError("train.max_skipped_steps", f"must be >= 0, got {t.max_skipped_steps}", "e.g. 3")
+    _check_optimizer(cfg)
     if cfg.parallel.strategy != "none" and cfg.method.type == "qlora":
         raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy} with qlora is not supported yet: the "
                           "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "
                           "sharded by fully_shard, nor broadcast as plain parameters by DDP",
                           "use method.type: lora (frozen bf16 base, sharded) or parallel.strategy: none")
     _check_memory(cfg)
+    if cfg.memory.tiled_mlp is True and not m.patch:
+        raise ConfigError("memory.tiled_mlp", "the tiled MLP is part of novatune's patch, and model.patch is false",
+                          "set model.patch: true, or memory.tiled_mlp: auto / false")
+    if "tiled_mlp" in (m.patch_options or {}):
+        raise ConfigError("model.patch_options.tiled_mlp", "the MLP tiling is a memory setting",
+                          "set memory.tiled_mlp (auto, true or false) instead")
     # checkpoint / logging
     if cfg.checkpoint.save_every < 0:
         raise ConfigError("checkpoint.save_every", f"must be >= 0, got {cfg.checkpoint.save_every}",

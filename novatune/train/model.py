@@ -4,8 +4,14 @@ Order matters and is fixed here: model -> gradient checkpointing -> LoRA (PEFT) 
 The patch goes last so it sees the final module tree (it patches instances, and unwraps PEFT itself); it keeps
 every parameter, so the optimizer and checkpoints are unaffected by it.
 
-QLoRA (method.type qlora) differs in two places: the model's linears are bitsandbytes NF4 (`model.name`: loaded
-with novatune.train.qlora.bnb_config; `model.arch`: built, then quantised in place), and PEFT's
+The model is built layer by layer straight into its final form (novatune/train/load.py: meta-device
+construction, then each decoder layer allocated on the device in the run's dtype, initialised or read from the
+checkpoint's safetensors, and for QLoRA quantised, before the next); `model.low_memory_load: false` keeps
+transformers' own from_config / from_pretrained.
+
+QLoRA (method.type qlora) differs in two places: the model's linears are bitsandbytes NF4 (quantised as each
+layer is placed; without the low-memory build, `model.name` loads with novatune.train.qlora.bnb_config and
+`model.arch` is built, then quantised in place), and PEFT's
 prepare_model_for_kbit_training is deliberately NOT called (its fp32 casts of embeddings, norms and lm_head halve
 the speed: docs/BENCHMARKS.md's QLoRA anchor); only the one piece of it training needs is done here (input grads under
 gradient checkpointing, `prepare`).
@@ -83,37 +89,17 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
 
 
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
-                seed: int = 0, qlora: bool = False):
+                seed: int = 0, qlora: bool = False, on_unit=None):
     """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`.
-    qlora: every linear but lm_head is a bitsandbytes NF4 Linear4bit computing in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
+    qlora: every linear but lm_head is a bitsandbytes NF4 Linear4bit computing in `dtype`.
+    model.low_memory_load (default): built layer by layer straight into that form (novatune/train/load.py;
+    `on_unit(model, path)` after each unit); otherwise transformers builds or loads the whole model first."""
     config = model_config(mcfg, tokenizer, base_dir)
     config.use_cache = False
-    attn = mcfg.attention
-    if mcfg.arch:
-        torch.manual_seed(seed)
-        # built directly on the device in the target dtype: a 4B model never exists in fp32 on the host
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-        if qlora:
-            from novatune.train.qlora import quantize_linears_
-
-            quantize_linears_(model, dtype)  # layer by layer: the peak is the model in `dtype`, once
+    if mcfg.low_memory_load:
+        model = _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit)
     else:
-        path = resolve_path(mcfg.name, base_dir)
-        where = str(path) if path.exists() else mcfg.name
-        if qlora:
-            from novatune.train.qlora import bnb_config
-
-            # transformers quantises while loading; a 4-bit model cannot be .to()-moved afterwards, so it is
-            # placed by device_map (one device: the whole model there)
-            model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, attn_implementation=attn,
-                                                         quantization_config=bnb_config(dtype),
-                                                         device_map={"": device})
-        else:
-            model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
-                                                         attn_implementation=attn).to(device)
+        model = _build_with_transformers(mcfg, config, device, dtype, base_dir, seed, qlora)
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
         raise SetupError(f"model: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{model.config.vocab_size}; use the model's tokenizer or set "
@@ -123,6 +109,58 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
         model.generation_config.use_cache = False
     model.train()
     return model
+
+
+def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit):
+    from novatune.train import load
+
+    model = load.empty_model(config, dtype, mcfg.attention)
+    if mcfg.arch:
+        torch.manual_seed(seed)
+        return load.build_random_(model, device, dtype, qlora, on_unit)
+    if getattr(config, "quantization_config", None):
+        raise SetupError(f"model.name: {mcfg.name} holds pre-quantised weights (its config has a "
+                         f"quantization_config); the low-memory build reads dense checkpoints: "
+                         f"{load.LOW_MEMORY_FIX}")
+    if qlora:
+        from novatune.train.qlora import require_bnb
+
+        require_bnb()
+    folder = load.resolve_folder(mcfg.name, resolve_path(mcfg.name, base_dir))
+    model = load.load_pretrained_(model, folder, device, dtype, qlora, on_unit)
+    model.config._name_or_path = str(folder)  # what PEFT records as the adapter's base model
+    if (folder / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    return model
+
+
+def _build_with_transformers(mcfg, config, device, dtype, base_dir, seed, qlora):
+    """transformers' own build (model.low_memory_load: false): the whole model in `dtype` on the device first."""
+    from transformers import AutoModelForCausalLM
+
+    attn = mcfg.attention
+    if mcfg.arch:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if qlora:
+            from novatune.train.qlora import quantize_linears_
+
+            quantize_linears_(model, dtype)  # layer by layer: the peak is the model in `dtype`, once
+        return model
+    path = resolve_path(mcfg.name, base_dir)
+    where = str(path) if path.exists() else mcfg.name
+    if qlora:
+        from novatune.train.qlora import bnb_config
+
+        # transformers quantises while loading; a 4-bit model cannot be .to()-moved afterwards, so it is placed
+        # by device_map (one device: the whole model there)
+        return AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype, attn_implementation=attn,
+                                                    quantization_config=bnb_config(dtype), device_map={"": device})
+    return AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype,
+                                                attn_implementation=attn).to(device)
 
 
 def add_lora(model, meth):
@@ -162,8 +200,9 @@ def prepare(model, cfg, checkpointing: bool | None = None):
     return model
 
 
-def apply_patch(model, mcfg, select=None):
-    """novatune.patch(model, **model.patch_options) -> PatchReport, or None when model.patch is false.
+def apply_patch(model, mcfg, select=None, tiled_mlp="auto"):
+    """novatune.patch(model, **model.patch_options, tiled_mlp=memory.tiled_mlp) -> PatchReport, or None when
+    model.patch is false.
 
     The tuned implementations (patch_options `tune` / `tune_tokens`, as `novatune.patch` takes them) come from
     `select(model, tune, tune_tokens) -> Selection`, which the layer above hands down (the tune engine sits above
@@ -177,6 +216,7 @@ def apply_patch(model, mcfg, select=None):
                          f"model.patch=false to train stock HF") from None
 
     opts = dict(mcfg.patch_options or {})
+    opts["tiled_mlp"] = tiled_mlp
     tune, tune_tokens = opts.pop("tune", "cache"), opts.pop("tune_tokens", 4096)
     try:
         inspect.signature(applier).bind(model, **opts)  # a typo in patch_options: say so, before any work

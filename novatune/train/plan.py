@@ -4,8 +4,9 @@ The model is built on the meta device (no memory, exact parameter count). Estima
 
   weights      params x bytes(dtype)                      (LoRA: + adapter params)
   gradients    trainable x bytes(dtype)
-  optimizer    trainable x novatune.memory.planner.optimizer_state_bytes(train.optimizer, bytes(dtype)); AdamW: 2
-               states x bytes(dtype) (torch's AdamW keeps its states in the parameter dtype)
+  optimizer    train.optimizer's state (novatune.train.optim.state_bytes): adamw 2 states x trainable x
+               bytes(dtype) (torch's AdamW keeps states in the param dtype); adamw_kahan 8 + 2 (bf16) bytes per
+               trainable parameter; the 8-bit ones ~2; paged_adamw 8 (pageable to the host)
   activations  stock HF modules, per token per layer ~ (20 h + 18 q + 18 kv + 8 i) x bytes/2 bytes: RMSNorm's fp32
                copies (~10 h each norm), q/k projections + q/k-norm fp32 copies + RoPE + attention in/out, the four
                (tokens x intermediate) MLP tensors. With gradient checkpointing: each layer's input (h) plus one
@@ -34,8 +35,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from novatune.memory.planner import optimizer_state_bytes
 from novatune.train.memory import MARGIN
+from novatune.train.optim import state_bytes
 
 GiB = 2**30
 # bitsandbytes' NF4 layout as novatune.train.qlora quantises (blocksize 64, double quantisation of the absmax in
@@ -122,7 +123,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
         "weights": weights, "gradients": trainable * tb, "optimizer_name": optimizer,
-        "optimizer": int(trainable * optimizer_state_bytes(optimizer, tb)),
+        "optimizer": state_bytes(optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
     }

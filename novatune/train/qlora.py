@@ -48,24 +48,31 @@ def bnb_config(dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype)
 
 
-def quantize_linears_(model: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every nn.Linear (not named in `skip`) by an NF4 bnb Linear4bit on the same device; returns the
-    number replaced. Marks the model `is_loaded_in_4bit` (what PEFT checks to wrap Linear4bit layers)."""
+def quantize_linear(lin: nn.Linear, dtype: torch.dtype) -> nn.Module:
+    """An NF4 bnb Linear4bit (double quantisation, blocksize 64) computing in `dtype`, on `lin`'s device, holding
+    `lin`'s weight quantised (bitsandbytes quantises a Params4bit as it is moved to the device)."""
     bnb = require_bnb()
+    device = lin.weight.device
+    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=dtype,
+                          compress_statistics=True, quant_type="nf4", device="meta")
+    q.weight = bnb.nn.Params4bit(lin.weight.data.to(dtype), requires_grad=False, compress_statistics=True,
+                                 quant_type="nf4", blocksize=64, module=q).to(device)  # quantised here
+    if lin.bias is not None:
+        q.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
+    q.compute_type_is_set = True  # compute dtype fixed above; bnb would otherwise guess it from the first input
+    q.train(lin.training)
+    return q
+
+
+def quantize_linears_(model: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every nn.Linear under `model` (not named in `skip`) by quantize_linear's NF4 Linear4bit; returns
+    the number replaced. Marks `model` `is_loaded_in_4bit` (what PEFT checks to wrap Linear4bit layers)."""
+    require_bnb()
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in skip]
     for name, lin in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        device = lin.weight.device
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=dtype,
-                              compress_statistics=True, quant_type="nf4", device="meta")
-        q.weight = bnb.nn.Params4bit(lin.weight.data.to(dtype), requires_grad=False, compress_statistics=True,
-                                     quant_type="nf4", blocksize=64, module=q).to(device)  # quantised here
-        if lin.bias is not None:
-            q.bias = nn.Parameter(lin.bias.data.to(dtype), requires_grad=False)
-        q.compute_type_is_set = True  # compute dtype fixed above; bnb would otherwise guess it from the first input
-        q.train(lin.training)
-        setattr(parent, name.rsplit(".", 1)[-1], q)
+        setattr(parent, name.rsplit(".", 1)[-1], quantize_linear(lin, dtype))
         del lin
     model.is_loaded_in_4bit = True
     return len(targets)

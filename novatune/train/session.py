@@ -242,7 +242,7 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
     model = prepare(model, cfg, needs_checkpointing(memory_plan, cfg))
     if memory_plan is not None:
         install_memory_plan(model, memory_plan, pwrap.decoder_layers(model), device)
-    report = apply_patch(model, cfg.model, select)
+    report = apply_patch(model, cfg.model, select, tiled_mlp=cfg.memory.tiled_mlp)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
     return model, report

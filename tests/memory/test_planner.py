@@ -48,12 +48,6 @@ def test_allowed_policies_and_the_order_of_layers():
         "keep x1, offload x1, recompute x1, keep x1"
 
 
-def test_optimizer_state_bytes():
-    assert planner.optimizer_state_bytes("adamw", 2) == 4 and planner.optimizer_state_bytes("adamw", 4) == 8
-    with pytest.raises(ValueError, match="OPTIMIZER_STATE_BYTES"):
-        planner.optimizer_state_bytes("lion", 2)
-
-
 def test_times_order_and_offload_hides_its_copies_behind_the_layer():
     shape = LayerShape(hidden=2560, q_dim=4096, kv_dim=1024, intermediate=9728, heads=32, tokens=4096,
                        dtype_bytes=2, attended_keys=300)

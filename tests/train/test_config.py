@@ -92,6 +92,10 @@ def test_bad_enum():
     assert "data.loss_on" in msg and "assistant" in msg
     msg = _err(lambda: from_dict({"method": {"type": "qlroa"}}))  # qlora is a method since issue 6
     assert "method.type" in msg and "'qlora'" in msg
+    msg = _err(lambda: from_dict({"memory": {"tiled_mlp": "sometimes"}}))
+    assert "memory.tiled_mlp" in msg and "auto, True, False" in msg
+    msg = _err(lambda: from_dict({"model": {"low_memory_load": "yes"}}))
+    assert "model.low_memory_load" in msg and "true or false" in msg
 
 
 def test_missing_data_path(tmp_path):
@@ -126,6 +130,8 @@ def test_max_length_too_small():
     ({"checkpoint": {"keep": 0}}, "checkpoint.keep"),
     ({"checkpoint": {"resume": "/no/such/checkpoint"}}, "checkpoint.resume"),
     ({"logging": {"every": 0}}, "logging.every"),
+    ({"memory": {"tiled_mlp": True}, "model": {"patch": False}}, "memory.tiled_mlp"),
+    ({"model": {"patch_options": {"tiled_mlp": True}}}, "model.patch_options.tiled_mlp"),
 ])
 def test_cross_field_errors(sections, key):
     msg = _err(lambda: _validate(**sections))

@@ -1,0 +1,71 @@
+"""Experiment (issue 15, items 3-5): small cards and long rows, each stack in its own process, one call.
+
+    python bench/experiments/exp_lowmem.py --results bench/results/experiments.jsonl [--blocks qlora-8b,...]
+
+Rows (novatune's stack of `novatune bench`, each in a fresh process through novatune.bench.runner.run_worker):
+  qlora-8b uncapped / capped   examples/qlora.yaml (Qwen3-8B, NF4, LoRA r16, 2048-token rows, GA 4): the same run
+                               with no cap and under an 8 GiB cap from process start (model build included), so
+                               the capped row loads and trains on what an 8 GiB card would have; acceptance:
+                               capped tok/s >= 90% of uncapped
+  lora-r16 seed                the seed workload (Qwen3-4B, packed 4096, GA 4) with LoRA r16: its peak
+  long-4b tiled / untiled      Qwen3-4B full fine-tuning, one 65,536-token row, GA 1, memory.tiled_mlp true vs
+                               false: the tiled MLP's peak saving and its cost in tok/s
+  kahan-4b                     the seed workload (full fine-tuning) with train.optimizer adamw_kahan vs adamw
+Each block prints a line; the rows go to --results with the block's name.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from novatune.bench.runner import run_worker
+from novatune.measure.results import write_row
+
+SEED = "examples/qwen3-4b-seed.yaml"
+BLOCKS = {
+    "qlora-8b": [("uncapped", "examples/qlora.yaml", [], None), ("capped-8gib", "examples/qlora.yaml", [], 8.0)],
+    "lora-r16": [("seed", SEED, ["method.type=lora", "method.r=16", "method.alpha=32"], None)],
+    "long-4b": [(f"tiled_mlp={t}", SEED, ["data.max_length=65536", "train.grad_accum=1", f"memory.tiled_mlp={t}",
+                                          "data.sources.0.median_length=16000", "data.sources.0.num_docs=40"], None)
+                for t in ("false", "true")],
+    "optimizer-4b": [(o, SEED, [f"train.optimizer={o}", "train.fused_adamw=null"], None)
+                     for o in ("adamw", "adamw_kahan")],
+}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--results", default="")
+    p.add_argument("--blocks", default=",".join(BLOCKS))
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=150)
+    args = p.parse_args(argv)
+    run_dir = Path(tempfile.mkdtemp(prefix="exp_lowmem_"))
+    for block in args.blocks.split(","):
+        rows = []
+        for label, config, overrides, cap in BLOCKS[block]:
+            spec = {"stack": "novatune", "stack_dir": str(run_dir / block / label.replace("=", "_")), "config": config,
+                    "overrides": overrides, "warm": args.warm, "steps": args.steps, "peak_tflops": None,
+                    "peak_source": None, "gc_freeze": True, "gpu_cap_gib": cap}
+            row = run_worker(spec, args.timeout)
+            row.update(experiment="exp_lowmem", block=block, label=label)
+            rows.append(row)
+            if row["status"] == "ok":
+                print(f"{block:12s} {label:18s} {row['tok_s']:9,.0f} tok/s  peak {row['peak_gib']} GiB  "
+                      f"weights {row.get('weights_gib')} GiB  losses {[round(x, 3) for x in row['losses']]}")
+            else:
+                print(f"{block:12s} {label:18s} {row['status']}: {str(row.get('reason'))[:600]}")
+            if args.results:
+                write_row(args.results, {k: v for k, v in row.items() if k not in ("patch", "pack")})
+        ok = [r for r in rows if r["status"] == "ok"]
+        if len(ok) == 2:
+            ratio = ok[1]["tok_s"] / ok[0]["tok_s"]
+            peaks = [r["peak_gib"] for r in ok]
+            delta = f"{peaks[1] - peaks[0]:+.2f} GiB" if None not in peaks else "-"
+            print(f"{block:12s} ratio {ok[1]['label']} / {ok[0]['label']}: tok/s {ratio:.3f}, peak {delta}")
+
+
+if __name__ == "__main__":
+    main()
