@@ -187,43 +187,122 @@ class ExpertLayout:
     activation: str = "silu"
 
 
-# ----------------------------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------------------------- forward, backward
+def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
+                 dn_bias: Tensor | None, ids: Tensor, layout: ExpertLayout) -> tuple[Tensor, Tensor, Tensor, Routing]:
+    """(out (T, H) in x's dtype, h (S, 2I), y (S, H), routing): what the backward needs besides the inputs."""
+    act_fwd, _ = ACTIVATIONS[layout.activation]
+    with torch.no_grad():
+        r = sort_by_expert(ids, gate_up.shape[0])
+    xw = x.to(gate_up.dtype)  # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
+    h = _linear(permute(xw, r), gate_up, gu_bias, r, layout.transposed)  # (S, 2I)
+    y = _linear(act_fwd(h, layout.interleaved), down, dn_bias, r, layout.transposed)  # (S, H)
+    return combine(y, r, weights, x.dtype), h, y, r
+
+
+def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
+                 dn_bias: Tensor | None, h: Tensor, y: Tensor, r: Routing, layout: ExpertLayout,
+                 needs: tuple[bool, ...]) -> tuple:
+    """(dx, dweights, d_gate_up, d_down, d_gate_up_bias, d_down_bias); None where `needs` (x, weights, gate_up,
+    down, gate_up_bias, down_bias) is False or the input is None. Recomputes the permuted x and the activation."""
+    act_fwd, act_bwd = ACTIVATIONS[layout.activation]
+    dy, dw = combine_bwd(dout.contiguous(), y, r, weights)  # (S, H), (T, K) fp32
+    del y
+    a = act_fwd(h, layout.interleaved)  # recomputed from the saved gate_up output
+    d_down = _linear_dweight(a, dy, r, layout.transposed) if needs[3] else None
+    del a
+    d_dn_bias = _bias_grad(dy, r, dn_bias) if dn_bias is not None and needs[5] else None
+    dh = act_bwd(_linear_dinput(dy, down, r, layout.transposed), h, layout.interleaved)  # (S, 2I)
+    del dy
+    d_gate_up = None
+    if needs[2]:
+        xs = permute(x.to(gate_up.dtype), r)  # recomputed: a gather is cheaper than keeping S x H
+        d_gate_up = _linear_dweight(xs, dh, r, layout.transposed)
+        del xs
+    d_gu_bias = _bias_grad(dh, r, gu_bias) if gu_bias is not None and needs[4] else None
+    dx = combine(_linear_dinput(dh, gate_up, r, layout.transposed), r, None, x.dtype) if needs[0] else None
+    dweights = dw.to(weights.dtype) if needs[1] else None
+    return dx, dweights, d_gate_up, d_down, d_gu_bias, d_dn_bias
+
+
+# ----------------------------------------------------------------------------------------------- registered ops
+# For torch.compile and FSDP2 tracing. Optional biases travel as empty tensors (a custom op returns no None).
+def _opt(t: Tensor) -> Tensor | None:
+    return None if t.numel() == 0 else t
+
+
+@torch.library.custom_op("novatune::moe_experts_fwd", mutates_args=())
+def moe_experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor,
+                    down_bias: Tensor, ids: Tensor, transposed: bool, interleaved: bool,
+                    activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    layout = ExpertLayout(transposed, interleaved, activation)
+    out, h, y, r = _experts_fwd(x, weights, gate_up, down, _opt(gate_up_bias), _opt(down_bias), ids, layout)
+    return out, h, y, r.rows, r.pos, r.ends, r.expert
+
+
+@moe_experts_fwd.register_fake
+def _moe_experts_fwd_fake(x, weights, gate_up, down, gate_up_bias, down_bias, ids, transposed, interleaved,
+                          activation):
+    t, k = ids.shape
+    s = t * k
+    two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
+    return (x.new_empty(x.shape), x.new_empty(s, two_i, dtype=gate_up.dtype),
+            x.new_empty(s, x.shape[1], dtype=gate_up.dtype), ids.new_empty(s), ids.new_empty(t, k),
+            ids.new_empty(gate_up.shape[0], dtype=torch.int32), ids.new_empty(s))
+
+
+@torch.library.custom_op("novatune::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor,
+                    down_bias: Tensor, h: Tensor, y: Tensor, rows: Tensor, pos: Tensor, ends: Tensor,
+                    expert: Tensor, transposed: bool, interleaved: bool,
+                    activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    layout = ExpertLayout(transposed, interleaved, activation)
+    grads = _experts_bwd(dout, x, weights, gate_up, down, _opt(gate_up_bias), _opt(down_bias), h, y,
+                         Routing(rows, pos, ends, expert), layout, (True,) * 6)
+    empty = (gate_up_bias, down_bias)
+    return tuple(g if g is not None else empty[i - 4].new_empty(0) for i, g in enumerate(grads))
+
+
+@moe_experts_bwd.register_fake
+def _moe_experts_bwd_fake(dout, x, weights, gate_up, down, gate_up_bias, down_bias, h, y, rows, pos, ends, expert,
+                          transposed, interleaved, activation):
+    return tuple(t.new_empty(t.shape) for t in (x, weights, gate_up, down, gate_up_bias, down_bias))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weights, gate_up, down, gu_bias, dn_bias, ids, transposed, interleaved, activation = inputs
+    _, h, y, rows, pos, ends, expert = output
+    ctx.save_for_backward(x, weights, gate_up, down, gu_bias, dn_bias, h, y, rows, pos, ends, expert)
+    ctx.flags = (transposed, interleaved, activation)
+    ctx.mark_non_differentiable(h, y, rows, pos, ends, expert)
+
+
+def _backward(ctx, dout, *unused):
+    grads = torch.ops.novatune.moe_experts_bwd(dout, *ctx.saved_tensors, *ctx.flags)
+    return (*grads, None, None, None, None)
+
+
+moe_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------- eager autograd
 class _ExpertsFunction(torch.autograd.Function):
+    """The eager path: the same implementations without the custom-op dispatch (optional biases as None)."""
+
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout: ExpertLayout):
-        act_fwd, _ = ACTIVATIONS[layout.activation]
-        with torch.no_grad():
-            r = sort_by_expert(ids, gate_up.shape[0])
-        xw = x.to(gate_up.dtype)  # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
-        h = _linear(permute(xw, r), gate_up, gate_up_bias, r, layout.transposed)  # (S, 2I)
-        y = _linear(act_fwd(h, layout.interleaved), down, down_bias, r, layout.transposed)  # (S, H)
-        ctx.save_for_backward(xw, weights, gate_up, down, gate_up_bias, down_bias, h, y, r.rows, r.pos, r.ends,
+        out, h, y, r = _experts_fwd(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
+        ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, h, y, r.rows, r.pos, r.ends,
                               r.expert)
-        ctx.layout, ctx.x_dtype = layout, x.dtype
-        return combine(y, r, weights, x.dtype)
+        ctx.layout = layout
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        xw, weights, gate_up, down, gu_bias, dn_bias, h, y, rows, pos, ends, expert = ctx.saved_tensors
-        r, layout = Routing(rows, pos, ends, expert), ctx.layout
-        act_fwd, act_bwd = ACTIVATIONS[layout.activation]
-        dy, dw = combine_bwd(dout.contiguous(), y, r, weights)  # (S, H), (T, K) fp32
-        del y
-        a = act_fwd(h, layout.interleaved)  # recomputed from the saved gate_up output
-        d_down = _linear_dweight(a, dy, r, layout.transposed)
-        del a
-        d_dn_bias = _bias_grad(dy, r, dn_bias) if dn_bias is not None and ctx.needs_input_grad[5] else None
-        dh = act_bwd(_linear_dinput(dy, down, r, layout.transposed), h, layout.interleaved)  # (S, 2I)
-        del dy
-        xs = permute(xw, r)  # recomputed: a gather is cheaper than keeping S x H
-        d_gate_up = _linear_dweight(xs, dh, r, layout.transposed)
-        del xs
-        d_gu_bias = _bias_grad(dh, r, gu_bias) if gu_bias is not None and ctx.needs_input_grad[4] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = combine(_linear_dinput(dh, gate_up, r, layout.transposed), r, None, ctx.x_dtype)
-        dweights = dw.to(weights.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dweights, d_gate_up, d_down, d_gu_bias, d_dn_bias, None, None
+        x, weights, gate_up, down, gu_bias, dn_bias, h, y, rows, pos, ends, expert = ctx.saved_tensors
+        grads = _experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h, y,
+                             Routing(rows, pos, ends, expert), ctx.layout, ctx.needs_input_grad[:6])
+        return (*grads, None, None)
 
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
@@ -245,5 +324,10 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     if gu_in != x.shape[1] or down.shape[0] != e or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"moe_experts: expert weights {tuple(gate_up.shape)} / {tuple(down.shape)} do not match "
                          f"x {tuple(x.shape)} (transposed={transposed})")
+    if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)
+        none = x.new_empty(0, dtype=gate_up.dtype)
+        return torch.ops.novatune.moe_experts_fwd(x, weights, gate_up, down, none if gate_up_bias is None else
+                                                  gate_up_bias, none if down_bias is None else down_bias, ids,
+                                                  transposed, interleaved, activation)[0]
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
     return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
