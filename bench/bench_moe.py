@@ -62,10 +62,11 @@ def _gemm_floor_step(block, x, dout, args):
     s = x.shape[1] * args.top_k
     ids = torch.stack([torch.randperm(args.experts, device="cuda")[:args.top_k] for _ in range(x.shape[1])])
     r = sort_by_expert(ids, args.experts)
-    xs = x.view(-1, args.hidden)[r.rows]
+    tokens = r.order // args.top_k
+    xs = x.view(-1, args.hidden)[tokens]
     gu, dn = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
     a = torch.randn(s, args.inter, device="cuda", dtype=torch.bfloat16)
-    dy = dout.view(-1, args.hidden)[r.rows]
+    dy = dout.view(-1, args.hidden)[tokens]
     dh = torch.randn(s, 2 * args.inter, device="cuda", dtype=torch.bfloat16)
 
     def step():

@@ -3,17 +3,19 @@
 Shapes: T tokens, K experts per token, S = T * K rows in expert order, H hidden, I expert intermediate.
 `pos[t, k]` is the row (in expert order) that holds token t's k-th choice; `rows[r]` the token of row r.
 
-    permute            xs[r] = x[rows[r]]                                  (gather; no weighted copy)
+    permute            xs[r] = x[order[r] // K]                            (gather; no weighted copy)
     combine            out[t] = sum_k w[t, k] * y[pos[t, k]]               (unpermute + weighted sum, fp32 acc)
-    combine backward   dy[pos[t, k]] = w[t, k] * dout[t]                   (each row written exactly once)
-                       dw[t, k] = <y[pos[t, k]], dout[t]>                  (fp32 dot over H)
     permute backward   dx[t] = sum_k dxs[pos[t, k]]                        (= combine with w = 1)
     glu                a = silu(gate) * up read straight from the fused (S, 2I) gate_up output, [gate; up]
                        (concatenated) or (g0, u0, g1, u1, ...) (interleaved): no split copies
-    glu backward       dh from da and h (sigmoid recomputed, nothing else saved)
+    routed glu bwd     from h, da_u = dout[token] @ W_down (the down GEMM's input gradient WITHOUT the routing
+                       weight) and the row's weight w:   a = silu(gate) * up (recomputed),
+                       dw_row = <a, da_u> (the routing weight's gradient: <y, dout> = <a W^T, dout> = <a, dout W>),
+                       aw = w * a (the down weight gradient's operand), dh = glu'(h) * (w * da_u)
 
 So neither the weighted copy of the expert outputs nor the inverse-permuted copy exists: the combine reads each
-expert output row once and writes each token once. Every kernel accumulates in fp32 and rounds once at the store
+expert output row once and writes each token once; and the backward never needs the expert outputs y, so the
+forward does not keep them (S x H per layer). Every kernel accumulates in fp32 and rounds once at the store
 (round-to-nearest-even, bit-identical under the interpreter). Launchers take optional preallocated outputs so tests
 can poison them; all tensors are contiguous (the launchers make them so).
 """
@@ -34,11 +36,11 @@ def default_block(n: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _gather_rows_kernel(X, ROWS, OUT, H, BLOCK: tl.constexpr):
+def _gather_rows_kernel(X, IDX, OUT, H, DIV, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
-    src = tl.load(ROWS + r).to(tl.int64)
+    src = tl.load(IDX + r).to(tl.int64) // DIV
     v = tl.load(X + src * H + cols, mask=mask, other=0.0)
     tl.store(OUT + r * H + cols, v, mask=mask)
 
@@ -59,23 +61,6 @@ def _combine_kernel(Y, POS, W, OUT, H, K, HAS_W: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _combine_bwd_kernel(DOUT, Y, POS, W, DY, DW, H, K, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    for j in range(K):
-        p = tl.load(POS + t * K + j).to(tl.int64)
-        w = tl.load(W + t * K + j).to(tl.float32)
-        dot = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c0 in range(0, H, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < H
-            d = tl.load(DOUT + t * H + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(Y + p * H + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DY + p * H + cols, _round_to(w * d, DY.dtype.element_ty, SOFT_RNE), mask=mask)
-            dot += y * d
-        tl.store(DW + t * K + j, tl.sum(dot, axis=0))
-
-
-@triton.jit
 def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into a (S, N_INTER)
     mask = offs < n
@@ -93,24 +78,32 @@ def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _glu_bwd_kernel(DA, HB, DH, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    r = offs // N_INTER
-    c = offs % N_INTER
-    if INTERLEAVED:
-        gi = r * 2 * N_INTER + 2 * c
-        ui = gi + 1
-    else:
-        gi = r * 2 * N_INTER + c
-        ui = gi + N_INTER
-    da = tl.load(DA + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)  # recomputed from the saved gate_up output
-    silu = g * sig
-    tl.store(DH + ui, _round_to(da * silu, DH.dtype.element_ty, SOFT_RNE), mask=mask)
-    tl.store(DH + gi, _round_to(da * u * (sig + silu * (1.0 - sig)), DH.dtype.element_ty, SOFT_RNE), mask=mask)
+def _glu_routed_bwd_kernel(DA, HB, WROW, DH, AW, DWROW, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
+                           SOFT_RNE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # one row: the dot over the intermediate axis stays in the program
+    w = tl.load(WROW + r).to(tl.float32)
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, N_INTER, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        mask = c < N_INTER
+        if INTERLEAVED:
+            gi = r * 2 * N_INTER + 2 * c
+            ui = gi + 1
+        else:
+            gi = r * 2 * N_INTER + c
+            ui = gi + N_INTER
+        da = tl.load(DA + r * N_INTER + c, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)  # recomputed from the saved gate_up output
+        silu = g * sig
+        a = silu * u
+        dot += a * da
+        tl.store(AW + r * N_INTER + c, _round_to(w * a, AW.dtype.element_ty, SOFT_RNE), mask=mask)
+        dwa = w * da
+        tl.store(DH + ui, _round_to(dwa * silu, DH.dtype.element_ty, SOFT_RNE), mask=mask)
+        tl.store(DH + gi, _round_to(dwa * u * (sig + silu * (1.0 - sig)), DH.dtype.element_ty, SOFT_RNE), mask=mask)
+    tl.store(DWROW + r, tl.sum(dot, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------- launchers
@@ -124,15 +117,16 @@ def _out(buf, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return buf
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None, *,
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None, *, div: int = 1,
                 block: int | None = None) -> torch.Tensor:
-    """out[r] = x[rows[r]]: x (T, H), rows (S,) integer -> (S, H) in x's dtype."""
-    x, rows = x.contiguous(), rows.contiguous()
-    s, h = rows.shape[0], x.shape[1]
+    """out[r] = x[idx[r] // div]: x (T, H), idx (S,) integer -> (S, H) in x's dtype (div = top-k: idx holds
+    (token, choice) pair numbers)."""
+    x, idx = x.contiguous(), idx.contiguous()
+    s, h = idx.shape[0], x.shape[1]
     out = _out(out, (s, h), x)
     block = block or default_block(h)
     if s:
-        _gather_rows_kernel[(s, triton.cdiv(h, block))](x, rows, out, h, BLOCK=block)
+        _gather_rows_kernel[(s, triton.cdiv(h, block))](x, idx, out, h, div, BLOCK=block)
     return out
 
 
@@ -151,21 +145,6 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, ou
     return out
 
 
-def combine_bwd(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                dy: torch.Tensor | None = None, dw: torch.Tensor | None = None, *,
-                block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dy (S, H) in y's dtype, dw (T, K) fp32) of `combine` with weights."""
-    dout, y, pos, weights = dout.contiguous(), y.contiguous(), pos.contiguous(), weights.contiguous()
-    t, k = pos.shape
-    h = y.shape[1]
-    dy = _out(dy, tuple(y.shape), y)
-    dw = _out(dw, (t, k), y, torch.float32)
-    block = block or default_block(h)
-    if t:
-        _combine_bwd_kernel[(t,)](dout, y, pos, weights, dy, dw, h, k, BLOCK=block, SOFT_RNE=not y.is_cuda)
-    return dy, dw
-
-
 _GLU_BLOCK = 1024
 
 
@@ -181,13 +160,17 @@ def glu_fwd(h: torch.Tensor, interleaved: bool, out: torch.Tensor | None = None)
     return out
 
 
-def glu_bwd(da: torch.Tensor, h: torch.Tensor, interleaved: bool, dh: torch.Tensor | None = None) -> torch.Tensor:
-    """d(gate_up output) (S, 2I) from da (S, I) and h."""
-    da, h = da.contiguous(), h.contiguous()
+def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, interleaved: bool,
+                   dh: torch.Tensor | None = None, aw: torch.Tensor | None = None,
+                   dw_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh (S, 2I) and aw (S, I) in h's dtype, dw_row (S,) fp32) from da (S, I) without the routing weight,
+    h (S, 2I) and each row's routing weight w_row (S,)."""
+    da, h, w_row = da.contiguous(), h.contiguous(), w_row.contiguous()
     s, i = h.shape[0], h.shape[1] // 2
     dh = _out(dh, tuple(h.shape), h)
-    n = s * i
-    if n:
-        _glu_bwd_kernel[(triton.cdiv(n, _GLU_BLOCK),)](da, h, dh, n, i, INTERLEAVED=interleaved, BLOCK=_GLU_BLOCK,
-                                                      SOFT_RNE=not h.is_cuda)
-    return dh
+    aw = _out(aw, (s, i), h)
+    dw_row = _out(dw_row, (s,), h, torch.float32)
+    if s:
+        _glu_routed_bwd_kernel[(s,)](da, h, w_row, dh, aw, dw_row, i, INTERLEAVED=interleaved,
+                                     BLOCK=default_block(i), SOFT_RNE=not h.is_cuda)
+    return dh, aw, dw_row

@@ -116,3 +116,12 @@ def glu_bwd_ref(da: Tensor, h: Tensor, interleaved: bool = False) -> Tensor:
     if interleaved:
         return torch.stack((dgate, dup), dim=-1).flatten(-2)
     return torch.cat((dgate, dup), dim=-1)
+
+
+def glu_routed_bwd_ref(da: Tensor, h: Tensor, w_row: Tensor, interleaved: bool = False):
+    """fp32 (dh, aw, dw_row) of the expert MLP's backward through the activation, the routing weight folded in:
+    a = act(h); dw_row = <a, da>; aw = w * a; dh = act'(h) * (w * da). da is the gradient of y = a W^T WITHOUT the
+    routing weight (dout[token] @ W); w_row (S,) the weight of each row."""
+    a = glu_ref(h, interleaved)
+    w = w_row.float()[:, None]
+    return glu_bwd_ref(w * da.float(), h, interleaved), w * a, (a * da.float()).sum(-1)

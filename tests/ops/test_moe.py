@@ -66,11 +66,11 @@ def test_sort_by_expert_invariants():
     assert r.ends.dtype == torch.int32
     assert torch.equal(r.ends, torch.bincount(flat, minlength=e).cumsum(0).int())
     assert torch.equal(r.expert, flat.sort().values)
-    assert torch.equal(r.rows[r.pos], torch.arange(t)[:, None].expand(t, k)), "row pos[t, k] holds token t"
+    assert torch.equal(r.order[r.pos], torch.arange(t * k).view(t, k)), "row pos[t, k] holds pair (t, k)"
     assert torch.equal(r.expert[r.pos.reshape(-1)], flat)
     for g in range(e):  # stable: inside a group, tokens keep their order
-        rows = r.rows[r.expert == g]
-        assert torch.equal(rows, rows.sort().values)
+        pairs = r.order[r.expert == g]
+        assert torch.equal(pairs, pairs.sort().values)
 
 
 @pytest.mark.parametrize("kdim,ndim", [(16, 24), (13, 7)], ids=["aligned-native", "odd-cpu-loop"])
