@@ -135,3 +135,19 @@ def test_peft_lora_on_experts_and_attention_equals_unpatched():
     got, grads = _step(pm, ids, pos, lab)
     _assert_same(got, ref, grads, grads_ref)
     assert any("experts" in n and "lora" in n for n in grads)
+
+
+def test_mixtral_router_jitter_stays_the_stock_blocks():
+    """Mixtral's router jitter (training only) lives in the stock block forward, which the patch keeps: with the
+    same random state the patched model draws the same noise and equals stock; the noise changes the result."""
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("mixtral", router_jitter_noise=0.1).train()
+    torch.manual_seed(5)
+    ref, grads_ref = _step(model, ids, pos, lab)
+    novatune.patch(model)
+    torch.manual_seed(5)
+    got, grads = _step(model, ids, pos, lab)
+    _assert_same(got, ref, grads, grads_ref)
+    torch.manual_seed(6)
+    other, _ = _step(model, ids, pos, lab)
+    assert not torch.equal(other.loss, got.loss), "the jitter must change the result, or the test proves nothing"
