@@ -35,6 +35,7 @@ the group ends on the host - the CPU fallback only, never used on a GPU. Device 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +124,22 @@ def grouped_mm(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
     return out
 
 
+@functools.cache
+def _empty_groups_unwritten(device: torch.device) -> bool:
+    """torch's grouped_mm leaves the weight gradient of an empty group unwritten on Blackwell (sm100: pytorch
+    issue 172439); Hopper writes zeros. Where it does not, the result is masked (one pass over the gradient)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
 def grouped_outer(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
     """Per group a_g^T b_g: a (S, M), b (S, N) -> (E, M, N); a group without rows gives zeros."""
     at = a.t()
     if a.is_cuda or _aligned(at, b):
-        return _NATIVE_GROUPED_MM(at, b, offs=ends)
+        out = _NATIVE_GROUPED_MM(at, b, offs=ends)
+        if _empty_groups_unwritten(a.device):
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            out = torch.where((counts > 0)[:, None, None], out, 0)  # never reads the host: no sync
+        return out
     out = a.new_zeros(ends.shape[0], a.shape[1], b.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):
