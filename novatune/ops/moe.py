@@ -348,5 +348,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
         return torch.ops.novatune.moe_experts_fwd(x, weights, gate_up, down, none if gate_up_bias is None else
                                                   gate_up_bias, none if down_bias is None else down_bias, ids,
                                                   transposed, interleaved, activation)[0]
+    if gate_up.is_cuda and (gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16):
+        raise ValueError(f"moe_experts on CUDA runs torch's grouped_mm, which takes bf16 only; the expert weights "
+                         f"are {gate_up.dtype}/{down.dtype}: train in bf16, or patch with moe=False")
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
     return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)

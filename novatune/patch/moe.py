@@ -58,6 +58,9 @@ def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None
     for attr in (moe.gate_up, moe.down):
         if not isinstance(getattr(module, attr, None), torch.Tensor) or getattr(module, attr).dim() != 3:
             return f"{cls} has no 3-D {attr!r} expert weight", None
+    weight = getattr(module, moe.gate_up)
+    if weight.is_cuda and weight.dtype != torch.bfloat16:
+        return f"{cls} holds {weight.dtype} weights on CUDA; torch's grouped_mm takes bf16 only", None
     gate = getattr(type(module), "_apply_gate", None)
     if gate is not None and gate.__name__ != "_default_apply_gate":
         if moe.custom_gate_activation is None:
