@@ -46,7 +46,8 @@ from novatune.kernels import moe as K
 from novatune.ops._backend import use_triton
 from novatune.reference import moe as _ref
 
-_NATIVE_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel
+_NATIVE_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 # ----------------------------------------------------------------------------------------------- routing
@@ -278,8 +279,9 @@ def moe_experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, d
     layout = ExpertLayout(transposed, interleaved, activation)
     grads = _experts_bwd(dout, x, weights, gate_up, down, _opt(gate_up_bias), _opt(down_bias), h,
                          Routing(order, pos, ends, expert), layout, (True,) * 6)
-    empty = (gate_up_bias, down_bias)
-    return tuple(g if g is not None else empty[i - 4].new_empty(0) for i, g in enumerate(grads))
+    dx, dweights, d_gate_up, d_down, d_gu_bias, d_dn_bias = grads
+    return (dx, dweights, d_gate_up, d_down, gate_up_bias.new_empty(0) if d_gu_bias is None else d_gu_bias,
+            down_bias.new_empty(0) if d_dn_bias is None else d_dn_bias)
 
 
 @moe_experts_bwd.register_fake
