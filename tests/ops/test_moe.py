@@ -183,3 +183,35 @@ def test_registered_op_opcheck_and_same_values_as_eager(name):
     assert torch.equal(out, eager)
     for g, e in zip(grads, eager_grads):
         assert torch.equal(g, e)
+
+
+def _clamped_glu(h, interleaved):
+    """A gated activation of another family's shape (GPT-OSS-like clamped SwiGLU), in fp32."""
+    gate, up = R.split_gate_up(h.float(), interleaved)
+    gate, up = gate.clamp(max=1.5), up.clamp(-1.5, 1.5)
+    return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+
+
+def _clamped_routed_bwd(da, h, w_row, interleaved):
+    w = w_row.float()[:, None]
+    with torch.enable_grad():  # called inside the op's backward, where autograd is off
+        h32 = h.float().detach().requires_grad_()
+        a = _clamped_glu(h32, interleaved)
+        (dh,) = torch.autograd.grad(a, h32, w * da.float())
+    return dh.to(h.dtype), (w * a.detach()).to(h.dtype), (a.detach() * da.float()).sum(-1)
+
+
+def test_an_added_activation_runs_through_the_op(monkeypatch):
+    """ACTIVATIONS is the extension point for another family's gate: an entry (fwd, routed_bwd) is all the op needs;
+    here a clamped SwiGLU on the GPT-OSS layout (transposed, interleaved, biases) against the oracle."""
+    monkeypatch.setitem(M.ACTIVATIONS, "clamped", (lambda h, il: _clamped_glu(h, il).to(h.dtype),
+                                                   _clamped_routed_bwd))
+    ids, tensors, layout = _experts_inputs(CASES["gpt-oss layout E5"], torch.float32)
+    out = M.moe_experts(tensors[0], ids, *tensors[1:], **layout, activation="clamped")
+    ref_in = [v.detach().requires_grad_() for v in tensors]
+    ref = R.experts_ref(ref_in[0], ids, *ref_in[1:], **layout, activation=_clamped_glu)
+    assert_close(out, ref, 1e-5, "out")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    for g, rg, name in zip(torch.autograd.grad(out, tensors, dout), torch.autograd.grad(ref, ref_in, dout),
+                           ["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"]):
+        assert_close(g, rg, 1e-5, name)
