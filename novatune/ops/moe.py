@@ -36,6 +36,7 @@ the group ends on the host - the CPU fallback only, never used on a GPU. Device 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from novatune.kernels import moe as K
 from novatune.ops._backend import use_triton
+from novatune.ops.contract import Candidate, OpSpec
 from novatune.reference import moe as _ref
 
 # torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel
@@ -113,14 +115,31 @@ def _aligned(*tensors: Tensor) -> bool:
     return True
 
 
-def grouped_mm(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
-    """Rows of a (S, K) in groups (cumulative int32 ends, (E,)) times b[e] (E, K, N) -> (S, N)."""
-    if a.is_cuda or _aligned(a, b):
+_FP32_OUT_REFUSED: list[str] = []  # why this torch's CUDA grouped_mm refused out_dtype=float32 (reported once)
+
+
+def grouped_mm(a: Tensor, b: Tensor, ends: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Rows of a (S, K) in groups (cumulative int32 ends, (E,)) times b[e] (E, K, N) -> (S, N) in a's dtype, or
+    in `out_dtype` (float32: the fp32 accumulator is kept instead of rounded to bf16)."""
+    fp32_out = out_dtype is not None and out_dtype != a.dtype
+    if a.is_cuda:
+        if fp32_out and not _FP32_OUT_REFUSED:
+            try:
+                return _NATIVE_GROUPED_MM(a, b, offs=ends, out_dtype=out_dtype)
+            except (RuntimeError, TypeError) as e:  # an older torch: say so once, keep the GEMM's own dtype
+                _FP32_OUT_REFUSED.append(str(e).splitlines()[0])
+                warnings.warn(f"novatune moe: torch's grouped_mm refused out_dtype={out_dtype} "
+                              f"({_FP32_OUT_REFUSED[0]}); the routing weights' gradient uses the bf16 GEMM output "
+                              "(stock's precision)", RuntimeWarning, stacklevel=2)
         return _NATIVE_GROUPED_MM(a, b, offs=ends)
-    out = a.new_empty(a.shape[0], b.shape[2])  # CPU fallback: the group ends on the host cost nothing here
+    if not fp32_out and _aligned(a, b):
+        return _NATIVE_GROUPED_MM(a, b, offs=ends)
+    # CPU: torch's kernel needs 16-byte aligned strides and the output in the input dtype; otherwise a loop over
+    # the groups (the group ends on the host cost nothing here)
+    out = a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype)
     start = 0
     for e, end in enumerate(ends.tolist()):
-        torch.mm(a[start:end], b[e], out=out[start:end])
+        torch.mm(a[start:end].to(out.dtype), b[e].to(out.dtype), out=out[start:end])
         start = end
     return out
 
@@ -154,8 +173,8 @@ def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: b
     return y if bias is None else y.add_(bias[r.expert])
 
 
-def _linear_dinput(dy: Tensor, w: Tensor, r: Routing, transposed: bool) -> Tensor:
-    return grouped_mm(dy, w.transpose(-2, -1) if transposed else w, r.ends)
+def _linear_dinput(dy: Tensor, w: Tensor, r: Routing, transposed: bool, out_dtype=None) -> Tensor:
+    return grouped_mm(dy, w.transpose(-2, -1) if transposed else w, r.ends, out_dtype)
 
 
 def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tensor:
@@ -224,7 +243,9 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     _, act_bwd = ACTIVATIONS[layout.activation]
     dout_s = permute(dout.to(gate_up.dtype), r)  # (S, H): each row's token's gradient, not yet weighted
     w_row = weights.reshape(-1)[r.order].float()  # (S,)
-    da_u = _linear_dinput(dout_s, down, r, layout.transposed)  # (S, I) = dout_s @ W_down
+    # (S, I) = dout_s @ W_down, kept in fp32: the routing weight's gradient <a, da_u> is a dot product with
+    # cancellation, which a bf16-rounded da_u would carry into it (rel. error ~2e-3 vs 2e-7 in fp32)
+    da_u = _linear_dinput(dout_s, down, r, layout.transposed, out_dtype=torch.float32)
     dh, aw, dw_row = act_bwd(da_u, h, w_row, layout.interleaved)
     del da_u
     d_down = _linear_dweight(aw, dout_s, r, layout.transposed) if needs[3] else None
@@ -355,3 +376,58 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
                          f"are {gate_up.dtype}/{down.dtype}: train in bf16, or patch with moe=False")
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
     return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
+
+
+# ----------------------------------------------------------------------------------------------- the contract
+def _make_inputs(shape, dtype, device, gen) -> dict:
+    """shape (T, H, I, E, K): x, ids (the last expert receives no token), routing weights summing to 1 per token,
+    gate_up (E, 2I, H) and down (E, H, I) scaled like trained weights (outputs ~ inputs in magnitude)."""
+    t, h, i, e, k = shape
+    choices = max(e - 1, k)
+    ids = torch.stack([torch.randperm(choices, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen) + 0.1
+    tensors = {"x": torch.randn(t, h, generator=gen), "weights": w / w.sum(-1, keepdim=True),
+               "gate_up": torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5,
+               "down": torch.randn(e, h, i, generator=gen) / i ** 0.5}
+    out = {k2: v.to(device=device, dtype=dtype) for k2, v in tensors.items()}
+    return {"x": out["x"], "ids": ids.to(device), "weights": out["weights"], "gate_up": out["gate_up"],
+            "down": out["down"]}
+
+
+def _call_cases(dtype, device, gen) -> list:
+    """Qwen3-MoE's call (concatenated gate/up, nn.Linear layout, no bias) at toy sizes: experts without tokens, an
+    odd hidden size and expert count, a single token, top-1."""
+    return [("Qwen3-MoE layout, E 5 top-2", _make_inputs((13, 64, 32, 5, 2), dtype, device, gen)),
+            ("odd hidden 37, E 7 top-3", _make_inputs((11, 37, 19, 7, 3), dtype, device, gen)),
+            ("one token, top-1", _make_inputs((1, 16, 8, 3, 1), dtype, device, gen))]
+
+
+def _floor(shape, dtype) -> int:
+    """Bytes one fwd+bwd must move: the expert weights read in the forward and twice in the backward and their
+    gradients written (4 x 3EHI), x / out / dout / dx (4TH), the saved gate_up output written and read (2 x 2SI)."""
+    t, h, i, e, k = shape
+    return (4 * 3 * e * h * i + 4 * t * h + 4 * t * k * i) * torch.tensor([], dtype=dtype).element_size()
+
+
+def _candidates(shape, dtype, device: str) -> list:
+    return [Candidate("moe_experts", "hf_eager", "eager", make=lambda: _ref.hf_grouped_mm_experts, selectable=False),
+            Candidate("moe_experts", "novatune_default", "default", make=lambda: moe_experts)]
+
+
+# No trace_kind: the layer's time is mostly the grouped GEMMs, which the profile counts under GEMM, not this op.
+# tolerance_scale 4: the op rounds at other points than stock (the GLU and its backward round once, in fp32; the
+# routing weights' gradient is <a, dout @ W_down> in fp32 instead of <y in bf16, dout>). Both are dot products
+# with cancellation, so in bf16 single elements of a small gradient differ from stock's in either direction by
+# several roundings of the row's scale; over 40 random Qwen3-MoE-layout cases the op's largest error on the
+# routing weights' gradient is 0.65x stock's on average, but a single case can exceed the 4 x stock per-element
+# bound the checker uses for elementwise ops.
+SPEC = OpSpec(
+    name="moe_experts", tensor_args=("x", "weights", "gate_up", "down"), make_inputs=_make_inputs,
+    reference=_ref.experts_ref, stock=_ref.hf_grouped_mm_experts, floor_bytes=_floor, candidates=_candidates,
+    call_cases=_call_cases, tolerance_scale=4.0,
+    shape_of=lambda x, ids, weights, gate_up, down, *_: (x.shape[0], x.shape[1], down.shape[2],
+                                                         gate_up.shape[0], ids.shape[1]),
+    dtype_of=lambda x, *_: str(x.dtype)[6:],
+    signature="moe_experts(x (T, H), ids (T, K) int, weights (T, K), gate_up (E, 2I, H), down (E, H, I)) -> "
+              "(T, H): sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, k]; "
+              "differentiable in x, weights, gate_up and down")
