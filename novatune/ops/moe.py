@@ -126,8 +126,8 @@ def grouped_mm(a: Tensor, b: Tensor, ends: Tensor, out_dtype: torch.dtype | None
         if fp32_out and not _FP32_OUT_REFUSED:
             try:
                 return _NATIVE_GROUPED_MM(a, b, offs=ends, out_dtype=out_dtype)
-            except (RuntimeError, TypeError) as e:  # an older torch: say so once, keep the GEMM's own dtype
-                _FP32_OUT_REFUSED.append(str(e).splitlines()[0])
+            except (RuntimeError, TypeError) as err:  # an older torch: say so once, keep the GEMM's own dtype
+                _FP32_OUT_REFUSED.append(str(err).splitlines()[0])
                 warnings.warn(f"novatune moe: torch's grouped_mm refused out_dtype={out_dtype} "
                               f"({_FP32_OUT_REFUSED[0]}); the routing weights' gradient uses the bf16 GEMM output "
                               "(stock's precision)", RuntimeWarning, stacklevel=2)
