@@ -17,9 +17,10 @@ The backward saves only x, the routing weights, h (S x 2I) and the routing's int
 gather and a from h, and never needs y: with dout_s = dout[token of each row] (a gather) and
 da_u = dout_s @ W_down (the grouped GEMM the backward runs anyway), the routing weight's gradient is
 dw = <y, dout> = <a, da_u> (+ <b_down, dout_s> with a bias), and the rest of the backward takes the weight inside
-one row-wise Triton kernel (dh = act'(h) * w * da_u, aw = w * a for dW_down = aw^T dout_s). Saved per layer:
-S x 2I + T x H elements instead of eager's S x (2 x 2I + 3 x H). dX = dY @ W and dW = X^T dY per group are grouped
-GEMMs too, and the router trains as in stock.
+one row-wise Triton kernel (dh = act'(h) * w * da_u, aw = w * a for dW_down = aw^T dout_s). da_u stays fp32
+(the GEMM's accumulator; the dot product has cancellation). Saved per layer: S x 2I + T x H elements, where stock's
+grouped_mm path also keeps the gathered inputs and the expert outputs (2 x S x H more). dX = dY @ W and
+dW = X^T dY per group are grouped GEMMs too, and the router trains as in stock.
 
 Layouts are data: weights (E, out, in) as nn.Linear stores them or (E, in, out) (`transposed`, GPT-OSS); gate/up
 concatenated [gate; up] or interleaved (g0, u0, g1, u1, ...); optional biases (E, out); `activation` names an
