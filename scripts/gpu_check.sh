@@ -18,6 +18,9 @@
 #   build (the 8 GiB one included), the tiled MLP and the optimizers (CUDA kernel), then
 #   bench/experiments/exp_lowmem.py (QLoRA 8B capped at 8 GiB vs uncapped, LoRA r16 seed peak, a 65k-token row
 #   tiled vs untiled; LOWMEM_BLOCKS adds optimizer-4b: adamw vs adamw_kahan); < 8 min.
+#   moe: issue 14's MoE path (not in the default list): the MoE GPU tests (one layer under CUDA sync-debug mode, values
+#   vs HF grouped_mm), bench/bench_moe.py (one layer at Qwen3-30B-A3B shapes), then `novatune bench
+#   examples/qwen3-30b-a3b-moe.yaml` (8-layer cut; stock, hf-varlen, unsloth, novatune); < 8 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -60,6 +63,15 @@ fi
 if has e2e; then
   timeout 580 python3 -m novatune bench examples/qwen3-4b-seed.yaml --stacks ${E2E_STACKS:-stock,liger-peer,unsloth,novatune} \
     --steps ${E2E_STEPS:-6} --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -n 12
+fi
+if has moe; then
+  timeout 120 python3 -m pytest -q -m gpu tests/ops/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -n 8
+  summary+=("moe gpu tests: $(tail -n 1 "$OUT/moe_gpu_tests.log")")
+  timeout 120 python3 bench/bench_moe.py --results "$OUT/ops.jsonl" 2>&1 | tee "$OUT/bench_moe.log" | tail -n 6
+  summary+=("bench_moe: exit ${PIPESTATUS[0]}")
+  timeout 330 python3 -m novatune bench examples/qwen3-30b-a3b-moe.yaml --stacks ${MOE_STACKS:-stock,hf-varlen,unsloth,novatune} \
+    --steps ${MOE_STEPS:-4} --results "$OUT/moe.jsonl" --run-dir "$OUT/runs/moe" 2>&1 | tee "$OUT/moe_e2e.log" | tail -n 14
+  summary+=("novatune bench examples/qwen3-30b-a3b-moe.yaml: exit ${PIPESTATUS[0]}")
 fi
 if has eval; then
   # `novatune eval` decoding speed (issue 4): Qwen2.5-0.5B architecture, random init (it never stops early, so every

@@ -1,8 +1,9 @@
 """`novatune bench CONFIG`: the configured workload trained by each stack in its own process, side by side.
 
 Stacks (bench/stacks.py; same config, same seed -> same init and same data; only the kernels differ): stock,
-liger-peer, unsloth, novatune, novatune_full, novatune_eager. A stack that cannot run here (Liger or Unsloth not
-installed, novatune_full under QLoRA) gets a row with status "absent" and the reason; it is never dropped.
+liger-peer, hf-varlen, unsloth, novatune, novatune_full, novatune_eager. A stack that cannot run here (Liger or
+Unsloth not installed, novatune_full under QLoRA) gets a row with status "absent" and the reason; it is never
+dropped.
 
 Each stack runs `python -m novatune.bench.worker SPEC.json` (bench/worker.py): the run is built by the trainer's
 own builder (novatune.train.session.build) and stepped with the session's step, `warm` warm-up steps then `steps`
@@ -65,7 +66,7 @@ from pathlib import Path
 
 from novatune.bench.stacks import STACKS, load_plugins
 
-PEERS = ("liger-peer", "unsloth")  # the stacks x_peer compares with (the fastest that ran)
+PEERS = ("liger-peer", "unsloth", "hf-varlen")  # the stacks x_peer compares with (the fastest that ran)
 
 
 def default_run_dir(kind: str) -> Path:

@@ -11,6 +11,9 @@ with the function named by its module, imported only in that stack's worker:
 
   stock           HF as shipped: attn_implementation=sdpa, no patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings)
   liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
+  hf-varlen       Hugging Face's best without other libraries: torch varlen attention (bench/peer.py) and, on MoE
+                  models, transformers' grouped_mm experts (the MoE table's best HF row; `stock` runs grouped_mm
+                  experts too, with sdpa)
   unsloth         Unsloth: its row says why it did not run (not installed; or installed but not yet built by the
                   run builder: Unsloth loads its own model through FastLanguageModel.from_pretrained from a saved
                   folder, with its own checkpointing and packed-attention setup, and a row from plain HF classes
@@ -84,6 +87,51 @@ def _liger_hooks(cfg, base_dir) -> Hooks:
     return hooks
 
 
+def _grouped_mm_experts(model) -> str | None:
+    """MoE models: transformers' grouped_mm experts, set explicitly (it raises when this machine cannot run them,
+    instead of HF's silent fall back to its per-expert loop); None for dense models."""
+    if not any(hasattr(m, "gate_up_proj") for m in model.modules()):
+        return None
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is not None:
+        setter("grouped_mm")
+    else:  # older transformers 5 releases: the config attribute every experts module reads
+        model.config._experts_implementation = "grouped_mm"
+    return "experts=grouped_mm"
+
+
+def _stock_hooks(cfg, base_dir) -> Hooks:
+    hooks = Hooks()
+
+    def model_hook(model) -> None:
+        hooks.applied = _grouped_mm_experts(model)
+
+    hooks.model_hook = model_hook
+    return hooks
+
+
+def _hf_varlen_hooks(cfg, base_dir) -> Hooks:
+    from novatune.bench.peer import register_peer_varlen, use_peer_attention
+
+    hooks = Hooks()
+
+    def model_hook(model) -> None:
+        name = register_peer_varlen()
+        use_peer_attention(model)
+        hooks.applied = ", ".join(filter(None, [f"attention={name}", _grouped_mm_experts(model)]))
+
+    hooks.model_hook = model_hook
+    return hooks
+
+
+def _varlen_unavailable(cfg) -> str | None:
+    import torch
+
+    if cfg.model.device == "cpu" or not torch.cuda.is_available():
+        return "torch's varlen attention runs on CUDA only: this stack did not run"
+    return None
+
+
 def _unsloth_unavailable(cfg) -> str | None:
     missing = _missing("unsloth", "unsloth")(cfg)
     if missing is not None:
@@ -121,7 +169,9 @@ def register(stack: Stack) -> Stack:
     return stack
 
 
-register(Stack("stock", "HF stock, attn_implementation=sdpa", STOCK))
+register(Stack("stock", "HF stock, attn_implementation=sdpa (MoE: grouped_mm experts)", STOCK, _stock_hooks))
+register(Stack("hf-varlen", "HF + torch varlen attention (MoE: grouped_mm experts)", STOCK, _hf_varlen_hooks,
+               _varlen_unavailable))
 register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best peer)", STOCK, _liger_hooks,
                _missing("liger_kernel", "liger-kernel")))
 register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_unsloth_unavailable))

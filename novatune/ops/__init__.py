@@ -1,6 +1,7 @@
 """Registered torch.library ops (fake + autograd) with a functional and a module form per op.
 
     from novatune.ops import rms_norm, swiglu, apply_rope, linear_cross_entropy, varlen_attention, lora_linear
+    from novatune.ops import moe_experts, route
 
 The functionals are imported eagerly: `novatune.ops.rms_norm` must be the function, not the submodule of the same
 name (ARCHITECTURE.md's public names), and binding it here, after the submodule import, guarantees that.
@@ -8,10 +9,11 @@ name (ARCHITECTURE.md's public names), and binding it here, after the submodule 
 from novatune.attention.backends import varlen_attention
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.lora import lora_linear
+from novatune.ops.moe import moe_experts, route
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu, swiglu_mlp
 
 __all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_mlp", "apply_rope", "qk_norm_rope", "linear_cross_entropy",
-           "varlen_attention", "lora_linear"]
+           "varlen_attention", "lora_linear", "moe_experts", "route"]

@@ -7,6 +7,7 @@ PEFT and gradient checkpointing see the same model. `report.revert()` undoes eve
 """
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
+from novatune.patch.moe import apply_moe
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
@@ -93,8 +95,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
-          selection=None) -> PatchReport:
-    """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral), a PEFT model wrapping one, or a Trainer.
+          selection=None, moe: bool = True) -> PatchReport:
+    """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral), a PEFT model wrapping
+    one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
     cross_entropy_mode: "auto" | "tokens" | "vocab" | "inplace" (novatune.ops.linear_cross_entropy; auto picks
@@ -160,6 +163,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
                 trainer_refusal=trainer_refusal(trainer, model))
+    apply_moe(model, spec, report, _bind, enabled=moe)
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     if strict and report.skipped():
         report.revert()
@@ -292,13 +296,26 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", refused["cross_entropy"])
     elif trainer_refusal:
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", trainer_refusal)
+    elif isinstance(aux := _aux_loss_function(model, spec), str):
+        report.add(spec.lm_head_attr, "cross_entropy", "skipped", aux)
     else:
         tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
         # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
-                   _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early)
+                   _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
+                   _novatune_aux_loss=aux)
         report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))
+
+
+def _aux_loss_function(model: nn.Module, spec: FamilySpec):
+    """The family's load-balancing loss function (the one its stock causal LM calls when output_router_logits is
+    on), None for dense families, or a string saying why it cannot be found."""
+    if spec.moe is None or spec.moe.aux_loss is None:
+        return None
+    fn = getattr(sys.modules.get(type(model).__module__), spec.moe.aux_loss, None)
+    return fn if callable(fn) else (f"{type(model).__module__} has no {spec.moe.aux_loss!r} (the router loss the "
+                                    "fused loss must add); this transformers release changed the family")
 
 
 def _loss_detail(model: nn.Module) -> str:

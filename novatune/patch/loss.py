@@ -89,6 +89,7 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
 
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.get("num_items_in_batch")
+    router_loss = _wants_router_loss(self, kwargs)
     outputs = _backbone(self, binding, call, kwargs)
     hidden = outputs.last_hidden_state  # (b, s, H)
     if shift_labels is None:
@@ -99,8 +100,33 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self),
                                 shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
                                 normalizer=num_items, mode=self._novatune_ce_mode)
+    if router_loss:
+        return _with_router_loss(self, loss, outputs, attention_mask)
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions)  # training: use_cache=False, no cache to return
+
+
+def _wants_router_loss(self, kwargs: dict) -> bool:
+    """MoE families: whether this call adds the load-balancing loss (the call's output_router_logits, else the
+    config's, as the stock forward resolves it); the flag is passed on to the backbone, which then records the
+    router logits."""
+    if self.__dict__.get("_novatune_aux_loss") is None:
+        return False
+    wants = kwargs.get("output_router_logits")
+    wants = bool(self.config.output_router_logits if wants is None else wants)
+    kwargs["output_router_logits"] = wants
+    return wants
+
+
+def _with_router_loss(self, loss, outputs, attention_mask):
+    """The stock MoE causal LM's loss: loss + router_aux_loss_coef * load_balancing_loss_func(router logits, ...),
+    computed by the family's own function on the same logits the stock forward would give it."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    aux = self._novatune_aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+    loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions, router_logits=outputs.router_logits)
 
 
 def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):
@@ -123,6 +149,9 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     """TRL's `fused_lm_head=True` contract (trl.trainer.utils.add_fused_lm_head), with novatune's fused loss."""
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
+    if _wants_router_loss(self, kwargs):
+        raise ValueError("novatune's fused LM head for TRL does not add an MoE router loss (output_router_logits is "
+                         "on): patch with cross_entropy=False, or turn output_router_logits off")
     call["use_cache"] = False
     outputs = _backbone(self, binding, call, kwargs)
     hidden = outputs.last_hidden_state

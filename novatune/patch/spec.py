@@ -35,6 +35,49 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """A top-k router module: logits = x @ weight^T (+ bias), then the family's recipe (novatune.ops.moe.route).
+
+    scoring "softmax_topk" (softmax over experts, top-k, optional renormalisation: Qwen3-MoE, Mixtral) or
+    "topk_softmax" (top-k of the logits, softmax over the k: GPT-OSS). `renormalize` is a bool, or the router
+    attribute that holds it (Qwen3-MoE's norm_topk_prob). weights_dtype "logits" casts the weights to the logits'
+    dtype (Qwen3-MoE, GPT-OSS); "float32" keeps them fp32 (Mixtral)."""
+
+    scoring: str = "softmax_topk"
+    renormalize: bool | str = False
+    softmax_fp32: bool = True
+    weights_dtype: str = "logits"
+    top_k: str = "top_k"
+    weight: str = "weight"
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed-experts modules of a sparse MoE block. The block's own forward stays stock (so anything it does
+    around the router and the experts - jitter, shared experts, reshapes - is unchanged); the router and the experts
+    module get novatune's forwards. The experts' layout (transposed, interleaved gate/up, biases) is read from the
+    attributes transformers' `use_experts_implementation` sets on the module; one the op cannot honour (no gate,
+    a post-expert norm, expert parallelism, a custom gate without a declared activation) refuses the module."""
+
+    router_classes: tuple[str, ...]
+    experts_classes: tuple[str, ...]
+    router: RouterSpec = field(default_factory=RouterSpec)
+    gate_up: str = "gate_up_proj"  # (E, 2I, H), or (E, H, 2I) when the module's is_transposed
+    down: str = "down_proj"  # (E, H, I), or (E, I, H)
+    gate_up_bias: str = "gate_up_proj_bias"  # read only when the module's has_bias
+    down_bias: str = "down_proj_bias"
+    num_experts: str = "num_experts"
+    # config.hidden_act values computed as silu(gate) * up ("silu" in novatune.ops.moe.ACTIVATIONS)
+    activations: tuple[str, ...] = ("silu", "swish")
+    # a family whose experts class defines its own gate names the ACTIVATIONS entry that computes it here
+    custom_gate_activation: str | None = None
+    # the family's load-balancing loss, a function of the modeling module (what the stock causal LM calls when
+    # output_router_logits is on); the fused loss forward adds it exactly as stock does
+    aux_loss: str | None = "load_balancing_loss_func"
+
+
+@dataclass(frozen=True)
 class LoRASpec:
     """PEFT's LoRA layer layout (peft.tuners.lora.layer.Linear wraps a projection in place). The same for every
     family today; a field of FamilySpec so a family (or a PEFT release) with other names changes data, not code.
@@ -127,4 +170,5 @@ class FamilySpec:
     # MATH_ATTRIBUTES the forwards implement for this family (any other non-neutral one is refused)
     honours: tuple[str, ...] = ()
     norm_offset: float = 0.0  # RMSNorm computes x * (offset + w) (Gemma: 1); only 0 is implemented
+    moe: MoESpec | None = None  # sparse MoE families: the router and experts modules
     notes: str = ""

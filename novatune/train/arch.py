@@ -26,6 +26,13 @@ ARCHS: dict[str, dict[str, Any]] = {
                          tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=131072,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # Qwen/Qwen3-30B-A3B: 48 layers, every one sparse (128 experts, top-8, expert intermediate 768); the MoE bench
+    # config cuts it to 8 layers with model.arch_overrides
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                          rope_theta=1e6, max_position_embeddings=40960),
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768),
@@ -64,12 +71,28 @@ def arch_config(name: str, overrides: dict | None = None, vocab_size: int | None
 
 
 def count_matmul_params(config) -> int:
-    """Parameters that take part in matmuls per token (attention + MLP projections + lm_head): the N of 6N."""
+    """Parameters that take part in matmuls per token (attention + MLP projections + lm_head): the N of 6N.
+    Sparse MoE layers count what one token multiplies by: the router and its top-k experts."""
     h = config.hidden_size
     hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    return config.num_hidden_layers * layer + h * config.vocab_size
+    attention = h * (q + 2 * kv) + q * h
+    dense_mlp = 3 * h * config.intermediate_size
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        mlp = dense_mlp
+        if experts and _is_sparse_layer(config, layer):
+            inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            mlp = h * experts + config.num_experts_per_tok * 3 * h * inter
+        total += attention + mlp
+    return total + h * config.vocab_size
+
+
+def _is_sparse_layer(config, layer: int) -> bool:
+    """Qwen-MoE's rule (mlp_only_layers, decoder_sparse_step); families without those keys are sparse throughout."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
 def attention_flops_per_token(config, avg_keys: float) -> float:

@@ -153,3 +153,25 @@ def test_the_table_takes_a_row_from_a_stack_with_its_own_trainer():
     sp = {"novatune_vs_stock": None, "novatune_vs_peer": None, "peer_vs_stock": None}
     table = render_table({"rows": rows, "warm": 1, "speedup": sp})
     assert "trl-sft" in table and "190" in table
+
+
+def test_moe_stacks_name_their_experts_and_refuse_varlen_without_cuda():
+    """stock and hf-varlen set transformers' grouped_mm experts explicitly on MoE models (and record it); dense
+    models are left alone; hf-varlen is absent with its reason where torch's varlen attention cannot run."""
+    import transformers
+
+    from novatune.bench import stacks
+    from novatune.train.config import load
+
+    moe = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=3, num_experts_per_tok=2,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64))
+    moe.set_experts_implementation("eager")
+    assert stacks._grouped_mm_experts(moe) == "experts=grouped_mm"
+    assert moe.config._experts_implementation == "grouped_mm"
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=64))
+    assert stacks._grouped_mm_experts(dense) is None
+    cfg = load(None, ["model.device=cpu"])
+    assert "CUDA" in stacks.STACKS["hf-varlen"].unavailable(cfg)

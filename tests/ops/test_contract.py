@@ -26,7 +26,8 @@ def test_every_spec_is_complete_and_its_cases_run():
 
 def _key(name):
     return {"rms_norm": (7, 32), "swiglu": (7, 32), "linear_cross_entropy": (9, 8, 33),
-            "attention": (13, 2, 1, 8, 3), "rope": (13, 2, 1, 8), "qk_norm_rope": (13, 2, 1, 8)}[name]
+            "attention": (13, 2, 1, 8, 3), "rope": (13, 2, 1, 8), "qk_norm_rope": (13, 2, 1, 8),
+            "moe_experts": (13, 64, 32, 5, 2)}[name]
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "swiglu", "rope", "qk_norm_rope"])

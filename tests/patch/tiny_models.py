@@ -12,10 +12,20 @@ FAMILIES = {
     "llama": ("LlamaConfig", dict(COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(COMMON, rms_norm_eps=1e-5, sliding_window=None)),
 }
+# sparse MoE families: odd expert counts (5, 7) so some experts receive no token in a small batch; Qwen3-MoE with
+# one dense layer (mlp_only_layers) between sparse ones
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(COMMON, num_hidden_layers=3, head_dim=16, rms_norm_eps=1e-6, num_experts=5,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[1], router_aux_loss_coef=0.01)),
+    "mixtral": ("MixtralConfig", dict(COMMON, intermediate_size=48, rms_norm_eps=1e-5, num_local_experts=7,
+                                      num_experts_per_tok=3, router_aux_loss_coef=0.02, tie_word_embeddings=False)),
+}
 
 
-def tiny_model(family: str, seed: int = 0, dtype=torch.float32, attn: str = "sdpa"):
-    cls_name, kw = FAMILIES[family]
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32, attn: str = "sdpa", **overrides):
+    cls_name, kw = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    kw = {**kw, **overrides}
     cfg = getattr(transformers, cls_name)(**kw)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)

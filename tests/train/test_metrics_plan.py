@@ -116,3 +116,16 @@ def test_metrics_untouched_when_nothing_to_drop(tmp_path):
     inode = path.stat().st_ino
     MetricsLog(tmp_path, tensorboard=False, resume_step=2).close()
     assert path.stat().st_ino == inode
+
+
+def test_moe_matmul_params_count_the_active_experts():
+    """Qwen3-30B-A3B: ~3.0B parameters active per token (the "A3B"); the 8-layer MoE bench cut: 766M, so ~4.6
+    GFLOP/token before attention (docs/BENCHMARKS.md's MoE anchor: 4.78 with attention)."""
+    assert count_matmul_params(arch_config("qwen3-30b-a3b")) == pytest.approx(3.04e9, rel=0.01)
+    cut = arch_config("qwen3-30b-a3b", {"num_hidden_layers": 8})
+    assert count_matmul_params(cut) == pytest.approx(766.2e6, rel=1e-3)
+    dense_layer = arch_config("qwen3-30b-a3b", {"num_hidden_layers": 2, "mlp_only_layers": [0]})
+    h = 2048
+    attention = h * (4096 + 2 * 512) + 4096 * h
+    assert count_matmul_params(dense_layer) == (2 * attention + 3 * h * 6144 + h * 128 + 8 * 3 * h * 768
+                                                + h * 151936)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from novatune.patch.spec import FamilySpec
-from novatune.patch.specs import llama, mistral, qwen2, qwen3
+from novatune.patch.specs import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC, qwen3_moe.SPEC, mixtral.SPEC)
 
 
 def spec_for(model_type: str) -> FamilySpec | None:

@@ -1,0 +1,176 @@
+"""Mixture-of-experts data movement and activation as Triton kernels (the GEMMs are torch's grouped_mm).
+
+Shapes: T tokens, K experts per token, S = T * K rows in expert order, H hidden, I expert intermediate.
+`pos[t, k]` is the row (in expert order) that holds token t's k-th choice; `rows[r]` the token of row r.
+
+    permute            xs[r] = x[order[r] // K]                            (gather; no weighted copy)
+    combine            out[t] = sum_k w[t, k] * y[pos[t, k]]               (unpermute + weighted sum, fp32 acc)
+    permute backward   dx[t] = sum_k dxs[pos[t, k]]                        (= combine with w = 1)
+    glu                a = silu(gate) * up read straight from the fused (S, 2I) gate_up output, [gate; up]
+                       (concatenated) or (g0, u0, g1, u1, ...) (interleaved): no split copies
+    routed glu bwd     from h, da_u = dout[token] @ W_down (the down GEMM's input gradient WITHOUT the routing
+                       weight) and the row's weight w:   a = silu(gate) * up (recomputed),
+                       dw_row = <a, da_u> (the routing weight's gradient: <y, dout> = <a W^T, dout> = <a, dout W>),
+                       aw = w * a (the down weight gradient's operand), dh = glu'(h) * (w * da_u)
+
+So neither the weighted copy of the expert outputs nor the inverse-permuted copy exists: the combine reads each
+expert output row once and writes each token once; and the backward never needs the expert outputs y, so the
+forward does not keep them (S x H per layer). Every kernel accumulates in fp32 and rounds once at the store
+(round-to-nearest-even, bit-identical under the interpreter). Launchers take optional preallocated outputs so tests
+can poison them; all tensors are contiguous (the launchers make them so).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype with round-to-nearest-even, interpreter too
+
+
+def default_block(n: int) -> int:
+    """Columns per program: the row width rounded up to a power of two, between 64 and 1024 (16-byte vectors,
+    a whole 2048-wide row in two passes)."""
+    return max(64, min(1024, triton.next_power_of_2(n)))
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _gather_rows_kernel(X, IDX, OUT, H, DIV, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    src = tl.load(IDX + r).to(tl.int64) // DIV
+    v = tl.load(X + src * H + cols, mask=mask, other=0.0)
+    tl.store(OUT + r * H + cols, v, mask=mask)
+
+
+@triton.jit
+def _combine_kernel(Y, POS, W, OUT, H, K, HAS_W: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(K):
+        p = tl.load(POS + t * K + j).to(tl.int64)
+        v = tl.load(Y + p * H + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(W + t * K + j).to(tl.float32)
+        acc += v
+    tl.store(OUT + t * H + cols, _round_to(acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
+
+
+@triton.jit
+def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into a (S, N_INTER)
+    mask = offs < n
+    r = offs // N_INTER
+    c = offs % N_INTER
+    if INTERLEAVED:
+        gi = r * 2 * N_INTER + 2 * c
+        ui = gi + 1
+    else:
+        gi = r * 2 * N_INTER + c
+        ui = gi + N_INTER
+    g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
+    tl.store(A + offs, _round_to(g * tl.sigmoid(g) * u, A.dtype.element_ty, SOFT_RNE), mask=mask)
+
+
+@triton.jit
+def _glu_routed_bwd_kernel(DA, HB, WROW, DH, AW, DWROW, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
+                           SOFT_RNE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # one row: the dot over the intermediate axis stays in the program
+    w = tl.load(WROW + r).to(tl.float32)
+    dot = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, N_INTER, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        mask = c < N_INTER
+        if INTERLEAVED:
+            gi = r * 2 * N_INTER + 2 * c
+            ui = gi + 1
+        else:
+            gi = r * 2 * N_INTER + c
+            ui = gi + N_INTER
+        da = tl.load(DA + r * N_INTER + c, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)  # recomputed from the saved gate_up output
+        silu = g * sig
+        a = silu * u
+        dot += a * da
+        tl.store(AW + r * N_INTER + c, _round_to(w * a, AW.dtype.element_ty, SOFT_RNE), mask=mask)
+        dwa = w * da
+        tl.store(DH + ui, _round_to(dwa * silu, DH.dtype.element_ty, SOFT_RNE), mask=mask)
+        tl.store(DH + gi, _round_to(dwa * u * (sig + silu * (1.0 - sig)), DH.dtype.element_ty, SOFT_RNE), mask=mask)
+    tl.store(DWROW + r, tl.sum(dot, axis=0))
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def _out(buf, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    dtype = dtype or like.dtype
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
+        raise ValueError(f"output buffer must be contiguous {tuple(shape)} {dtype}, got {tuple(buf.shape)} "
+                         f"{buf.dtype}")
+    return buf
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None, *, div: int = 1,
+                block: int | None = None) -> torch.Tensor:
+    """out[r] = x[idx[r] // div]: x (T, H), idx (S,) integer -> (S, H) in x's dtype (div = top-k: idx holds
+    (token, choice) pair numbers)."""
+    x, idx = x.contiguous(), idx.contiguous()
+    s, h = idx.shape[0], x.shape[1]
+    out = _out(out, (s, h), x)
+    block = block or default_block(h)
+    if s:
+        _gather_rows_kernel[(s, triton.cdiv(h, block))](x, idx, out, h, div, BLOCK=block)
+    return out
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor | None = None, *,
+            out_dtype: torch.dtype | None = None, block: int | None = None) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * y[pos[t, k]] (w = 1 when weights is None): y (S, H), pos (T, K) -> (T, H)."""
+    y, pos = y.contiguous(), pos.contiguous()
+    t, k = pos.shape
+    h = y.shape[1]
+    out = _out(out, (t, h), y, out_dtype)
+    block = block or default_block(h)
+    w = pos if weights is None else weights.contiguous()  # unused when HAS_W is False
+    if t:
+        _combine_kernel[(t, triton.cdiv(h, block))](y, pos, w, out, h, k, HAS_W=weights is not None, BLOCK=block,
+                                                    SOFT_RNE=not y.is_cuda)
+    return out
+
+
+_GLU_BLOCK = 1024
+
+
+def glu_fwd(h: torch.Tensor, interleaved: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up from the fused gate_up output h (S, 2I) -> (S, I) in h's dtype."""
+    h = h.contiguous()
+    s, i = h.shape[0], h.shape[1] // 2
+    out = _out(out, (s, i), h)
+    n = s * i
+    if n:
+        _glu_fwd_kernel[(triton.cdiv(n, _GLU_BLOCK),)](h, out, n, i, INTERLEAVED=interleaved, BLOCK=_GLU_BLOCK,
+                                                      SOFT_RNE=not h.is_cuda)
+    return out
+
+
+def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, interleaved: bool,
+                   dh: torch.Tensor | None = None, aw: torch.Tensor | None = None,
+                   dw_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh (S, 2I) and aw (S, I) in h's dtype, dw_row (S,) fp32) from da (S, I) without the routing weight,
+    h (S, 2I) and each row's routing weight w_row (S,)."""
+    da, h, w_row = da.contiguous(), h.contiguous(), w_row.contiguous()
+    s, i = h.shape[0], h.shape[1] // 2
+    dh = _out(dh, tuple(h.shape), h)
+    aw = _out(aw, (s, i), h)
+    dw_row = _out(dw_row, (s,), h, torch.float32)
+    if s:
+        _glu_routed_bwd_kernel[(s,)](da, h, w_row, dh, aw, dw_row, i, INTERLEAVED=interleaved,
+                                     BLOCK=default_block(i), SOFT_RNE=not h.is_cuda)
+    return dh, aw, dw_row

@@ -1,0 +1,88 @@
+"""MoE data-movement and activation kernels (novatune.kernels.moe) against the fp32 references, outputs poisoned.
+
+Tolerances (relative-norm error): every kernel reads the same inputs as the reference, accumulates in fp32 and
+rounds once at the store with round-to-nearest-even (also under the interpreter: _round_to's SOFT_RNE), so
+* the gather is a copy: exact;
+* fp32: only summation order (K terms, or I terms for the routing weight's gradient) -> 1e-5 (measured ~1e-7);
+* bf16: one rounding per element, |err| <= 2^-9 |ref| -> rel-norm <= 2e-3 -> 4e-3.
+The routing weight gradient dw is fp32 in every case (a dot over I in fp32) -> 1e-5.
+"""
+import pytest
+import torch
+
+from novatune.kernels import moe as K
+from novatune.measure.numerics import assert_close, poison_
+from novatune.reference import moe as R
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+DTYPES = [torch.bfloat16, torch.float32]
+# (tokens, top-k, hidden): odd hidden sizes, top-k 1/3/8, a single token, hidden past one column block
+SHAPES = [(1, 1, 37), (13, 3, 127), (9, 8, 64), (5, 2, 1100)]
+
+
+def _routing(t, k, seed):
+    """A random permutation of the S = t*k rows as HF's sort would produce it: pos[t, k] -> row."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(t * k, generator=gen)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(t * k)
+    return order, pos.view(t, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gather_and_combine(shape, dtype, device):
+    t, k, h = shape
+    gen = torch.Generator().manual_seed(1)
+    order, pos = _routing(t, k, 2)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(device)
+    y = torch.randn(t * k, h, generator=gen).to(dtype).to(device)
+    w = torch.rand(t, k, generator=gen).to(device)  # fp32 weights (Mixtral) ...
+    order, pos = order.to(device), pos.to(device)
+
+    xs = K.gather_rows(x, order, div=k, out=poison_(torch.empty(t * k, h, dtype=dtype, device=device)))
+    assert torch.equal(xs, R.permute_ref(x, order, k)), "the gather is a copy"
+
+    out = poison_(torch.empty(t, h, dtype=dtype, device=device))
+    K.combine(y, pos, w, out=out)
+    assert_close(out, R.combine_ref(y, pos, w), TOL[dtype], "combine")
+    wb = w.to(dtype)  # ... and weights in the activations' dtype (Qwen3-MoE)
+    assert_close(K.combine(y, pos, wb), R.combine_ref(y, pos, wb), TOL[dtype], "combine, weights in dtype")
+    assert_close(K.combine(y, pos, None), R.combine_ref(y, pos, None), TOL[dtype], "unweighted combine")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["concatenated", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,inter", [(1, 1), (37, 33), (5, 768), (3, 1100)])
+def test_glu_forward_and_routed_backward(rows, inter, dtype, interleaved, device):
+    """glu against the fp32 reference; the routed backward against autograd through
+    sum(w * (glu(h) * da)) (its three outputs are that expression's gradients w.r.t. h, and (up to w) the operand
+    of the down weight's gradient and the routing weight's gradient)."""
+    gen = torch.Generator().manual_seed(5)
+    h = (3 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype).to(device)  # both sigmoid tails
+    da = torch.randn(rows, inter, generator=gen).to(dtype).to(device)
+    w = torch.rand(rows, generator=gen).to(device)
+    a = K.glu_fwd(h, interleaved, out=poison_(torch.empty(rows, inter, dtype=dtype, device=device)))
+    assert_close(a, R.glu_ref(h, interleaved), TOL[dtype], "glu")
+
+    h32, w32 = h.float().requires_grad_(), w.clone().requires_grad_()
+    a32 = R.glu_ref(h32, interleaved)
+    ref_dh, ref_dw = torch.autograd.grad((w32[:, None] * a32 * da.float()).sum(), (h32, w32))
+    ref = R.glu_routed_bwd_ref(da, h, w, interleaved)
+    assert_close(ref[0], ref_dh, 1e-6, "reference dh vs autograd")
+    assert_close(ref[2], ref_dw, 1e-6, "reference dw vs autograd")
+    bufs = (poison_(torch.empty_like(h)), poison_(torch.empty(rows, inter, dtype=dtype, device=device)),
+            poison_(torch.empty(rows, dtype=torch.float32, device=device)))
+    dh, aw, dw = K.glu_routed_bwd(da, h, w, interleaved, *bufs)
+    assert dh is bufs[0] and aw is bufs[1] and dw is bufs[2]
+    assert_close(dh, ref_dh, TOL[dtype], "dh")
+    assert_close(aw, w.float()[:, None] * a32.detach(), TOL[dtype], "w * a")
+    # dw: an fp32 dot over I of products of fp32-exact inputs; only the order of summation differs
+    assert_close(dw, ref_dw, 1e-5, "dw")
+
+
+def test_launchers_reject_wrong_output_buffers(device):
+    y = torch.randn(6, 8, device=device)
+    pos = torch.arange(6, device=device).view(3, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.combine(y, pos, None, out=torch.empty(3, 9, device=device))
