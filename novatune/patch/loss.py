@@ -25,7 +25,7 @@ import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ class LossBinding:
     report: object  # PatchReport: counts the fused-loss calls
     active: bool = True
     pending: bool = False  # a loss forward is running: the decoder's pre-hook consumes it (see `check_bypass`)
+    noted: set = field(default_factory=set)  # report notes already written
 
 
 def bind(model: torch.nn.Module, binding: LossBinding) -> Callable[[], None]:
@@ -82,6 +83,19 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
     transformers warn)."""
     call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, use_cache=use_cache)
+    if kwargs.get("output_router_logits"):
+        # a mixture-of-experts model then adds its router's load-balancing loss to the loss, which the fused loss
+        # does not compute: the stock forward runs, and the report says so
+        if fused_lm_head:
+            raise ValueError("fused_lm_head=True with output_router_logits=True: novatune's fused head does not add "
+                             "the router's load-balancing loss; drop one of them")
+        _note_once(binding, "output_router_logits", "calls with output_router_logits=True run the stock loss "
+                   "forward (it adds the router's load-balancing loss, which the fused loss does not compute)")
+        binding.pending = True  # a deliberate stock call, not a bypass (check_bypass)
+        try:
+            return binding.stock(**call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        finally:
+            binding.pending = False
     if fused_lm_head:
         if labels is None and kwargs.get("shift_labels") is None:
             raise ValueError("fused_lm_head=True needs labels (or shift_labels): the fused head scores labels")
@@ -104,6 +118,12 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
                                 normalizer=num_items, mode=self._novatune_ce_mode)
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions)  # training: use_cache=False, no cache to return
+
+
+def _note_once(binding: LossBinding, key: str, text: str) -> None:
+    if key not in binding.noted:
+        binding.noted.add(key)
+        binding.report.add("", "note", "note", text)
 
 
 def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):

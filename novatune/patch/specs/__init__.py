@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from novatune.patch.spec import FamilySpec
-from novatune.patch.specs import llama, mistral, qwen2, qwen3
+from novatune.patch.specs import gpt_oss, llama, mistral, qwen2, qwen3
 
-FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC, gpt_oss.SPEC)
 
 
 def spec_for(model_type: str) -> FamilySpec | None:
