@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from novatune.attention.backends import SINK_BACKENDS
 from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.report import PatchReport
@@ -173,8 +174,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
 def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
                     qk_eps: float | None) -> None:
     window = quirks.layer_window(module, config, spec)
+    # sinks: only the backends that add them may be set on this module later (a tuned selection included)
+    allowed = {"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else {}
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
-          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window)
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
     extra += f"; sliding window {window} per document" if window is not None else ""
     extra += "; attention sinks per head" if _has_sinks(module, spec) else ""

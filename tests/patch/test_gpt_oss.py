@@ -137,3 +137,42 @@ def test_norm_rounds_once_in_the_input_dtype_with_fp32_weights():
     assert out.dtype == ref.dtype == torch.bfloat16
     assert torch.equal(out, ref), "one rounding of the same fp32 value"
     report.revert()
+
+
+def test_tuned_backend_that_cannot_add_sinks_is_not_applied():
+    """A tuned attention setting (e.g. flex, measured on a dense model of the same shape) stays off the modules
+    with sinks; the report says so. A sink-capable one is applied."""
+    from novatune.ops.dispatch import Selection, Setting
+
+    model = tiny_gpt_oss()
+    report = novatune.patch(model, selection=Selection(settings=(
+        Setting("attention", "_novatune_attn_backend", "flex"),)))
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert all(a._novatune_attn_backend == "auto" for a in attns)
+    assert any("cannot run it" in e.detail for e in report.entries if e.kind == "tune")
+    report.revert()
+    novatune.patch(model, selection=Selection(settings=(Setting("attention", "_novatune_attn_backend",
+                                                                "reference"),)))
+    assert all(a._novatune_attn_backend == "reference" for a in attns)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_sinks_through_flash_match_the_fp32_reference_backend():
+    """The patched bf16 model on CUDA (attention with sinks through aten FlashAttention-2) against the same model
+    with the fp32 per-document reference attention: loss within 1e-2 (bf16 activations through 4 layers), the
+    sinks' and q_proj's gradients within 3e-2 (FlashAttention keeps P and dS in bf16; the routing is the same)."""
+    from novatune.attention import last_choice
+
+    ids, pos, lab = (t.cuda() for t in packed_batch([[60, 200, 3, 249], [256, 256]]))
+    results = {}
+    for backend in ("auto", "reference"):
+        model = tiny_gpt_oss(dtype=torch.bfloat16).cuda().train()
+        novatune.patch(model, attention=backend)
+        results[backend] = packed_loss_and_grads(model, ids, pos, lab)
+        if backend == "auto":
+            assert last_choice().backend == "varlen" and "sinks" in last_choice().detail
+    (loss, grads), (loss_ref, grads_ref) = results["auto"], results["reference"]
+    assert_close(loss.float(), loss_ref.float(), 1e-2, "loss")
+    for name in grads_ref:
+        if name.endswith("sinks") or "q_proj" in name:
+            assert_close(grads[name].float(), grads_ref[name].float(), 3e-2, name)
