@@ -41,7 +41,7 @@ def packed_batch(doc_lens_per_row, vocab=257, seed=0, device="cpu"):
     return t(ids), t(pos), t(lab)
 
 
-def tiny_gpt_oss(seed: int = 0, dtype=torch.float32, layers: int = 4, sliding_window: int = 5):
+def tiny_gpt_oss(seed: int = 0, dtype=torch.float32, layers: int = 2, sliding_window: int = 5):
     """GPT-OSS at toy size: alternating sliding (window 5) and full layers, 3 experts (top 2), YaRN rotary tables
     (factor 4 over 64 original positions: their attention scaling is not 1), biases and sinks drawn away from
     their zero / tiny init, weights at std 0.1 (peaked attention), so that dropping any quirk shows."""
