@@ -4,7 +4,8 @@ half the head size, biases and the one-rounding RMSNorm, against the stock model
 HF's eager GPT-OSS attention does not detect packed rows (packed documents attend to each other in stock), so the
 ground truth is the stock model on each document alone; the packed patched model must reproduce it. fp32 end to
 end: the kernels and references differ from HF only in summation order (~1e-6 relative); 2e-5 leaves room for that
-through 2 layers (one sliding, one full), the routing (the same top-k: no logit is within 1e-5 of a tie here) and the backward.
+through 2 layers (one sliding, one full), the routing (the same top-k: no logit is within 1e-5 of a tie here) and
+the backward.
 """
 import warnings
 
