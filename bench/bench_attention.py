@@ -12,7 +12,8 @@ Candidates:
                                        its own flop count; on sm90 cuDNN)
   metadata                             host time to build the PackedBatch (from CPU position_ids) and its BlockMask
 
-Useful FLOPs (BENCHMARKS.md convention, causal within documents): fwd = 4 * sum_docs(L^2 / 2) * Hq * d (QK^T and PV);
+Useful FLOPs (BENCHMARKS.md convention, causal within documents): fwd = 4 * sum_docs(L^2 / 2) * Hq * d (QK^T and PV;
+with --window W the pairs of a longer document are W^2 / 2 + (L - W) W);
 fwd+bwd = 3 x fwd (the backward's 4 matmuls = 2 x fwd; recomputing P in the backward is not counted). A kernel that
 computes masked-out tiles (hf_sdpa_dense) gets no credit for them.
 
@@ -22,6 +23,8 @@ bench/results/attention.jsonl) via novatune.measure.results.write_row. Without C
 
     python bench/bench_attention.py                       # all candidates, < 90 s on an H100/H200
     python bench/bench_attention.py --quick --candidates varlen,flex
+    python bench/bench_attention.py --hq 64 --hkv 8 --d 64 --window 128 --sinks --candidates varlen,reference
+        # GPT-OSS's attention: per-head sinks (only the sink-capable backends run; the others are error rows)
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def parse():
     p.add_argument("--candidates", default=",".join(DEFAULT), help=f"comma list from {ALL}")
     p.add_argument("--results", default="bench/results/attention.jsonl")
     p.add_argument("--quick", action="store_true", help="shorter timing loops")
+    p.add_argument("--window", type=int, default=None, help="sliding window in keys (HF's definition)")
+    p.add_argument("--sinks", action="store_true", help="per-head attention sinks (GPT-OSS), drawn from N(0, 2^2)")
     return p.parse_args()
 
 
@@ -73,6 +78,7 @@ def main():
 
     from novatune.attention import PackedBatch, last_choice, varlen_attention
     from novatune.measure.numerics import rel_err
+    from novatune.reference.attention import attention_sinks_ref
 
     cuda = torch.cuda.is_available()
     if not cuda:  # smoke run: exercises the script, figures meaningless, nothing written
@@ -101,11 +107,14 @@ def main():
     b, s, hq, hk, d = args.batch, args.seq, args.hq, args.hkv, args.d
     T = b * s
     docs = [n for row in rows_len for n in row]
-    fwd_flops = 4 * sum(n * n / 2 for n in docs) * hq * d
+    # attended (query, key) pairs per document: L^2 / 2 causal; with a window W < L, W^2 / 2 + (L - W) W
+    w = args.window
+    fwd_flops = 4 * sum(n * n / 2 if w is None or n <= w else w * w / 2 + (n - w) * w for n in docs) * hq * d
     one_doc_fwd_flops = 4 * b * (s * s / 2) * hq * d
     cfg = dict(batch=b, seq=s, hq=hq, hkv=hk, head_dim=d, dtype=str(dtype).replace("torch.", ""), seed=args.seed,
                docs=len(docs), docs_per_row=round(len(docs) / b, 2), median=args.median,
-               flops_convention="fwd=4*sum(L^2/2)*hq*d; fwd_bwd=3*fwd")
+               flops_convention="fwd=4*sum(pairs)*hq*d, pairs=L^2/2 (window W<L: W^2/2+(L-W)W); fwd_bwd=3*fwd",
+               window=args.window, sinks=args.sinks)
 
     # metadata: host build + H2D + BlockMask, once per batch
     if cuda:
@@ -124,8 +133,12 @@ def main():
     q0, k0, v0 = (torch.randn(T, h, d, generator=g).to(dev, dtype) for h in (hq, hk, hk))
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
     go = torch.randn(T, hq, d, generator=g).to(dev, dtype)
+    sinks0 = (2 * torch.randn(hq, generator=g)).to(dev, dtype) if args.sinks else None
+    sinks = sinks0.clone().requires_grad_() if sinks0 is not None else None
+    window = args.window
     with torch.no_grad():
-        ref = varlen_attention(q0.float(), k0.float(), v0.float(), packed, backend="reference")
+        ref = (attention_sinks_ref(q0, k0, v0, sinks0, packed, window) if sinks0 is not None else
+               varlen_attention(q0.float(), k0.float(), v0.float(), packed, backend="reference", window=window))
         ref_one = varlen_attention(q0.float(), k0.float(), v0.float(), one_doc, backend="reference")
 
     hf_fn, hf_impl = None, "absent"
@@ -155,18 +168,21 @@ def main():
                 return out.transpose(1, 2).reshape(T, hq, d)
 
     def run(name):
+        if (sinks is not None or window is not None) and name in ("hf_sdpa_dense", "sdpa_one_doc"):
+            raise ValueError(f"{name} runs plain causal attention: no --window / --sinks")
         if name == "hf_sdpa_dense":
             return (lambda: hf_fn(q, k, v)), ref, fwd_flops, hf_impl
         if name == "sdpa_one_doc":
             return (lambda: varlen_attention(q, k, v, one_doc, backend="sdpa")), ref_one, one_doc_fwd_flops, ""
-        return (lambda: varlen_attention(q, k, v, packed, backend=name)), ref, fwd_flops, ""
+        return (lambda: varlen_attention(q, k, v, packed, backend=name, window=window, sinks=sinks)), ref, \
+            fwd_flops, ""
 
     from novatune.measure.results import write_row
 
     table = []
     for name in cands:
-        fwd, r, flops, impl = run(name)
         try:
+            fwd, r, flops, impl = run(name)
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = fwd()  # first call: compiles flex
@@ -178,6 +194,8 @@ def main():
 
             def fwd_bwd():
                 q.grad = k.grad = v.grad = None
+                if sinks is not None:
+                    sinks.grad = None
                 fwd().backward(go)
 
             fwd_bwd()  # compile the backward outside the timed loop

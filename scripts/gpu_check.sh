@@ -52,6 +52,12 @@ fi
 if has attention; then
   timeout 300 python3 bench/bench_attention.py --results "$OUT/attention.jsonl" 2>&1 | tee "$OUT/bench_attention.log" | tail -n 15
   summary+=("bench_attention: exit ${PIPESTATUS[0]}")
+  # GPT-OSS's attention (64 / 8 heads, d 64, window 128): plain varlen beside varlen with per-head sinks
+  timeout 240 python3 bench/bench_attention.py --hq 64 --hkv 8 --d 64 --window 128 --candidates varlen \
+    --results "$OUT/attention.jsonl" 2>&1 | tee "$OUT/bench_attention_gptoss.log" | tail -n 3
+  timeout 240 python3 bench/bench_attention.py --hq 64 --hkv 8 --d 64 --window 128 --sinks --candidates varlen \
+    --results "$OUT/attention.jsonl" 2>&1 | tee -a "$OUT/bench_attention_gptoss.log" | tail -n 3
+  summary+=("bench_attention gpt_oss (sinks): exit ${PIPESTATUS[0]}")
 fi
 if has parity; then
   # smaller real architectures: loss parity stock vs novatune (and speed), random init

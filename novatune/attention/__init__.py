@@ -12,6 +12,7 @@ See README.md in this folder.
 from novatune.attention.backends import (
     AUTO_ORDER,
     BACKENDS,
+    SINK_BACKENDS,
     AttentionChoice,
     BackendUnavailable,
     last_choice,
@@ -19,6 +20,7 @@ from novatune.attention.backends import (
     why_unavailable,
 )
 from novatune.attention.packed import PackedBatch
+from novatune.attention.sinks import sink_attention
 
 __all__ = ["PackedBatch", "varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER",
-           "BACKENDS", "why_unavailable"]
+           "BACKENDS", "SINK_BACKENDS", "why_unavailable", "sink_attention"]

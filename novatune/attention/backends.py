@@ -36,11 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from novatune.attention.packed import PackedBatch
+from novatune.attention.sinks import flash_why_not, sink_attention
 
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
-           "why_unavailable"]
+           "SINK_BACKENDS", "why_unavailable"]
 
 BACKENDS = ("varlen", "flex", "sdpa", "sdpa_docs", "reference")
+# Backends that can add attention sinks (novatune/attention/sinks.py): they expose the softmax's log-sum-exp and
+# a backward that takes the sunk output. The others refuse a call with sinks (never drop them).
+SINK_BACKENDS = ("varlen", "reference")
+_SINK_IMPL = {"varlen": "flash", "reference": "reference"}
 
 # Preference order of the automatic choice, per device type. Module-level on purpose: `novatune tune` replaces these
 # lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
@@ -271,16 +276,20 @@ _IMPLS = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_do
 
 
 def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
-                    window: int | None = None) -> str | None:
-    """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine)."""
+                    window: int | None = None, sinks: bool = False) -> str | None:
+    """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine).
+    `sinks`: the call adds attention sinks (only SINK_BACKENDS can)."""
     if name not in _IMPLS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
-    return _why_not(name, q, k, packed, _effective_window(window, packed))
+    return _why_not(name, q, k, packed, _effective_window(window, packed), sinks)
 
 
-def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
+def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None,
+             sinks: bool = False) -> str | None:
     """why_unavailable for a known backend and a window already made effective (_effective_window): the
     attention call normalises the window once and asks each backend in turn."""
+    if sinks:
+        return _sinks_why_not(name, q, k, window)
     if name == "varlen":
         return _varlen_why_not(q, k, packed, window)
     if name == "flex":
@@ -292,6 +301,13 @@ def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, w
     return None
 
 
+def _sinks_why_not(name: str, q, k, window: int | None) -> str | None:
+    if name not in SINK_BACKENDS:
+        return (f"the {name} backend cannot add attention sinks (it exposes no softmax log-sum-exp); use one of "
+                f"{SINK_BACKENDS}")
+    return flash_why_not(q, k, window) if name == "varlen" else None
+
+
 def _effective_window(window: int | None, packed: PackedBatch) -> int | None:
     """The sliding window, or None where it cannot matter (no document is longer than it)."""
     if window is None:
@@ -301,7 +317,7 @@ def _effective_window(window: int | None, packed: PackedBatch) -> int | None:
     return None if packed.max_seqlen <= window else int(window)
 
 
-def _check(q, k, v, packed: PackedBatch):
+def _check(q, k, v, packed: PackedBatch, sinks=None):
     if not isinstance(packed, PackedBatch):
         raise TypeError(f"packed must be a PackedBatch, got {type(packed).__name__}")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -317,52 +333,66 @@ def _check(q, k, v, packed: PackedBatch):
                          f"({packed.batch} x {packed.seq_len})")
     if packed.device.type != q.device.type:
         raise ValueError(f"PackedBatch lives on {packed.device} but q on {q.device}: build it with device=q.device")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(f"sinks must be one logit per query head, shape ({q.shape[1]},) on {q.device}; got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch,
-                     scale: float | None = None, backend: str = "auto", window: int | None = None) -> torch.Tensor:
+                     scale: float | None = None, backend: str = "auto", window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Document-causal attention over packed rows. q (tokens, hq, d); k, v (tokens, hk, d); returns (tokens, hq, d).
 
     `window`: sliding-window attention as Hugging Face defines it (query i sees the `window` keys i - window + 1 ..
     i of its own document); None = full causal attention inside each document.
+    `sinks`: (hq,) learned logits, one per query head, added to every softmax denominator (GPT-OSS); differentiable.
+    Only SINK_BACKENDS can apply them: "auto" skips the others (recorded), an explicit one raises.
 
     `packed` is built once per batch (PackedBatch.from_position_ids / from_cu_seqlens / from_kwargs) and passed to
     every layer. `scale` defaults to 1/sqrt(d). `backend`: "auto" or one of BACKENDS; see the module docstring.
     The choice is recorded: `last_choice()`.
     """
     global _LAST
-    _check(q, k, v, packed)
+    _check(q, k, v, packed, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = _effective_window(window, packed)
+
+    def run(name: str) -> torch.Tensor:
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, packed, scale, window, impl=_SINK_IMPL[name])
+        return _IMPLS[name](q, k, v, packed, scale, window)
+
+    with_sinks = sinks is not None
     if backend != "auto":
         if backend not in _IMPLS:
             raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS} or 'auto'")
-        why = _why_not(backend, q, k, packed, window)
+        why = _why_not(backend, q, k, packed, window, with_sinks)
         if why is not None:
             raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
-        out = _IMPLS[backend](q, k, v, packed, scale, window)
-        _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend))
+        out = run(backend)
+        _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend, with_sinks))
         _record(_LAST)
         return out
     skipped: list[tuple[str, str]] = []
     order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
     for name in order:
-        why = _BROKEN.get(name) or _why_not(name, q, k, packed, window)
+        broken_key = name + (" with sinks" if with_sinks else "")  # a failing sink path says nothing of the plain one
+        why = _BROKEN.get(broken_key) or _why_not(name, q, k, packed, window, with_sinks)
         if why is not None:
             skipped.append((name, why))
             continue
         try:
-            out = _IMPLS[name](q, k, v, packed, scale, window)
+            out = run(name)
         except torch.OutOfMemoryError:
             raise  # a slower backend would not fit either; don't hide it
         except Exception as e:  # noqa: BLE001 - automatic choice: fall back, remember, and say so
-            _BROKEN[name] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            skipped.append((name, _BROKEN[name]))
+            _BROKEN[broken_key] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            skipped.append((name, _BROKEN[broken_key]))
             continue
-        failed = [n for n, w in skipped if n in _BROKEN]
+        failed = [n for n, w in skipped if w.startswith("raised ")]
         reason = f"first usable in AUTO_ORDER[{q.device.type!r}]" + (
             f"; FELL BACK: {', '.join(failed)} raised (see skipped)" if failed else "")
-        _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name))
+        _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name, with_sinks))
         _record(_LAST)
         return out
     raise RuntimeError(f"no attention backend could run: {skipped}")  # unreachable: reference always runs
@@ -373,7 +403,9 @@ def _record(choice: AttentionChoice) -> None:
         seen.append(choice)
 
 
-def _detail(name: str) -> str:
+def _detail(name: str, with_sinks: bool = False) -> str:
+    if with_sinks:
+        return f"attention sinks: {_SINK_IMPL[name]} attention + log-sum-exp, out * sigmoid(L - sink)"
     if name == "varlen":
         sig = "is_causal" if "is_causal" in _VARLEN_PARAMS else "window_size=(-1, 0)"
         return f"torch {torch.__version__}: causal via {sig}; GQA {_VARLEN_GQA}"

@@ -5,6 +5,8 @@ shape key (tokens, q heads, kv heads, head_dim, documents); call (q (T, hq, d), 
 (T, hq, d), documents of uneven lengths packed in one row, causal inside each. NaN rule: a NaN in v must give a
 non-finite output at its token and stay inside its document (where exactly it spreads inside the document depends
 on the kernel's tiling; a NaN in q is not used: CPU SDPA's online max drops it, as the stock path would).
+Attention sinks (GPT-OSS) are a call of the same functional with `sinks=`; only attention.SINK_BACKENDS run them,
+so a tuned backend is never applied to a module with sinks unless it is one of those (patch marks such modules).
 """
 from __future__ import annotations
 

@@ -88,9 +88,15 @@ class Selection:
                 report.add("", "tune", "note", f"tune: {s.op}: the explicit setting "
                                                f"{explicit[0].__dict__[s.attr]!r} is kept over the tuned {s.value!r}")
                 continue
-            for m in mods:
+            # a module may name the values it can run (`<attr>_allowed`, e.g. an attention with sinks: only the
+            # backends that add them); the tuned value then stays off it, and the report says so
+            fits = [m for m in mods if s.value in m.__dict__.get(s.attr + "_allowed", (s.value,))]
+            if len(fits) < len(mods):
+                report.add("", "tune", "note", f"tune: {s.op}: {s.value!r} not applied to {len(mods) - len(fits)} "
+                                               f"module(s) that cannot run it (they keep 'auto')")
+            for m in fits:
                 m.__dict__[s.attr] = s.value
-            report._undo.append(lambda mods=mods, attr=s.attr: [m.__dict__.__setitem__(attr, "auto") for m in mods])
+            report._undo.append(lambda mods=fits, attr=s.attr: [m.__dict__.__setitem__(attr, "auto") for m in mods])
             if s.note:
                 report.add("", "tune", "note", s.note)
             if s.entry is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from novatune.attention.backends import SINK_BACKENDS
 from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.moe import apply_moe
@@ -211,11 +212,18 @@ def _tiling_words(tiling: MLPTiling) -> str:
 def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
                     qk_eps: float | None) -> None:
     window = quirks.layer_window(module, config, spec)
+    # sinks: only the backends that add them may be set on this module later (a tuned selection included)
+    allowed = {"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else {}
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
-          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window)
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
     extra += f"; sliding window {window} per document" if window is not None else ""
+    extra += "; attention sinks per head" if _has_sinks(module, spec) else ""
     report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={backend}){extra}")
+
+
+def _has_sinks(module: nn.Module, spec: FamilySpec) -> bool:
+    return spec.attention.sinks is not None and getattr(module, spec.attention.sinks, None) is not None
 
 
 def _find_state(model: nn.Module):
@@ -240,6 +248,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
     state = PatchState(report, tiling=tiling)
     attn_total = attn_done = 0
     qk_norm_names = {spec.attention.q_norm, spec.attention.k_norm} - {None}
+    stock_kept = {cls: (kind, why) for cls, kind, why in spec.stock_modules}
     for path, module in model.named_modules():
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]
@@ -251,15 +260,20 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
             if not hasattr(module, spec.norm_eps_attr):
                 report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
                 continue
-            _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr)
-            report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)")
+            _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
+                  _novatune_norm_rounding=spec.norm_rounding)
+            report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)"
+                       + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else ""))
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
                        tiling=tiling)
+        elif cls in stock_kept:
+            kind, why = stock_kept[cls]
+            report.add(path, kind, "skipped", why)
         elif cls in spec.attention_classes:
             attn_total += 1
             why = ("attention=False" if attention is False else "rope=False" if not rope else
-                   refused.get("attention") or quirks.attention_refusal(module, spec))
+                   refused.get("attention") or quirks.attention_refusal(module, spec, attention))
             if why:
                 report.add(path, "attention", "skipped", why)
                 continue

@@ -26,7 +26,13 @@ PACKED_KWARG = "novatune_packed"
 
 
 def rms_norm_forward(self, hidden_states):
-    return rms_norm(hidden_states, self.weight, getattr(self, self._novatune_eps_attr))
+    eps = getattr(self, self._novatune_eps_attr)
+    if self._novatune_norm_rounding == "output":
+        # round(w * x_hat) once, in x's dtype (GPT-OSS): the kernel in fp32, then one cast. The Llama rounding
+        # (w * round(x_hat), result in promote(x, w)) would differ by a rounding and, with the fp32 norm weights
+        # GPT-OSS loads, return fp32 activations
+        return rms_norm(hidden_states.float(), self.weight.float(), eps).to(hidden_states.dtype)
+    return rms_norm(hidden_states, self.weight, eps)
 
 
 def _swiglu_mlp(self, x):
@@ -78,6 +84,10 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     qkv = qkv or tuple(p(hidden_states) for p in projections)
     q, k, v = (t.view(b, s, -1, d) for t in qkv)  # (b, s, hq, d), (b, s, hk, d), (b, s, hk, d)
     cos, sin = position_embeddings  # (b, s, d), per token: packed documents restart their positions
+    if names.rope_tables == "half":
+        # GPT-OSS's tables cover one half of the head and rotate (x1, x2) to (x1 c - x2 s, x2 c + x1 s): HF's
+        # rotate_half rotation with each table repeated over both halves
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     if self._novatune_fuse_qk_norm:
         # Qwen3: per-head RMSNorm of q and k and RoPE in one kernel each way (q, k read and written once)
         qn, kn = getattr(self, names.q_norm), getattr(self, names.k_norm)
@@ -88,9 +98,10 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
             k = getattr(self, names.k_norm)(k)
         q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
+    sinks = getattr(self, names.sinks, None) if names.sinks is not None else None
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
                            scale=self.scaling, backend=self._novatune_attn_backend,
-                           window=self._novatune_window)  # (b*s, hq, d)
+                           window=self._novatune_window, sinks=sinks)  # (b*s, hq, d)
     return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
 
 

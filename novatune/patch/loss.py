@@ -25,7 +25,7 @@ import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ class LossBinding:
     report: object  # PatchReport: counts the fused-loss calls
     active: bool = True
     pending: bool = False  # a loss forward is running: the decoder's pre-hook consumes it (see `check_bypass`)
+    noted: set = field(default_factory=set)  # report notes already written
 
 
 def bind(model: torch.nn.Module, binding: LossBinding) -> Callable[[], None]:
@@ -79,6 +80,19 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
     transformers warn)."""
     call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, use_cache=use_cache)
+    if kwargs.get("output_router_logits") and self.__dict__.get("_novatune_aux_loss") is None:
+        # a mixture-of-experts model whose router loss the patch does not compute (no MoE spec): the stock
+        # forward runs, and the report says so
+        if fused_lm_head:
+            raise ValueError("fused_lm_head=True with output_router_logits=True: novatune's fused head does not add "
+                             "the router's load-balancing loss; drop one of them")
+        _note_once(binding, "output_router_logits", "calls with output_router_logits=True run the stock loss "
+                   "forward (it adds the router's load-balancing loss, which the fused loss does not compute)")
+        binding.pending = True  # a deliberate stock call, not a bypass (check_bypass)
+        try:
+            return binding.stock(**call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        finally:
+            binding.pending = False
     if fused_lm_head:
         if labels is None and kwargs.get("shift_labels") is None:
             raise ValueError("fused_lm_head=True needs labels (or shift_labels): the fused head scores labels")
@@ -127,6 +141,12 @@ def _with_router_loss(self, loss, outputs, attention_mask):
     loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=None, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions, router_logits=outputs.router_logits)
+
+
+def _note_once(binding: LossBinding, key: str, text: str) -> None:
+    if key not in binding.noted:
+        binding.noted.add(key)
+        binding.report.add("", "note", "note", text)
 
 
 def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):

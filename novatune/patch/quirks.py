@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from novatune.attention.backends import SINK_BACKENDS
 from novatune.patch.spec import MATH_ATTRIBUTES, FamilySpec, config_value, is_neutral
 
 _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
@@ -27,15 +28,21 @@ def refusals(config, spec: FamilySpec) -> dict[str, str]:
             for kind, why in out.items()}
 
 
-def attention_refusal(module: nn.Module, spec: FamilySpec) -> str | None:
-    """Why this attention module computes something the packed attention forward does not, or None."""
+def attention_refusal(module: nn.Module, spec: FamilySpec, backend: str | bool = "auto") -> str | None:
+    """Why this attention module computes something the packed attention forward does not, or None.
+    `backend`: the attention backend the patch binds (one that cannot add sinks refuses a module with sinks)."""
     cls = type(module).__name__
     if not hasattr(module, "head_dim") or not hasattr(module, "scaling"):
         return f"{cls} lacks head_dim/scaling attributes"
     if getattr(module, "is_causal", True) is False:
         return f"{cls} is not causal"
-    if getattr(module, "sinks", None) is not None:
+    sinks_name = spec.attention.sinks
+    if getattr(module, "sinks", None) is not None and sinks_name != "sinks":
         return f"{cls} has attention sinks, which the {spec.name} spec does not implement"
+    if sinks_name is not None and getattr(module, sinks_name, None) is not None and backend not in (
+            "auto", *SINK_BACKENDS):
+        return (f"{cls} has attention sinks, which attention backend {backend!r} cannot add; use attention='auto' "
+                f"or one of {SINK_BACKENDS}")
     if spec.attention.q_norm is None and any(getattr(module, n, None) is not None for n in _QK_NORM_NAMES):
         return f"{cls} has q/k norms, which the {spec.name} spec does not declare"
     own = getattr(module, "sliding_window", None)

@@ -22,6 +22,12 @@ class AttentionSpec:
     # from config.layer_types) or this config attribute for every layer (Mistral); None on both = no window
     window_attr: str | None = None
     window_config: str | None = None
+    # attention sinks (GPT-OSS): this attention-module attribute holds one learned logit per query head, added to
+    # every softmax denominator; None = the family has none (a module that has them is then refused)
+    sinks: str | None = None
+    # the rotary tables the model passes: "full" = HF's (b, s, head_dim) cos/sin; "half" = (b, s, head_dim / 2),
+    # applied to the two halves of each head (GPT-OSS): the same rotation as "full" with each table repeated
+    rope_tables: str = "full"
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,8 @@ MATH_ATTRIBUTES: tuple[MathAttribute, ...] = (
     MathAttribute("embedding_multiplier", "model", (None, 1, 1.0), "embedding scaling"),
     MathAttribute("scale_emb", "model", (None, 1, 1.0), "embedding scaling"),
     MathAttribute("residual_multiplier", "model", (None, 1, 1.0), "residual scaling"),
+    MathAttribute("output_router_logits", "cross_entropy", (None, False),
+                  "the router's load-balancing loss added to the language-model loss"),
 )
 
 
@@ -171,4 +179,9 @@ class FamilySpec:
     honours: tuple[str, ...] = ()
     norm_offset: float = 0.0  # RMSNorm computes x * (offset + w) (Gemma: 1); only 0 is implemented
     moe: MoESpec | None = None  # sparse MoE families: the router and experts modules
+    # where RMSNorm rounds to the input dtype: "normalised" = w * round(x_hat) with the result in promote(x, w)
+    # (Llama, Qwen); "output" = round(w * x_hat) in x's dtype, one rounding (GPT-OSS, T5)
+    norm_rounding: str = "normalised"
+    # module classes kept stock on purpose: (class name, report kind, why), listed in the patch report
+    stock_modules: tuple[tuple[str, str, str], ...] = ()
     notes: str = ""

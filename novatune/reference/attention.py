@@ -1,4 +1,5 @@
-"""Causal attention inside each document of a packed row, (tokens, heads, head_dim) layout, GQA by repeat.
+"""Causal attention inside each document of a packed row, (tokens, heads, head_dim) layout, GQA by repeat; with
+sinks (GPT-OSS), a learned per-head logit in every softmax denominator.
 
 `hf_attention` is transformers' eager_attention_forward applied one document at a time (repeat_kv, scores in the
 input dtype, fp32 softmax): the stock formula; on fp32 copies it is the fp32 oracle (`attention_ref`).
@@ -29,3 +30,35 @@ def hf_attention(q, k, v, packed):
 
 def attention_ref(q, k, v, packed):
     return hf_attention(q.float(), k.float(), v.float(), packed)
+
+
+def _window_mask(n: int, window: int | None, device) -> torch.Tensor:
+    """(n, n) additive mask: 0 where query i sees key j (j <= i, i - j < window), -inf elsewhere."""
+    i = torch.arange(n, device=device)
+    delta = i.view(n, 1) - i.view(1, n)
+    seen = (delta >= 0) & (delta < window) if window is not None else delta >= 0
+    return torch.zeros(n, n, device=device).masked_fill(~seen, float("-inf"))
+
+
+def hf_attention_sinks(q, k, v, sinks, packed, window=None):
+    """GPT-OSS's eager attention applied one document at a time: the per-head sink logit appended as one more
+    score column, the row maximum subtracted, softmax in the scores' dtype, the sink column dropped."""
+    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(d)
+    outs, a = [], 0
+    for n in packed.lengths:
+        qd = q[a:a + n].transpose(0, 1)                                    # (hq, n, d)
+        kd = k[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)     # repeat_kv
+        vd = v[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)
+        s = (qd @ kd.transpose(1, 2)) * scale + _window_mask(n, window, q.device).to(q.dtype)
+        combined = torch.cat([s, sinks.to(s.dtype).view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        p = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
+        outs.append((p @ vd).transpose(0, 1))
+        a += n
+    return torch.cat(outs, 0)
+
+
+def attention_sinks_ref(q, k, v, sinks, packed, window=None):
+    """The fp32 oracle of attention with sinks (differentiable in all four inputs through autograd)."""
+    return hf_attention_sinks(q.float(), k.float(), v.float(), sinks.float(), packed, window)

@@ -117,6 +117,15 @@ def test_attention_module_with_undeclared_qk_norm_is_refused():
     assert entry.path == "model.layers.0.self_attn" and "q/k norms" in entry.detail
 
 
+def test_attention_module_with_undeclared_sinks_is_refused():
+    """Only a spec that declares sinks (gpt_oss) gets them applied; on any other family they refuse the module."""
+    model = build("qwen2", attn="sdpa")
+    model.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    report = novatune.patch(model)
+    (entry,) = [e for e in report.skipped("attention")]
+    assert entry.path == "model.layers.1.self_attn" and "sinks" in entry.detail
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_patched_model_emits_no_deprecation_warning(family):
     """Training forward + backward, eval forward and a short generation of a patched model, with transformers'

@@ -49,3 +49,29 @@ def packed_batch(doc_lens_per_row, vocab=257, seed=0, device="cpu"):
         lab.append(r_lab)
     t = lambda x: torch.tensor(x, device=device)  # noqa: E731
     return t(ids), t(pos), t(lab)
+
+
+def tiny_gpt_oss(seed: int = 0, dtype=torch.float32, layers: int = 2, sliding_window: int = 5):
+    """GPT-OSS at toy size: alternating sliding (window 5) and full layers, 3 experts (top 2), YaRN rotary tables
+    (factor 4 over 64 original positions: their attention scaling is not 1), biases and sinks drawn away from
+    their zero / tiny init, weights at std 0.1 (peaked attention), so that dropping any quirk shows."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=3, num_experts_per_tok=2, sliding_window=sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        max_position_embeddings=256, use_cache=False, tie_word_embeddings=False, initializer_range=0.1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    return model.to(dtype)

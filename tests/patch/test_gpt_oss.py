@@ -1,0 +1,207 @@
+"""GPT-OSS patched on a tiny random-init model: attention sinks, alternating sliding-window layers, YaRN tables at
+half the head size, biases and the one-rounding RMSNorm, against the stock model run one document at a time.
+
+HF's eager GPT-OSS attention does not detect packed rows (packed documents attend to each other in stock), so the
+ground truth is the stock model on each document alone; the packed patched model must reproduce it. fp32 end to
+end: the kernels and references differ from HF only in summation order (~1e-6 relative); 2e-5 leaves room for that
+through 2 layers (one sliding, one full), the routing (the same top-k: no logit is within 1e-5 of a tie here) and
+the backward.
+"""
+import warnings
+
+import pytest
+import torch
+from tiny_models import packed_batch, tiny_gpt_oss
+
+import novatune
+from novatune.measure.numerics import assert_close
+
+TOL = 2e-5
+ROWS = [[5, 17, 1, 9], [32]]  # documents longer than the window (5), one of length 1, a one-document row
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def stock_per_document(model, ids, pos, lab):
+    """Loss and gradients of the packed batch computed by the stock model one document at a time: each document's
+    summed loss over the packed batch's label count, so the sum equals the packed mean."""
+    model.zero_grad(set_to_none=True)
+    n_items = int((lab[:, 1:] != -100).sum())
+    total = torch.zeros(())
+    for r in range(ids.shape[0]):
+        starts = [i for i in range(ids.shape[1]) if pos[r, i] == 0] + [ids.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            out = model(input_ids=ids[r:r + 1, a:b], labels=lab[r:r + 1, a:b], use_cache=False,
+                        num_items_in_batch=torch.tensor(n_items))
+            out.loss.backward()
+            total += out.loss.detach()
+    return total, _grads(model)
+
+
+def packed_loss_and_grads(model, ids, pos, lab):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=lab)
+    out.loss.backward()
+    return out.loss.detach(), _grads(model)
+
+
+def test_patched_packed_equals_stock_per_document():
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_gpt_oss().train()
+    loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    stock_packed, _ = packed_loss_and_grads(model, ids, pos, lab)
+    assert abs(float(stock_packed - loss_ref)) > 1e-5, "stock packed rows leak across documents (the known trap)"
+    report = novatune.patch(model)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert report.calls["cross_entropy"] == 1
+    assert_close(loss, loss_ref, TOL, "loss")
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:  # sinks, attention biases, norms, router and experts included
+        assert_close(grads[name], grads_ref[name], TOL, name)
+    assert any(n.endswith("sinks") for n in grads) and any("q_proj.bias" in n for n in grads)
+    report.revert()
+    loss_back, _ = packed_loss_and_grads(model, ids, pos, lab)
+    assert torch.equal(loss_back, stock_packed), "after revert the model is stock again, bit for bit"
+
+
+def test_report_lists_sinks_windows_and_the_stock_moe_block():
+    model = tiny_gpt_oss()
+    layers = model.config.num_hidden_layers
+    keys = list(model.state_dict())
+    report = novatune.patch(model)
+    assert report.family == "gpt_oss"
+    attn = report.replaced("attention")
+    assert len(attn) == layers and all("attention sinks" in e.detail for e in attn)
+    assert sum("sliding window 5" in e.detail for e in attn) == layers // 2
+    assert len(report.replaced("rms_norm")) == 2 * layers + 1
+    assert len(report.replaced("cross_entropy")) == 1
+    moe = report.skipped("moe")
+    assert len(moe) == layers and all("wired to the MoE op after merge" in e.detail for e in moe)
+    assert not report.replaced("mlp")
+    assert list(model.state_dict()) == keys
+    report.revert()
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_backend_without_sinks_refuses_the_attention(backend):
+    report = novatune.patch(tiny_gpt_oss(), attention=backend)
+    assert not report.replaced("attention")
+    skipped = report.skipped("attention")
+    assert len(skipped) == 2 and all("sinks" in e.detail and backend in e.detail for e in skipped)
+
+
+def test_sink_capable_backends_are_accepted():
+    """On the CPU "auto" already runs the reference backend (the stock-equality test above); naming it, or varlen
+    (which a CPU call then refuses at run time with the reason), patches every attention."""
+    for backend in ("reference", "varlen"):
+        report = novatune.patch(tiny_gpt_oss(), attention=backend)
+        assert len(report.replaced("attention")) == 2 and not report.skipped("attention")
+
+
+def test_router_aux_loss_is_never_dropped():
+    """output_router_logits adds the load-balancing loss: in the config it refuses the fused loss; passed in a call
+    it sends that call to the stock loss forward, with a note in the report."""
+    model = tiny_gpt_oss()
+    model.config.output_router_logits = True
+    report = novatune.patch(model)
+    assert not report.replaced("cross_entropy")
+    assert "output_router_logits" in report.skipped("cross_entropy")[0].detail
+    report.revert()
+    model.config.output_router_logits = False
+    ids, pos, lab = packed_batch([[32]])  # one document per row: stock attention is exact here
+    model.train()
+    ref = model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True)
+    report = novatune.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deliberate stock call is not reported as a bypassed fused loss
+        out = model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True)
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+    assert report.replaced("cross_entropy"), "the fused loss stays in use for the other calls"
+    assert_close(out.loss, ref.loss, TOL, "loss with the router's aux loss")
+    assert any("output_router_logits" in e.detail for e in report.entries if e.kind == "note")
+    with pytest.raises(ValueError, match="load-balancing"):
+        model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True, fused_lm_head=True)
+
+
+def test_norm_rounds_once_in_the_input_dtype_with_fp32_weights():
+    """GPT-OSS keeps its norm weights in fp32 under a bf16 model: the patched norm returns bf16, round(w * x_hat)."""
+    model = tiny_gpt_oss()
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(2, 7, 64).to(torch.bfloat16)
+    ref = norm(x)
+    report = novatune.patch(model)
+    out = norm(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref), "one rounding of the same fp32 value"
+    report.revert()
+
+
+def test_tuned_backend_that_cannot_add_sinks_is_not_applied():
+    """A tuned attention setting (e.g. flex, measured on a dense model of the same shape) stays off the modules
+    with sinks; the report says so. A sink-capable one is applied."""
+    from novatune.ops.dispatch import Selection, Setting
+
+    model = tiny_gpt_oss()
+    report = novatune.patch(model, selection=Selection(settings=(
+        Setting("attention", "_novatune_attn_backend", "flex"),)))
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert all(a._novatune_attn_backend == "auto" for a in attns)
+    assert any("cannot run it" in e.detail for e in report.entries if e.kind == "tune")
+    report.revert()
+    novatune.patch(model, selection=Selection(settings=(Setting("attention", "_novatune_attn_backend",
+                                                                "reference"),)))
+    assert all(a._novatune_attn_backend == "reference" for a in attns)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_sinks_through_flash_match_the_fp32_reference_backend():
+    """The patched bf16 model on CUDA (attention with sinks through aten FlashAttention-2) against the same model
+    with the fp32 per-document reference attention: loss within 1e-2 (bf16 activations through 4 layers), the
+    sinks' and q_proj's gradients within 3e-2 (FlashAttention keeps P and dS in bf16; the routing is the same)."""
+    from novatune.attention import last_choice
+
+    ids, pos, lab = (t.cuda() for t in packed_batch([[60, 200, 3, 249], [256, 256]]))
+    results = {}
+    for backend in ("auto", "reference"):
+        model = tiny_gpt_oss(dtype=torch.bfloat16, layers=4).cuda().train()
+        novatune.patch(model, attention=backend)
+        results[backend] = packed_loss_and_grads(model, ids, pos, lab)
+        if backend == "auto":
+            assert last_choice().backend == "varlen" and "sinks" in last_choice().detail
+    (loss, grads), (loss_ref, grads_ref) = results["auto"], results["reference"]
+    assert_close(loss.float(), loss_ref.float(), 1e-2, "loss")
+    for name in grads_ref:
+        if name.endswith("sinks") or "q_proj" in name:
+            assert_close(grads[name].float(), grads_ref[name].float(), 3e-2, name)
+
+
+def test_gradient_checkpointing_and_lora_on_attention(monkeypatch):
+    """Checkpointed layers recompute the sink attention in the backward with the same PackedBatch: same gradients.
+    PEFT LoRA on the biased q/k/v/o projections takes novatune's fused LoRA forward and matches stock per
+    document. The ops run their fp32 references here (the interpreted kernels are covered above and in their own
+    tests; this test is about the wiring)."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_gpt_oss().train()
+    report = novatune.patch(model)
+    _, grads = packed_loss_and_grads(model, ids, pos, lab)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads_ckpt = packed_loss_and_grads(model, ids, pos, lab)
+    for name in grads:
+        assert_close(grads_ckpt[name], grads[name], 1e-6, name)
+    report.revert()
+    model.gradient_checkpointing_disable()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    pm = peft.get_peft_model(model, cfg)
+    loss_ref, grads_ref = stock_per_document(pm, ids, pos, lab)
+    report = novatune.patch(pm)
+    assert len(report.replaced("attention")) == 2 and len(report.replaced("lora")) == 8
+    loss, grads = packed_loss_and_grads(pm, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], TOL, name)
