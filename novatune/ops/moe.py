@@ -46,6 +46,9 @@ from torch import Tensor
 
 from novatune.kernels import moe as K
 from novatune.ops._backend import use_triton
+from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
+from novatune.ops.clamped_swiglu import LIMIT as CLAMP_LIMIT
+from novatune.ops.clamped_swiglu import clamped_swiglu_bwd, clamped_swiglu_fwd
 from novatune.ops.contract import Candidate, OpSpec
 from novatune.reference import moe as _ref
 
@@ -213,8 +216,31 @@ def _silu_glu_routed_bwd(da: Tensor, h: Tensor, w_row: Tensor, interleaved: bool
     return dh.to(h.dtype), aw.to(h.dtype), dw_row
 
 
+def _needs_interleaved(interleaved: bool) -> None:
+    if not interleaved:
+        raise ValueError("the gpt_oss activation reads interleaved gate/up columns (g0, u0, g1, u1, ...)")
+
+
+def _gpt_oss_glu_fwd(h: Tensor, interleaved: bool) -> Tensor:
+    """GPT-OSS's clamped SwiGLU at its fixed alpha and limit (the spec refuses experts with other values)."""
+    _needs_interleaved(interleaved)
+    return clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT)
+
+
+def _gpt_oss_glu_routed_bwd(da: Tensor, h: Tensor, w_row: Tensor,
+                            interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The silu entry's contract from the clamped SwiGLU op: a recomputed from h, <a, da_u> in fp32, and the
+    routing weight folded into the gradient before the activation's backward (dh = act'(h) * w * da_u)."""
+    _needs_interleaved(interleaved)
+    a = clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT)
+    w = w_row.float()[:, None]
+    dot = (a.float() * da.float()).sum(-1)
+    dh = clamped_swiglu_bwd((da.float() * w).to(h.dtype), h, CLAMP_ALPHA, CLAMP_LIMIT)
+    return dh, (a.float() * w).to(h.dtype), dot
+
+
 # name -> (fwd(h, interleaved) -> a, routed_bwd(da_u, h, w_row, interleaved) -> (dh, w_row * a, <a, da_u>))
-ACTIVATIONS = {"silu": (_silu_glu_fwd, _silu_glu_routed_bwd)}
+ACTIVATIONS = {"silu": (_silu_glu_fwd, _silu_glu_routed_bwd), "gpt_oss": (_gpt_oss_glu_fwd, _gpt_oss_glu_routed_bwd)}
 
 
 @dataclass(frozen=True)

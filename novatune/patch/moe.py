@@ -38,12 +38,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         raise RuntimeError("novatune's expert MLP does not implement expert parallelism (its sentinel expert ids): "
                            "revert the patch (report.revert()) or patch before sharding experts")
     names: MoESpec = self._novatune_moe
-    bias = getattr(self, "has_bias", False)
+    bias = getattr(self, "has_bias", names.bias)
     return moe_experts(hidden_states, top_k_index, top_k_weights, getattr(self, names.gate_up),
                        getattr(self, names.down), getattr(self, names.gate_up_bias) if bias else None,
                        getattr(self, names.down_bias) if bias else None,
-                       transposed=bool(getattr(self, "is_transposed", False)),
-                       interleaved=not getattr(self, "is_concatenated", True), activation=self._novatune_activation)
+                       transposed=bool(getattr(self, "is_transposed", names.transposed)),
+                       interleaved=not getattr(self, "is_concatenated", not names.interleaved),
+                       activation=self._novatune_activation)
 
 
 def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None, str | None]:
@@ -65,6 +66,10 @@ def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None
     if gate is not None and gate.__name__ != "_default_apply_gate":
         if moe.custom_gate_activation is None:
             return f"{cls} defines its own gate ({gate.__qualname__}), which the spec declares no activation for", None
+        for attr, value in moe.gate_constants:
+            if getattr(module, attr, None) != value:
+                return (f"{cls}.{attr} = {getattr(module, attr, None)!r}; novatune's {moe.custom_gate_activation} "
+                        f"activation computes the gate at {attr} = {value}"), None
         return None, moe.custom_gate_activation
     act = str(getattr(config, "hidden_act", "?"))
     if act not in moe.activations:

@@ -81,6 +81,13 @@ class MoESpec:
     # the family's load-balancing loss, a function of the modeling module (what the stock causal LM calls when
     # output_router_logits is on); the fused loss forward adds it exactly as stock does
     aux_loss: str | None = "load_balancing_loss_func"
+    # the experts' layout where the module does not carry transformers' use_experts_implementation attributes
+    # (is_transposed, is_concatenated, has_bias): GPT-OSS's (E, H, 2I) interleaved weights with biases
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
+    # module attributes that must hold these values for custom_gate_activation to compute the module's gate
+    gate_constants: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

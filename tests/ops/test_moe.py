@@ -230,3 +230,28 @@ def test_the_implementation_checker_passes_the_op():
     for seed in (0, 1):
         verdict = check_implementation(M.moe_experts, op="moe_experts", seed=seed, repeats=2)
         assert verdict.passed, str(verdict)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpt_oss_activation_against_the_oracle(dtype):
+    """The `gpt_oss` entry (the clamped SwiGLU op at alpha 1.702, limit 7.0) through the expert op on GPT-OSS's
+    layout (transposed, interleaved, biases), inputs scaled so both clamps are active on some elements, against the
+    fp32 per-expert oracle with the clamped SwiGLU reference. fp32: 1e-5 (summation order); bf16: 3e-2 (h and
+    the activation rounded to bf16 between the grouped GEMMs, as the stock module rounds them)."""
+    from novatune.reference.clamped_swiglu import clamped_swiglu_ref
+
+    ids, tensors, layout = _experts_inputs(CASES["gpt-oss layout E5"], dtype)
+    with torch.no_grad():
+        tensors[2].mul_(12.0)  # gate_up weights: |h| reaches past the limit 7
+    out = M.moe_experts(tensors[0], ids, *tensors[1:], **layout, activation="gpt_oss")
+    ref_in = [v.detach().float().requires_grad_() for v in tensors]
+    ref = R.experts_ref(ref_in[0], ids, *ref_in[1:], **layout,
+                        activation=lambda h, il: clamped_swiglu_ref(h.float()))
+    h = ref_in[0].detach() @ ref_in[2].detach()[0] + ref_in[4].detach()[0]  # (T, 2I) of expert 0, interleaved
+    assert float(h[:, 0::2].max()) > 7.0 and float(h[:, 1::2].abs().max()) > 7.0, "a clamp is never active"
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert_close(out.float(), ref, tol, "out")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    for g, rg, name in zip(torch.autograd.grad(out, tensors, dout), torch.autograd.grad(ref, ref_in, dout.float()),
+                           ["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"]):
+        assert_close(g.float(), rg, tol, name)

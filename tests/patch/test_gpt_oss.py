@@ -66,7 +66,7 @@ def test_patched_packed_equals_stock_per_document():
     assert torch.equal(loss_back, stock_packed), "after revert the model is stock again, bit for bit"
 
 
-def test_report_lists_sinks_windows_and_the_stock_moe_block():
+def test_report_lists_sinks_windows_and_the_moe_block():
     model = tiny_gpt_oss()
     layers = model.config.num_hidden_layers
     keys = list(model.state_dict())
@@ -77,8 +77,8 @@ def test_report_lists_sinks_windows_and_the_stock_moe_block():
     assert sum("sliding window 5" in e.detail for e in attn) == layers // 2
     assert len(report.replaced("rms_norm")) == 2 * layers + 1
     assert len(report.replaced("cross_entropy")) == 1
-    moe = report.skipped("moe")
-    assert len(moe) == layers and all("wired to the MoE op after merge" in e.detail for e in moe)
+    assert len(report.replaced("moe_router")) == layers and len(report.replaced("moe_experts")) == layers
+    assert all("gpt_oss GLU" in e.detail for e in report.replaced("moe_experts"))
     assert not report.replaced("mlp")
     assert list(model.state_dict()) == keys
     report.revert()
@@ -101,28 +101,25 @@ def test_sink_capable_backends_are_accepted():
         assert len(report.replaced("attention")) == 2 and not report.skipped("attention")
 
 
-def test_router_aux_loss_is_never_dropped():
-    """output_router_logits adds the load-balancing loss: in the config it refuses the fused loss; passed in a call
-    it sends that call to the stock loss forward, with a note in the report."""
-    model = tiny_gpt_oss()
-    model.config.output_router_logits = True
-    report = novatune.patch(model)
-    assert not report.replaced("cross_entropy")
-    assert "output_router_logits" in report.skipped("cross_entropy")[0].detail
-    report.revert()
-    model.config.output_router_logits = False
+def test_router_aux_loss_is_added_as_stock_adds_it():
+    """output_router_logits, in the config or in a call, adds the load-balancing loss: the fused loss forward adds
+    the family's own load_balancing_loss_func on the patched router's logits, so loss and aux loss equal stock's.
+    TRL's fused head cannot add it and says so."""
     ids, pos, lab = packed_batch([[32]])  # one document per row: stock attention is exact here
-    model.train()
-    ref = model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True)
-    report = novatune.patch(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a deliberate stock call is not reported as a bypassed fused loss
-        out = model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True)
-    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
-    assert report.replaced("cross_entropy"), "the fused loss stays in use for the other calls"
-    assert_close(out.loss, ref.loss, TOL, "loss with the router's aux loss")
-    assert any("output_router_logits" in e.detail for e in report.entries if e.kind == "note")
-    with pytest.raises(ValueError, match="load-balancing"):
+    for where in ("config", "call"):
+        model = tiny_gpt_oss().train()
+        kw = {"output_router_logits": True} if where == "call" else {}
+        model.config.output_router_logits = where == "config"
+        ref = model(input_ids=ids, position_ids=pos, labels=lab, **kw)
+        report = novatune.patch(model)
+        assert report.replaced("cross_entropy"), where
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no bypassed fused loss
+            out = model(input_ids=ids, position_ids=pos, labels=lab, **kw)
+        assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+        assert_close(out.aux_loss, ref.aux_loss, TOL, f"aux loss ({where})")
+        assert_close(out.loss, ref.loss, TOL, f"loss with the router's aux loss ({where})")
+    with pytest.raises(ValueError, match="router loss"):
         model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True, fused_lm_head=True)
 
 
