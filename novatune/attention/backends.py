@@ -25,7 +25,6 @@ requested backend that cannot run raises BackendUnavailable naming what to do.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from novatune.attention.packed import PackedBatch
-from novatune.attention.sinks import flash_why_not, sink_attention
+from novatune.attention.sinks import flash2_inputs_why_not, flash_why_not, sink_attention
 
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
            "SINK_BACKENDS", "why_unavailable"]
@@ -165,19 +164,7 @@ def _varlen_why_not(q, k, packed, window=None) -> str | None:
     if q.device.type != "cuda":
         return "varlen_attn is CUDA-only (FlashAttention-2 inside torch); move the tensors to a GPU or use " \
                "backend='sdpa_docs' / 'reference' on the CPU"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"varlen_attn needs fp16/bf16 inputs, got {q.dtype}"
-    d = q.shape[-1]
-    if d % 8 or d > 256:
-        return f"varlen_attn needs head_dim % 8 == 0 and <= 256, got {d}"
-    if _capability(q.device) < (8, 0):
-        return "varlen_attn (FlashAttention-2) needs sm80 or newer"
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return flash2_inputs_why_not(q, "varlen_attn")
 
 
 # ------------------------------------------------------------------------------------------------ flex

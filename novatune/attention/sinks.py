@@ -147,13 +147,19 @@ def flash_why_not(q: torch.Tensor, k: torch.Tensor, window: int | None) -> str |
         return "FlashAttention is CUDA-only; use backend='reference' on the CPU"
     if torch.version.hip:
         return "ROCm's flash attention returns a padded log-sum-exp layout; use backend='reference'"
+    return flash2_inputs_why_not(q, "FlashAttention")
+
+
+def flash2_inputs_why_not(q: torch.Tensor, name: str) -> str | None:
+    """Why FlashAttention-2 (`name`: torch's varlen_attn, or aten's flash ops) cannot take q's dtype, head size
+    or GPU, or None."""
     if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"FlashAttention needs fp16/bf16 inputs, got {q.dtype}"
+        return f"{name} needs fp16/bf16 inputs, got {q.dtype}"
     d = q.shape[-1]
     if d % 8 or d > 256:
-        return f"FlashAttention needs head_dim % 8 == 0 and <= 256, got {d}"
+        return f"{name} needs head_dim % 8 == 0 and <= 256, got {d}"
     if _capability(q.device) < (8, 0):
-        return "FlashAttention-2 needs sm80 or newer"
+        return f"{name} (FlashAttention-2) needs sm80 or newer"
     return None
 
 

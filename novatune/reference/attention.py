@@ -12,19 +12,24 @@ import math
 import torch
 
 
-def hf_attention(q, k, v, packed):
-    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    scale = 1.0 / math.sqrt(d)
-    outs, a = [], 0
+def _documents(q, k, v, packed):
+    """Per packed document: its length n and (hq, n, d) q, k, v with k and v repeated over the GQA groups
+    (transformers' repeat_kv)."""
+    rep, a = q.shape[1] // k.shape[1], 0
     for n in packed.lengths:
-        qd = q[a:a + n].transpose(0, 1)                                    # (hq, n, d)
-        kd = k[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)     # repeat_kv
-        vd = v[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)
+        yield (n, q[a:a + n].transpose(0, 1), k[a:a + n].transpose(0, 1).repeat_interleave(rep, 0),
+               v[a:a + n].transpose(0, 1).repeat_interleave(rep, 0))
+        a += n
+
+
+def hf_attention(q, k, v, packed):
+    scale = 1.0 / math.sqrt(q.shape[2])
+    outs = []
+    for n, qd, kd, vd in _documents(q, k, v, packed):
         s = (qd @ kd.transpose(1, 2)) * scale
         mask = torch.full((n, n), float("-inf"), device=q.device, dtype=s.dtype).triu(1)
         p = torch.softmax(s + mask, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append((p @ vd).transpose(0, 1))
-        a += n
     return torch.cat(outs, 0)
 
 
@@ -43,19 +48,14 @@ def _window_mask(n: int, window: int | None, device) -> torch.Tensor:
 def hf_attention_sinks(q, k, v, sinks, packed, window=None):
     """GPT-OSS's eager attention applied one document at a time: the per-head sink logit appended as one more
     score column, the row maximum subtracted, softmax in the scores' dtype, the sink column dropped."""
-    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
-    scale = 1.0 / math.sqrt(d)
-    outs, a = [], 0
-    for n in packed.lengths:
-        qd = q[a:a + n].transpose(0, 1)                                    # (hq, n, d)
-        kd = k[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)     # repeat_kv
-        vd = v[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)
+    hq, scale = q.shape[1], 1.0 / math.sqrt(q.shape[2])
+    outs = []
+    for n, qd, kd, vd in _documents(q, k, v, packed):
         s = (qd @ kd.transpose(1, 2)) * scale + _window_mask(n, window, q.device).to(q.dtype)
         combined = torch.cat([s, sinks.to(s.dtype).view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         p = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
         outs.append((p @ vd).transpose(0, 1))
-        a += n
     return torch.cat(outs, 0)
 
 
