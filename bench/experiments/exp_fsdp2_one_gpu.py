@@ -3,8 +3,8 @@
     python bench/experiments/exp_fsdp2_one_gpu.py VARIANT OUT_DIR [--set KEY=VALUE ...]
 
 VARIANT: plain, or fsdp2 with any of the tags _noreshard, _bf16reduce (reduce_dtype bf16: no fp32 gradient
-accumulation), _nomp (no mixed-precision policy), e.g. fsdp2_bf16reduce_noreshard. Builds the seed workload's Session, runs 2 warm-up and 3 timed steps,
-then one whole optimizer step under torch.profiler; writes OUT_DIR/VARIANT.txt (tok/s, peak, the CUDA time per
+accumulation), _nomp (no mixed-precision policy), e.g. fsdp2_bf16reduce_noreshard. Builds the seed workload's
+Session, runs 2 warm-up and 3 timed steps, then one whole optimizer step under torch.profiler; writes OUT_DIR/VARIANT.txt (tok/s, peak, the CUDA time per
 kernel category and the top kernels)."""
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import torch
 variant, out_dir = sys.argv[1], Path(sys.argv[2])
 overrides = [a for a in sys.argv[3:] if "=" in a]
 
-import novatune.parallel.wrap as pwrap  # noqa: E402
 from novatune.train.config import load_with_base  # noqa: E402
 from novatune.train.session import build  # noqa: E402
 
