@@ -4,8 +4,8 @@
 
 VARIANT: plain, or fsdp2 with any of the tags _noreshard, _bf16reduce (reduce_dtype bf16: no fp32 gradient
 accumulation), _nomp (no mixed-precision policy), e.g. fsdp2_bf16reduce_noreshard. Builds the seed workload's
-Session, runs 2 warm-up and 3 timed steps, then one whole optimizer step under torch.profiler; writes OUT_DIR/VARIANT.txt (tok/s, peak, the CUDA time per
-kernel category and the top kernels)."""
+Session, runs 2 warm-up and 3 timed steps, then one whole optimizer step under torch.profiler; writes
+OUT_DIR/VARIANT.txt (tok/s, peak, the CUDA time per kernel category and the top kernels)."""
 from __future__ import annotations
 
 import sys
