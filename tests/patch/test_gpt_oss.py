@@ -29,7 +29,7 @@ def stock_per_document(model, ids, pos, lab):
     summed loss over the packed batch's label count, so the sum equals the packed mean."""
     model.zero_grad(set_to_none=True)
     n_items = int((lab[:, 1:] != -100).sum())
-    total = torch.zeros(())
+    total = torch.zeros((), device=ids.device)
     for r in range(ids.shape[0]):
         starts = [i for i in range(ids.shape[1]) if pos[r, i] == 0] + [ids.shape[1]]
         for a, b in zip(starts, starts[1:]):
@@ -154,25 +154,35 @@ def test_tuned_backend_that_cannot_add_sinks_is_not_applied():
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_sinks_through_flash_match_the_fp32_reference_backend():
-    """The patched bf16 model on CUDA (attention with sinks through aten FlashAttention-2) against the same model
-    with the fp32 per-document reference attention: loss within 1e-2 (bf16 activations through 4 layers), the
-    sinks' and q_proj's gradients within 3e-2 (FlashAttention keeps P and dS in bf16; the routing is the same)."""
+def test_cuda_bf16_sinks_through_flash_are_as_close_to_fp32_as_stock_bf16():
+    """The patched bf16 model on CUDA (sinks through aten FlashAttention-2, experts through the MoE op) against the
+    truth: the same weights in fp32, stock, one document at a time. The yardstick is stock's own bf16 error on the
+    same documents: the sinks' gradient sums c(1 - c) rowsum(g * out) over every token, a sum with cancellation
+    that bf16 activations move by several percent in stock too. Bound: 2x stock's relative error + 5e-3."""
+    import copy
+
     from novatune.attention import last_choice
 
     ids, pos, lab = (t.cuda() for t in packed_batch([[60, 200, 3, 249], [256, 256]]))
-    results = {}
-    for backend in ("auto", "reference"):
-        model = tiny_gpt_oss(dtype=torch.bfloat16, layers=4).cuda().train()
-        novatune.patch(model, attention=backend)
-        results[backend] = packed_loss_and_grads(model, ids, pos, lab)
-        if backend == "auto":
-            assert last_choice().backend == "varlen" and "sinks" in last_choice().detail
-    (loss, grads), (loss_ref, grads_ref) = results["auto"], results["reference"]
-    assert_close(loss.float(), loss_ref.float(), 1e-2, "loss")
-    for name in grads_ref:
-        if name.endswith("sinks") or "q_proj" in name:
-            assert_close(grads[name].float(), grads_ref[name].float(), 3e-2, name)
+    model = tiny_gpt_oss(dtype=torch.bfloat16, layers=4).cuda().train()
+    truth_model = copy.deepcopy(model).float()
+    loss_true, grads_true = stock_per_document(truth_model, ids, pos, lab)
+    loss_stock, grads_stock = stock_per_document(model, ids, pos, lab)
+    novatune.patch(model)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert last_choice().backend == "varlen" and "sinks" in last_choice().detail
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+    assert rel(loss, loss_true) <= 2 * rel(loss_stock, loss_true) + 5e-3
+    checked = 0
+    for name, g_true in grads_true.items():
+        if name.endswith("sinks") or "q_proj" in name or "experts" in name:
+            ours, stock = rel(grads[name], g_true), rel(grads_stock[name], g_true)
+            assert ours <= 2 * stock + 5e-3, f"{name}: {ours:.3g} vs stock bf16 {stock:.3g}"
+            checked += 1
+    assert checked >= 3 * 4
 
 
 def test_gradient_checkpointing_and_lora_on_attention(monkeypatch):
