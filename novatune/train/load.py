@@ -123,6 +123,15 @@ def _quantize_unit_(module: nn.Module, path: str, whole: bool, dtype: torch.dtyp
         setattr(parent, path.rsplit(".", 1)[-1], quantize_linear(module, dtype))
 
 
+def _forget_replaced(shared: dict, model: nn.Module) -> None:
+    """Drop the `shared` entries whose tensor left the model (a linear quantised to NF4): the map is for tied
+    tensors only, and an entry would keep that dense weight alive until the build ends (Qwen3-8B: 0.36 GiB per
+    layer, 13 GiB over the build)."""
+    live = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    for key in [k for k, (_, new) in shared.items() if id(new) not in live]:
+        del shared[key]
+
+
 def _finish(model: nn.Module, shared: dict, qlora: bool) -> None:
     for _, t in shared.values():
         t.__dict__.pop("_is_hf_initialized", None)
@@ -144,6 +153,8 @@ def build_random_(model: nn.Module, device: torch.device, dtype: torch.dtype, ql
         init_(model, mods)
         if qlora:
             _quantize_unit_(module, path, whole, dtype, model)
+            _forget_replaced(shared, model)
+        del mods  # it lists the unit's dense linears: each is freed once quantised
         if on_unit is not None:
             on_unit(model, path)
     _finish(model, shared, qlora)
@@ -235,6 +246,8 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
             init_(model, mods)
             if qlora:
                 _quantize_unit_(module, path, whole, dtype, model)
+                _forget_replaced(shared, model)
+            del mods  # it lists the unit's dense linears: each is freed once quantised
             if on_unit is not None:
                 on_unit(model, path)
     for m in model.modules():
