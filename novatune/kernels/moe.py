@@ -61,17 +61,25 @@ def _combine_kernel(Y, POS, W, OUT, H, K, HAS_W: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into a (S, N_INTER)
-    mask = offs < n
-    r = offs // N_INTER
-    c = offs % N_INTER
+def _gate_up_index(r, c, N_INTER, INTERLEAVED: tl.constexpr):
+    """Flat indices of gate and up column c of row r in the fused (S, 2 * N_INTER) gate_up output: interleaved
+    (g0, u0, g1, u1, ...) or concatenated ([gate; up])."""
     if INTERLEAVED:
         gi = r * 2 * N_INTER + 2 * c
         ui = gi + 1
     else:
         gi = r * 2 * N_INTER + c
         ui = gi + N_INTER
+    return gi, ui
+
+
+@triton.jit
+def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # flat index into a (S, N_INTER)
+    mask = offs < n
+    r = offs // N_INTER
+    c = offs % N_INTER
+    gi, ui = _gate_up_index(r, c, N_INTER, INTERLEAVED)
     g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
     tl.store(A + offs, _round_to(g * tl.sigmoid(g) * u, A.dtype.element_ty, SOFT_RNE), mask=mask)
@@ -86,12 +94,7 @@ def _glu_routed_bwd_kernel(DA, HB, WROW, DH, AW, DWROW, N_INTER, INTERLEAVED: tl
     for c0 in range(0, N_INTER, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         mask = c < N_INTER
-        if INTERLEAVED:
-            gi = r * 2 * N_INTER + 2 * c
-            ui = gi + 1
-        else:
-            gi = r * 2 * N_INTER + c
-            ui = gi + N_INTER
+        gi, ui = _gate_up_index(r, c, N_INTER, INTERLEAVED)
         da = tl.load(DA + r * N_INTER + c, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)

@@ -132,6 +132,17 @@ def _forget_replaced(shared: dict, model: nn.Module) -> None:
         del shared[key]
 
 
+def _unit_done(model: nn.Module, path: str, module: nn.Module, whole: bool, dtype: torch.dtype, shared: dict,
+               qlora: bool, on_unit: OnUnit | None) -> None:
+    """A unit is in place: QLoRA quantises its linears (and forgets their dense weights) before the next unit is
+    allocated; then the caller's hook sees it."""
+    if qlora:
+        _quantize_unit_(module, path, whole, dtype, model)
+        _forget_replaced(shared, model)
+    if on_unit is not None:
+        on_unit(model, path)
+
+
 def _finish(model: nn.Module, shared: dict, qlora: bool) -> None:
     for _, t in shared.values():
         t.__dict__.pop("_is_hf_initialized", None)
@@ -151,12 +162,8 @@ def build_random_(model: nn.Module, device: torch.device, dtype: torch.dtype, ql
         mods = _unit_modules(module, whole)
         materialize_(mods, device, shared)
         init_(model, mods)
-        if qlora:
-            _quantize_unit_(module, path, whole, dtype, model)
-            _forget_replaced(shared, model)
         del mods  # it lists the unit's dense linears: each is freed once quantised
-        if on_unit is not None:
-            on_unit(model, path)
+        _unit_done(model, path, module, whole, dtype, shared, qlora, on_unit)
     _finish(model, shared, qlora)
     return model
 
@@ -244,12 +251,8 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
                 used.add(key)
             # what no checkpoint holds (rotary inv_freq): computed by the model's init, as transformers does
             init_(model, mods)
-            if qlora:
-                _quantize_unit_(module, path, whole, dtype, model)
-                _forget_replaced(shared, model)
             del mods  # it lists the unit's dense linears: each is freed once quantised
-            if on_unit is not None:
-                on_unit(model, path)
+            _unit_done(model, path, module, whole, dtype, shared, qlora, on_unit)
     for m in model.modules():
         for t in [*m._parameters.values(), *m._buffers.values()]:
             if t is not None:
