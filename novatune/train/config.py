@@ -124,6 +124,10 @@ class MemoryConfig:
     # exist whole (novatune/patch/tiled.py). auto: batches whose intermediate exceeds 1 GiB (Qwen3-4B: from 55k
     # tokens); true: every batch longer than one chunk; false: never. Part of novatune's patch (model.patch).
     tiled_mlp: Literal["auto", True, False] = "auto"
+    # CUDA caching allocator with expandable segments (one growing mapping per stream instead of many fixed-size
+    # segments): without it, a card that is nearly full fragments, and the allocator frees and re-reserves its
+    # cache every step (cudaFree synchronises). PYTORCH_CUDA_ALLOC_CONF, when set, wins (train/memory.py).
+    expandable_segments: bool = True
 
 
 @dataclass

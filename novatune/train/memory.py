@@ -7,6 +7,7 @@ puts the policies on the built model's decoder layers (after checkpointing and L
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -174,3 +175,17 @@ def install(model, mp: MemoryPlan, layers: list, device: torch.device) -> Memory
     mp.engine = OffloadEngine(device, mp.offload_min_bytes) if "offload" in mp.plan.policies else None
     install_policies(layers, mp.plan.policies, mp.engine)
     return mp
+
+
+def configure_allocator(mem, device: torch.device) -> str | None:
+    """Turn on the caching allocator's expandable segments for a CUDA run (memory.expandable_segments), before the
+    first allocation. Returns what was done, for the console, or None when nothing applies. A user's
+    PYTORCH_CUDA_ALLOC_CONF is left as it is: it already says how the allocator should behave."""
+    if device.type != "cuda":
+        return None
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return f"allocator: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']} (as set)"
+    if not mem.expandable_segments:
+        return None
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return "allocator: expandable segments (memory.expandable_segments)"

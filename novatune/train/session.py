@@ -44,7 +44,7 @@ from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
 from novatune.train.config import memory_policy
-from novatune.train.memory import ASSUMED, MemoryPlan, needs_checkpointing, plan_for_run
+from novatune.train.memory import ASSUMED, MemoryPlan, configure_allocator, needs_checkpointing, plan_for_run
 from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
@@ -285,6 +285,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if device.type == "cuda" and dist.active:
         device = torch.device("cuda", dist.local_rank)
     dtype = pick_dtype(cfg.model.dtype, device)
+    allocator = configure_allocator(cfg.memory, device)
+    if allocator and console is not None:
+        console.print(allocator, highlight=False)
     if device.type == "cpu":
         cpu_threads_for_load(console)
     seed = cfg.train.seed

@@ -94,3 +94,19 @@ def test_a_model_the_estimate_cannot_handle_trains_without_a_prediction_under_st
     assert installed(decoder_layers(s.model)) == ["recompute", "recompute"]
     with pytest.raises(NotImplementedError):
         build(make_cfg("off", memory={"policy": "offload"}))
+
+
+def test_allocator_gets_expandable_segments_on_cuda_unless_the_user_configured_it(monkeypatch):
+    from novatune.train.config import MemoryConfig
+    from novatune.train.memory import configure_allocator
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert configure_allocator(MemoryConfig(), torch.device("cpu")) is None and calls == []
+    assert "expandable segments" in configure_allocator(MemoryConfig(), torch.device("cuda"))
+    assert calls == ["expandable_segments:True"]
+    assert configure_allocator(MemoryConfig(expandable_segments=False), torch.device("cuda")) is None
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    assert "as set" in configure_allocator(MemoryConfig(), torch.device("cuda"))
+    assert calls == ["expandable_segments:True"]  # the user's setting is left alone
