@@ -135,6 +135,7 @@ class LayerGraphRunner:
         self.broken_trace = ""  # the capture error's stack (stats(); the report keeps the one-line reason)
         self.warm_batches = 0
         self.captured_batches = 0
+        self.cache_releases = 0  # captures retried after the allocator's cache was released (out of memory)
         self.replayed_batches = 0
         self.eager_batches = 0
         self.shape = None
@@ -166,6 +167,7 @@ class LayerGraphRunner:
 
     def stats(self) -> dict:
         return {"captured_batches": self.captured_batches, "replayed_batches": self.replayed_batches,
+                "cache_releases": self.cache_releases,
                 "eager_batches": self.eager_batches, "buckets": sorted(k[:2] for k in self.buckets),
                 "broken": self.broken, "broken_trace": self.broken_trace}
 
@@ -389,26 +391,38 @@ class LayerGraphRunner:
         statics = self._grad_set(params)
         stage = "warm-up"
         with backends.isolated_choices() as seen:
-            try:
-                if not self.warmed:
-                    self._warm_up(call, src, backward_pass)
-                fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                stage = "forward"
-                with self._capturing(fwd):
-                    with torch.no_grad():
-                        out.copy_(call(src))
-                stage = "backward"
-                with self._capturing(bwd):
-                    grads = list(backward_pass())
-                    if x_grad:
-                        gx.copy_(grads.pop(0))
-                    index = [j for j, g in enumerate(grads) if g is not None]
-                    for j in index:
-                        statics[j].copy_(grads[j])
-                    del grads
-            except Exception as e:  # noqa: BLE001 - an automatic speed-up: fall back and say why
-                raise _Unsupported(f"capturing layer {i} ({stage}) raised {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
+            for attempt in (1, 2):
+                try:
+                    if not self.warmed:
+                        self._warm_up(call, src, backward_pass)
+                    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                    stage = "forward"
+                    with self._capturing(fwd):
+                        with torch.no_grad():
+                            out.copy_(call(src))
+                    stage = "backward"
+                    with self._capturing(bwd):
+                        grads = list(backward_pass())
+                        if x_grad:
+                            gx.copy_(grads.pop(0))
+                        index = [j for j, g in enumerate(grads) if g is not None]
+                        for j in index:
+                            statics[j].copy_(grads[j])
+                        del grads
+                    break
+                except torch.OutOfMemoryError as e:
+                    if attempt == 2:
+                        raise _Unsupported(f"capturing layer {i} ({stage}) ran out of memory twice: "
+                                           f"{str(e).splitlines()[0][:200]}") from e
+                    # A capture cannot hand cached blocks back to the driver, so on a nearly full card (or under
+                    # a memory cap) the graphs' pool finds no room while the eager pool's cache holds it: release
+                    # that cache once, outside the capture, and capture this layer again.
+                    self.cache_releases += 1
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                except Exception as e:  # noqa: BLE001 - an automatic speed-up: fall back and say why
+                    raise _Unsupported(f"capturing layer {i} ({stage}) raised {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
         ran = {c.backend for c in seen}
         if ran != {"varlen"}:
             raise _Unsupported(f"the captured attention ran {sorted(ran) or 'nothing'}, not the varlen kernels "

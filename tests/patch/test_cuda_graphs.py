@@ -299,3 +299,31 @@ def test_layers_with_another_memory_policy_stay_out_of_the_graphs():
     install(layers, ["offload"] + ["recompute"] * (len(layers) - 1), OffloadEngine("cpu"))
     runner.ensure_installed()
     assert "memory policy keeps or offloads" in runner._check_layers()
+
+
+@pytest.mark.gpu
+def test_a_capture_out_of_memory_releases_the_cache_and_captures_again(monkeypatch):
+    """A card that is nearly full (or a memory cap) can leave the graphs' pool no room while the eager pool's cache
+    holds it; a capture cannot release that cache itself. The first out-of-memory of a capture releases the cache
+    and captures that layer again: the graphs stay on (one release counted) and the losses equal eager's."""
+    eager = _model("cuda")
+    graphed = copy.deepcopy(eager)
+    novatune.patch(eager, cuda_graphs=False, tune=False)
+    novatune.patch(graphed, tune=False)
+    runner = _runner(graphed)
+    orig = graphs.LayerGraphRunner._capturing
+    failed = []
+
+    def failing_once(self, graph):
+        if not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return orig(self, graph)
+
+    monkeypatch.setattr(graphs.LayerGraphRunner, "_capturing", failing_once)
+    le, _ = _train(eager, LAYOUTS * 2)
+    lg, _ = _train(graphed, LAYOUTS * 2)
+    st = runner.stats()
+    assert failed and st["broken"] is None and st["cache_releases"] == 1, st
+    assert st["replayed_batches"] == 2 * len(LAYOUTS) - 3, st
+    assert max(abs(float(a - b)) for a, b in zip(lg, le)) < 2e-2
