@@ -135,7 +135,12 @@ class LayerGraphRunner:
         self.broken_trace = ""  # the capture error's stack (stats(); the report keeps the one-line reason)
         self.warm_batches = 0
         self.captured_batches = 0
-        self.cache_releases = 0  # captures retried after the allocator's cache was released (out of memory)
+        # The allocator's cache is released once before each capture batch: a capture cannot hand cached blocks
+        # back to the driver itself, so on a nearly full card (or under a memory cap) the graphs' pool would find
+        # no room while the eager pool's cache holds it. Counted, with the out-of-memory retries, in stats().
+        self.release_cache = False
+        self.cache_releases = 0
+        self.pool_graphs = 0  # graphs captured into self.pool
         self.replayed_batches = 0
         self.eager_batches = 0
         self.shape = None
@@ -311,7 +316,7 @@ class LayerGraphRunner:
         self.shape = (x.shape, x.dtype)
         self.xs = [torch.empty_like(x) for _ in range(len(self.layers) + 1)]
         self.gbufs = [torch.empty_like(x), torch.empty_like(x)]
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool, self.pool_graphs = torch.cuda.graph_pool_handle(), 0
         self.stream = torch.cuda.Stream(device=x.device)
 
     def _load(self, fn, x: Tensor, packed: PackedBatch, bucket: _Bucket) -> None:
@@ -338,6 +343,7 @@ class LayerGraphRunner:
             self.replayed_batches += 1
         else:
             self.captured_batches += 1
+            self.release_cache = True
 
     def _run(self, i: int, fn, x: Tensor) -> Tensor:
         bucket = self.bucket
@@ -392,6 +398,8 @@ class LayerGraphRunner:
         stage = "warm-up"
         with backends.isolated_choices() as seen:
             for attempt in (1, 2):
+                if self.release_cache:
+                    self._release_cache()
                 try:
                     if not self.warmed:
                         self._warm_up(call, src, backward_pass)
@@ -409,17 +417,17 @@ class LayerGraphRunner:
                         for j in index:
                             statics[j].copy_(grads[j])
                         del grads
+                    self.pool_graphs += 2
                     break
                 except torch.OutOfMemoryError as e:
-                    if attempt == 2:
-                        raise _Unsupported(f"capturing layer {i} ({stage}) ran out of memory twice: "
+                    # A retry needs a pool no failed capture has touched; one graphs already live in cannot be
+                    # swapped, so out of memory there turns the graphs off.
+                    if attempt == 2 or self.pool_graphs:
+                        raise _Unsupported(f"capturing layer {i} ({stage}) ran out of memory: "
                                            f"{str(e).splitlines()[0][:200]}") from e
-                    # A capture cannot hand cached blocks back to the driver, so on a nearly full card (or under
-                    # a memory cap) the graphs' pool finds no room while the eager pool's cache holds it: release
-                    # that cache once, outside the capture, and capture this layer again.
-                    self.cache_releases += 1
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+                    fwd = bwd = None
+                    self.pool = torch.cuda.graph_pool_handle()
+                    self.release_cache = True
                 except Exception as e:  # noqa: BLE001 - an automatic speed-up: fall back and say why
                     raise _Unsupported(f"capturing layer {i} ({stage}) raised {type(e).__name__}: "
                                        f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
@@ -428,6 +436,12 @@ class LayerGraphRunner:
             raise _Unsupported(f"the captured attention ran {sorted(ran) or 'nothing'}, not the varlen kernels "
                                "(only they read the padded static document offsets)")
         return _LayerGraphs(fwd, bwd, out, gout, gx, x_grad, [statics[j] for j in index], index, len(params))
+
+    def _release_cache(self) -> None:
+        self.release_cache = False
+        self.cache_releases += 1
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def _capturing(self, graph):
