@@ -10,6 +10,8 @@ Rows (novatune's stack of `novatune bench`, each in a fresh process through nova
   lora-r16 seed                the seed workload (Qwen3-4B, packed 4096, GA 4) with LoRA r16: its peak
   long-4b tiled / untiled      Qwen3-4B full fine-tuning, one 65,536-token row, GA 1, memory.tiled_mlp true vs
                                false: the tiled MLP's peak saving and its cost in tok/s
+  long-ctx                     inside an 80 GiB cap, memory.policy auto: Qwen3-4B full fine-tuning on 262,144-token
+                               rows, Qwen3-8B full fine-tuning with 8-bit AdamW on 32,768, Qwen3-8B QLoRA on 358,400
   kahan-4b                     the seed workload (full fine-tuning) with train.optimizer adamw_kahan vs adamw
 Each block prints a line; the rows go to --results with the block's name.
 """
@@ -23,12 +25,23 @@ from novatune.bench.runner import run_worker
 from novatune.measure.results import write_row
 
 SEED = "examples/qwen3-4b-seed.yaml"
+LONG = ["memory.policy=auto", "memory.budget_gib=73.6"]  # 80 GiB minus the planner's 8% margin
 BLOCKS = {
     "qlora-8b": [("uncapped", "examples/qlora.yaml", [], None), ("capped-8gib", "examples/qlora.yaml", [], 8.0)],
     "lora-r16": [("seed", SEED, ["method.type=lora", "method.r=16", "method.alpha=32"], None)],
     "long-4b": [(f"tiled_mlp={t}", SEED, ["data.max_length=65536", "train.grad_accum=1", f"memory.tiled_mlp={t}",
                                           "data.sources.0.median_length=16000", "data.sources.0.num_docs=40"], None)
                 for t in ("false", "true")],
+    # issue 15's long rows inside 80 GiB (a cap on a bigger card; the planner's budget is the cap minus its margin)
+    "long-ctx": [
+        ("4b-full-256k", SEED, ["data.max_length=262144", "train.grad_accum=1", "data.sources.0.median_length=16000",
+                                "data.sources.0.num_docs=60", *LONG], 80.0),
+        ("8b-full-32k-adamw8bit", SEED, ["model.arch=qwen3-8b", "data.max_length=32768", "train.grad_accum=1",
+                                         "data.sources.0.median_length=8000", "data.sources.0.num_docs=40",
+                                         "train.optimizer=adamw_8bit", "train.fused_adamw=null", *LONG], 80.0),
+        ("8b-qlora-350k", "examples/qlora.yaml", ["data.max_length=358400", "train.grad_accum=1",
+                                                  "data.sources.0.median_length=16000", "data.sources.0.num_docs=80",
+                                                  *LONG], 80.0)],
     "optimizer-4b": [(o, SEED, [f"train.optimizer={o}", "train.fused_adamw=null"], None)
                      for o in ("adamw", "adamw_kahan")],
 }

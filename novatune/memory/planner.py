@@ -16,7 +16,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   Qwen3 (tests/memory/test_planner.py) within a few percent.
   Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
-  two device slots of the input's size.
+  two device slots of the input's size. A tiled MLP (novatune/patch/tiled.py) keeps no (T x i) tensor: only one
+  chunk's five (chunk x i) tensors join the transient, and its backward runs the MLP's GEMMs once more.
 
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
@@ -53,6 +54,7 @@ class LayerShape:
     attended_keys: float  # mean keys each query attends to (causal within documents: ~ document length / 2)
     trained_share: float = 1.0  # share of the layer's matmul weights that get gradients (LoRA: ~0)
     fused: bool = True  # novatune.patch's fused modules (False: stock HF modules)
+    mlp_chunk_tokens: int | None = None  # the MLP tiled along the sequence in chunks of this many tokens
 
     @property
     def gemm_params(self) -> int:
@@ -79,6 +81,8 @@ class LayerCost:
 def saved_elements_per_token(s: LayerShape) -> dict:
     """Elements per token a layer keeps for its backward under each policy (module docstring's table)."""
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    if s.mlp_chunk_tokens:  # a tiled MLP keeps only its chunks' inputs (the norm output, already counted)
+        i = 0
     keep = 4 * h + 3 * q + 3 * kv + 3 * i if s.fused else 8 * h + 5 * q + 5 * kv + 4 * i
     return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
 
@@ -96,10 +100,16 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     elementwise = 2 * (nbytes["keep"] - nbytes["selective"]) / (hw.hbm_gbps * 1e9)  # read + write, forward
     copy = nbytes["recompute"] / (hw.link_gbps * 1e9)
     exposed = max(0.0, copy - forward) + max(0.0, copy - (forward + backward)) + 2 * COPY_OVERHEAD_S
+    transient = nbytes["keep"]
+    if s.mlp_chunk_tokens:
+        # each chunk's MLP forward runs again in its backward; one chunk's gate, up, product and the two
+        # gradients of the GEMM inputs exist at once
+        backward += 2 * s.tokens * 3 * s.hidden * s.intermediate / rate
+        transient += 5 * s.mlp_chunk_tokens * s.intermediate * s.dtype_bytes
     keep = forward + backward
     seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise,
                "offload": keep + forward + exposed}
-    return LayerCost(nbytes, seconds, nbytes["keep"], nbytes["recompute"])
+    return LayerCost(nbytes, seconds, transient, nbytes["recompute"])
 
 
 @dataclass

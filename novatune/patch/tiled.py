@@ -44,15 +44,21 @@ class MLPTiling:
     intermediate_size: int
 
     def chunk_rows(self, x: Tensor) -> int:
-        per_row = self.intermediate_size * x.element_size()
+        return self.chunk_rows_for(x.element_size())
+
+    def applies(self, x: Tensor) -> bool:
+        return self.applies_to(x.numel() // x.shape[-1], x.element_size())
+
+    def chunk_rows_for(self, element_size: int) -> int:
+        per_row = self.intermediate_size * element_size
         rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // per_row, 1)
         return rows if rows < 256 else rows - rows % 256  # whole GEMM tiles
 
-    def applies(self, x: Tensor) -> bool:
-        rows = x.numel() // x.shape[-1]
-        if self.mode is False or rows <= self.chunk_rows(x):
+    def applies_to(self, rows: int, element_size: int) -> bool:
+        """Whether a batch of `rows` tokens is tiled (the memory planner asks before any tensor exists)."""
+        if self.mode is False or rows <= self.chunk_rows_for(element_size):
             return False
-        return self.mode is True or rows * self.intermediate_size * x.element_size() > AUTO_MIN_BYTES
+        return self.mode is True or rows * self.intermediate_size * element_size > AUTO_MIN_BYTES
 
 
 def check_mode(mode) -> None:

@@ -16,6 +16,7 @@ from novatune.memory import planner
 from novatune.memory.offload import OffloadEngine
 from novatune.memory.policy import UNIFORM, expand_layers
 from novatune.memory.policy import install as install_policies
+from novatune.patch.tiled import MLPTiling
 from novatune.train.config import memory_policy
 from novatune.train.errors import SetupError
 
@@ -75,11 +76,13 @@ def layer_shape(cfg, mconf, trained_share: float) -> planner.LayerShape:
     tokens = cfg.train.micro_batch * cfg.data.max_length
     # causal attention within documents: a query sees about half its document; synthetic data names its median
     doc = min([s.median_length for s in cfg.data.sources if s.type == "synthetic"] or [cfg.data.max_length])
+    dtype_bytes = 4 if cfg.model.dtype == "fp32" else 2
+    tiling = MLPTiling(cfg.memory.tiled_mlp, mconf.intermediate_size)
+    chunk = tiling.chunk_rows_for(dtype_bytes) if cfg.model.patch and tiling.applies_to(tokens, dtype_bytes) else None
     return planner.LayerShape(hidden=h, q_dim=mconf.num_attention_heads * hd, kv_dim=mconf.num_key_value_heads * hd,
                               intermediate=mconf.intermediate_size, heads=mconf.num_attention_heads, tokens=tokens,
-                              dtype_bytes=4 if cfg.model.dtype == "fp32" else 2,
-                              attended_keys=min(doc, cfg.data.max_length) / 2, trained_share=trained_share,
-                              fused=bool(cfg.model.patch))
+                              dtype_bytes=dtype_bytes, attended_keys=min(doc, cfg.data.max_length) / 2,
+                              trained_share=trained_share, fused=bool(cfg.model.patch), mlp_chunk_tokens=chunk)
 
 
 def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:

@@ -157,3 +157,34 @@ def test_selective_recompute_runs_no_matmul_again(policy):
     # backward; recompute runs 6 of them again (the checkpoint stops early: down_proj's output is needed by nothing
     # the backward keeps), selective none
     assert counter.n - 2 == {"recompute": 20, "selective": 14, "keep": 14}[policy]
+
+
+def test_a_tiled_mlp_keeps_no_intermediate_and_holds_one_chunk_in_the_backward():
+    """A tiled MLP (patch/tiled.py) keeps no (T x i) tensor for its backward; one chunk's five (chunk x i) tensors
+    join the transient, and its backward runs the MLP's GEMMs once more."""
+    common = dict(hidden=2560, q_dim=4096, kv_dim=1024, intermediate=9728, heads=32, tokens=262144, dtype_bytes=2,
+                  attended_keys=8000)
+    hw = planner.Hardware(matmul_tflops=700.0, hbm_gbps=3000.0, link_gbps=50.0)
+    whole, tiled = (planner.layer_cost(LayerShape(**common, mlp_chunk_tokens=c), hw) for c in (None, 13568))
+    i_bytes = 262144 * 9728 * 2
+    assert whole.bytes["keep"] - tiled.bytes["keep"] == 3 * i_bytes
+    assert whole.bytes["selective"] - tiled.bytes["selective"] == 2 * i_bytes
+    assert tiled.bytes["recompute"] == whole.bytes["recompute"]
+    assert tiled.transient == tiled.bytes["keep"] + 5 * 13568 * 9728 * 2
+    mlp_forward = 2 * 262144 * 3 * 2560 * 9728 / (700e12 * planner.GEMM_EFFICIENCY)
+    assert tiled.seconds["recompute"] == pytest.approx(whole.seconds["recompute"] + mlp_forward)
+
+
+def test_the_run_plans_the_tiled_mlp_it_will_run():
+    from types import SimpleNamespace
+
+    from novatune.train.config import from_dict
+    from novatune.train.memory import layer_shape
+
+    mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=9728)
+    base = {"model": {"arch": "qwen3-4b"}, "data": {"sources": [{"type": "synthetic"}]}}
+    for length, tiled_mlp, want in [(4096, "auto", None), (262144, "auto", 13568), (262144, False, None),
+                                    (8192, True, None), (16384, True, 13568)]:
+        data = {**base, "data": {**base["data"], "max_length": length}, "memory": {"tiled_mlp": tiled_mlp}}
+        assert layer_shape(from_dict(data), mconf, 1.0).mlp_chunk_tokens == want, (length, tiled_mlp)
