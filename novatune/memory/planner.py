@@ -81,9 +81,10 @@ class LayerCost:
 def saved_elements_per_token(s: LayerShape) -> dict:
     """Elements per token a layer keeps for its backward under each policy (module docstring's table)."""
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
-    if s.mlp_chunk_tokens:  # a tiled MLP keeps only its chunks' inputs (the norm output, already counted)
-        i = 0
-    keep = 4 * h + 3 * q + 3 * kv + 3 * i if s.fused else 8 * h + 5 * q + 5 * kv + 4 * i
+    # a tiled MLP keeps only its chunks' inputs (the norm output, already counted); under `selective` the matrix
+    # products' outputs are cached by the policy itself, inside the chunks' checkpoints too, so gate and up stay
+    ki = 0 if s.mlp_chunk_tokens else i
+    keep = 4 * h + 3 * q + 3 * kv + 3 * ki if s.fused else 8 * h + 5 * q + 5 * kv + 4 * ki
     return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
 
 
@@ -122,6 +123,7 @@ class Plan:
     static_bytes: int
     activation_bytes: int  # kept between forward and backward, over all layers
     transient_bytes: int
+    offloaded_bytes: int = 0  # layer inputs in pinned host memory
     notes: list[str] = field(default_factory=list)
 
     def counts(self) -> dict:
@@ -133,22 +135,60 @@ class Plan:
         return ", ".join(f"{p} x{n}" for p, n in runs)
 
 
-def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None) -> Plan:
+@dataclass(frozen=True)
+class FreshGradients:
+    """Gradients that do not exist before the backward (one micro-batch per optimizer step: set to None after each
+    step): `layer` bytes per decoder layer, born as its backward runs, and `other` (lm_head, embeddings, norms
+    outside the layers), born first. With gradient accumulation they live through the later forwards instead and
+    count as static."""
+    layer: int
+    other: int
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """Pinned host memory the offloaded layer inputs may take (the planner never plans past it)."""
+    bytes: int
+    source: str
+
+
+def _recomputed(policy: str) -> bool:
+    return policy in ("recompute", "selective", "offload")
+
+
+def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None,
+             fresh: FreshGradients | None = None, host: HostBudget | None = None) -> Plan:
     """The peak and time of one assignment: static + every layer's kept bytes + the largest transient (a layer
-    recomputed in the backward, or the last kept layer's backward) + the offload slots."""
-    kept = sum(c.bytes[p] for c, p in zip(costs, policies))
-    transient = max((c.transient for c, p in zip(costs, policies) if p in ("recompute", "selective", "offload")),
-                    default=0)
-    if "offload" in policies:
-        transient += 2 * max(c.input_bytes for c in costs)
-    peak = static_bytes + kept + transient
+    recomputed in the backward) + the offload slots. With `fresh` gradients (static_bytes includes them), the peak
+    is the largest of the end of the forward (no gradient yet) and each layer's backward (the gradients of the
+    layers above it born, the activations of the layers below it still kept). An assignment whose offloaded
+    inputs pass the `host` budget does not fit."""
+    kept_each = [c.bytes[p] for c, p in zip(costs, policies)]
+    kept = sum(kept_each)
+    transient = max((c.transient for c, p in zip(costs, policies) if _recomputed(p)), default=0)
+    slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
+    peak = static_bytes + kept + transient + slots
+    if fresh is not None:
+        n = len(costs)
+        base = static_bytes - fresh.other - n * fresh.layer
+        peak = base + kept + slots  # the end of the forward
+        below = kept
+        for j in range(n - 1, -1, -1):  # the backward runs from the last layer down
+            own = costs[j].transient if _recomputed(policies[j]) else 0
+            peak = max(peak, base + fresh.other + (n - j) * fresh.layer + below + own + slots)
+            below -= kept_each[j]
+        transient = peak - base - kept - slots
     seconds = sum(c.seconds[p] for c, p in zip(costs, policies))
-    return Plan(list(policies), peak, seconds, budget is None or peak <= budget, budget, static_bytes, kept,
-                transient)
+    fits = budget is None or peak <= budget
+    offloaded = sum(c.input_bytes for c, p in zip(costs, policies) if p == "offload")
+    if host is not None and offloaded > host.bytes:
+        fits = False
+    return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, offloaded_bytes=offloaded)
 
 
 def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
-           allowed: tuple[str, ...] = POLICIES) -> Plan:
+           allowed: tuple[str, ...] = POLICIES, fresh: FreshGradients | None = None,
+           host: HostBudget | None = None) -> Plan:
     """The fastest assignment that fits `budget` (module docstring); without a budget, every layer kept. When
     nothing fits, the assignment with the smallest peak, marked fits=False."""
     n = len(costs)
@@ -157,7 +197,7 @@ def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
     smallest: Plan | None = None
     for counts in _compositions(n, len(order)):
         policies = [p for p, k in zip(order, counts) for _ in range(k)]
-        plan = evaluate(policies, costs, static_bytes, budget)
+        plan = evaluate(policies, costs, static_bytes, budget, fresh, host)
         if smallest is None or plan.peak_bytes < smallest.peak_bytes:
             smallest = plan
         if plan.fits and (best is None or plan.seconds < best.seconds

@@ -97,9 +97,11 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     n = mconf.num_hidden_layers
     costs = layer_costs(cfg, mconf, hw)
     static = static_bytes(est, shards)
+    fresh = fresh_gradients(cfg, mconf, est, shards)
+    host = host_budget(shards)
     policy = memory_policy(cfg.memory)
     if policy == "auto":
-        plan = planner.choose(costs, static, budget)
+        plan = planner.choose(costs, static, budget, fresh=fresh, host=host)
         if budget is None:
             plan.notes.append("no memory budget known (no GPU, no memory.budget_gib): every layer keeps its "
                               "activations")
@@ -108,10 +110,36 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
             layers = expand_layers(cfg.memory.layers, n)
         except ValueError as e:
             raise SetupError(f"memory.layers: {e}") from None
-        plan = planner.evaluate(layers, costs, static, budget)
+        plan = planner.evaluate(layers, costs, static, budget, fresh, host)
     else:
-        plan = planner.evaluate([UNIFORM[policy]] * n, costs, static, budget)
+        plan = planner.evaluate([UNIFORM[policy]] * n, costs, static, budget, fresh, host)
     return plan
+
+
+def fresh_gradients(cfg, mconf, est: dict, shards: int = 1) -> planner.FreshGradients | None:
+    """One micro-batch per optimizer step: the gradients are born in the backward (planner.FreshGradients); with
+    accumulation (or FSDP2, whose unsharded gradients follow their own schedule) they count as static."""
+    if cfg.train.grad_accum != 1 or shards != 1:
+        return None
+    shape = layer_shape(cfg, mconf, 0.0 if cfg.method.type in ("lora", "qlora") else 1.0)
+    layer = int(shape.gemm_params * shape.trained_share * shape.dtype_bytes)
+    other = max(0, int(est["gradients"]) - mconf.num_hidden_layers * layer)
+    return planner.FreshGradients(layer=layer, other=other)
+
+
+HOST_SHARE = 0.7  # of the host's available memory the offloaded inputs may pin (the process needs the rest)
+
+
+def host_budget(processes: int = 1) -> planner.HostBudget | None:
+    """Pinned host memory for offloaded layer inputs: HOST_SHARE of /proc/meminfo's MemAvailable, split over this
+    host's processes; None where the kernel does not say (no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    share = int(kib * 1024 * HOST_SHARE / max(processes, 1))
+    return planner.HostBudget(share, f"{HOST_SHARE:.0%} of the host's available memory")
 
 
 def static_bytes(est: dict, shards: int = 1) -> int:
