@@ -152,6 +152,10 @@ class HostBudget:
     source: str
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def _recomputed(policy: str) -> bool:
     return policy in ("recompute", "selective", "offload")
 
@@ -180,7 +184,8 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
         transient = peak - base - kept - slots
     seconds = sum(c.seconds[p] for c, p in zip(costs, policies))
     fits = budget is None or peak <= budget
-    offloaded = sum(c.input_bytes for c, p in zip(costs, policies) if p == "offload")
+    # torch's pinned-memory allocator rounds each block up to a power of two
+    offloaded = sum(_pow2_ceil(c.input_bytes) for c, p in zip(costs, policies) if p == "offload")
     if host is not None and offloaded > host.bytes:
         fits = False
     return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, offloaded_bytes=offloaded)
