@@ -23,7 +23,8 @@ from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
 from novatune.patch.tiled import AUTO_MIN_BYTES, MLPTiling
 from novatune.patch.tiled import check_mode as check_tiled_mlp
-from novatune.patch.trainers import trainer_refusal
+from novatune.patch.trainers import is_trl, trainer_refusal
+from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
@@ -136,6 +137,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     if existing is not None and not existing.reverted:
         if trainer is not None:
             _rebind_loss_over_trainer(model, existing, trainer)
+            spec = spec_for(getattr(model.config, "model_type", "?"))
+            if spec is not None:
+                _defer_trainer_metrics(trainer, existing, spec)
         return existing
     check_tiled_mlp(tiled_mlp)
     if attention not in (False, *ATTENTION_BACKENDS):
@@ -166,6 +170,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_moe(model, spec, report, _bind, enabled=moe)
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
+    _defer_trainer_metrics(trainer, report, spec)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
@@ -356,6 +361,14 @@ def _bind_loss(model: nn.Module, stack: nn.Module, report: PatchReport, **attrs)
             model.__dict__.pop(k, None)
 
     report._undo.append(undo)
+
+
+def _defer_trainer_metrics(trainer, report: PatchReport, spec) -> None:
+    """A TRL trainer whose loss the fused head computes reads its metrics at logging time (patch/trl_metrics.py)."""
+    if trainer is None or not is_trl(trainer) or "compute_loss" in trainer.__dict__:
+        return
+    if any(e.action == "replaced" for e in report.entries if e.kind == "cross_entropy"):
+        defer_metric_syncs(trainer, report, spec.lm_head_attr)
 
 
 def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 _SUM_OF_LOG_PROBS_TRAINERS = ("SFTTrainer",)
 
 
-def _is_trl(trainer) -> bool:
+def is_trl(trainer) -> bool:
     return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
 
 
@@ -23,7 +23,7 @@ def trainer_refusal(trainer, model) -> str | None:
     args = getattr(trainer, "args", None)
     if getattr(trainer, "label_smoother", None) is not None:
         return f"{name} uses label smoothing, computed from the full logits: the trainer keeps the stock loss"
-    if _is_trl(trainer):
+    if is_trl(trainer):
         if not any(c.__name__ in _SUM_OF_LOG_PROBS_TRAINERS for c in type(trainer).__mro__):
             return (f"TRL {name} weights each token's log-prob (or compares models); novatune's fused loss gives "
                     "the gradient of the unweighted sum only: the trainer keeps its own LM head")

@@ -339,3 +339,56 @@ def test_trl_stack_headline_within_bf16_noise_and_97_percent_speed(tmp_path):
     for got, want in zip(stack["losses"], expected):
         assert abs(got - want) <= 2e-2 * abs(want), (stack["losses"], expected)  # bf16 noise over 8 steps
     assert stack["tokens_per_s"] >= 0.97 * ours_tps
+
+
+@pytest.mark.parametrize("mode", ["packing", "padding_free", "padding"])
+def test_sft_metrics_are_read_at_logging_time_with_stocks_values(mode, tokenizer, dataset, tmp_path, monkeypatch):
+    """TRL reads entropy / token accuracy with .item() after each forward (a host wait before the backward is
+    queued). Patched, compute_loss makes no .item() call on padding-free batches (packing, padding_free) and the
+    logged metrics equal stock TRL's; padded batches (an attention_mask, whose token count TRL also reads with a
+    sync) run TRL's own compute_loss."""
+    stock = sft_trainer(mode, tokenizer, dataset, tmp_path)
+    stock.train()
+    trainer = sft_trainer(mode, tokenizer, dataset, tmp_path)
+    report = novatune.patch(trainer)
+    assert report.replaced("trainer_metrics"), str(report)
+    items, inside, real_item, bound = [], [], torch.Tensor.item, trainer.compute_loss
+
+    def counting_item(t):
+        if inside:
+            items.append(t.shape)
+        return real_item(t)
+
+    def watched(*args, **kwargs):
+        inside.append(True)
+        try:
+            return bound(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    trainer.compute_loss = watched
+    trainer.train()
+    assert (not items) if mode != "padding" else items, items
+    got = [h for h in trainer.state.log_history if "entropy" in h]
+    want = [h for h in stock.state.log_history if "entropy" in h]
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g["num_tokens"] == w["num_tokens"]
+        assert g["entropy"] == pytest.approx(w["entropy"], rel=1e-4)
+        assert g["mean_token_accuracy"] == pytest.approx(w["mean_token_accuracy"], abs=1e-6)
+        assert isinstance(g["entropy"], float) and isinstance(g["mean_token_accuracy"], float)
+
+
+def test_sft_metrics_stay_with_trl_where_its_compute_loss_is_the_users(tokenizer, dataset, tmp_path):
+    class MySFT(trl.SFTTrainer):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    args = trl.SFTConfig(output_dir=str(tmp_path / "own"), max_steps=1, per_device_train_batch_size=2,
+                         report_to=[], use_cpu=True, bf16=False, save_strategy="no", packing=True, max_length=64)
+    trainer = MySFT(model=tiny_qwen3(tokenizer), args=args, train_dataset=dataset, processing_class=tokenizer)
+    report = novatune.patch(trainer)
+    assert report.replaced("cross_entropy") and not report.replaced("trainer_metrics")
+    assert "MySFT defines its own compute_loss" in str(report) and "compute_loss" not in trainer.__dict__
+    report.revert()
