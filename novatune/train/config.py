@@ -76,6 +76,10 @@ class MethodConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    # LoRA on parameters rather than modules (PEFT's target_parameters): the routed experts' 3-D weights. "experts"
+    # names every experts module's 3-D weights (gate_up_proj, down_proj); other entries go to PEFT as written
+    # (e.g. mlp.experts.down_proj). novatune runs them inside the grouped GEMMs; needs method.dropout 0
+    target_parameters: list[str] = field(default_factory=list)
     # qlora only (null: true for qlora): the frozen input embedding in NF4 too, rows dequantised as gathered
     # (novatune.ops.nf4.NF4Embedding; Qwen3-8B: 1.16 -> 0.30 GiB). Skipped, with a printed reason, when the
     # embedding is tied to lm_head (lm_head stays dense, so the shared table must too).
@@ -403,7 +407,8 @@ def summary(cfg: Config) -> str:
     if m.arch_overrides:
         model += " (" + ", ".join(f"{k}={v}" for k, v in m.arch_overrides.items()) + ")"
     method = me.type if me.type == "full" else f"{me.type} r{me.r} alpha {me.alpha:g} dropout {me.dropout:g} " \
-                                                 f"targets {','.join(me.targets)}"
+                                                 f"targets {','.join(me.targets)}" \
+        + (f" + parameters {','.join(me.target_parameters)}" if me.target_parameters else "")
     sources = ", ".join(s.path or s.type for s in d.sources)
     length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
     lines = [
