@@ -30,7 +30,9 @@ class ModelConfig:
     arch_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2}
     tokenizer: str | None = None  # local path, or "demo" (bundled); default: model.name
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    # hf_default: sdpa where the model class supports it, else eager (GPT-OSS has no sdpa path): HF as shipped
+    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+                       "hf_default"] = "sdpa"
     patch: bool = True  # call novatune.patch(model, **patch_options) before training
     patch_options: dict = field(default_factory=dict)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -18,6 +18,7 @@ gradient checkpointing, `prepare`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -88,6 +89,16 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
     return cfg
 
 
+def resolve_attention(config, name: str) -> str:
+    """model.attention for this config: "hf_default" -> sdpa where the CausalLM class supports it, else eager."""
+    if name != "hf_default":
+        return name
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
                 seed: int = 0, qlora: bool = False, on_unit=None):
     """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`.
@@ -96,6 +107,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
     `on_unit(model, path)` after each unit); otherwise transformers builds or loads the whole model first."""
     config = model_config(mcfg, tokenizer, base_dir)
     config.use_cache = False
+    mcfg = dataclasses.replace(mcfg, attention=resolve_attention(config, mcfg.attention))
     if mcfg.low_memory_load:
         model = _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit)
     else:

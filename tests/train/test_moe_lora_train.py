@@ -4,6 +4,8 @@ grouped GEMMs and one training micro-step gives stock's loss and gradients (fp32
 tests/patch/test_moe_lora_patch.py); the memory plan counts the expert adapters PEFT creates."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +67,42 @@ def test_expert_targets_on_a_dense_model_and_dropout_are_clear_errors(make_cfg):
         prepare(build_model(cfg.model, torch.device("cpu"), torch.float32, tok, seed=0), cfg)
     with pytest.raises(ConfigError, match="method.dropout"):
         make_cfg(method=dict(LORA, dropout=0.1))
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TINY_OVERRIDES = [f"model.arch_overrides.{k}={v}" for k, v in dict(TINY_MOE, num_hidden_layers=3, vocab_size=257)
+                  .items()] + ["model.device=cpu", "model.dtype=fp32"]
+
+
+def test_whole_model_lora_config_builds_layer_by_layer_then_fuses_every_layer(monkeypatch):
+    """examples/qwen3-30b-a3b-lora.yaml at toy sizes (the same keys; only the shapes overridden): the low-memory
+    build places one decoder layer at a time (every later layer still on the meta device: the whole model never
+    exists in another form), then PEFT adapts attention and experts and the patch fuses every layer's experts."""
+    from novatune.train.config import load
+
+    cfg = load(EXAMPLES / "qwen3-30b-a3b-lora.yaml", TINY_OVERRIDES)
+    assert cfg.model.low_memory_load and cfg.model.arch == "qwen3-30b-a3b" and "num_hidden_layers" not in \
+        load(EXAMPLES / "qwen3-30b-a3b-lora.yaml").model.arch_overrides  # the whole 48-layer architecture
+    placed = []
+
+    def on_unit(model, path):
+        layers = model.model.layers
+        done = [i for i, layer in enumerate(layers) if not any(p.is_meta for p in layer.parameters())]
+        assert done == list(range(len(done))), done
+        placed.append((path, len(done)))
+
+    model = build_model(cfg.model, torch.device("cpu"), torch.float32, seed=0, on_unit=on_unit)
+    assert [n for p, n in placed if p.startswith("model.layers.")] == [1, 2, 3]
+    model = prepare(model, cfg)
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    report = apply_patch(model, cfg.model)
+    assert len(report.replaced("moe_lora")) == 3 and len(report.replaced("lora")) == 3 * 4
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-moe-lora.yaml", "gpt-oss-20b-cut.yaml"])
+def test_example_configs_load_and_plan(name):
+    from novatune.train.config import load
+
+    cfg = load(EXAMPLES / name)
+    est = plan(cfg, gpu_mem_gib=139.8)
+    assert not est.get("oom") and est["trainable"] > 0
