@@ -153,7 +153,9 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
         adapter_grads = []
         for side, dtypes in ((lora.gate_up, ctx.adapter_dtypes[:2]), (lora.down, ctx.adapter_dtypes[2:])):
             adapter_grads += [None, None] if side is None else [side.da.to(dtypes[0]), side.db.to(dtypes[1])]
-        ctx.lora = None
+            if side is not None:
+                side.da = side.db = None
+        lora.restore([None] * 6)  # back to the saved tensors only (a second backward restores them again)
         return (*grads, None, None, None, *adapter_grads)
 
 
