@@ -58,7 +58,7 @@ class _Side:
         self.rank, self.scaling = a.shape[1], float(scaling)
         self.a, self.b = _pad_rank(a, b, dtype)
         self.ua: Tensor | None = None  # u A^T (S, rp), unscaled
-        self.g: Tensor | None = None  # dy B (S, rp), unscaled, between the two backward calls of the gate/up side
+        self.g: Tensor | None = None  # s * dy B (S, rp), from the input-gradient GEMM to the factor gradients
         self.da: Tensor | None = None
         self.db: Tensor | None = None
 
