@@ -85,7 +85,14 @@ def register_peer_varlen() -> str:
 
     def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
+        if kw.get("s_aux") is not None:
+            raise PeerUnavailable("the peer's varlen attention has no attention sinks (s_aux): it would compute "
+                                  "another function")
         cu, mx = meta(kw["position_ids"])
+        window = kw.get("sliding_window")
+        if window is not None and mx > window:
+            raise PeerUnavailable(f"the peer's varlen attention has no sliding window ({window} tokens) and a "
+                                  f"document of {mx} tokens exceeds it: it would compute another function")
         q = query.transpose(1, 2).reshape(b * s, hq, d)
         k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)

@@ -9,7 +9,8 @@ with the function named by its module, imported only in that stack's worker:
     register(Stack("trl-sft", "TRL SFTTrainer", STOCK, run=run_from("novatune.bench.trl_stack:run")))
 (or call register() from a module listed in PLUGINS).
 
-  stock           HF as shipped: attn_implementation=sdpa, no patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings)
+  stock           HF as shipped: attn_implementation=sdpa (eager where the family has no sdpa path: GPT-OSS), no
+                  patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings; LoRA on experts: PEFT's target_parameters)
   liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
   hf-varlen       Hugging Face's best without other libraries: torch varlen attention (bench/peer.py) and, on MoE
                   models, transformers' grouped_mm experts (the MoE table's best HF row; `stock` runs grouped_mm
@@ -33,7 +34,8 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-STOCK = ["model.patch=false", "model.attention=sdpa", "method.quantize_embeddings=false"]
+# hf_default: sdpa, or eager for a family without an sdpa path (GPT-OSS)
+STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false"]
 NOVATUNE = ["model.patch=true"]
 
 # modules that register more stacks when imported (a stack defined outside this file)
@@ -124,9 +126,28 @@ def _hf_varlen_hooks(cfg, base_dir) -> Hooks:
     return hooks
 
 
+def _model_type(cfg) -> str | None:
+    """The config's model_type without building anything (None when it cannot be read here)."""
+    if cfg.model.arch:
+        from novatune.train.arch import ARCHS
+
+        return ARCHS.get(cfg.model.arch, {}).get("model_type")
+    from novatune.train.errors import SetupError
+    from novatune.train.model import model_config
+
+    try:
+        return model_config(cfg.model).model_type
+    except SetupError:  # an unreadable model is the build's error to report, with its own message
+        return None
+
+
 def _varlen_unavailable(cfg) -> str | None:
     import torch
 
+    if _model_type(cfg) == "gpt_oss":
+        return ("HF's GPT-OSS attention adds learned per-head sinks to the softmax denominator and alternates "
+                "sliding-window layers; torch's varlen_attn takes neither, so the peer would train another function: "
+                "this stack did not run")
     if cfg.model.device == "cpu" or not torch.cuda.is_available():
         return "torch's varlen attention runs on CUDA only: this stack did not run"
     return None

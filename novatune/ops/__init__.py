@@ -1,7 +1,7 @@
 """Registered torch.library ops (fake + autograd) with a functional and a module form per op.
 
     from novatune.ops import rms_norm, swiglu, apply_rope, linear_cross_entropy, varlen_attention, lora_linear
-    from novatune.ops import moe_experts, route
+    from novatune.ops import moe_experts, moe_experts_lora, route
 
 The functionals are imported eagerly: `novatune.ops.rms_norm` must be the function, not the submodule of the same
 name (ARCHITECTURE.md's public names), and binding it here, after the submodule import, guarantees that.
@@ -11,10 +11,12 @@ from novatune.ops.clamped_swiglu import clamped_swiglu
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.lora import lora_linear
 from novatune.ops.moe import moe_experts, route
+from novatune.ops.moe_lora import moe_experts_lora
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu, swiglu_mlp
 
 __all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_mlp", "clamped_swiglu", "apply_rope", "qk_norm_rope",
-           "linear_cross_entropy", "varlen_attention", "lora_linear", "moe_experts", "route"]
+           "linear_cross_entropy", "varlen_attention", "lora_linear", "moe_experts", "moe_experts_lora",
+           "route"]

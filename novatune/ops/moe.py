@@ -114,7 +114,10 @@ def _aligned(*tensors: Tensor) -> bool:
     """torch's CPU grouped_mm needs every non-unit stride and the base address 16-byte aligned."""
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride() if s != 1):
+        strides = list(t.stride())
+        if 1 in strides:  # one unit stride (the contiguous dim); a second one (a size-1 dim) must align too
+            strides.remove(1)
+        if t.data_ptr() % 16 or any((s * size) % 16 for s in strides):
             return False
     return True
 
@@ -252,30 +255,46 @@ class ExpertLayout:
 
 # ----------------------------------------------------------------------------------------------- forward, backward
 def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
-                 dn_bias: Tensor | None, ids: Tensor, layout: ExpertLayout) -> tuple[Tensor, Tensor, Routing]:
-    """(out (T, H) in x's dtype, h (S, 2I), routing): what the backward needs besides the inputs."""
+                 dn_bias: Tensor | None, ids: Tensor, layout: ExpertLayout,
+                 lora=None) -> tuple[Tensor, Tensor, Routing]:
+    """(out (T, H) in x's dtype, h (S, 2I), routing): what the backward needs besides the inputs. `lora`: the
+    adapters of the expert weights (novatune.ops.moe_lora.ExpertsLoRA), added inside the grouped GEMMs."""
     act_fwd, _ = ACTIVATIONS[layout.activation]
     with torch.no_grad():
         r = sort_by_expert(ids, gate_up.shape[0])
     xw = x.to(gate_up.dtype)  # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
-    h = _linear(permute(xw, r), gate_up, gu_bias, r, layout.transposed)  # (S, 2I)
-    y = _linear(act_fwd(h, layout.interleaved), down, dn_bias, r, layout.transposed)  # (S, H)
+    xs = permute(xw, r)
+    h = _linear(xs, gate_up, gu_bias, r, layout.transposed)  # (S, 2I)
+    if lora is not None:
+        lora.add_gate_up(xs, h, r)
+    del xs
+    a = act_fwd(h, layout.interleaved)
+    y = _linear(a, down, dn_bias, r, layout.transposed)  # (S, H)
+    if lora is not None:
+        lora.add_down(a, y, r)
     return combine(y, r, weights, x.dtype), h, r
 
 
 def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
-                 dn_bias: Tensor | None, h: Tensor, r: Routing, layout: ExpertLayout, needs: tuple[bool, ...]) -> tuple:
+                 dn_bias: Tensor | None, h: Tensor, r: Routing, layout: ExpertLayout, needs: tuple[bool, ...],
+                 lora=None) -> tuple:
     """(dx, dweights, d_gate_up, d_down, d_gate_up_bias, d_down_bias); None where `needs` (x, weights, gate_up,
-    down, gate_up_bias, down_bias) is False or the input is None. Recomputes the permuted x and the activation."""
+    down, gate_up_bias, down_bias) is False or the input is None. Recomputes the permuted x and the activation.
+    `lora` (the forward's ExpertsLoRA): its path joins dx and the routing weights' gradient, and the adapters'
+    gradients are left on it."""
     _, act_bwd = ACTIVATIONS[layout.activation]
     dout_s = permute(dout.to(gate_up.dtype), r)  # (S, H): each row's token's gradient, not yet weighted
     w_row = weights.reshape(-1)[r.order].float()  # (S,)
     # (S, I) = dout_s @ W_down, kept in fp32: the routing weight's gradient <a, da_u> is a dot product with
     # cancellation, which a bf16-rounded da_u would carry into it (rel. error ~2e-3 vs 2e-7 in fp32)
     da_u = _linear_dinput(dout_s, down, r, layout.transposed, out_dtype=torch.float32)
+    if lora is not None:
+        lora.down_dinput_(da_u, dout_s, r)
     dh, aw, dw_row = act_bwd(da_u, h, w_row, layout.interleaved)
     del da_u
     d_down = _linear_dweight(aw, dout_s, r, layout.transposed) if needs[3] else None
+    if lora is not None:
+        lora.down_grads(aw, dout_s, w_row, r)
     del aw
     d_dn_bias = None
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
@@ -284,12 +303,20 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
             d_dn_bias = _bias_grad(dout_s.float() * w_row[:, None], r, dn_bias)
     del dout_s
     d_gate_up = None
-    if needs[2]:
+    lora_gu = lora is not None and lora.gate_up is not None
+    if needs[2] or lora_gu:
         xs = permute(x.to(gate_up.dtype), r)  # recomputed: a gather is cheaper than keeping S x H
-        d_gate_up = _linear_dweight(xs, dh, r, layout.transposed)
+        d_gate_up = _linear_dweight(xs, dh, r, layout.transposed) if needs[2] else None
+        if lora_gu:
+            lora.gate_up_grads(xs, dh, r)
         del xs
     d_gu_bias = _bias_grad(dh, r, gu_bias) if gu_bias is not None and needs[4] else None
-    dx = combine(_linear_dinput(dh, gate_up, r, layout.transposed), r, None, x.dtype) if needs[0] else None
+    dx = None
+    if needs[0]:
+        dxs = _linear_dinput(dh, gate_up, r, layout.transposed)
+        if lora_gu:
+            lora.gate_up_dinput_(dxs, r)
+        dx = combine(dxs, r, None, x.dtype)
     dweights = dw_row[r.pos].to(weights.dtype) if needs[1] else None  # (T, K): row pos[t, k] is pair (t, k)
     return dx, dweights, d_gate_up, d_down, d_gu_bias, d_dn_bias
 
@@ -374,15 +401,9 @@ class _ExpertsFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
-                gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *, transposed: bool = False,
-                interleaved: bool = False, activation: str = "silu") -> Tensor:
-    """The routed expert MLP: out[t] = sum_k weights[t, k] * down_e(act(gate_up_e(x[t]))), e = ids[t, k].
-
-    x (T, H); ids (T, K) integer expert ids in [0, E); weights (T, K) (any float dtype, differentiable);
-    gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
-    Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
-    weights and biases."""
+def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, transposed: bool,
+                       activation: str) -> None:
+    """ValueError naming the mismatch when the expert MLP's arguments do not fit together."""
     if x.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: x must be (T, H) and ids, weights (T, K); got {tuple(x.shape)}, "
                          f"{tuple(ids.shape)}, {tuple(weights.shape)}")
@@ -393,14 +414,26 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     if gu_in != x.shape[1] or down.shape[0] != e or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"moe_experts: expert weights {tuple(gate_up.shape)} / {tuple(down.shape)} do not match "
                          f"x {tuple(x.shape)} (transposed={transposed})")
+    if gate_up.is_cuda and (gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16):
+        raise ValueError(f"moe_experts on CUDA runs torch's grouped_mm, which takes bf16 only; the expert weights "
+                         f"are {gate_up.dtype}/{down.dtype}: train in bf16, or patch with moe=False")
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+                gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *, transposed: bool = False,
+                interleaved: bool = False, activation: str = "silu") -> Tensor:
+    """The routed expert MLP: out[t] = sum_k weights[t, k] * down_e(act(gate_up_e(x[t]))), e = ids[t, k].
+
+    x (T, H); ids (T, K) integer expert ids in [0, E); weights (T, K) (any float dtype, differentiable);
+    gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
+    Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
+    weights and biases."""
+    check_experts_args(x, ids, weights, gate_up, down, transposed, activation)
     if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)
         none = x.new_empty(0, dtype=gate_up.dtype)
         return torch.ops.novatune.moe_experts_fwd(x, weights, gate_up, down, none if gate_up_bias is None else
                                                   gate_up_bias, none if down_bias is None else down_bias, ids,
                                                   transposed, interleaved, activation)[0]
-    if gate_up.is_cuda and (gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16):
-        raise ValueError(f"moe_experts on CUDA runs torch's grouped_mm, which takes bf16 only; the expert weights "
-                         f"are {gate_up.dtype}/{down.dtype}: train in bf16, or patch with moe=False")
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
     return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
 

@@ -18,6 +18,7 @@ from novatune.attention.backends import SINK_BACKENDS
 from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.moe import apply_moe
+from novatune.patch.moe_lora import apply_moe_lora
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
@@ -114,7 +115,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     A second backward through the same graph (retain_graph=True) then raises; set False for that.
     lora: PEFT LoRA Linear layers on the attention/MLP projections run novatune.ops.lora_linear (one vanilla
     adapter, plain nn.Linear base; dropout > 0 keeps PEFT's exact random draws); anything else stays PEFT's and
-    is listed as skipped (novatune/patch/lora.py).
+    is listed as skipped (novatune/patch/lora.py). PEFT LoRA on the routed experts' weights (target_parameters)
+    runs inside the grouped GEMMs of novatune's expert MLP (novatune/patch/moe_lora.py).
     cuda_graphs: "auto" (default): with fused LoRA/QLoRA layers, gradient checkpointing and novatune's attention
     on CUDA, each checkpointed decoder layer's forward and recompute+backward replay from CUDA graphs (an adapter
     step is host-bound: novatune/patch/graphs.py); True also for full fine-tuning, and raises when it cannot
@@ -169,6 +171,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_moe(model, spec, report, _bind, enabled=moe)
+    apply_moe_lora(model, spec, report, _bind, enabled=lora)
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     _defer_trainer_metrics(trainer, report, spec)
     if strict and report.skipped():

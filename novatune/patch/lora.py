@@ -111,8 +111,8 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
     names = spec.lora
     slots = None
     for path, module in model.named_modules():
-        if not is_lora_layer(module, names):
-            continue
+        if not is_lora_layer(module, names) or type(module).__name__ in names.param_wrapper_classes:
+            continue  # LoRA on a parameter (PEFT's target_parameters): patch/moe_lora.py reports it
         if slots is None:
             slots = _projections(model, spec)
         if not enabled:

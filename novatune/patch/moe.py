@@ -33,18 +33,24 @@ def router_forward(self, hidden_states):
     return logits, weights, ids
 
 
-def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def experts_arguments(self) -> tuple[tuple, dict]:
+    """(gate_up, down, gate_up_bias, down_bias), {transposed, interleaved, activation} of a bound experts module,
+    read at each call (PEFT's LoRA wrappers swap the weights for adapted ones while they run the module)."""
     if getattr(self, "_is_expert_parallel", False):
         raise RuntimeError("novatune's expert MLP does not implement expert parallelism (its sentinel expert ids): "
                            "revert the patch (report.revert()) or patch before sharding experts")
     names: MoESpec = self._novatune_moe
     bias = getattr(self, "has_bias", names.bias)
-    return moe_experts(hidden_states, top_k_index, top_k_weights, getattr(self, names.gate_up),
-                       getattr(self, names.down), getattr(self, names.gate_up_bias) if bias else None,
-                       getattr(self, names.down_bias) if bias else None,
-                       transposed=bool(getattr(self, "is_transposed", names.transposed)),
-                       interleaved=not getattr(self, "is_concatenated", not names.interleaved),
-                       activation=self._novatune_activation)
+    tensors = (getattr(self, names.gate_up), getattr(self, names.down),
+               getattr(self, names.gate_up_bias) if bias else None, getattr(self, names.down_bias) if bias else None)
+    return tensors, dict(transposed=bool(getattr(self, "is_transposed", names.transposed)),
+                         interleaved=not getattr(self, "is_concatenated", not names.interleaved),
+                         activation=self._novatune_activation)
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    tensors, layout = experts_arguments(self)
+    return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout)
 
 
 def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None, str | None]:

@@ -109,6 +109,9 @@ class LoRASpec:
     qlora_base_module: str = "bitsandbytes.nn.modules"
     qlora_base_classes: tuple[str, ...] = ("Linear4bit",)
     base_layer: str = "base_layer"
+    # PEFT's wrapper of one targeted parameter (LoraConfig.target_parameters; nested when several parameters of a
+    # module are targeted): on routed-experts weights the MoE LoRA applier fuses it (patch/moe_lora.py)
+    param_wrapper_classes: tuple[str, ...] = ("ParamWrapper",)
     lora_a: str = "lora_A"  # ModuleDict adapter -> nn.Linear(in, r, bias=False)
     lora_b: str = "lora_B"  # ModuleDict adapter -> nn.Linear(r, out)
     scaling: str = "scaling"  # dict adapter -> alpha / r (or alpha / sqrt(r) with rsLoRA)

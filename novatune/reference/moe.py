@@ -125,3 +125,11 @@ def glu_routed_bwd_ref(da: Tensor, h: Tensor, w_row: Tensor, interleaved: bool =
     a = glu_ref(h, interleaved)
     w = w_row.float()[:, None]
     return glu_bwd_ref(w * da.float(), h, interleaved), w * a, (a * da.float()).sum(-1)
+
+
+def lora_weight_ref(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float, transposed: bool = False) -> Tensor:
+    """The adapted expert weight W + s * B_e A_e in fp32, laid out like W: A (E, r, in), B (E, out, r); W (E, out,
+    in), or (E, in, out) when transposed. What PEFT's ParamWrapper forms at each forward (the oracle of the LoRA
+    experts, whose op never forms it)."""
+    delta = scaling * (lora_b.float() @ lora_a.float())  # (E, out, in)
+    return weight.float() + (delta.transpose(-2, -1) if transposed else delta)

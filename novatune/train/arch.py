@@ -33,6 +33,18 @@ ARCHS: dict[str, dict[str, Any]] = {
                           mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
                           rope_theta=1e6, max_position_embeddings=40960),
+    # openai/gpt-oss-20b: 24 layers alternating sliding-window (128) and full attention (GptOssConfig derives
+    # layer_types from the layer count, so a cut keeps the alternation), 32 experts top-4 (expert intermediate
+    # 2880, clamped SwiGLU at limit 7), 64 query / 8 KV heads of 64, attention biases and sinks, YaRN rotary (factor
+    # 32 over 4096 positions); its router loss coefficient is 0.9 but output_router_logits is off (not added)
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, sliding_window=128, vocab_size=201088, tie_word_embeddings=False,
+                        rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, router_aux_loss_coef=0.9,
+                        output_router_logits=False, max_position_embeddings=131072, rope_theta=150000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=4096),
+                        pad_token_id=199999, eos_token_id=200002),
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768),

@@ -30,7 +30,9 @@ class ModelConfig:
     arch_overrides: dict = field(default_factory=dict)  # e.g. {num_hidden_layers: 2}
     tokenizer: str | None = None  # local path, or "demo" (bundled); default: model.name
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    # hf_default: sdpa where the model class supports it, else eager (GPT-OSS has no sdpa path): HF as shipped
+    attention: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+                       "hf_default"] = "sdpa"
     patch: bool = True  # call novatune.patch(model, **patch_options) before training
     patch_options: dict = field(default_factory=dict)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -76,6 +78,10 @@ class MethodConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    # LoRA on parameters rather than modules (PEFT's target_parameters): the routed experts' 3-D weights. "experts"
+    # names every experts module's 3-D weights (gate_up_proj, down_proj); other entries go to PEFT as written
+    # (e.g. mlp.experts.down_proj). novatune runs them inside the grouped GEMMs; needs method.dropout 0
+    target_parameters: list[str] = field(default_factory=list)
     # qlora only (null: true for qlora): the frozen input embedding in NF4 too, rows dequantised as gathered
     # (novatune.ops.nf4.NF4Embedding; Qwen3-8B: 1.16 -> 0.30 GiB). Skipped, with a printed reason, when the
     # embedding is tied to lm_head (lm_head stays dense, so the shared table must too).
@@ -407,7 +413,8 @@ def summary(cfg: Config) -> str:
     if m.arch_overrides:
         model += " (" + ", ".join(f"{k}={v}" for k, v in m.arch_overrides.items()) + ")"
     method = me.type if me.type == "full" else f"{me.type} r{me.r} alpha {me.alpha:g} dropout {me.dropout:g} " \
-                                                 f"targets {','.join(me.targets)}"
+                                                 f"targets {','.join(me.targets)}" \
+        + (f" + parameters {','.join(me.target_parameters)}" if me.target_parameters else "")
     sources = ", ".join(s.path or s.type for s in d.sources)
     length = f"max_steps {t.max_steps}" if t.max_steps else f"epochs {t.epochs}"
     lines = [

@@ -155,8 +155,12 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         if not 0 <= cfg.method.dropout < 1:
             raise ConfigError("method.dropout", f"must be in [0, 1), got {cfg.method.dropout}",
                               "set method.dropout to e.g. 0.0 or 0.05")
-        if not cfg.method.targets:
+        if not cfg.method.targets and not cfg.method.target_parameters:
             raise ConfigError("method.targets", "empty", "set method.targets: all-linear, or e.g. [q_proj, v_proj]")
+        if cfg.method.target_parameters and cfg.method.dropout:
+            raise ConfigError("method.dropout", f"{cfg.method.dropout} with method.target_parameters: PEFT applies "
+                              "no dropout to a parameter's input (it cannot be factored out of W + B A)",
+                              "set method.dropout: 0, or drop method.target_parameters")
     # train
     if t.max_steps is None:
         _positive(t.epochs, "train.epochs")

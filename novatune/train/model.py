@@ -18,6 +18,7 @@ gradient checkpointing, `prepare`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -88,6 +89,16 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
     return cfg
 
 
+def resolve_attention(config, name: str) -> str:
+    """model.attention for this config: "hf_default" -> sdpa where the CausalLM class supports it, else eager."""
+    if name != "hf_default":
+        return name
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
                 seed: int = 0, qlora: bool = False, on_unit=None):
     """A CausalLM on `device` in `dtype`, in train mode, use_cache off. Random init is seeded by `seed`.
@@ -96,6 +107,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
     `on_unit(model, path)` after each unit); otherwise transformers builds or loads the whole model first."""
     config = model_config(mcfg, tokenizer, base_dir)
     config.use_cache = False
+    mcfg = dataclasses.replace(mcfg, attention=resolve_attention(config, mcfg.attention))
     if mcfg.low_memory_load:
         model = _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit)
     else:
@@ -163,17 +175,48 @@ def _build_with_transformers(mcfg, config, device, dtype, base_dir, seed, qlora)
                                                 attn_implementation=attn).to(device)
 
 
+def expert_parameters(model) -> dict[str, tuple[int, ...]]:
+    """`<module attribute>.<parameter>` -> shape for the 3-D weights of every routed-experts module (class name
+    ending in Experts: Qwen3-MoE, Mixtral, GPT-OSS), e.g. "experts.gate_up_proj" (what PEFT's target_parameters
+    matches as a suffix)."""
+    found = {}
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts"):
+            leaf = name.rsplit(".", 1)[-1]
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() == 3:
+                    found[f"{leaf}.{pname}"] = tuple(p.shape)
+    return found
+
+
+def target_parameters(model, names: list[str]) -> list[str]:
+    """method.target_parameters for PEFT: "experts" expanded to expert_parameters' names, the rest as written."""
+    out = set()
+    for n in names:
+        if n == "experts":
+            experts = expert_parameters(model)
+            if not experts:
+                raise SetupError(f"method.target_parameters: [experts] but {type(model).__name__} has no routed-"
+                                 f"experts module with 3-D weights; drop it (dense model) or name parameters")
+            out.update(experts)
+        else:
+            out.add(n)
+    return sorted(out)
+
+
 def add_lora(model, meth):
     from peft import LoraConfig, get_peft_model
 
     targets = meth.targets
     target_modules = "all-linear" if targets == ["all-linear"] else list(targets)
+    params = target_parameters(model, meth.target_parameters)
     lcfg = LoraConfig(r=meth.r, lora_alpha=meth.alpha, lora_dropout=meth.dropout, target_modules=target_modules,
-                      task_type="CAUSAL_LM")
+                      target_parameters=params or None, task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lcfg)
     except ValueError as e:
-        raise SetupError(f"method.targets: {e}; use all-linear or names like [q_proj, v_proj]") from None
+        raise SetupError(f"method.targets / method.target_parameters: {e}; use all-linear or names like "
+                         f"[q_proj, v_proj], and [experts] for the routed experts' weights") from None
 
 
 def prepare(model, cfg, checkpointing: bool | None = None):

@@ -59,10 +59,20 @@ def _quantised_linears(model) -> list[int]:
             if type(m) is nn.Linear and name.rsplit(".", 1)[-1] != "lm_head"]
 
 
-def _lora_params(model, targets: list[str], r: int) -> int:
+def _lora_params(model, targets: list[str], r: int, parameters: list[str] = ()) -> int:
+    """Adapter parameters: r x (in + out) per targeted linear; r x E x (in + out) per targeted expert weight
+    (PEFT's ParamWrapper: lora_A (r E, in), lora_B (out, r E))."""
     import torch.nn as nn
 
+    from novatune.train.model import target_parameters
+
+    wanted = target_parameters(model, list(parameters)) if parameters else []
     total = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            key = f"{name}.{pname}"
+            if p.dim() == 3 and any(key == w or key.endswith("." + w) for w in wanted):
+                total += r * p.shape[0] * (p.shape[1] + p.shape[2])
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or name.endswith("lm_head"):
             continue
@@ -90,7 +100,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     b = 4 if cfg.model.dtype == "fp32" else 2  # auto: bf16 on the GPU
     qlora = cfg.method.type == "qlora"
     lora = cfg.method.type in ("lora", "qlora")
-    adapters = _lora_params(model, cfg.method.targets, cfg.method.r) if lora else 0
+    adapters = _lora_params(model, cfg.method.targets, cfg.method.r, cfg.method.target_parameters) if lora else 0
     trainable = adapters if lora else n_params
     quant = _quantised_linears(model) if qlora else []
     emb = model.get_input_embeddings().weight

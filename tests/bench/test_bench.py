@@ -175,3 +175,34 @@ def test_moe_stacks_name_their_experts_and_refuse_varlen_without_cuda():
     assert stacks._grouped_mm_experts(dense) is None
     cfg = load(None, ["model.device=cpu"])
     assert "CUDA" in stacks.STACKS["hf-varlen"].unavailable(cfg)
+
+
+def test_gpt_oss_stock_attention_is_eager_and_the_varlen_peer_is_refused():
+    """GPT-OSS has no sdpa path in HF: the stock stack's attention (hf_default) resolves to eager there and to
+    sdpa elsewhere; hf-varlen is absent with the reason (varlen_attn has no sinks and no window) before it builds,
+    and the peer's attention function refuses sinks or a window a document exceeds if it is reached anyway."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from novatune.bench import peer, stacks
+    from novatune.train.arch import arch_config
+    from novatune.train.config import load
+    from novatune.train.model import resolve_attention
+
+    assert "model.attention=hf_default" in stacks.STOCK
+    assert resolve_attention(arch_config("gpt-oss-20b"), "hf_default") == "eager"
+    assert resolve_attention(arch_config("qwen3-30b-a3b"), "hf_default") == "sdpa"
+    assert resolve_attention(arch_config("gpt-oss-20b"), "sdpa") == "sdpa"  # an explicit choice stays
+    example = Path(__file__).resolve().parents[2] / "examples" / "gpt-oss-20b-cut.yaml"
+    assert "sinks" in stacks.STACKS["hf-varlen"].unavailable(load(example))
+    if not hasattr(torch.nn.attention, "varlen"):
+        pytest.skip("this torch has no varlen_attn")
+    forward = transformers.AttentionInterface._global_mapping[peer.register_peer_varlen()]
+    q = torch.zeros(1, 2, 6, 4)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    with pytest.raises(peer.PeerUnavailable, match="sinks"):
+        forward(None, q, q, q, None, position_ids=pos, s_aux=torch.zeros(2))
+    with pytest.raises(peer.PeerUnavailable, match="sliding window"):
+        forward(None, q, q, q, None, position_ids=pos, sliding_window=4)

@@ -1,0 +1,200 @@
+"""LoRA on the routed experts, inside the grouped GEMMs: no per-expert delta weight is ever formed.
+
+    moe_experts_lora(x, ids, weights, gate_up, down, ..., gate_up_lora=(A, B, s), down_lora=(A, B, s))
+
+For an expert weight W (E, ...) with per-expert factors A_e (r, in) and B_e (out, r), each projection of the expert
+MLP (novatune.ops.moe) computes, on the rows sorted by expert (S rows, cumulative group ends),
+
+    y = grouped(u, W) + s * grouped(grouped(u, A^T), B^T)
+
+so the adapter costs two thin grouped GEMMs (S x in x r and S x r x out) instead of PEFT's W + s * B A
+(E x out x in, formed at every forward and again for its backward). The frozen base gets no gradient; the adapters'
+gradients are grouped outer products of (S, r) tensors:
+
+    g = grouped(dy, B)               (S, r)     du += s * grouped(g, A)      (the LoRA path of the input's gradient)
+    dA_e = s * g_e^T u_e             (r, in)    dB_e = s * dy_e^T (u_e A_e^T)  (out, r)
+
+For the down projection dy = w * dout (the routing weight of each row): the weight is folded into the (S, r)
+factors and into the activation backward's w * a, never into an S x H copy, and the down adapter's path joins the
+routing weights' gradient <a, dout W'> as the base weight's does. Saved for the backward besides the base op's:
+the two (S, r) products u A^T (a few MB at S = 32k, r = 16).
+
+The factors are the layout PEFT's ParamWrapper uses for every expert layout (A (r, in), B (out, r) per expert,
+whatever the base weight's transposition); they are cast to the expert weights' dtype for the GEMMs, as PEFT casts
+them before forming its delta, and their gradients come back in their own dtype. On CUDA the rank is padded with
+zeros to a multiple of 8 (torch's grouped GEMM needs 16-byte strides on the (S, r) operands); zeros add nothing
+and their gradients are dropped. Eager only (an autograd Function); under torch.compile it raises.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from novatune.ops import moe as M
+
+Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
+
+
+def rank_multiple(t: Tensor) -> int:
+    """The rank the factors are padded to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r) operands)."""
+    return 8 if t.is_cuda else 1
+
+
+def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A (E, rp, in) and B (E, out, rp) contiguous in `dtype`, rp = r rounded up to rank_multiple (zeros)."""
+    a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    pad = (-a.shape[1]) % rank_multiple(a)
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+    return a, b
+
+
+class _Side:
+    """One adapted projection for one call: padded factors, its (S, rp) product u A^T, and after the backward
+    the factors' gradients at the true rank."""
+
+    def __init__(self, a: Tensor, b: Tensor, scaling: float, dtype: torch.dtype):
+        self.rank, self.scaling = a.shape[1], float(scaling)
+        self.a, self.b = _pad_rank(a, b, dtype)
+        self.ua: Tensor | None = None  # u A^T (S, rp), unscaled
+        self.g: Tensor | None = None  # s * dy B (S, rp), from the input-gradient GEMM to the factor gradients
+        self.da: Tensor | None = None
+        self.db: Tensor | None = None
+
+    def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
+        self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
+        y.add_(M.grouped_mm(self.ua * self.scaling, self.b.transpose(-2, -1), r.ends))
+
+    def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua_scaled: Tensor, r: M.Routing) -> None:
+        """dA = (s g)^T u and dB = dy^T (s u A^T) per group, cut back to the true rank."""
+        self.da = M.grouped_outer(g_scaled, u, r.ends)[:, :self.rank]
+        self.db = M.grouped_outer(dy, ua_scaled, r.ends)[:, :, :self.rank]
+
+
+class ExpertsLoRA:
+    """The adapters of one experts module for one call (either side may be None); the hooks novatune.ops.moe's
+    forward and backward call at each grouped GEMM of an adapted weight."""
+
+    def __init__(self, gate_up: Factors | None, down: Factors | None, dtype: torch.dtype):
+        self.gate_up = None if gate_up is None else _Side(*gate_up, dtype)
+        self.down = None if down is None else _Side(*down, dtype)
+
+    # forward: y (S, out) of the base grouped GEMM gets s * (u A^T) B^T added in place
+    def add_gate_up(self, xs: Tensor, h: Tensor, r: M.Routing) -> None:
+        if self.gate_up is not None:
+            self.gate_up.add_(xs, h, r)
+
+    def add_down(self, a: Tensor, y: Tensor, r: M.Routing) -> None:
+        if self.down is not None:
+            self.down.add_(a, y, r)
+
+    # backward, down side: dout_s is each row's token gradient without the routing weight w_row
+    def down_dinput_(self, da_u: Tensor, dout_s: Tensor, r: M.Routing) -> None:
+        """da_u (S, I) fp32 += s * (dout_s B) A: the adapted weight's part of dout_s @ W'."""
+        side = self.down
+        if side is not None:
+            side.g = M.grouped_mm(dout_s, side.b, r.ends) * side.scaling
+            da_u.add_(M.grouped_mm(side.g, side.a, r.ends, out_dtype=torch.float32))
+
+    def down_grads(self, aw: Tensor, dout_s: Tensor, w_row: Tensor, r: M.Routing) -> None:
+        """aw = w * a from the activation backward; dy = w * dout_s enters through (s * w) * (a A^T)."""
+        side = self.down
+        if side is not None:
+            ua_w = side.ua * (w_row[:, None] * side.scaling).to(side.ua.dtype)
+            side.grads(side.g, aw, dout_s, ua_w, r)
+            side.g = side.ua = None
+
+    # backward, gate/up side: dh is already weighted
+    def gate_up_grads(self, xs: Tensor, dh: Tensor, r: M.Routing) -> None:
+        side = self.gate_up
+        side.g = M.grouped_mm(dh, side.b, r.ends) * side.scaling
+        side.grads(side.g, xs, dh, side.ua * side.scaling, r)
+        side.ua = None
+
+    def gate_up_dinput_(self, dxs: Tensor, r: M.Routing) -> None:
+        side = self.gate_up
+        dxs.add_(M.grouped_mm(side.g, side.a, r.ends))
+        side.g = None
+
+    def saved(self) -> list[Tensor | None]:
+        """(A, B, u A^T) of each side, None for a side without an adapter: what the backward needs."""
+        out = []
+        for side in (self.gate_up, self.down):
+            out += [None] * 3 if side is None else [side.a, side.b, side.ua]
+        return out
+
+    def restore(self, tensors) -> None:
+        for i, side in enumerate((self.gate_up, self.down)):
+            if side is not None:
+                side.a, side.b, side.ua = tensors[3 * i:3 * i + 3]
+
+
+class _ExpertsLoRAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, scalings, gu_a, gu_b, dn_a, dn_b):
+        lora = ExpertsLoRA(None if gu_a is None else (gu_a, gu_b, scalings[0]),
+                           None if dn_a is None else (dn_a, dn_b, scalings[1]), gate_up.dtype)
+        out, h, r = M._experts_fwd(x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, lora=lora)
+        ctx.save_for_backward(x, weights, gate_up, down, gu_bias, dn_bias, h, r.order, r.pos, r.ends, r.expert,
+                              *lora.saved())
+        ctx.layout, ctx.lora = layout, lora
+        ctx.adapter_dtypes = tuple(None if t is None else t.dtype for t in (gu_a, gu_b, dn_a, dn_b))
+        lora.restore([None] * 6)  # the tensors live in ctx's saved tensors until the backward
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weights, gate_up, down, gu_bias, dn_bias, h, order, pos, ends, expert, *saved = ctx.saved_tensors
+        lora = ctx.lora
+        lora.restore(saved)
+        grads = M._experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h,
+                               M.Routing(order, pos, ends, expert), ctx.layout, ctx.needs_input_grad[:6], lora=lora)
+        adapter_grads = []
+        for side, dtypes in ((lora.gate_up, ctx.adapter_dtypes[:2]), (lora.down, ctx.adapter_dtypes[2:])):
+            adapter_grads += [None, None] if side is None else [side.da.to(dtypes[0]), side.db.to(dtypes[1])]
+            if side is not None:
+                side.da = side.db = None
+        lora.restore([None] * 6)  # back to the saved tensors only (a second backward restores them again)
+        return (*grads, None, None, None, *adapter_grads)
+
+
+def _factors(name: str, lora: Factors | None, weight: Tensor, transposed: bool) -> Factors | None:
+    """Checks one projection's (A (E, r, in), B (E, out, r), scaling) against its weight's shape."""
+    if lora is None:
+        return None
+    a, b, scaling = lora
+    e = weight.shape[0]
+    w_in, w_out = (weight.shape[1], weight.shape[2]) if transposed else (weight.shape[2], weight.shape[1])
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != e or b.shape[0] != e or a.shape[1] != b.shape[2]:
+        raise ValueError(f"moe_experts_lora: {name} factors A {tuple(a.shape)} / B {tuple(b.shape)} are not "
+                         f"(E, r, in) / (E, out, r) with E = {e}")
+    if a.shape[2] != w_in or b.shape[1] != w_out:
+        raise ValueError(f"moe_experts_lora: {name} factors A {tuple(a.shape)} / B {tuple(b.shape)} do not match "
+                         f"the weight {tuple(weight.shape)} (in {w_in}, out {w_out}, transposed={transposed})")
+    return a, b, float(scaling)
+
+
+def moe_experts_lora(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+                     gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *,
+                     gate_up_lora: Factors | None = None, down_lora: Factors | None = None, transposed: bool = False,
+                     interleaved: bool = False, activation: str = "silu") -> Tensor:
+    """novatune.ops.moe.moe_experts with each expert weight W_e replaced by W_e + s * B_e A_e, computed without
+    forming it (module docstring). gate_up_lora / down_lora: (A (E, r, in), B (E, out, r), scaling) or None, in
+    the projection's own in/out (gate/up: in = H, out = 2I in the weight's gate/up column order; down: in = I,
+    out = H), whatever `transposed` says about the base weights. Differentiable in x, the routing weights, the
+    factors, and the base weights and biases (frozen ones get no gradient)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("moe_experts_lora runs eagerly only; keep the MoE block out of torch.compile "
+                                  "(torch.compiler.disable) or let PEFT's forward run")
+    M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation)
+    gu = _factors("gate_up", gate_up_lora, gate_up, transposed)
+    dn = _factors("down", down_lora, down, transposed)
+    layout = M.ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
+    if gu is None and dn is None:
+        return M.moe_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, transposed=transposed,
+                             interleaved=interleaved, activation=activation)
+    none = (None, None)
+    return _ExpertsLoRAFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout,
+                                      (gu[2] if gu else 1.0, dn[2] if dn else 1.0), *(gu[:2] if gu else none),
+                                      *(dn[:2] if dn else none))
