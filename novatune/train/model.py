@@ -96,6 +96,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
     `on_unit(model, path)` after each unit); otherwise transformers builds or loads the whole model first."""
     config = model_config(mcfg, tokenizer, base_dir)
     config.use_cache = False
+    _check_attention_supported(config, mcfg.attention)
     if mcfg.low_memory_load:
         model = _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit)
     else:
@@ -109,6 +110,21 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
         model.generation_config.use_cache = False
     model.train()
     return model
+
+
+def _check_attention_supported(config, attn: str) -> None:
+    """model.attention=sdpa on a family without an SDPA attention (Gemma 2, GPT-OSS: their soft-capping or sinks)
+    raises deep inside transformers; say which setting to change instead."""
+    if attn != "sdpa":
+        return
+    from transformers import AutoModelForCausalLM
+
+    mapping = getattr(AutoModelForCausalLM, "_model_mapping", None)  # transformers' config -> class table
+    cls = mapping.get(type(config), None) if mapping is not None else None
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        raise SetupError(f"model.attention: {cls.__name__} has no sdpa attention; set model.attention=eager (its "
+                         "stock attention; with model.patch the patched model's attention replaces it anyway) or "
+                         "flex_attention")
 
 
 def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit):
