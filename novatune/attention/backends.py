@@ -29,6 +29,7 @@ requested backend that cannot run raises BackendUnavailable naming what to do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -193,8 +194,10 @@ def _flex_fn(compiled: bool = True):
     return _FLEX_COMPILED
 
 
+@functools.cache
 def _softcap_score_mod(cap: float):
-    """flex score_mod: the scaled score s -> cap * tanh(s / cap) (Gemma 2's attention logit soft-capping)."""
+    """flex score_mod: the scaled score s -> cap * tanh(s / cap) (Gemma 2's attention logit soft-capping). One
+    function object per cap: the compiled flex guards on the score_mod, so a new closure per call would recompile."""
     def score_mod(score, b, h, q_idx, kv_idx):
         return torch.tanh(score / cap) * cap
 

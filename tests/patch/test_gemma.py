@@ -164,3 +164,41 @@ def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(family):
     for name, g_true in grads_true.items():
         ours, stock = rel(grads[name], g_true), rel(grads_stock[name], g_true)
         assert ours <= 2 * stock + 5e-3, f"{name}: {ours:.3g} vs stock bf16 {stock:.3g}"
+
+
+def test_gradient_checkpointing_lora_and_trl_head_on_gemma2(monkeypatch):
+    """Wiring on Gemma 2 (the ops run their fp32 references: the interpreted kernels are covered above): the
+    checkpointed layers recompute the soft-capped windowed attention with the same PackedBatch (same gradients);
+    PEFT LoRA on every projection (the GeGLU MLP's included) matches stock per document; TRL's fused head gives the
+    log-probs of the soft-capped logits."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_gemma("gemma2").train()
+    report = novatune.patch(model)
+    _, grads = packed_loss_and_grads(model, ids, pos, lab)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads_ckpt = packed_loss_and_grads(model, ids, pos, lab)
+    for name in grads:
+        assert_close(grads_ckpt[name], grads[name], 1e-6, name)
+    model.gradient_checkpointing_disable()
+
+    one = ids[1:], pos[1:], lab[1:]  # one document: stock's full logits are exact there
+    with torch.no_grad():
+        report.revert()
+        logits = model(input_ids=one[0]).logits  # stock: soft-capped by the model
+        report = novatune.patch(model)
+    out = model(input_ids=one[0], position_ids=one[1], labels=one[2], fused_lm_head=True)
+    want = torch.log_softmax(logits[0, :-1].float(), -1).gather(1, one[2][0, 1:, None]).squeeze(1)
+    assert_close(out.log_probs[0], want, TOL, "TRL log_probs")
+    report.revert()
+
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules="all-linear")
+    pm = peft.get_peft_model(model, cfg)
+    loss_ref, grads_ref = stock_per_document(pm, ids, pos, lab)
+    report = novatune.patch(pm)
+    assert len(report.replaced("lora")) == 7 * 3 and len(report.replaced("mlp")) == 3
+    loss, grads = packed_loss_and_grads(pm, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], TOL, name)
