@@ -66,6 +66,10 @@ Token statistics (`token_stats`, every mode): the same pass over the logits also
 the entropy lse - sum_v p_v z_v (the online sum of exp(z - m) * z beside the sum-exp) and the first argmax, which
 is what TRL's fused head reports (log p, entropy, is the label the top-1); no second lm_head GEMM.
 
+Final logit soft-capping (`softcap`, Gemma 2): the loss is that of c * tanh(z / c). The row kernels read the raw
+logits, cap them in fp32 for the statistics and, in the gradient pass, multiply dL/d(capped z) by 1 - tanh^2;
+modes "tokens" and "vocab" only ("inplace" consumes the raw logits it would need; "auto" never plans it then).
+
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
 The fp32 oracle (F.cross_entropy on fp32 logits) is novatune.reference.linear_cross_entropy.
 """
@@ -245,22 +249,20 @@ def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mod
               chunk_tokens: int | None = None, vocab_slice: int | None = None,
               softcap: float | None = None) -> tuple[str, int]:
     """(mode, size): ("tokens", tokens per chunk), ("vocab", columns per slice) or ("inplace", rows of its temp
-    block). See the module docstring; vocab_slice sets the size for "vocab" and "inplace". With `softcap` only
-    "tokens" applies it ("auto" plans token chunks; "vocab" and "inplace" raise)."""
+    block). See the module docstring; vocab_slice sets the size for "vocab" and "inplace". With `softcap`
+    "tokens" and "vocab" apply it: "auto" plans as without it but never "inplace"; "inplace" raises."""
     if mode not in MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
-    if softcap is not None:
-        if mode in ("vocab", "inplace") or vocab_slice:
-            raise ValueError(f"linear_cross_entropy: final logit soft-capping runs in mode 'tokens' only (got mode="
-                             f"{mode!r}{', vocab_slice' if vocab_slice else ''}); use mode='auto' or 'tokens'")
-        mode = "tokens"
+    if softcap is not None and mode == "inplace":
+        raise ValueError("linear_cross_entropy: final logit soft-capping runs in modes 'tokens' and 'vocab' (its "
+                         "in-place plan overwrites the logits the capped gradient needs); use mode='auto'")
     e = torch.finfo(dtype).bits // 8
     if mode == "auto":
         if chunk_tokens:
             mode = "tokens"
         elif vocab_slice:
             mode = "vocab"
-        elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES:
+        elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES and softcap is None:
             mode = "inplace"  # 3 GEMMs, grad_W written over the logits: less memory than one token chunk
         elif T * V * e <= AUTO_LOGITS_BYTES:
             return "tokens", max(T, 1)  # the whole logits are small: one chunk, 3 GEMMs
@@ -299,7 +301,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     the logits: per token log-sum-exp, entropy -sum p log p = lse - sum p z (TRL's formula) and the first argmax
     (torch.argmax's tie rule); 0, 0, -1 on ignored tokens. The token's log-prob is -loss_rows.
     softcap: the loss sees softcap * tanh(z / softcap) (Gemma 2's final logit soft-capping), applied in fp32 inside
-    the row pass (mode "tokens"; plan_mode): the capped logits never exist either.
+    the row passes (modes "tokens" and "vocab"; plan_mode): the capped logits never exist either.
     """
     T, H = hidden.shape
     V = weight.shape[0]
@@ -319,8 +321,8 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
             grad_bias, max(1, int(size)), use_triton, dweight, token_stats)
-    if softcap is not None:
-        gw = _fwd_tokens(*args, softcap=float(softcap))
+    if softcap is not None:  # plan_mode never plans "inplace" with a soft-cap
+        gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab}[plan](*args, softcap=float(softcap))
     else:
         gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
 
@@ -396,9 +398,9 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
     return gw
 
 
-def _fwd_vocab(*args):
+def _fwd_vocab(*args, softcap=None):
     """mode="vocab": novatune.kernels.linear_cross_entropy_vocab.fwd_vocab (the row tiling set here)."""
-    return _vocab.fwd_vocab(*args, tile=_TILE_OVERRIDE)
+    return _vocab.fwd_vocab(*args, tile=_TILE_OVERRIDE, softcap=softcap)
 
 
 def _fwd_inplace(*args):

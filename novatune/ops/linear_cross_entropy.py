@@ -205,7 +205,8 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     tokens per chunk (implies mode "tokens"), vocab_slice: vocab columns per slice (implies "vocab" unless mode is
     "inplace": then the rows of its temp block); default: planned by novatune.kernels.linear_cross_entropy.plan_mode.
     softcap: the loss of softcap * tanh(logits / softcap) (Gemma 2's final logit soft-capping, gradient through the
-    tanh), applied inside the fused pass; runs as mode "tokens" ("vocab" / "inplace" raise).
+    tanh), applied inside the fused passes of modes "tokens" and "vocab" ("auto" never plans "inplace" with it;
+    an explicit "inplace" raises).
     """
     if softcap is not None and not float(softcap) > 0:
         raise ValueError(f"linear_cross_entropy: softcap must be a positive number (or None), got {softcap}")

@@ -324,10 +324,10 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
         softcap = getattr(config, "final_logit_softcapping", None) or None  # honoured (refusals) or neutral
-        if softcap is not None and ce_mode in ("vocab", "inplace"):
+        if softcap is not None and ce_mode == "inplace":
             raise ValueError(f"cross_entropy_mode={ce_mode!r}: this model soft-caps its final logits "
-                             f"(final_logit_softcapping={softcap}), which the fused loss applies in mode 'tokens' "
-                             "only; use cross_entropy_mode='auto' or 'tokens'")
+                             f"(final_logit_softcapping={softcap}), which the fused loss has no in-place plan for; "
+                             "use cross_entropy_mode='auto', 'tokens' or 'vocab'")
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
                    _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
                    _novatune_aux_loss=aux, _novatune_softcap=softcap)
@@ -349,7 +349,7 @@ def _loss_detail(model: nn.Module) -> str:
     return (f"fused linear cross-entropy (mode {model._novatune_ce_mode}, fp32 lm_head grad; logits=None in "
             "training; TRL's fused_lm_head honoured)" + ("; tied embeddings" if tied else "")
             + ("; lm_head gradient added to .grad early" if model._novatune_early_tied_grad else "")
-            + (f"; final logits soft-capped at {model._novatune_softcap} inside the fused pass"
+            + (f"; final logits soft-capped at {model._novatune_softcap} inside the fused passes"
                if model.__dict__.get("_novatune_softcap") is not None else ""))
 
 

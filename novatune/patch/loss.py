@@ -122,12 +122,13 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
 
 def _ce_mode(self, binding: LossBinding) -> str:
     """The fused loss's plan: the patch's (or a tuned) cross_entropy_mode, except that final logit soft-capping
-    (Gemma 2) runs in token chunks only: a tuned "vocab" / "inplace" then runs as "tokens", and the report says so."""
+    (Gemma 2) has no "inplace" plan: a tuned "inplace" then runs as "auto" (which never picks it), and the report
+    says so."""
     mode = self._novatune_ce_mode
-    if self._novatune_softcap is not None and mode in ("vocab", "inplace"):
-        _note_once(binding, "softcap_mode", f"cross_entropy_mode {mode!r} runs as 'tokens': the final logit "
-                   "soft-capping is applied in token chunks only")
-        return "tokens"
+    if self._novatune_softcap is not None and mode == "inplace":
+        _note_once(binding, "softcap_mode", "cross_entropy_mode 'inplace' runs as 'auto': the final logit "
+                   "soft-capping has no in-place plan")
+        return "auto"
     return mode
 
 

@@ -37,9 +37,12 @@ def _ref(h, w, y, cap=CAP):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T,H,V,chunk", [(37, 64, 1000, None), (300, 127, 4099, 64), (1, 16, 257, None)])
+@pytest.mark.parametrize("T,H,V,plan", [(37, 64, 1000, {}), (300, 127, 4099, dict(chunk_tokens=64)),
+                                        (1, 16, 257, {}), (37, 64, 4099, dict(mode="vocab", vocab_slice=1024)),
+                                        (150, 127, 1000, dict(mode="vocab", vocab_slice=384))],
+                         ids=["one-chunk", "chunks", "one-token", "vocab", "vocab-ragged"])
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
-def test_soft_capped_loss_and_gradients_match_reference(T, H, V, chunk, dtype, use_triton, device):
+def test_soft_capped_loss_and_gradients_match_reference(T, H, V, plan, dtype, use_triton, device):
     if use_triton and device == "cpu" and not interpreter_on():
         pytest.skip("the Triton row kernel needs CUDA or TRITON_INTERPRET=1")
     h, w, y = (t.to(device) for t in _inputs(T, H, V, dtype, seed=T + V))
@@ -50,8 +53,7 @@ def test_soft_capped_loss_and_gradients_match_reference(T, H, V, chunk, dtype, u
               poison_(torch.empty(V, H, dtype=dtype, device=device)))
     div = (y != -100).sum().float()
     loss, out_rows, out_gh, out_gw, _ = K.linear_cross_entropy_fwd(
-        h, w, y, div, chunk_tokens=chunk, loss_rows=rows, dhidden=gh, dweight=gw, use_triton=use_triton,
-        softcap=CAP)
+        h, w, y, div, **plan, loss_rows=rows, dhidden=gh, dweight=gw, use_triton=use_triton, softcap=CAP)
     rloss, rgh, rgw = _ref(h, w, y)
     assert_close(loss, rloss, LOSS_TOL[dtype], "loss")
     assert_close(out_gh, rgh, REL_TOL[dtype], "grad_hidden")
@@ -60,12 +62,14 @@ def test_soft_capped_loss_and_gradients_match_reference(T, H, V, chunk, dtype, u
     assert abs(float(uncapped[0] - loss)) > 1e-2, "the cap must change this loss, or the test proves nothing"
 
 
-def test_functional_caps_and_auto_plans_token_chunks():
-    """The public functional with softcap: the same value and gradients as the fp32 reference; mode 'auto' is
-    planned as 'tokens' (even where it would pick 'inplace'), and the other plans refuse it."""
+def test_functional_caps_and_auto_never_plans_inplace():
+    """The public functional with softcap: the same value and gradients as the fp32 reference; mode 'auto' never
+    plans 'inplace' (it overwrites the logits the capped gradient needs), which refuses it; big logits still go to
+    'vocab' slices."""
     h, w, y = _inputs(97, 16, 130, torch.float32, seed=5)  # tokens >= hidden: "auto" would pick "inplace"
     assert K.plan_mode(97, 130, 16, torch.float32, True)[0] == "inplace"
     assert K.plan_mode(97, 130, 16, torch.float32, True, softcap=CAP)[0] == "tokens"
+    assert K.plan_mode(4096, 256000, 2304, torch.bfloat16, True, softcap=30.0)[0] == "vocab"  # Gemma 2 x 4096
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss = linear_cross_entropy(hh, ww, y, softcap=CAP)
     loss.backward()
@@ -73,9 +77,8 @@ def test_functional_caps_and_auto_plans_token_chunks():
     assert_close(loss, rloss, 1e-5, "loss")
     assert_close(hh.grad, rgh, 1e-5, "grad_hidden")
     assert_close(ww.grad, rgw, 1e-5, "grad_weight")
-    for mode in ("vocab", "inplace"):
-        with pytest.raises(ValueError, match="soft-capping runs in mode 'tokens' only"):
-            linear_cross_entropy(h, w, y, mode=mode, softcap=CAP)
+    with pytest.raises(ValueError, match="no in-place plan|in-place plan overwrites"):
+        linear_cross_entropy(h, w, y, mode="inplace", softcap=CAP)
     with pytest.raises(ValueError, match="softcap must be a positive"):
         linear_cross_entropy(h, w, y, softcap=-1.0)
 

@@ -113,9 +113,9 @@ def test_gemma3_without_soft_caps_takes_any_backend():
     assert len(report.replaced("attention")) == 3 and not report.skipped()
 
 
-def test_soft_capped_loss_refuses_the_plans_that_cannot_cap():
+def test_soft_capped_loss_refuses_the_plan_that_cannot_cap():
     with pytest.raises(ValueError, match="final_logit_softcapping=2.0"):
-        novatune.patch(tiny_gemma("gemma2"), cross_entropy_mode="vocab")
+        novatune.patch(tiny_gemma("gemma2"), cross_entropy_mode="inplace")
 
 
 def test_bidirectional_gemma3_is_refused_with_the_reason():

@@ -10,11 +10,12 @@ What every Gemma computes differently from Llama, and where it is honoured:
 Gemma 2 and 3 add: pre- and post-norms around attention and MLP (the decoder layer's forward stays stock; its four
 norms are patched modules), attention logit soft-capping (Gemma 2: the attention module's attn_logit_softcapping,
 on the backends that can: flex on CUDA, reference on the CPU), final logit soft-capping (inside the fused
-cross-entropy, token chunks), sliding-window layers from config.layer_types (the module's sliding_window, per
-document), the query scale 1 / sqrt(query_pre_attn_scalar) (the module's `scaling`, which the attention forward
-uses). Gemma 3's per-layer-type rotary bases come from the model's own rotary module, which hands each layer its
-tables. Gemma 3's attention keeps attn_logit_softcapping as an attribute but its forward passes no soft-cap to the
-attention (transformers 5.17-5.39): its spec honours the attribute by ignoring it too, as stock does."""
+cross-entropy, token chunks or vocab slices), sliding-window layers from config.layer_types (the module's
+sliding_window, per document), the query scale 1 / sqrt(query_pre_attn_scalar) (the module's `scaling`, which
+the attention forward uses). Gemma 3's per-layer-type rotary bases come from the model's own rotary module, which
+hands each layer its tables. Gemma 3's attention keeps attn_logit_softcapping as an attribute but its forward
+passes no soft-cap to the attention (transformers 5.17-5.39): its spec honours the attribute by ignoring it too,
+as stock does."""
 from novatune.patch.spec import AttentionSpec, FamilySpec, MLPSpec
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")  # both are gelu(approximate="tanh")
