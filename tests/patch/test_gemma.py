@@ -1,6 +1,6 @@
 """Gemma, Gemma 2 and Gemma 3 (text) patched on tiny random-init models, against the stock model run one document
-at a time (HF's eager Gemma attention does not detect packed rows, so packed stock is wrong by construction: the
-per-document stock loss and gradients are the ground truth). Every quirk is on and made to matter (tiny_gemma):
+at a time: the per-document stock loss and gradients are the ground truth whether or not a transformers release's
+eager attention detects packed rows. Every quirk is on and made to matter (tiny_gemma):
 (1 + w) norms with one rounding, GeGLU, embeddings scaled by sqrt(hidden), pre/post norms, sliding-window layers
 with documents longer than the window, attention and final logit soft-capping, query_pre_attn_scalar, Gemma 3's
 q/k norms and per-layer-type rotary bases.
@@ -53,6 +53,7 @@ def test_patched_packed_equals_stock_per_document(family):
     ids, pos, lab = packed_batch(ROWS)
     model = tiny_gemma(family).train()
     loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    stock_packed, _ = packed_loss_and_grads(model, ids, pos, lab)  # the revert check's reference
     report = novatune.patch(model)
     assert not report.skipped(), str(report)
     loss, grads = packed_loss_and_grads(model, ids, pos, lab)
@@ -63,6 +64,8 @@ def test_patched_packed_equals_stock_per_document(family):
         assert_close(grads[name], grads_ref[name], TOL, name)
     report.revert()
     assert "forward" not in model.__dict__ and "forward" not in model.model.layers[0].self_attn.__dict__
+    loss_back, _ = packed_loss_and_grads(model, ids, pos, lab)
+    assert torch.equal(loss_back, stock_packed), "after revert the model is stock again, bit for bit"
 
 
 @pytest.mark.parametrize("family,quirk", [
