@@ -205,6 +205,16 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
         report.add(path, "tiled_mlp", "replaced", f"stock MLP{tiled}")
 
 
+def _patch_norm(module: nn.Module, path: str, kind: str, spec: FamilySpec, report: PatchReport) -> None:
+    _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
+          _novatune_norm_rounding=spec.norm_rounding, _novatune_norm_offset=float(spec.norm_offset))
+    op = "offset_rms_norm" if spec.norm_rounding == "output" else "rms_norm"
+    report.add(path, kind, "replaced", f"novatune {op} (Triton on CUDA, fp32 reference on CPU)"
+               + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else "")
+               + (f"; weight offset {spec.norm_offset:g} (x_hat * ({spec.norm_offset:g} + w))"
+                  if spec.norm_offset else ""))
+
+
 def _tiling_words(tiling: MLPTiling) -> str:
     return ("every batch longer than one chunk" if tiling.mode is True else
             f"batches whose intermediate activation exceeds {AUTO_MIN_BYTES / 2**30:g} GiB")
@@ -259,18 +269,13 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
             kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
-            if not rms_norm or "rms_norm" in refused:
-                report.add(path, kind, "skipped", refused.get("rms_norm", "rms_norm=False"))
-                continue
-            if not hasattr(module, spec.norm_eps_attr):
-                report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
-                continue
-            _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
-                  _novatune_norm_rounding=spec.norm_rounding, _novatune_norm_offset=float(spec.norm_offset))
-            report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)"
-                       + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else "")
-                       + (f"; weight offset {spec.norm_offset:g} (x_hat * ({spec.norm_offset:g} + w))"
-                          if spec.norm_offset else ""))
+            why = (refused.get("rms_norm", "rms_norm=False") if not rms_norm or "rms_norm" in refused else
+                   None if hasattr(module, spec.norm_eps_attr) else
+                   f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
+            if why:
+                report.add(path, kind, "skipped", why)
+            else:
+                _patch_norm(module, path, kind, spec, report)
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
                        tiling=tiling)
@@ -323,15 +328,21 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
         # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
-        softcap = getattr(config, "final_logit_softcapping", None) or None  # honoured (refusals) or neutral
-        if softcap is not None and ce_mode == "inplace":
-            raise ValueError(f"cross_entropy_mode={ce_mode!r}: this model soft-caps its final logits "
-                             f"(final_logit_softcapping={softcap}), which the fused loss has no in-place plan for; "
-                             "use cross_entropy_mode='auto', 'tokens' or 'vocab'")
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
                    _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
-                   _novatune_aux_loss=aux, _novatune_softcap=softcap)
+                   _novatune_aux_loss=aux, _novatune_softcap=_final_softcap(config, ce_mode))
         report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))
+
+
+def _final_softcap(config, ce_mode: str) -> float | None:
+    """The final logit soft-cap the fused loss applies (Gemma 2), or None. Only reached when the spec honours it
+    (quirks.refusals refuses the loss otherwise)."""
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    if softcap is not None and ce_mode == "inplace":
+        raise ValueError(f"cross_entropy_mode={ce_mode!r}: this model soft-caps its final logits "
+                         f"(final_logit_softcapping={softcap}), which the fused loss has no in-place plan for; "
+                         "use cross_entropy_mode='auto', 'tokens' or 'vocab'")
+    return softcap
 
 
 def _aux_loss_function(model: nn.Module, spec: FamilySpec):
