@@ -21,6 +21,10 @@
 #   moe: issue 14's MoE path (not in the default list): the MoE GPU tests (one layer under CUDA sync-debug mode, values
 #   vs HF grouped_mm), bench/bench_moe.py (one layer at Qwen3-30B-A3B shapes), then `novatune bench
 #   examples/qwen3-30b-a3b-moe.yaml` (8-layer cut; stock, hf-varlen, unsloth, novatune); < 8 min.
+#   gemma: issue 18's Gemma families (not in the default list): the Gemma GPU tests (patched tiny Gemma 2/3 in bf16
+#   against stock's own bf16 error, soft-capped flex attention at Gemma 2's shapes, the new kernels), then `novatune
+#   bench examples/qwen3-4b-seed.yaml` on the gemma-3-4b and gemma-2-2b architectures (GEMMA_STACKS, default
+#   stock,liger-peer,novatune; Gemma 2 has no sdpa attention, so its stock runs eager); < 10 min.
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -78,6 +82,19 @@ if has moe; then
   timeout 330 python3 -m novatune bench examples/qwen3-30b-a3b-moe.yaml --stacks ${MOE_STACKS:-stock,hf-varlen,unsloth,novatune} \
     --steps ${MOE_STEPS:-4} --results "$OUT/moe.jsonl" --run-dir "$OUT/runs/moe" 2>&1 | tee "$OUT/moe_e2e.log" | tail -n 14
   summary+=("novatune bench examples/qwen3-30b-a3b-moe.yaml: exit ${PIPESTATUS[0]}")
+fi
+if has gemma; then
+  timeout 240 python3 -m pytest -q -m gpu tests/patch/test_gemma.py tests/attention/test_softcap.py \
+    tests/kernels/test_offset_rms_norm.py tests/kernels/test_geglu.py tests/kernels/test_linear_cross_entropy_softcap.py \
+    tests/ops/test_offset_rms_norm.py tests/ops/test_geglu.py 2>&1 | tee "$OUT/gemma_gpu_tests.log" | tail -n 8
+  summary+=("gemma gpu tests: $(tail -n 1 "$OUT/gemma_gpu_tests.log")")
+  for arch in gemma-3-4b gemma-2-2b; do
+    extra=(); [[ $arch == gemma-2-2b ]] && extra=(--set model.attention=eager)
+    timeout 300 python3 -m novatune bench examples/qwen3-4b-seed.yaml --set model.arch=$arch "${extra[@]}" \
+      --stacks ${GEMMA_STACKS:-stock,liger-peer,novatune} --results "$OUT/gemma.jsonl" --run-dir "$OUT/runs/$arch" \
+      2>&1 | tee "$OUT/gemma_$arch.log" | tail -n 14
+    summary+=("novatune bench $arch: exit ${PIPESTATUS[0]}")
+  done
 fi
 if has eval; then
   # `novatune eval` decoding speed (issue 4): Qwen2.5-0.5B architecture, random init (it never stops early, so every

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         "addmm_ 64x128x128": lambda: out.addmm_(mm_a, wd.t()),
         "triton empty kernel (JIT launch)": lambda: _empty_kernel[(1,)](a),
         "triton rms fwd kernel (JIT launch)": lambda: KR._rms_norm_fwd_kernel[(64,)](
-            a, w, out, rstd, n, n, 64, n, 1e-6, BLOCK_M=1, BLOCK_N=128, SOFT_RNE=False, num_warps=4),
+            a, w, out, rstd, n, n, 64, n, 1e-6, 0.0, BLOCK_M=1, BLOCK_N=128, SOFT_RNE=False, num_warps=4),
         "kernels.rms_norm_fwd": lambda: KR.rms_norm_fwd(a, w),
         "kernels.rms_norm_bwd": lambda: KR.rms_norm_bwd(b, a, w, rstd),
         "ops.rms_norm fwd (grad)": lambda: rms_norm(xg, wg, 1e-6),
@@ -90,14 +90,14 @@ def main(argv=None) -> None:
     # the compiled kernel launched directly (no JIT binder / cache key): what a pre-bound launcher could save. The
     # launcher takes every bound argument, constexprs included (triton/runtime/jit.py, JITFunction.run)
     try:
-        ck = KR._rms_norm_fwd_kernel.warmup(a, w, out, rstd, n, n, 64, n, 1e-6, BLOCK_M=1, BLOCK_N=128,
+        ck = KR._rms_norm_fwd_kernel.warmup(a, w, out, rstd, n, n, 64, n, 1e-6, 0.0, BLOCK_M=1, BLOCK_N=128,
                                             SOFT_RNE=False, num_warps=4, grid=(64,))
         ck._init_handles()
         stream = torch.cuda.current_stream().cuda_stream
         run = ck.run
         fn, meta = ck.function, ck.packed_metadata
         cases["triton rms fwd kernel (CompiledKernel.run)"] = lambda: run(
-            64, 1, 1, stream, fn, meta, None, None, None, a, w, out, rstd, n, n, 64, n, 1e-6, 1, 128, False)
+            64, 1, 1, stream, fn, meta, None, None, None, a, w, out, rstd, n, n, 64, n, 1e-6, 0.0, 1, 128, False, True)
         cases["triton rms fwd kernel (CompiledKernel.run)"]()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001

@@ -13,6 +13,7 @@ from novatune.attention.backends import (
     AUTO_ORDER,
     BACKENDS,
     SINK_BACKENDS,
+    SOFTCAP_BACKENDS,
     AttentionChoice,
     BackendUnavailable,
     last_choice,
@@ -23,4 +24,4 @@ from novatune.attention.packed import PackedBatch
 from novatune.attention.sinks import sink_attention
 
 __all__ = ["PackedBatch", "varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER",
-           "BACKENDS", "SINK_BACKENDS", "why_unavailable", "sink_attention"]
+           "BACKENDS", "SINK_BACKENDS", "SOFTCAP_BACKENDS", "why_unavailable", "sink_attention"]

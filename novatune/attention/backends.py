@@ -5,6 +5,10 @@ Math (every backend): for each document [a, b) of the flattened tokens and each 
 i.e. causal inside the document, nothing across documents (cu_seqlens / the BlockMask guarantee it), and GQA maps
 query head h to kv head h // G (the same as HF's repeat_kv / repeat_interleave).
 
+Logit soft-capping (Gemma 2, `softcap`): every score becomes softcap * tanh(score / softcap) after the scale and
+before the mask and softmax, as HF's eager attention computes it. Only SOFTCAP_BACKENDS apply it (flex through a
+score_mod, reference in its fp32 math); the others refuse a call with it (never drop it).
+
 Layout: q (tokens, hq, d), k and v (tokens, hk, d), tokens = batch * seq_len flattened from (batch, seq, heads, d);
 strided views are fine as long as the last dim is contiguous. Output (tokens, hq, d) in q's dtype (possibly a
 strided view; reshape it). All backends are differentiable through torch autograd.
@@ -25,6 +29,7 @@ requested backend that cannot run raises BackendUnavailable naming what to do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -38,13 +43,16 @@ from novatune.attention.packed import PackedBatch
 from novatune.attention.sinks import flash2_inputs_why_not, flash_why_not, sink_attention
 
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
-           "SINK_BACKENDS", "why_unavailable"]
+           "SINK_BACKENDS", "SOFTCAP_BACKENDS", "why_unavailable"]
 
 BACKENDS = ("varlen", "flex", "sdpa", "sdpa_docs", "reference")
 # Backends that can add attention sinks (novatune/attention/sinks.py): they expose the softmax's log-sum-exp and
 # a backward that takes the sunk output. The others refuse a call with sinks (never drop them).
 SINK_BACKENDS = ("varlen", "reference")
 _SINK_IMPL = {"varlen": "flash", "reference": "reference"}
+# Backends that can soft-cap the scores (cap * tanh(s / cap)): flex as a score_mod, reference in its own math.
+# torch's varlen_attn (FlashAttention-2 inside torch) and SDPA expose no soft-cap argument.
+SOFTCAP_BACKENDS = ("flex", "reference")
 
 # Preference order of the automatic choice, per device type. Module-level on purpose: `novatune tune` replaces these
 # lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
@@ -186,11 +194,22 @@ def _flex_fn(compiled: bool = True):
     return _FLEX_COMPILED
 
 
+@functools.cache
+def _softcap_score_mod(cap: float):
+    """flex score_mod: the scaled score s -> cap * tanh(s / cap) (Gemma 2's attention logit soft-capping). One
+    function object per cap: the compiled flex guards on the score_mod, so a new closure per call would recompile."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
 def _flex(q, k, v, packed: PackedBatch, scale: float, window: int | None = None,
-          compiled: bool = True) -> torch.Tensor:
+          compiled: bool = True, softcap: float | None = None) -> torch.Tensor:
     # (tokens, h, d) -> (1, h, tokens, d): strided views, no copies; flex needs only the last dim contiguous.
     qh, kh, vh = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    out = _flex_fn(compiled)(qh, kh, vh, block_mask=packed.block_mask(window=window), scale=scale,
+    mod = None if softcap is None else _softcap_score_mod(float(softcap))
+    out = _flex_fn(compiled)(qh, kh, vh, score_mod=mod, block_mask=packed.block_mask(window=window), scale=scale,
                              enable_gqa=k.shape[1] != q.shape[1])
     return out[0].transpose(0, 1)  # (tokens, hq, d) view
 
@@ -241,7 +260,8 @@ def _local_causal(n: int, window: int | None, device) -> torch.Tensor:
     return (delta >= 0) & (delta < window) if window is not None else delta >= 0
 
 
-def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = None) -> torch.Tensor:
+def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
     """Exact math in fp32, one document at a time (memory: one (hq, L, L) score matrix at a time)."""
     hq, hk = q.shape[1], k.shape[1]
     kv_head = torch.arange(hq, device=q.device) // (hq // hk)  # query head h reads kv head h // G
@@ -252,6 +272,8 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
         kd = k[a:a + n].float().transpose(0, 1)[kv_head]             # (hq, n, d)
         vd = v[a:a + n].float().transpose(0, 1)[kv_head]
         s = (qd @ kd.transpose(1, 2)) * scale                        # (hq, n, n)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         causal = _local_causal(n, window, q.device)
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
         outs.append((p @ vd).transpose(0, 1))                        # (n, hq, d)
@@ -259,22 +281,29 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     return torch.cat(outs, 0).to(q.dtype)
 
 
-_IMPLS = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_docs, "reference": _reference}
+_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa,
+                                                   "sdpa_docs": _sdpa_docs, "reference": _reference}
 
 
 def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
-                    window: int | None = None, sinks: bool = False) -> str | None:
+                    window: int | None = None, sinks: bool = False, softcap: bool = False) -> str | None:
     """None if backend `name` can run on these inputs, else the reason (used by the choice and the tune engine).
-    `sinks`: the call adds attention sinks (only SINK_BACKENDS can)."""
+    `sinks`: the call adds attention sinks (only SINK_BACKENDS can); `softcap`: it soft-caps the scores (only
+    SOFTCAP_BACKENDS can)."""
     if name not in _IMPLS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
-    return _why_not(name, q, k, packed, _effective_window(window, packed), sinks)
+    return _why_not(name, q, k, packed, _effective_window(window, packed), sinks, softcap)
 
 
 def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None,
-             sinks: bool = False) -> str | None:
+             sinks: bool = False, softcap: bool = False) -> str | None:
     """why_unavailable for a known backend and a window already made effective (_effective_window): the
     attention call normalises the window once and asks each backend in turn."""
+    if softcap and sinks:
+        return "no backend combines attention sinks with logit soft-capping"
+    if softcap and name not in SOFTCAP_BACKENDS:
+        return (f"the {name} backend cannot soft-cap attention logits (it takes no score modification); use one of "
+                f"{SOFTCAP_BACKENDS}")
     if sinks:
         return _sinks_why_not(name, q, k, window)
     if name == "varlen":
@@ -327,13 +356,14 @@ def _check(q, k, v, packed: PackedBatch, sinks=None):
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch,
                      scale: float | None = None, backend: str = "auto", window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Document-causal attention over packed rows. q (tokens, hq, d); k, v (tokens, hk, d); returns (tokens, hq, d).
 
     `window`: sliding-window attention as Hugging Face defines it (query i sees the `window` keys i - window + 1 ..
     i of its own document); None = full causal attention inside each document.
     `sinks`: (hq,) learned logits, one per query head, added to every softmax denominator (GPT-OSS); differentiable.
     Only SINK_BACKENDS can apply them: "auto" skips the others (recorded), an explicit one raises.
+    `softcap`: scores become softcap * tanh(score / softcap) after the scale (Gemma 2); only SOFTCAP_BACKENDS.
 
     `packed` is built once per batch (PackedBatch.from_position_ids / from_cu_seqlens / from_kwargs) and passed to
     every layer. `scale` defaults to 1/sqrt(d). `backend`: "auto" or one of BACKENDS; see the module docstring.
@@ -343,28 +373,33 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     _check(q, k, v, packed, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = _effective_window(window, packed)
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"softcap must be a positive number of logits (or None), got {softcap}")
 
     def run(name: str) -> torch.Tensor:
         if sinks is not None:
             return sink_attention(q, k, v, sinks, packed, scale, window, impl=_SINK_IMPL[name])
+        if softcap is not None:
+            return _IMPLS[name](q, k, v, packed, scale, window, softcap=float(softcap))
         return _IMPLS[name](q, k, v, packed, scale, window)
 
-    with_sinks = sinks is not None
+    with_sinks, with_cap = sinks is not None, softcap is not None
     if backend != "auto":
         if backend not in _IMPLS:
             raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS} or 'auto'")
-        why = _why_not(backend, q, k, packed, window, with_sinks)
+        why = _why_not(backend, q, k, packed, window, with_sinks, with_cap)
         if why is not None:
             raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {why}")
         out = run(backend)
-        _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend, with_sinks))
+        _LAST = AttentionChoice(backend, backend, "requested explicitly", detail=_detail(backend, with_sinks, with_cap))
         _record(_LAST)
         return out
     skipped: list[tuple[str, str]] = []
     order = AUTO_ORDER.get(q.device.type, []) + ["reference"]  # reference: always runs, the last resort
     for name in order:
-        broken_key = name + (" with sinks" if with_sinks else "")  # a failing sink path says nothing of the plain one
-        why = _BROKEN.get(broken_key) or _why_not(name, q, k, packed, window, with_sinks)
+        # a failing sink (or soft-capped) path says nothing of the plain one
+        broken_key = name + (" with sinks" if with_sinks else "") + (" with softcap" if with_cap else "")
+        why = _BROKEN.get(broken_key) or _why_not(name, q, k, packed, window, with_sinks, with_cap)
         if why is not None:
             skipped.append((name, why))
             continue
@@ -379,7 +414,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
         failed = [n for n, w in skipped if w.startswith("raised ")]
         reason = f"first usable in AUTO_ORDER[{q.device.type!r}]" + (
             f"; FELL BACK: {', '.join(failed)} raised (see skipped)" if failed else "")
-        _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name, with_sinks))
+        _LAST = AttentionChoice(name, "auto", reason, skipped, _detail(name, with_sinks, with_cap))
         _record(_LAST)
         return out
     raise RuntimeError(f"no attention backend could run: {skipped}")  # unreachable: reference always runs
@@ -390,7 +425,9 @@ def _record(choice: AttentionChoice) -> None:
         seen.append(choice)
 
 
-def _detail(name: str, with_sinks: bool = False) -> str:
+def _detail(name: str, with_sinks: bool = False, with_cap: bool = False) -> str:
+    if with_cap:
+        return f"{name} with logit soft-capping (cap * tanh(score / cap))"
     if with_sinks:
         return f"attention sinks: {_SINK_IMPL[name]} attention + log-sum-exp, out * sigmoid(L - sink)"
     if name == "varlen":

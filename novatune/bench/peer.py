@@ -1,12 +1,15 @@
 """The best peer stack (docs/BENCHMARKS.md): Liger-Kernel's fused ops + torch's varlen attention, wired into HF the way
 the published anchor figures were measured, so `novatune bench` measures the same peer as the anchors.
 
-* Liger: `apply_liger_kernel_to_<model_type>(rope, rms_norm, swiglu, fused_linear_cross_entropy)`, called before
-  the model is built (it swaps the modeling module's classes/forwards, process-wide: each bench stack runs in its
-  own process for this reason).
+* Liger: `apply_liger_kernel_to_<model_type>(rope, rms_norm, swiglu | geglu, fused_linear_cross_entropy)` (the
+  keywords the family's function takes: Gemma's take geglu), called before the model is built (it swaps the
+  modeling module's classes/forwards, process-wide: each bench stack runs in its own process for this reason).
 * Attention: an `AttentionInterface` entry "peer_varlen" that finds document starts from position_ids on the
   device (one host sync per batch, cached across layers) and calls `torch.nn.attention.varlen.varlen_attn`, whose
   signature changed in every torch release (2.10 `is_causal`; 2.11 `window_size=(-1, 0)`; 2.12 `enable_gqa`).
+  A layer's sliding window goes to `window_size` (per document, as the model computes it); attention logit
+  soft-capping (Gemma 2) has no varlen_attn argument, so such a call raises PeerUnavailable instead of computing
+  something else.
 """
 from __future__ import annotations
 
@@ -42,7 +45,10 @@ def apply_liger(model_type: str) -> str:
     fn = getattr(lk, name, None)
     if fn is None:
         raise PeerUnavailable(f"liger_kernel has no {name} (model_type {model_type!r} is not supported by Liger)")
-    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=True)
+    params = inspect.signature(fn).parameters
+    fn(**{k: v for k, v in wanted.items() if k in params})
     return name
 
 
@@ -84,6 +90,9 @@ def register_peer_varlen() -> str:
     meta = PackedMeta()
 
     def varlen_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        if kw.get("softcap") is not None:
+            raise PeerUnavailable(f"{type(module).__name__} soft-caps its attention logits ({kw['softcap']}); torch's "
+                                  "varlen_attn cannot, so the peer's attention would compute something else")
         b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
         if kw.get("s_aux") is not None:
             raise PeerUnavailable("the peer's varlen attention has no attention sinks (s_aux): it would compute "
@@ -96,7 +105,11 @@ def register_peer_varlen() -> str:
         q = query.transpose(1, 2).reshape(b * s, hq, d)
         k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-        extra = {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)}
+        window = kw.get("sliding_window")
+        if window is not None and "window_size" not in sig:
+            raise PeerUnavailable(f"torch {torch.__version__}'s varlen_attn takes no window_size (sliding window)")
+        extra = ({"window_size": (int(window) - 1, 0)} if window is not None else
+                 {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)})
         if "enable_gqa" in sig:
             extra["enable_gqa"] = True
         elif key.shape[1] != hq:

@@ -66,6 +66,10 @@ Token statistics (`token_stats`, every mode): the same pass over the logits also
 the entropy lse - sum_v p_v z_v (the online sum of exp(z - m) * z beside the sum-exp) and the first argmax, which
 is what TRL's fused head reports (log p, entropy, is the label the top-1); no second lm_head GEMM.
 
+Final logit soft-capping (`softcap`, Gemma 2): the loss is that of c * tanh(z / c). The row kernels read the raw
+logits, cap them in fp32 for the statistics and, in the gradient pass, multiply dL/d(capped z) by 1 - tanh^2;
+modes "tokens" and "vocab" only ("inplace" consumes the raw logits it would need; "auto" never plans it then).
+
 Labels outside [0, V) that are not ignore_index give a NaN loss row (a visible error without a host sync).
 The fp32 oracle (F.cross_entropy on fp32 logits) is novatune.reference.linear_cross_entropy.
 """
@@ -84,7 +88,7 @@ from novatune.kernels.linear_cross_entropy_lowmem import (  # noqa: F401 - re-ex
     inplace_layout,
     plan_inplace_block,
 )
-from novatune.kernels.linear_cross_entropy_vocab import _grad_over_logits, _online_stats, _store_stats
+from novatune.kernels.linear_cross_entropy_vocab import _grad_over_logits, _online_stats, _store_stats, _tanh
 
 CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (bytes) when chunking is chosen
 VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
@@ -101,13 +105,14 @@ _TILE_OVERRIDE: tuple[int, int] | None = None  # (rows, block_v) for the row ker
 
 @triton.jit
 def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, lse_ptr, ent_ptr, top_ptr, n_rows, V,
-                    ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                    STATS: tl.constexpr):
+                    ignore_index, softcap, ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                    STATS: tl.constexpr, CAPPED: tl.constexpr = False):
     """ROWS rows of Z (n_rows, V) per program: loss_t to loss_ptr; if WRITE_GRAD, Z[t] <- dL/dZ[t] in place; if
     STATS, the token statistics of the same pass (_store_stats).
 
     Ignored rows are masked out of every load (no HBM traffic for them: masked lanes are not fetched), get loss 0
-    and, with WRITE_GRAD, a zero gradient row."""
+    and, with WRITE_GRAD, a zero gradient row. CAPPED: the loss sees softcap * tanh(z / softcap) (Gemma 2's final
+    logit soft-capping), computed here in fp32 from the raw logits in both passes."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     in_range = rows < n_rows
     label = tl.load(labels_ptr + rows, mask=in_range, other=ignore_index).to(tl.int64)  # (ROWS,)
@@ -118,6 +123,9 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, lse_ptr,
     # z_y is read before pass 1: pass 1's reductions (block-wide barriers) then order this read before any
     # thread's pass-2 store over the same element.
     z_y = tl.load(z_ptr + rows * stride_z + tl.where(valid, label, 0), mask=active & valid, other=0.0)
+    z_y = z_y.to(tl.float32)
+    if CAPPED:
+        z_y = softcap * _tanh(z_y / softcap)
 
     # Pass 1: online max m and sum s of exp(z - m) per row, fp32 (and the statistics' t and argmax)
     m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -127,16 +135,18 @@ def _ce_rows_kernel(z_ptr, stride_z, labels_ptr, loss_ptr, divisor_ptr, lse_ptr,
     for off in range(0, V, BLOCK_V):
         c = off + cols
         z = tl.load(z_rows + c, mask=active[:, None] & (c < V), other=float("-inf")).to(tl.float32)
+        if CAPPED:  # masked lanes stay -inf (tanh would make them -softcap)
+            z = tl.where(z == float("-inf"), z, softcap * _tanh(z / softcap))
         m, s, t, top = _online_stats(z, off, m, s, t, top, STATS)
     lse = m + tl.log(tl.where(active, s, 1.0))  # (ROWS,) -inf on inactive rows (unused there; no log(0))
-    loss = tl.where(valid, lse - z_y.to(tl.float32), float("nan"))
+    loss = tl.where(valid, lse - z_y, float("nan"))
     tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=in_range)
     if STATS:
         _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_range)
 
     if WRITE_GRAD:  # pass 2
         _grad_over_logits(z_rows, cols, V, label, lse, active, in_range, divisor_ptr, z_ptr.dtype.element_ty,
-                          BLOCK_V)
+                          BLOCK_V, softcap, CAPPED)
 
 
 @triton.jit
@@ -152,7 +162,7 @@ def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 def _rows_triton(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                 ignore_index: int, write_grad: bool, stats=None) -> None:
+                 ignore_index: int, write_grad: bool, stats=None, softcap: float | None = None) -> None:
     n_rows, V = z.shape
     if n_rows == 0:
         return
@@ -162,9 +172,9 @@ def _rows_triton(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor,
     rows, block_v = _TILE_OVERRIDE or ((1, 4096) if z.is_cuda else (16, 8192))
     block_v = min(triton.next_power_of_2(V), block_v)
     _ce_rows_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, loss_rows, divisor, lse, ent, top, n_rows,
-                                                  V,
-                                                  ignore_index, ROWS=rows, BLOCK_V=block_v,
-                                                  WRITE_GRAD=write_grad, STATS=stats is not None, num_warps=8)
+                                                  V, ignore_index, float(softcap or 1.0), ROWS=rows, BLOCK_V=block_v,
+                                                  WRITE_GRAD=write_grad, STATS=stats is not None,
+                                                  CAPPED=softcap is not None, num_warps=8)
 
 
 def _stats_torch(zf: torch.Tensor, lse: torch.Tensor, active: torch.Tensor, stats) -> None:
@@ -178,13 +188,16 @@ def _stats_torch(zf: torch.Tensor, lse: torch.Tensor, active: torch.Tensor, stat
 
 
 def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
-                ignore_index: int, write_grad: bool, stats=None) -> None:
+                ignore_index: int, write_grad: bool, stats=None, softcap: float | None = None) -> None:
     """Same contract as the kernel in plain PyTorch (the CPU path; z is fp32 there, so this is exact fp32)."""
     rows, V = z.shape
     ignored = labels == ignore_index
     valid = (labels >= 0) & (labels < V)
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long().unsqueeze(1)  # (rows, 1)
     zf = z.float()
+    if softcap is not None:
+        tanh = torch.tanh(zf / softcap)
+        zf = tanh * softcap
     lse = torch.logsumexp(zf, dim=1)  # (rows,)
     loss = torch.where(valid, lse - zf.gather(1, safe).squeeze(1), torch.full_like(lse, float("nan")))
     loss_rows.copy_(torch.where(ignored, torch.zeros_like(loss), loss))
@@ -194,6 +207,8 @@ def _rows_torch(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, 
         scale = torch.where(ignored, torch.zeros_like(lse), 1.0 / divisor.float())  # (rows,)
         g = torch.exp(zf - lse.unsqueeze(1))
         g.scatter_add_(1, safe, torch.where(valid, -1.0, 0.0).to(g.dtype).unsqueeze(1).expand(rows, 1))
+        if softcap is not None:
+            g *= 1.0 - tanh * tanh  # d(cap * tanh(z / cap)) / dz
         z.copy_(g * scale.unsqueeze(1))
 
 
@@ -231,18 +246,23 @@ def plan_vocab_slice(T: int, V: int, dtype: torch.dtype, budget: int = VOCAB_SLI
 
 
 def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mode: str = "auto",
-              chunk_tokens: int | None = None, vocab_slice: int | None = None) -> tuple[str, int]:
+              chunk_tokens: int | None = None, vocab_slice: int | None = None,
+              softcap: float | None = None) -> tuple[str, int]:
     """(mode, size): ("tokens", tokens per chunk), ("vocab", columns per slice) or ("inplace", rows of its temp
-    block). See the module docstring; vocab_slice sets the size for "vocab" and "inplace"."""
+    block). See the module docstring; vocab_slice sets the size for "vocab" and "inplace". With `softcap`
+    "tokens" and "vocab" apply it: "auto" plans as without it but never "inplace"; "inplace" raises."""
     if mode not in MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
+    if softcap is not None and mode == "inplace":
+        raise ValueError("linear_cross_entropy: final logit soft-capping runs in modes 'tokens' and 'vocab' (its "
+                         "in-place plan overwrites the logits the capped gradient needs); use mode='auto'")
     e = torch.finfo(dtype).bits // 8
     if mode == "auto":
         if chunk_tokens:
             mode = "tokens"
         elif vocab_slice:
             mode = "vocab"
-        elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES:
+        elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES and softcap is None:
             mode = "inplace"  # 3 GEMMs, grad_W written over the logits: less memory than one token chunk
         elif T * V * e <= AUTO_LOGITS_BYTES:
             return "tokens", max(T, 1)  # the whole logits are small: one chunk, 3 GEMMs
@@ -267,7 +287,8 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
                              loss_rows: torch.Tensor | None = None, dhidden: torch.Tensor | None = None,
                              dweight: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
-                             use_triton: bool = True, token_stats: tuple | None = None):
+                             use_triton: bool = True, token_stats: tuple | None = None,
+                             softcap: float | None = None):
     """Loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
 
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
@@ -279,11 +300,13 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     token_stats: (lse, entropy, argmax), each (T,) (fp32, fp32, int64, contiguous), filled from the same pass over
     the logits: per token log-sum-exp, entropy -sum p log p = lse - sum p z (TRL's formula) and the first argmax
     (torch.argmax's tie rule); 0, 0, -1 on ignored tokens. The token's log-prob is -loss_rows.
+    softcap: the loss sees softcap * tanh(z / softcap) (Gemma 2's final logit soft-capping), applied in fp32 inside
+    the row passes (modes "tokens" and "vocab"; plan_mode): the capped logits never exist either.
     """
     T, H = hidden.shape
     V = weight.shape[0]
     out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    plan, size = plan_mode(T, V, H, hidden.dtype, grad_weight, mode, chunk_tokens, vocab_slice)
+    plan, size = plan_mode(T, V, H, hidden.dtype, grad_weight, mode, chunk_tokens, vocab_slice, softcap)
     if not use_triton:  # fp32 everywhere: the CPU path computes reference numbers (cast once, V x H x 4 bytes)
         hidden, weight = hidden.float(), weight.float()
         bias = None if bias is None else bias.float()
@@ -298,7 +321,10 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
             grad_bias, max(1, int(size)), use_triton, dweight, token_stats)
-    gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
+    if softcap is not None:  # plan_mode never plans "inplace" with a soft-cap
+        gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab}[plan](*args, softcap=float(softcap))
+    else:
+        gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
 
     loss = loss_rows.sum() / divisor
     if not use_triton:  # back to the caller's dtypes (into the preallocated buffers when given)
@@ -310,7 +336,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None):
+                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None, softcap=None):
     """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None)."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -339,7 +365,7 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
         else:
             torch.addmm(bias, h_c, w_t, out=z)
         stats = None if token_stats is None else tuple(x[s:e] for x in token_stats)
-        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad, stats)  # z is now dL/dz
+        rows_op(z, labels[s:e], loss_rows[s:e], divisor, ignore_index, grad, stats, softcap)  # z is now dL/dz
         if not grad:
             continue
         if grad_hidden:
@@ -372,9 +398,9 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
     return gw
 
 
-def _fwd_vocab(*args):
+def _fwd_vocab(*args, softcap=None):
     """mode="vocab": novatune.kernels.linear_cross_entropy_vocab.fwd_vocab (the row tiling set here)."""
-    return _vocab.fwd_vocab(*args, tile=_TILE_OVERRIDE)
+    return _vocab.fwd_vocab(*args, tile=_TILE_OVERRIDE, softcap=softcap)
 
 
 def _fwd_inplace(*args):

@@ -48,27 +48,40 @@ def _store_stats(lse_ptr, ent_ptr, top_ptr, rows, lse, s, t, top, active, in_ran
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through the sigmoid (tanh x = 2 sigmoid(2x) - 1): the same on every Triton version and in the
+    interpreter; absolute error ~1e-7 in fp32."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def _grad_over_logits(z_rows, cols, n_cols, label_col, lse, active, in_range, divisor_ptr, Z_DTYPE: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
+                      BLOCK_V: tl.constexpr, softcap=1.0, CAPPED: tl.constexpr = False):
     """z <- dL/dz = (softmax - onehot) / D over the rows' n_cols logits, in place, in the logits' dtype; 0 on
-    ignored rows. label_col: each row's label column in these logits (may lie outside them: no -1 term then)."""
+    ignored rows. label_col: each row's label column in these logits (may lie outside them: no -1 term then).
+    CAPPED: the loss saw softcap * tanh(z / softcap) (lse is theirs); the chain rule multiplies by 1 - tanh^2."""
     d = tl.load(divisor_ptr).to(tl.float32)  # D = 0 with active rows gives inf, as sum / 0 would
     inv = tl.where(active, 1.0 / tl.where(active, d, 1.0), 0.0)  # (ROWS,)
     lse_ref = tl.where(active, lse, 0.0)
     for off in range(0, n_cols, BLOCK_V):
         c = off + cols
         z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=0.0).to(tl.float32)
-        p = tl.exp(z - lse_ref[:, None])
-        g = tl.where(c == label_col[:, None], p - 1.0, p) * inv[:, None]
+        if CAPPED:
+            t = _tanh(z / softcap)
+            p = tl.exp(softcap * t - lse_ref[:, None])
+            g = tl.where(c == label_col[:, None], p - 1.0, p) * inv[:, None] * (1.0 - t * t)
+        else:
+            p = tl.exp(z - lse_ref[:, None])
+            g = tl.where(c == label_col[:, None], p - 1.0, p) * inv[:, None]
         g = tl.where(active[:, None], g, 0.0)
         tl.store(z_rows + c, g.to(Z_DTYPE), mask=in_range[:, None] & (c < n_cols))
 
 
 @triton.jit
 def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_ptr, lse_ptr, ent_ptr, top_ptr,
-                     n_rows, n_cols, col_off, V, ignore_index, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+                     n_rows, n_cols, col_off, V, ignore_index, softcap, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
                      FIRST: tl.constexpr, STATS: tl.constexpr, FINAL: tl.constexpr, GRAD: tl.constexpr,
-                     TOKEN_STATS: tl.constexpr):
+                     TOKEN_STATS: tl.constexpr, CAPPED: tl.constexpr = False):
     """mode="vocab": ROWS rows of one vocab slice Z (n_rows, n_cols) = logits[:, col_off : col_off + n_cols].
 
     stats (3, n_rows) fp32 (4 with TOKEN_STATS): running max m, sum of exp(z - m), z_{y_t} (picked up by the slice
@@ -76,7 +89,8 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
     (FIRST: start from (-inf, 0, 0) instead of loading them); FINAL (with STATS, on the last slice): lse_t into
     stats[0], loss_t into loss_ptr and, with TOKEN_STATS, the token statistics (_store_stats).
     GRAD: Z <- dL/dZ in place from stats[0] (lse; with FINAL, the lse just computed). Ignored rows are masked out
-    of every load, get loss 0 and a zero gradient row."""
+    of every load, get loss 0 and a zero gradient row. CAPPED: every statistic and the gradient are those of
+    softcap * tanh(z / softcap) (Gemma 2's final logit soft-capping), computed from the raw logits in fp32."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     in_range = rows < n_rows
     label = tl.load(labels_ptr + rows, mask=in_range, other=ignore_index).to(tl.int64)  # (ROWS,)
@@ -92,6 +106,9 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
     if STATS:
         # z_y read before the loop: its reductions (block-wide barriers) order the read before GRAD's stores.
         z_l = tl.load(z_ptr + rows * stride_z + tl.where(in_slice, local, 0), mask=in_slice, other=0.0)
+        z_l = z_l.to(tl.float32)
+        if CAPPED:
+            z_l = softcap * _tanh(z_l / softcap)
         t_ptr = stats_ptr + 3 * n_rows + rows
         if FIRST:
             m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -109,10 +126,12 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
             else:
                 t = tl.zeros([ROWS], dtype=tl.float32)
                 top = tl.full([ROWS], -1, tl.int64)
-        z_y = tl.where(in_slice, z_l.to(tl.float32), z_y)
+        z_y = tl.where(in_slice, z_l, z_y)
         for off in range(0, n_cols, BLOCK_V):  # online max / sum-exp (and t, argmax), fp32
             c = off + cols
             z = tl.load(z_rows + c, mask=active[:, None] & (c < n_cols), other=float("-inf")).to(tl.float32)
+            if CAPPED:  # masked lanes stay -inf
+                z = tl.where(z == float("-inf"), z, softcap * _tanh(z / softcap))
             m, s, t, top = _online_stats(z, col_off + off, m, s, t, top, TOKEN_STATS)
         if FINAL:
             lse = m + tl.log(tl.where(active, s, 1.0))  # -inf on inactive rows (unused there; no log(0))
@@ -134,12 +153,12 @@ def _ce_slice_kernel(z_ptr, stride_z, labels_ptr, stats_ptr, loss_ptr, divisor_p
         if not FINAL:
             lse = tl.load(m_ptr, mask=active, other=0.0)
         _grad_over_logits(z_rows, cols, n_cols, local, lse, active, in_range, divisor_ptr,
-                          z_ptr.dtype.element_ty, BLOCK_V)
+                          z_ptr.dtype.element_ty, BLOCK_V, softcap, CAPPED)
 
 
 def _slice_triton(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
                   divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                  final: bool, grad: bool, token_stats=None, tile=None) -> None:
+                  final: bool, grad: bool, token_stats=None, tile=None, softcap: float | None = None) -> None:
     n_rows, n_cols = z.shape
     if n_rows == 0:
         return
@@ -148,14 +167,15 @@ def _slice_triton(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, lo
     block_v = min(triton.next_power_of_2(n_cols), block_v)
     lse, ent, top = token_stats if token_stats is not None else (stats,) * 3  # unused pointers without them
     _ce_slice_kernel[(triton.cdiv(n_rows, rows),)](z, z.stride(0), labels, stats, loss_rows, divisor, lse, ent, top,
-                                                   n_rows, n_cols, col_off, V, ignore_index, ROWS=rows,
-                                                   BLOCK_V=block_v, FIRST=first, STATS=update, FINAL=final,
-                                                   GRAD=grad, TOKEN_STATS=token_stats is not None, num_warps=8)
+                                                   n_rows, n_cols, col_off, V, ignore_index, float(softcap or 1.0),
+                                                   ROWS=rows, BLOCK_V=block_v, FIRST=first, STATS=update,
+                                                   FINAL=final, GRAD=grad, TOKEN_STATS=token_stats is not None,
+                                                   CAPPED=softcap is not None, num_warps=8)
 
 
 def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, loss_rows: torch.Tensor,
                  divisor: torch.Tensor, col_off: int, V: int, ignore_index: int, *, first: bool, update: bool,
-                 final: bool, grad: bool, token_stats=None) -> None:
+                 final: bool, grad: bool, token_stats=None, softcap: float | None = None) -> None:
     """Same contract as _ce_slice_kernel in plain PyTorch (the CPU path: z is fp32 there). Statistics are kept
     for ignored rows too (finite), and only masked at the end."""
     n_rows, n_cols = z.shape
@@ -164,6 +184,9 @@ def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, los
     in_slice = active & (local >= 0) & (local < n_cols)
     safe = local.clamp(0, max(n_cols - 1, 0)).unsqueeze(1)  # (rows, 1)
     zf = z.float()
+    if softcap is not None:
+        tanh = torch.tanh(zf / softcap)
+        zf = tanh * softcap
     lse = None
     if update:
         if first:
@@ -207,12 +230,15 @@ def _slice_torch(z: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, los
         scale = torch.where(active, 1.0 / divisor.float(), torch.zeros_like(lse))  # (rows,)
         g = torch.exp(zf - lse.unsqueeze(1))
         g.scatter_add_(1, safe, torch.where(in_slice, -1.0, 0.0).to(g.dtype).unsqueeze(1))
+        if softcap is not None:
+            g *= 1.0 - tanh * tanh  # d(cap * tanh(z / cap)) / dz
         z.copy_(g * scale.unsqueeze(1))
 
 
 def fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-              grad_weight, grad_bias, Vc, use_triton, dweight, token_stats=None, tile=None):
-    """mode="vocab": slices of Vc vocab columns, two passes. Fills loss_rows, gh, gb_acc; returns grad_W."""
+              grad_weight, grad_bias, Vc, use_triton, dweight, token_stats=None, tile=None, softcap=None):
+    """mode="vocab": slices of Vc vocab columns, two passes. Fills loss_rows, gh, gb_acc; returns grad_W.
+    softcap: the loss of softcap * tanh(logits / softcap), applied inside both passes."""
     T, H = hidden.shape
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
@@ -270,13 +296,13 @@ def fwd_vocab(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, igno
         last = j == n - 1
         s, e, z = logits(j)
         slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=j == 0, update=True, final=last,
-                 grad=grad and last, token_stats=token_stats)
+                 grad=grad and last, token_stats=token_stats, softcap=softcap)
     if grad and n:
         consume(0, s, e, z)
         for k, j in enumerate(range(n - 2, -1, -1), start=1):  # pass 2, backwards: slice n-1 is done
             s, e, z = logits(j)
             slice_op(z, labels, stats, loss_rows, divisor, s, V, ignore_index, first=False, update=False,
-                     final=False, grad=True)
+                     final=False, grad=True, softcap=softcap)
             consume(k, s, e, z)
     z_flat = z = None
     if acc is not None:

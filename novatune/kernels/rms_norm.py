@@ -11,6 +11,11 @@ Backward (fp32 throughout; with xhat = x * rstd, g = dy * w, c_r = mean_j g_rj *
     dx_rj = rstd_r * (g_rj - xhat_rj * c_r)
     dw_j  = sum_r dy_rj * n_rj
 
+Gemma-style norms (novatune.ops.offset_rms_norm) run the same kernels with two switches: `offset` adds a constant to
+the weight (Gemma: y = x_hat * (1 + w)), and ROUND_NORMALISED=False skips round_D, so that
+y = round_D((w + offset) * x_hat) is computed in fp32 with one rounding, in x's dtype (dw then uses the unrounded
+x_hat, the exact derivative).
+
 The rounding round_D has no useful derivative; dx treats it as the identity (straight-through), which is also what
 PyTorch autograd does through HF's `.to(input_dtype)` and what Liger does. dw uses the rounded n, which is the exact
 derivative of y with respect to w.
@@ -63,8 +68,8 @@ def _round_to(v, dtype: tl.constexpr, SOFT_RNE: tl.constexpr):
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD,  # X (rows, N) [row stride stride_x]; W (N,); Y (rows, N) [stride_y]; RSTD (rows,) fp32
-    stride_x, stride_y, n_rows, N, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_RNE: tl.constexpr,
+    stride_x, stride_y, n_rows, N, eps, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_RNE: tl.constexpr, ROUND_NORMALISED: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -75,14 +80,15 @@ def _rms_norm_fwd_kernel(
     rows64 = rows.to(tl.int64)  # rows * stride can pass 2^31 for long sequences x many heads
 
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset  # (BLOCK_N,): the effective weight
 
     # (BLOCK_M,); padded columns are 0 and do not count. Per-row ops are correctly rounded (div_rn, sqrt_rn:
     # Triton's `/` is the approximate div.full.f32), as torch's mean and rsqrt on the CPU; they cost nothing here.
     var = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-    # HF rounds the normalised value to x's dtype before the weight multiply; do the same
-    n = _round_to(x * rstd[:, None], X.dtype.element_ty, SOFT_RNE).to(tl.float32)
+    n = x * rstd[:, None]
+    if ROUND_NORMALISED:  # Llama/Qwen round the normalised value to x's dtype before the weight multiply
+        n = _round_to(n, X.dtype.element_ty, SOFT_RNE).to(tl.float32)
     y = w[None, :] * n
     # .cs (streaming: evict first): y is written once here; measured +1.5% for the op at 4096 x 2560 on the H200,
     # neutral at the q/k-norm shape (LOG.md run 20; evict-first LOADS were neutral to -5%)
@@ -93,7 +99,7 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
-              X_DTYPE: tl.constexpr, SOFT_RNE: tl.constexpr):
+              X_DTYPE: tl.constexpr, SOFT_RNE: tl.constexpr, ROUND_NORMALISED: tl.constexpr = True):
     """dx of one (BLOCK_M, BLOCK_N) tile, stored; returns the tile's dw contribution dy * n (fp32)."""
     row_ok = rows < n_rows
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)  # (BLOCK_M,): padded rows give dx = 0 and add 0 to dw
@@ -106,15 +112,18 @@ def _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx,
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], _round_to(dx, DX.dtype.element_ty, SOFT_RNE),
              mask=mask, cache_modifier=".cs")  # streaming store, as y's in the forward
-    # dy/dw is the rounded normalised value the forward multiplied by w
-    return dy * _round_to(xhat, X_DTYPE, SOFT_RNE).to(tl.float32)
+    # dy/dw is the (rounded, where the forward rounds it) normalised value the forward multiplied by w
+    if ROUND_NORMALISED:
+        xhat = _round_to(xhat, X_DTYPE, SOFT_RNE).to(tl.float32)
+    return dy * xhat
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,  # DY, X, DX (rows, N) row-strided; W (N,); RSTD (rows,); DW_PARTIAL (G, N) fp32
-    stride_dy, stride_x, stride_dx, n_rows, N, n_blocks,
+    stride_dy, stride_x, stride_dx, n_rows, N, offset, n_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SOFT_RNE: tl.constexpr,
+    ROUND_NORMALISED: tl.constexpr = True,
 ):
     # Persistent: program pid handles row blocks pid, pid + G, pid + 2G, ... and owns row pid of DW_PARTIAL.
     pid = tl.program_id(0)
@@ -122,7 +131,7 @@ def _rms_norm_bwd_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)  # (BLOCK_N,), loaded once per program
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset  # (BLOCK_N,), once per program
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # dw partial; reduced over its rows only at the end
 
     if STAGES == 0:
@@ -141,7 +150,7 @@ def _rms_norm_bwd_kernel(
             x_next = tl.load(X + nrows64[:, None] * stride_x + cols[None, :], mask=nmask, other=0.0)
             dy_next = tl.load(DY + nrows64[:, None] * stride_dy + cols[None, :], mask=nmask, other=0.0)
             acc += _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
-                             X.dtype.element_ty, SOFT_RNE)
+                             X.dtype.element_ty, SOFT_RNE, ROUND_NORMALISED)
             x_raw = x_next
             dy_raw = dy_next
     else:
@@ -154,7 +163,7 @@ def _rms_norm_bwd_kernel(
             x_raw = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
             dy_raw = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
             acc += _bwd_tile(x_raw, dy_raw, w, rows, rows64, cols, col_ok, RSTD, DX, stride_dx, n_rows, N,
-                             X.dtype.element_ty, SOFT_RNE)
+                             X.dtype.element_ty, SOFT_RNE, ROUND_NORMALISED)
 
     tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
 
@@ -299,12 +308,16 @@ def _check_n(n: int) -> None:
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None,
                  rstd: torch.Tensor | None = None, block_m: int | None = None,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """y (x.shape, promote(x, w) dtype), rstd (x.shape[:-1], fp32). `out`/`rstd` may be preallocated (contiguous)."""
+                 num_warps: int | None = None, offset: float = 0.0,
+                 round_normalised: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (x.shape), rstd (x.shape[:-1], fp32). `out`/`rstd` may be preallocated (contiguous).
+
+    round_normalised=True (Llama/Qwen): y = (w + offset) * round_x(x_hat) in dtype promote(x, w).
+    round_normalised=False (Gemma, GPT-OSS): y = round_x((w + offset) * x_hat), all in fp32, in x's dtype."""
     n = x.shape[-1]
     _check_n(n)
     assert weight.shape == (n,), f"weight shape {tuple(weight.shape)} != ({n},)"
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_normalised else x.dtype
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if rstd is None:
@@ -319,8 +332,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, ou
     bm = block_m or cfg["block_m"]
     w = weight.contiguous()
     _rms_norm_fwd_kernel[(triton.cdiv(rows, bm),)](
-        x2, w, out.view(-1, n), rstd.view(-1), x2.stride(0), n, rows, n, eps,
-        BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), SOFT_RNE=not x.is_cuda,
+        x2, w, out.view(-1, n), rstd.view(-1), x2.stride(0), n, rows, n, eps, float(offset),
+        BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), SOFT_RNE=not x.is_cuda, ROUND_NORMALISED=round_normalised,
         num_warps=num_warps or cfg["num_warps"],
     )
     return out, rstd
@@ -342,8 +355,10 @@ def _sum_partials(partial: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
                  dx: torch.Tensor | None = None, dw: torch.Tensor | None = None, block_m: int | None = None,
                  num_warps: int | None = None, num_programs: int | None = None,
-                 stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx (x.shape, x dtype), dw (N,, weight dtype). `dx`/`dw` may be preallocated (contiguous)."""
+                 stages: int | None = None, offset: float = 0.0,
+                 round_normalised: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (x.shape, x dtype), dw (N,, weight dtype). `dx`/`dw` may be preallocated (contiguous). offset and
+    round_normalised: as the forward was called (rms_norm_fwd)."""
     n = x.shape[-1]
     _check_n(n)
     assert dy.shape == x.shape and rstd.shape == x.shape[:-1] and weight.shape == (n,)
@@ -358,8 +373,9 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         return dx, dw
     x2, dy2 = _rows_view(x, n), _rows_view(dy, n)  # (rows, N) each
     args = [dy2, x2, weight.contiguous(), rstd.reshape(-1).contiguous(), dx.view(-1, n), None,
-            dy2.stride(0), x2.stride(0), n, x2.shape[0], n]
+            dy2.stride(0), x2.stride(0), n, x2.shape[0], n, float(offset)]
     cfg = _bwd_launch_config(args, block_m, num_warps, num_programs, stages)
+    cfg["meta"]["ROUND_NORMALISED"] = round_normalised
     args[5] = partial = torch.empty((cfg["num_programs"], n), dtype=torch.float32, device=x.device)  # (G, N)
     _rms_norm_bwd_kernel[(cfg["num_programs"],)](*args, cfg["n_blocks"], **cfg["meta"])
     _sum_partials(partial, dw)
@@ -393,7 +409,7 @@ def rms_norm_bwd_launch_config(dy: torch.Tensor, x: torch.Tensor, weight: torch.
     n = x.shape[-1]
     x2, dy2 = _rows_view(x, n), _rows_view(dy, n)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-    args = [dy2, x2, weight.contiguous(), rstd, x2, None, dy2.stride(0), x2.stride(0), n, x2.shape[0], n]
+    args = [dy2, x2, weight.contiguous(), rstd, x2, None, dy2.stride(0), x2.stride(0), n, x2.shape[0], n, 0.0]
     cfg = _bwd_launch_config(args, overrides.get("block_m"), overrides.get("num_warps"),
                              overrides.get("num_programs"), overrides.get("stages"))
     m = cfg["meta"]

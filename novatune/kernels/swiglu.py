@@ -1,4 +1,5 @@
 """SwiGLU activation: y = silu(gate) * up, elementwise, as two Triton kernels (one forward, one backward).
+The same kernels compute GeGLU (Gemma's gated MLP, novatune.ops.geglu) with ACT="gelu_tanh"; see below.
 
 Math (all in fp32 inside the kernels, one rounding to the output dtype at the store):
 
@@ -7,6 +8,14 @@ Math (all in fp32 inside the kernels, one rounding to the output dtype at the st
     dup   = dy * g * sig                                  (= dy * silu(g))
     dgate = dy * u * sig * (1 + g * (1 - sig))            (= dy * u * d silu/dg)
           = dy * u * (sig + g * sig * (1 - sig))          (the form the kernel evaluates: one multiply fewer)
+
+GeGLU, gelu with the tanh approximation (transformers' gelu_pytorch_tanh), written through the sigmoid
+(0.5 * (1 + tanh(z)) = sigmoid(2z), so no tanh is needed on any Triton version or in the interpreter):
+
+    k     = sqrt(2 / pi),  z = k * (g + 0.044715 g^3),  sg = sigmoid(2z)
+    y     = g * sg * u                                    (= gelu_tanh(g) * u)
+    dup   = dy * g * sg
+    dgate = dy * u * (sg + g * 2 sg (1 - sg) * k * (1 + 3 * 0.044715 g^2))
 
 The backward recomputes sig from g, so autograd saves gate and up (not y, not silu(g)): one activation less
 per MLP than HF eager, which keeps gate, silu(gate) and up.
@@ -38,9 +47,25 @@ from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype with round-to-n
 _I64_THRESHOLD = 2**31 - 1
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@triton.jit
+def _gate(g, ACT: tl.constexpr):
+    """(act(g) / g, d act / dg) in fp32: the factor the forward multiplies g by, and the derivative."""
+    if ACT == "gelu_tanh":
+        g2 = g * g
+        s = tl.sigmoid(1.5957691216057308 * g * (1.0 + 0.044715 * g2))  # sigmoid(2z), 2k = 2 sqrt(2 / pi)
+        d = s + g * 2.0 * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g2)
+    else:
+        s = tl.sigmoid(g)
+        d = s + g * s * (1.0 - s)
+    return s, d
+
+
 @triton.jit
 def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
-                       SOFT_RNE: tl.constexpr):
+                       SOFT_RNE: tl.constexpr, ACT: tl.constexpr = "silu"):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
@@ -52,7 +77,8 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.con
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _round_to(g * tl.sigmoid(g) * u, y_ptr.dtype.element_ty, SOFT_RNE)  # the one rounding
+    factor, _ = _gate(g, ACT)
+    y = _round_to(g * factor * u, y_ptr.dtype.element_ty, SOFT_RNE)  # the one rounding
     if EVEN:
         tl.store(y_ptr + offs, y)
     else:
@@ -61,7 +87,8 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.con
 
 @triton.jit
 def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n,
-                       BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT_RNE: tl.constexpr):
+                       BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT_RNE: tl.constexpr,
+                       ACT: tl.constexpr = "silu"):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
@@ -75,10 +102,9 @@ def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n,
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)  # recomputed: cheaper than reading a saved tensor
-    silu = g * sig
-    du = _round_to(dy * silu, du_ptr.dtype.element_ty, SOFT_RNE)
-    dg = _round_to(dy * u * (sig + silu * (1.0 - sig)), dg_ptr.dtype.element_ty, SOFT_RNE)
+    factor, dact = _gate(g, ACT)  # recomputed: cheaper than reading a saved tensor
+    du = _round_to(dy * (g * factor), du_ptr.dtype.element_ty, SOFT_RNE)
+    dg = _round_to(dy * u * dact, dg_ptr.dtype.element_ty, SOFT_RNE)
     if EVEN:
         tl.store(du_ptr + offs, du)
         tl.store(dg_ptr + offs, dg)
@@ -142,9 +168,15 @@ def _new_out(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"swiglu kernels: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
-               block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """y = silu(gate) * up in gate's dtype (gate, up: same shape; any rank). One kernel launch."""
+               block: int | None = None, num_warps: int | None = None, activation: str = "silu") -> torch.Tensor:
+    """y = act(gate) * up in gate's dtype (gate, up: same shape; any rank), act = silu or gelu_tanh. One launch."""
+    _check_activation(activation)
     _check_pair(gate, up, "gate and up")
     gate, up = gate.contiguous(), up.contiguous()  # no-op (returns the tensor itself) for Linear outputs
     if out is None:
@@ -155,14 +187,16 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = 
     if n == 0:
         return out
     grid, meta = _launch_args(n, block, num_warps)
-    _swiglu_fwd_kernel[grid](gate, up, out, n, SOFT_RNE=not gate.is_cuda, **meta)  # the interpreter truncates
+    _swiglu_fwd_kernel[grid](gate, up, out, n, SOFT_RNE=not gate.is_cuda, ACT=activation,  # interpreter: RNE
+                             **meta)
     return out
 
 
 def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor | None = None,
                dup: torch.Tensor | None = None, *, block: int | None = None,
-               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int | None = None, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup) in gate's / up's dtype from dy, gate, up. One kernel launch writes both."""
+    _check_activation(activation)
     _check_pair(gate, up, "gate and up")
     _check_pair(dy, gate, "dy and gate")
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
@@ -178,5 +212,5 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     if n == 0:
         return dgate, dup
     grid, meta = _launch_args(n, block, num_warps)
-    _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, SOFT_RNE=not gate.is_cuda, **meta)
+    _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, SOFT_RNE=not gate.is_cuda, ACT=activation, **meta)
     return dgate, dup

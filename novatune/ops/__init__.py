@@ -8,15 +8,17 @@ name (ARCHITECTURE.md's public names), and binding it here, after the submodule 
 """
 from novatune.attention.backends import varlen_attention
 from novatune.ops.clamped_swiglu import clamped_swiglu
+from novatune.ops.geglu import geglu, geglu_mlp
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.lora import lora_linear
 from novatune.ops.moe import moe_experts, route
 from novatune.ops.moe_lora import moe_experts_lora
+from novatune.ops.offset_rms_norm import offset_rms_norm
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu, swiglu_mlp
 
-__all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_mlp", "clamped_swiglu", "apply_rope", "qk_norm_rope",
-           "linear_cross_entropy", "varlen_attention", "lora_linear", "moe_experts", "moe_experts_lora",
-           "route"]
+__all__ = ["rms_norm", "NovaRMSNorm", "offset_rms_norm", "swiglu", "swiglu_mlp", "geglu", "geglu_mlp",
+           "clamped_swiglu", "apply_rope", "qk_norm_rope", "linear_cross_entropy", "varlen_attention", "lora_linear",
+           "moe_experts", "moe_experts_lora", "route"]

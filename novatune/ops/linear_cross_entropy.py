@@ -65,7 +65,8 @@ _REDUCTIONS = ("mean", "sum")
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divisor: Tensor, bias: Tensor | None,
                             ignore_index: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
                             chunk_tokens: int, mode: str = "auto", vocab_slice: int = 0,
-                            token_stats: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            token_stats: bool = False,
+                            softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     T = hidden.shape[0]
     stats = top = None
     if token_stats:
@@ -76,7 +77,7 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divi
             hidden, weight, labels, divisor, bias=bias, ignore_index=ignore_index, grad_hidden=grad_hidden,
             grad_weight=grad_weight, grad_bias=grad_bias, chunk_tokens=chunk_tokens or None, mode=mode,
             vocab_slice=vocab_slice or None, use_triton=use_triton(hidden),
-            token_stats=None if stats is None else (stats[0], stats[1], top))
+            token_stats=None if stats is None else (stats[0], stats[1], top), softcap=softcap or None)
     def empty(like, dtype=None):  # a fresh one per slot: outputs of a custom op must not alias each other
         return like.new_empty(0, dtype=dtype)
 
@@ -88,7 +89,7 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, labels: Tensor, divi
 
 @linear_cross_entropy_op.register_fake
 def _(hidden, weight, labels, divisor, bias, ignore_index, grad_hidden, grad_weight, grad_bias, chunk_tokens,
-      mode="auto", vocab_slice=0, token_stats=False):
+      mode="auto", vocab_slice=0, token_stats=False, softcap=0.0):
     torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
                  lambda: "linear_cross_entropy: hidden (T, H) and weight (V, H) expected")
     loss = hidden.new_empty((), dtype=torch.float32)
@@ -142,7 +143,7 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
         else:  # fp32 multiply, one rounding: the same numbers as the kernel
             grads.append((g.float() * g_loss.float()).to(g.dtype))
     gh, gw, gb = grads
-    return gh, gw, None, None, gb, None, None, None, None, None, None, None, None
+    return gh, gw, None, None, gb, None, None, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -194,7 +195,7 @@ class TokenStats(NamedTuple):
 def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", normalizer=None, bias: Tensor | None = None, *,
                          chunk_tokens: int | None = None, mode: str = "auto", vocab_slice: int | None = None,
-                         return_token_stats: bool = False):
+                         return_token_stats: bool = False, softcap: float | None = None):
     """Cross-entropy of (hidden @ lm_weight.T + bias) against labels, fused and chunked; a 0-dim fp32 loss, or
     (loss, TokenStats) with return_token_stats=True (the statistics come from the same pass over the logits).
 
@@ -203,7 +204,12 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     reduction). mode: "auto" (default), "tokens", "vocab" or "inplace" (see the module docstring). chunk_tokens:
     tokens per chunk (implies mode "tokens"), vocab_slice: vocab columns per slice (implies "vocab" unless mode is
     "inplace": then the rows of its temp block); default: planned by novatune.kernels.linear_cross_entropy.plan_mode.
+    softcap: the loss of softcap * tanh(logits / softcap) (Gemma 2's final logit soft-capping, gradient through the
+    tanh), applied inside the fused passes of modes "tokens" and "vocab" ("auto" never plans "inplace" with it;
+    an explicit "inplace" raises).
     """
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"linear_cross_entropy: softcap must be a positive number (or None), got {softcap}")
     if mode not in _k.MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {_k.MODES}, got {mode!r}")
     if ((chunk_tokens and mode in ("vocab", "inplace")) or (vocab_slice and mode == "tokens")
@@ -240,7 +246,7 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     loss, _gh, _gw, _gb, nll, stats, top = torch.ops.novatune.linear_cross_entropy(
         h2, lm_weight, y, divisor, bias, int(ignore_index), grad_on and hidden.requires_grad,
         grad_on and lm_weight.requires_grad, grad_on and bias is not None and bias.requires_grad,
-        int(chunk_tokens or 0), mode, int(vocab_slice or 0), bool(return_token_stats))
+        int(chunk_tokens or 0), mode, int(vocab_slice or 0), bool(return_token_stats), float(softcap or 0.0))
     if not return_token_stats:
         return loss
     shape = labels.shape

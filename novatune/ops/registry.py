@@ -9,8 +9,8 @@ import importlib
 
 from novatune.ops.contract import OpSpec
 
-_MODULES = ("rms_norm", "swiglu", "clamped_swiglu", "linear_cross_entropy", "attention", "rope", "qk_norm_rope",
-            "moe")
+_MODULES = ("rms_norm", "offset_rms_norm", "swiglu", "geglu", "clamped_swiglu", "linear_cross_entropy", "attention",
+            "rope", "qk_norm_rope", "moe")
 
 OPS: dict[str, OpSpec] = {}
 for _name in _MODULES:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from novatune.attention.backends import SINK_BACKENDS
+from novatune.attention.backends import SINK_BACKENDS, SOFTCAP_BACKENDS
 from novatune.patch import forwards, loss, quirks
 from novatune.patch.lora import apply_lora
 from novatune.patch.moe import apply_moe
@@ -85,8 +85,8 @@ def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
 
 def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
     """eps for the fused q/k-norm + RoPE kernel, or None when this attention has no (compatible) q/k norms."""
-    if spec.attention.q_norm is None:
-        return None
+    if spec.attention.q_norm is None or spec.norm_offset or spec.norm_rounding != "normalised":
+        return None  # the fused kernel computes Llama's norm (Gemma 3's (1 + w) norms run offset_rms_norm)
     qn, kn = getattr(attn, spec.attention.q_norm, None), getattr(attn, spec.attention.k_norm, None)
     if qn is None or kn is None or type(qn).__name__ not in spec.norm_classes:
         return None
@@ -99,8 +99,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
           selection=None, moe: bool = True) -> PatchReport:
-    """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral), a PEFT model wrapping
-    one, or a Trainer.
+    """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
+    Gemma 3 text), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
     cross_entropy_mode: "auto" | "tokens" | "vocab" | "inplace" (novatune.ops.linear_cross_entropy; auto picks
@@ -195,14 +195,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
                swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None) -> None:
-    act = str(getattr(config, "hidden_act", "?"))
+    act = str(getattr(config, spec.mlp.act_config, "?"))
     tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
     why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
-           f"hidden_act={act!r} is not SiLU" if act not in spec.mlp.activations else None)
+           f"{spec.mlp.act_config}={act!r} is not what novatune {spec.mlp.glu} computes ({spec.mlp.activations})"
+           if act not in spec.mlp.activations else None)
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling)
-        report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM"
+        report.add(path, "mlp", "replaced", f"gate/up GEMMs + novatune {spec.mlp.glu} + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "") + tiled)
         return
     report.add(path, "mlp", "skipped", why)
@@ -210,6 +211,16 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
         # the stock MLP is still row-wise: tiling it computes the same function
         _bind(module, forwards.tiled_stock_mlp_forward, report, _novatune_tiling=tiling)
         report.add(path, "tiled_mlp", "replaced", f"stock MLP{tiled}")
+
+
+def _patch_norm(module: nn.Module, path: str, kind: str, spec: FamilySpec, report: PatchReport) -> None:
+    _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
+          _novatune_norm_rounding=spec.norm_rounding, _novatune_norm_offset=float(spec.norm_offset))
+    op = "offset_rms_norm" if spec.norm_rounding == "output" else "rms_norm"
+    report.add(path, kind, "replaced", f"novatune {op} (Triton on CUDA, fp32 reference on CPU)"
+               + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else "")
+               + (f"; weight offset {spec.norm_offset:g} (x_hat * ({spec.norm_offset:g} + w))"
+                  if spec.norm_offset else ""))
 
 
 def _tiling_words(tiling: MLPTiling) -> str:
@@ -220,13 +231,17 @@ def _tiling_words(tiling: MLPTiling) -> str:
 def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
                     qk_eps: float | None) -> None:
     window = quirks.layer_window(module, config, spec)
-    # sinks: only the backends that add them may be set on this module later (a tuned selection included)
-    allowed = {"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else {}
+    # sinks / soft-capping: only the backends that apply them may be set on this module later (a tuned selection
+    # included)
+    softcap = getattr(module, spec.attention.softcap, None) if spec.attention.softcap else None
+    allowed = ({"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else
+               {"_novatune_attn_backend_allowed": ("auto", *SOFTCAP_BACKENDS)} if softcap is not None else {})
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
           _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
     extra += f"; sliding window {window} per document" if window is not None else ""
     extra += "; attention sinks per head" if _has_sinks(module, spec) else ""
+    extra += f"; logits soft-capped at {softcap}" if softcap is not None else ""
     report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={backend}){extra}")
 
 
@@ -262,16 +277,13 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
             kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
-            if not rms_norm or "rms_norm" in refused:
-                report.add(path, kind, "skipped", refused.get("rms_norm", "rms_norm=False"))
-                continue
-            if not hasattr(module, spec.norm_eps_attr):
-                report.add(path, kind, "skipped", f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
-                continue
-            _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
-                  _novatune_norm_rounding=spec.norm_rounding)
-            report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)"
-                       + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else ""))
+            why = (refused.get("rms_norm", "rms_norm=False") if not rms_norm or "rms_norm" in refused else
+                   None if hasattr(module, spec.norm_eps_attr) else
+                   f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")
+            if why:
+                report.add(path, kind, "skipped", why)
+            else:
+                _patch_norm(module, path, kind, spec, report)
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
                        tiling=tiling)
@@ -326,8 +338,19 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
                    _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
-                   _novatune_aux_loss=aux)
+                   _novatune_aux_loss=aux, _novatune_softcap=_final_softcap(config, ce_mode))
         report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))
+
+
+def _final_softcap(config, ce_mode: str) -> float | None:
+    """The final logit soft-cap the fused loss applies (Gemma 2), or None. Only reached when the spec honours it
+    (quirks.refusals refuses the loss otherwise)."""
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    if softcap is not None and ce_mode == "inplace":
+        raise ValueError(f"cross_entropy_mode={ce_mode!r}: this model soft-caps its final logits "
+                         f"(final_logit_softcapping={softcap}), which the fused loss has no in-place plan for; "
+                         "use cross_entropy_mode='auto', 'tokens' or 'vocab'")
+    return softcap
 
 
 def _aux_loss_function(model: nn.Module, spec: FamilySpec):
@@ -344,7 +367,9 @@ def _loss_detail(model: nn.Module) -> str:
     tied = model._novatune_lm_head.weight is getattr(model.get_input_embeddings(), "weight", None)
     return (f"fused linear cross-entropy (mode {model._novatune_ce_mode}, fp32 lm_head grad; logits=None in "
             "training; TRL's fused_lm_head honoured)" + ("; tied embeddings" if tied else "")
-            + ("; lm_head gradient added to .grad early" if model._novatune_early_tied_grad else ""))
+            + ("; lm_head gradient added to .grad early" if model._novatune_early_tied_grad else "")
+            + (f"; final logits soft-capped at {model._novatune_softcap} inside the fused passes"
+               if model.__dict__.get("_novatune_softcap") is not None else ""))
 
 
 def _bind_loss(model: nn.Module, stack: nn.Module, report: PatchReport, **attrs) -> None:

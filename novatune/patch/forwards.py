@@ -15,6 +15,8 @@ import torch
 
 from novatune.attention.backends import varlen_attention
 from novatune.attention.packed import PackedBatch
+from novatune.ops.geglu import geglu_mlp
+from novatune.ops.offset_rms_norm import offset_rms_norm
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
@@ -28,17 +30,20 @@ PACKED_KWARG = "novatune_packed"
 def rms_norm_forward(self, hidden_states):
     eps = getattr(self, self._novatune_eps_attr)
     if self._novatune_norm_rounding == "output":
-        # round(w * x_hat) once, in x's dtype (GPT-OSS): the kernel in fp32, then one cast. The Llama rounding
-        # (w * round(x_hat), result in promote(x, w)) would differ by a rounding and, with the fp32 norm weights
-        # GPT-OSS loads, return fp32 activations
-        return rms_norm(hidden_states.float(), self.weight.float(), eps).to(hidden_states.dtype)
+        # round((offset + w) * x_hat) once, in x's dtype, all in fp32 (Gemma: offset 1; GPT-OSS: 0). The Llama
+        # rounding (w * round(x_hat), result in promote(x, w)) would differ by a rounding and, with the fp32 norm
+        # weights GPT-OSS loads, return fp32 activations
+        return offset_rms_norm(hidden_states, self.weight, eps, self._novatune_norm_offset)
     return rms_norm(hidden_states, self.weight, eps)
+
+
+_GLU_MLPS = {"swiglu": swiglu_mlp, "geglu": geglu_mlp}
 
 
 def _swiglu_mlp(self, x):
     names = self._novatune_mlp
-    return swiglu_mlp(x, getattr(self, names.gate_proj), getattr(self, names.up_proj), getattr(self, names.down_proj),
-                      inplace_backward=self._novatune_swiglu_inplace)
+    return _GLU_MLPS[names.glu](x, getattr(self, names.gate_proj), getattr(self, names.up_proj),
+                                getattr(self, names.down_proj), inplace_backward=self._novatune_swiglu_inplace)
 
 
 def swiglu_mlp_forward(self, x):
@@ -99,9 +104,10 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
     sinks = getattr(self, names.sinks, None) if names.sinks is not None else None
+    softcap = getattr(self, names.softcap, None) if names.softcap is not None else None  # Gemma 2
     out = varlen_attention(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), v.reshape(b * s, hk, d), packed,
                            scale=self.scaling, backend=self._novatune_attn_backend,
-                           window=self._novatune_window, sinks=sinks)  # (b*s, hq, d)
+                           window=self._novatune_window, sinks=sinks, softcap=softcap)  # (b*s, hq, d)
     return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
 
 

@@ -113,11 +113,23 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
     # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self),
                                 shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
-                                normalizer=num_items, mode=self._novatune_ce_mode)
+                                normalizer=num_items, mode=_ce_mode(self, binding), softcap=self._novatune_softcap)
     if router_loss:
         return _with_router_loss(self, loss, outputs, attention_mask)
     return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions)  # training: use_cache=False, no cache to return
+
+
+def _ce_mode(self, binding: LossBinding) -> str:
+    """The fused loss's plan: the patch's (or a tuned) cross_entropy_mode, except that final logit soft-capping
+    (Gemma 2) has no "inplace" plan: a tuned "inplace" then runs as "auto" (which never picks it), and the report
+    says so."""
+    mode = self._novatune_ce_mode
+    if self._novatune_softcap is not None and mode == "inplace":
+        _note_once(binding, "softcap_mode", "cross_entropy_mode 'inplace' runs as 'auto': the final logit "
+                   "soft-capping has no in-place plan")
+        return "auto"
+    return mode
 
 
 def _wants_router_loss(self, kwargs: dict) -> bool:
@@ -186,7 +198,8 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     flat_targets = targets.reshape(-1)
     # one pass over the logits: the loss and its gradient, and TRL's per-token statistics from the same sweep
     nll_sum, stats = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self), flat_targets,
-                                          reduction="sum", mode=self._novatune_ce_mode, return_token_stats=True)
+                                          reduction="sum", mode=_ce_mode(self, binding), return_token_stats=True,
+                                          softcap=self._novatune_softcap)
     log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, -stats.nll.view(mask.shape), mask)
     entropy, is_top1 = stats.entropy.view(mask.shape), (stats.argmax == flat_targets).view(mask.shape)
     if trim:

@@ -28,16 +28,24 @@ class AttentionSpec:
     # the rotary tables the model passes: "full" = HF's (b, s, head_dim) cos/sin; "half" = (b, s, head_dim / 2),
     # applied to the two halves of each head (GPT-OSS): the same rotation as "full" with each table repeated
     rope_tables: str = "full"
+    # attention logit soft-capping (Gemma 2): this attention-module attribute holds the cap (None or a number);
+    # scores become cap * tanh(scores / cap) after the scale, on the backends that can (SOFTCAP_BACKENDS).
+    # None = the family applies none (a module whose attn_logit_softcapping is set is then refused, unless the
+    # spec honours attn_logit_softcapping: its stock forward ignores the attribute, Gemma 3)
+    softcap: str | None = None
 
 
 @dataclass(frozen=True)
 class MLPSpec:
-    """down(act(gate(x)) * up(x)) with act = SiLU: the SwiGLU MLP of Llama-family models."""
+    """down(act(gate(x)) * up(x)): SwiGLU (act = SiLU, Llama families) or GeGLU (act = gelu with the tanh
+    approximation, Gemma families; `glu="geglu"`)."""
 
     gate_proj: str = "gate_proj"
     up_proj: str = "up_proj"
     down_proj: str = "down_proj"
-    activations: tuple[str, ...] = ("silu", "swish")  # config.hidden_act values the fused kernel computes
+    activations: tuple[str, ...] = ("silu", "swish")  # values of config.<act_config> the fused kernel computes
+    act_config: str = "hidden_act"  # the config attribute naming the activation (Gemma 2/3: hidden_activation)
+    glu: str = "swiglu"  # the fused op: "swiglu" (novatune.ops.swiglu) or "geglu" (novatune.ops.geglu)
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ MATH_ATTRIBUTES: tuple[MathAttribute, ...] = (
     MathAttribute("query_pre_attn_scalar", "attention", (None,), "query scaling by query_pre_attn_scalar"),
     MathAttribute("attention_multiplier", "attention", (None, 1, 1.0), "attention score multiplier"),
     MathAttribute("use_qk_norm", "attention", (None, False), "q/k normalisation"),
+    MathAttribute("use_bidirectional_attention", "attention", (None, False), "bidirectional attention"),
     MathAttribute("final_logit_softcapping", "cross_entropy", (None, 0, 0.0), "final logit soft-capping"),
     MathAttribute("logits_scaling", "cross_entropy", (None, 1, 1.0), "logit scaling"),
     MathAttribute("logit_scale", "cross_entropy", (None, 1, 1.0), "logit scaling"),
@@ -187,7 +196,9 @@ class FamilySpec:
     lm_head_attr: str = "lm_head"
     # MATH_ATTRIBUTES the forwards implement for this family (any other non-neutral one is refused)
     honours: tuple[str, ...] = ()
-    norm_offset: float = 0.0  # RMSNorm computes x * (offset + w) (Gemma: 1); only 0 is implemented
+    # RMSNorm computes x_hat * (offset + w) (Gemma: 1, the weight stored zero-centred); a non-zero offset needs
+    # norm_rounding "output" (novatune.ops.offset_rms_norm computes both, as Gemma does)
+    norm_offset: float = 0.0
     moe: MoESpec | None = None  # sparse MoE families: the router and experts modules
     # where RMSNorm rounds to the input dtype: "normalised" = w * round(x_hat) with the result in promote(x, w)
     # (Llama, Qwen); "output" = round(w * x_hat) in x's dtype, one rounding (GPT-OSS, T5)

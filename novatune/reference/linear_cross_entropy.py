@@ -11,21 +11,28 @@ import torch.nn.functional as F
 
 def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              ignore_index: int = -100, reduction: str = "mean", normalizer=None,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 oracle (differentiable)."""
+                             bias: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """fp32 oracle (differentiable). softcap: the loss of softcap * tanh(logits / softcap) (Gemma 2)."""
     H = hidden.shape[-1]
     logits = hidden.float().reshape(-1, H) @ weight.float().t()  # (T, V) fp32
     if bias is not None:
         logits = logits + bias.float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     y = labels.reshape(-1).to(logits.device)
     if normalizer is not None:
         return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum") / normalizer
     return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction=reduction)
 
 
-def hf_linear_ce(hidden, weight, labels, ignore_index: int = -100, reduction: str = "mean"):
-    """HF's lm_head + ForCausalLMLoss with labels already shifted: logits in the input dtype, then .float()."""
-    logits = (hidden @ weight.T).float()
+def hf_linear_ce(hidden, weight, labels, ignore_index: int = -100, reduction: str = "mean",
+                 softcap: float | None = None):
+    """HF's lm_head + ForCausalLMLoss with labels already shifted: logits in the input dtype, then .float().
+    softcap: Gemma 2's final soft-capping as HF computes it, in the logits' dtype before the .float()."""
+    logits = hidden @ weight.T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction)
 

@@ -45,6 +45,23 @@ ARCHS: dict[str, dict[str, Any]] = {
                         rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
                                           truncate=False, original_max_position_embeddings=4096),
                         pad_token_id=199999, eos_token_id=200002),
+    # google/gemma-2-2b: GeGLU, (1 + w) norms, pre/post norms, sliding window 4096 on every other layer, attention
+    # logits soft-capped at 50 and final logits at 30, query scale 256^-0.5, a 256k vocabulary (tied)
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=8192,
+                       hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # google/gemma-3-4b-pt's text model (Gemma3ForCausalLM): 5 sliding (window 1024, rotary base 1e4) : 1 global
+    # (base 1e6, linear scaling x8) layers, q/k norms, a 262k vocabulary (tied), no soft-capping
+    "gemma-3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                       hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=1024,
+                       final_logit_softcapping=None, attn_logit_softcapping=None,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1e6}}),
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768),

@@ -89,14 +89,19 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
     return cfg
 
 
+def _causal_lm_class(config):
+    """transformers' CausalLM class for this config (its config -> class table), or None."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = getattr(AutoModelForCausalLM, "_model_mapping", None)
+    return mapping.get(type(config), None) if mapping is not None else None
+
+
 def resolve_attention(config, name: str) -> str:
     """model.attention for this config: "hf_default" -> sdpa where the CausalLM class supports it, else eager."""
     if name != "hf_default":
         return name
-    from transformers import AutoModelForCausalLM
-
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    return "sdpa" if getattr(_causal_lm_class(config), "_supports_sdpa", False) else "eager"
 
 
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
@@ -108,6 +113,7 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
     config = model_config(mcfg, tokenizer, base_dir)
     config.use_cache = False
     mcfg = dataclasses.replace(mcfg, attention=resolve_attention(config, mcfg.attention))
+    _check_attention_supported(config, mcfg.attention)
     if mcfg.low_memory_load:
         model = _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit)
     else:
@@ -121,6 +127,18 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
         model.generation_config.use_cache = False
     model.train()
     return model
+
+
+def _check_attention_supported(config, attn: str) -> None:
+    """model.attention=sdpa on a family without an SDPA attention (Gemma 2, GPT-OSS: their soft-capping or sinks)
+    raises deep inside transformers; say which setting to change instead."""
+    if attn != "sdpa":
+        return
+    cls = _causal_lm_class(config)
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        raise SetupError(f"model.attention: {cls.__name__} has no sdpa attention; set model.attention=eager (its "
+                         "stock attention; with model.patch the patched model's attention replaces it anyway) or "
+                         "flex_attention")
 
 
 def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit):

@@ -25,12 +25,14 @@ def test_every_spec_is_complete_and_its_cases_run():
 
 
 def _key(name):
-    return {"rms_norm": (7, 32), "swiglu": (7, 32), "clamped_swiglu": (7, 32), "linear_cross_entropy": (9, 8, 33),
+    return {"rms_norm": (7, 32), "offset_rms_norm": (7, 32), "swiglu": (7, 32), "geglu": (7, 32),
+            "clamped_swiglu": (7, 32), "linear_cross_entropy": (9, 8, 33),
             "attention": (13, 2, 1, 8, 3), "rope": (13, 2, 1, 8), "qk_norm_rope": (13, 2, 1, 8),
             "moe_experts": (13, 64, 32, 5, 2)}[name]
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "swiglu", "clamped_swiglu", "rope", "qk_norm_rope"])
+@pytest.mark.parametrize("op", ["rms_norm", "offset_rms_norm", "swiglu", "geglu", "clamped_swiglu", "rope",
+                                "qk_norm_rope"])
 def test_kernel_candidates_use_the_ops_own_autograd_wrapper(op, monkeypatch):
     """make_function(fwd, bwd) builds both the op's eager path and every kernel candidate's functional."""
     import importlib
@@ -43,7 +45,7 @@ def test_kernel_candidates_use_the_ops_own_autograd_wrapper(op, monkeypatch):
         seen.append((fwd, bwd))
         return real(fwd, bwd)
     monkeypatch.setattr(mod, "make_function", spy)
-    key = (7, 32) if op in ("rms_norm", "swiglu", "clamped_swiglu") else (13, 2, 1, 8)
+    key = _key(op)
     candidates = mod.SPEC.candidates(key, torch.float32, "cpu")
     kernel = [c for c in candidates if c.kernels is not None and c.family == "triton"]
     assert kernel

@@ -75,3 +75,35 @@ def tiny_gpt_oss(seed: int = 0, dtype=torch.float32, layers: int = 2, sliding_wi
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
     return model.to(dtype)
+
+
+def tiny_gemma(family: str = "gemma2", seed: int = 0, dtype=torch.float32, layers: int = 3, sliding_window: int = 5,
+               **overrides):
+    """Gemma (1, 2 or 3 text) at toy size, every quirk switched on and made to matter: sliding-window layers
+    (window 5; Gemma 3's pattern cut to 2 sliding : 1 full), soft-caps small enough that most scores and logits are
+    capped (attention 1.0, final 2.0, on Gemma 2 and also on Gemma 3, whose config allows them), a query scalar that
+    is not head_dim, Gemma 3 rotary bases that differ per layer type (the full layers' with linear scaling), and
+    norm weights drawn away from their zero init (a dropped weight or a dropped offset shows)."""
+    common = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  use_cache=False, initializer_range=0.1, rms_norm_eps=1e-6)
+    types = ["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(layers)]
+    quirks = dict(sliding_window=sliding_window, layer_types=types, attn_logit_softcapping=1.0,
+                  final_logit_softcapping=2.0, query_pre_attn_scalar=24)
+    if family == "gemma":
+        cfg = transformers.GemmaConfig(**{**common, **overrides})
+    elif family == "gemma2":
+        cfg = transformers.Gemma2Config(**{**common, **quirks, **overrides})
+    else:
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}}
+        cfg = transformers.Gemma3TextConfig(**{**common, **quirks, "rope_parameters": rope, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model.to(dtype)

@@ -51,7 +51,8 @@ def test_cpu_profile_of_a_tiny_model(tmp_path):
     targets = rank_targets(prof, {"norm": 0.0})
     assert targets[0]["possible_gain_us"] >= targets[-1]["possible_gain_us"]
     norm = next(t for t in targets if t["target"] == "norm")
-    assert norm["op"] == "rms_norm" and norm["possible_gain_us"] == pytest.approx(prof.by_kind["norm"])
+    # the norm kind covers every norm op (rms_norm, Gemma's offset_rms_norm: one kernel family)
+    assert "rms_norm" in norm["op"].split(" / ") and norm["possible_gain_us"] == pytest.approx(prof.by_kind["norm"])
     assert "norm" in prof.table()
 
 

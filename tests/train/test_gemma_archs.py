@@ -1,0 +1,45 @@
+"""The Gemma architectures for random-init runs: the real configs' quirks are there (so `novatune bench ...
+--set model.arch=gemma-3-4b` measures the real thing), the patch accepts them, and a family without an SDPA
+attention asked for one gets a setup error naming the setting to change."""
+import pytest
+import torch
+
+import novatune
+from novatune.train.arch import arch_config, count_matmul_params
+from novatune.train.errors import SetupError
+from novatune.train.model import _check_attention_supported
+
+
+def test_gemma_2_2b_and_gemma_3_4b_configs():
+    g2 = arch_config("gemma-2-2b")
+    assert type(g2).__name__ == "Gemma2Config" and g2.vocab_size == 256000 and g2.head_dim == 256
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.sliding_window) == (50.0, 30.0, 4096)
+    assert g2.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert count_matmul_params(g2) == pytest.approx(2.61e9, rel=0.01)
+    g3 = arch_config("gemma-3-4b")
+    assert type(g3).__name__ == "Gemma3TextConfig" and g3.vocab_size == 262208 and g3.num_hidden_layers == 34
+    assert g3.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"] and g3.sliding_window == 1024
+    assert g3.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert g3.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert g3.final_logit_softcapping is None and g3.attn_logit_softcapping is None
+
+
+@pytest.mark.parametrize("arch", ["gemma-2-2b", "gemma-3-4b"])
+def test_patch_replaces_everything_on_the_cut_architecture(arch):
+    """Two layers of the real shapes (vocab cut so the CPU build stays small): nothing skipped."""
+    import transformers
+
+    cfg = arch_config(arch, {"num_hidden_layers": 2, "vocab_size": 512})
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    report = novatune.patch(model)
+    assert not report.skipped(), str(report)
+    assert len(report.replaced("attention")) == 2 and len(report.replaced("mlp")) == 2
+
+
+def test_sdpa_on_a_family_without_it_names_the_fix():
+    _check_attention_supported(arch_config("gemma-3-4b"), "sdpa")
+    _check_attention_supported(arch_config("qwen3-4b"), "sdpa")
+    with pytest.raises(SetupError, match="model.attention=eager"):
+        _check_attention_supported(arch_config("gemma-2-2b"), "sdpa")
