@@ -236,7 +236,8 @@ def rope_fwd(q, k, cos, sin, unsqueeze_dim=1, q_out=None, k_out=None, split=None
     """(q_embed, k_embed) = HF apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim), fp32 math, one rounding.
 
     q (b, hq, s, d) / k (b, hk, s, d) for unsqueeze_dim=1, (b, s, h, d) for 2; any strides with a unit last
-    stride. cos/sin (b or 1, s, r), r = d or (partial rotary) r < d: the last d - r features pass through. q_out/k_out: optional preallocated outputs (tests poison them).
+    stride. cos/sin (b or 1, s, r), r = d or (partial rotary) r < d: the last d - r features pass through.
+    q_out/k_out: optional preallocated outputs (tests poison them).
     split/num_warps: tuning overrides (heads split over split programs per token).
     """
     return _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, False, split, num_warps)

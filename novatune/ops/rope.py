@@ -4,9 +4,10 @@
 
 Same layout and result as HF's `apply_rotary_pos_emb` (up to rounding: novatune rounds once, from fp32, where HF
 eager in bf16 rounds three times), including Phi-3's partial rotary: tables (b, s, r) narrower than head_dim d
-rotate the first r features of each head and pass the other d - r through. q (b, hq, s, d) / k (b, hk, s, d) with unsqueeze_dim=1, or (b, s, h, d) with
-unsqueeze_dim=2; strided views (last dim contiguous) are read in place. Outputs are new tensors, dense, with the
-input's stride order (as torch.empty_like / HF's elementwise ops give). Output dtype = input dtype.
+rotate the first r features of each head and pass the other d - r through. q (b, hq, s, d) / k (b, hk, s, d)
+with unsqueeze_dim=1, or (b, s, h, d) with unsqueeze_dim=2; strided views (last dim contiguous) are read in
+place. Outputs are new tensors, dense, with the input's stride order (as torch.empty_like / HF's elementwise ops
+give). Output dtype = input dtype.
 
 Gradients flow to q and k only. cos/sin get none: HF computes them under torch.no_grad() from position_ids, so
 nothing upstream can use one (a caller who needs d/dcos must use HF's formula).

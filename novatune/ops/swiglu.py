@@ -187,6 +187,14 @@ def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: n
     return down_proj(swiglu(gate_proj(x), up_proj(x), inplace_backward=inplace_backward))
 
 
+def swiglu_gate_up_mlp(x: Tensor, gate_up_proj: nn.Module, down_proj: nn.Module,
+                       inplace_backward: bool = True) -> Tensor:
+    """down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x) split in two halves - HF's Phi3MLP forward
+    with the fused activation. The projections are called, so LoRA / quantised wrappers keep working."""
+    gate, up = gate_up_proj(x).chunk(2, dim=-1)
+    return down_proj(swiglu(gate, up, inplace_backward=inplace_backward))
+
+
 class NovaSwiGLUMLP(nn.Module):
     """Gated-SiLU MLP using the fused activation; holds (shares) the three projection modules it is given.
 

@@ -83,8 +83,8 @@ def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
 
 def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
     """eps for the fused q/k-norm + RoPE kernel, or None when this attention has no (compatible) q/k norms."""
-    if spec.attention.q_norm is None:
-        return None
+    if spec.attention.q_norm is None or spec.attention.qk_norm_scope != "head":
+        return None  # the fused kernel normalises each head (a projection-wide norm runs on its own)
     qn, kn = getattr(attn, spec.attention.q_norm, None), getattr(attn, spec.attention.k_norm, None)
     if qn is None or kn is None or type(qn).__name__ not in spec.norm_classes:
         return None
@@ -190,11 +190,12 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
     act = str(getattr(config, "hidden_act", "?"))
     tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
     why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
-           f"hidden_act={act!r} is not SiLU" if act not in spec.mlp.activations else None)
+           f"hidden_act={act!r} is not SiLU" if act not in spec.mlp.activations else quirks.mlp_refusal(module, spec))
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling)
-        report.add(path, "mlp", "replaced", "gate/up GEMMs + novatune swiglu + down GEMM"
+        gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
+        report.add(path, "mlp", "replaced", f"{gate_up} + novatune swiglu + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "") + tiled)
         return
     report.add(path, "mlp", "skipped", why)
@@ -214,9 +215,16 @@ def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, repo
     window = quirks.layer_window(module, config, spec)
     # sinks: only the backends that add them may be set on this module later (a tuned selection included)
     allowed = {"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else {}
+    split = quirks.qkv_split(module) if spec.attention.qkv_proj is not None else None
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
-          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window, **allowed)
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window,
+          _novatune_qkv_split=split, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
+    extra += f"; fused {spec.attention.qkv_proj} split {list(split)}" if split else ""
+    extra += ("; q/k norms over the whole projection" if spec.attention.q_norm is not None
+              and spec.attention.qk_norm_scope == "projection" else "")
+    rotary = quirks.rotary_dim(config, module.head_dim)
+    extra += f"; partial rotary (first {rotary} of {module.head_dim} features)" if rotary else ""
     extra += f"; sliding window {window} per document" if window is not None else ""
     extra += "; attention sinks per head" if _has_sinks(module, spec) else ""
     report.add(path, "attention", "replaced", f"novatune rope + packed attention (backend={backend}){extra}")
@@ -253,7 +261,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
-            kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
+            kind = "qk_norm" if leaf in qk_norm_names else "post_norm" if leaf in spec.post_norms else "rms_norm"
             if not rms_norm or "rms_norm" in refused:
                 report.add(path, kind, "skipped", refused.get("rms_norm", "rms_norm=False"))
                 continue
@@ -263,7 +271,9 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
             _bind(module, forwards.rms_norm_forward, report, _novatune_eps_attr=spec.norm_eps_attr,
                   _novatune_norm_rounding=spec.norm_rounding)
             report.add(path, kind, "replaced", "novatune rms_norm (Triton on CUDA, fp32 reference on CPU)"
-                       + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else ""))
+                       + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else "")
+                       + ("; on the sublayer's output before the residual add (the layer's stock order)"
+                          if kind == "post_norm" else ""))
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
                        tiling=tiling)
