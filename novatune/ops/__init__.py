@@ -14,7 +14,7 @@ from novatune.ops.moe import moe_experts, route
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
 from novatune.ops.rope import apply_rope
-from novatune.ops.swiglu import swiglu, swiglu_mlp
+from novatune.ops.swiglu import swiglu, swiglu_gate_up, swiglu_mlp
 
-__all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_mlp", "clamped_swiglu", "apply_rope", "qk_norm_rope",
-           "linear_cross_entropy", "varlen_attention", "lora_linear", "moe_experts", "route"]
+__all__ = ["rms_norm", "NovaRMSNorm", "swiglu", "swiglu_gate_up", "swiglu_mlp", "clamped_swiglu", "apply_rope",
+           "qk_norm_rope", "linear_cross_entropy", "varlen_attention", "lora_linear", "moe_experts", "route"]
