@@ -134,6 +134,27 @@ def test_fused_projection_of_the_wrong_width_is_refused():
     assert len(report.replaced("attention")) == 1
 
 
+@pytest.mark.parametrize("name,targets", [
+    ("phi4-mini", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    ("olmo2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])])
+def test_lora_on_every_projection_equals_peft_per_document(name, targets):
+    """PEFT LoRA on the fused projections (Phi-3) and on OLMo 2's: every adapter takes the fused LoRA forward, and
+    the whole patch (fused attention, MLP, norms, loss) matches PEFT stock per document, adapters' grads included."""
+    peft = pytest.importorskip("peft")
+    ids, pos, lab = packed_batch(ROWS)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets)
+    model = peft.get_peft_model(MODELS[name]().train(), cfg)
+    loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    report = novatune.patch(model)
+    layers = model.config.num_hidden_layers
+    assert len(report.replaced("lora")) == len(targets) * layers and not report.skipped("lora"), str(report)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, TOL, "loss")
+    assert grads.keys() == grads_ref.keys() and sum("lora_" in n for n in grads) == 2 * len(targets) * layers
+    for param in grads_ref:
+        assert_close(grads[param], grads_ref[param], TOL, param)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(name):
