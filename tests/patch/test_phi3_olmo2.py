@@ -21,6 +21,7 @@ MODELS = {
     "phi4-mini": lambda **kw: tiny_phi3(**kw),  # partial rotary 0.75 + window 5
     "phi3-mini": lambda **kw: tiny_phi3(partial_rotary_factor=1.0, sliding_window=None, **kw),
     "olmo2": lambda **kw: tiny_olmo2(**kw),
+    "olmo2-bias": lambda **kw: tiny_olmo2(attention_bias=True, **kw),  # biases on q/k/v/o, under the q/k norms
 }
 
 
@@ -41,6 +42,21 @@ def test_patched_packed_equals_stock_per_document(name):
     report.revert()
     loss_back, _ = packed_loss_and_grads(model, ids, pos, lab)
     assert torch.equal(loss_back, stock_packed), "after revert the model is stock again, bit for bit"
+
+
+@pytest.mark.parametrize("name", ["phi4-mini", "olmo2"])
+def test_gradient_checkpointing_same_grads(name):
+    """Checkpointed layers recompute the fused projections' split, the in-place SwiGLU on gate_up and the
+    projection-wide norms with the same PackedBatch: the same gradients (recompute repeats the same ops: 1e-6)."""
+    ids, pos, lab = packed_batch(ROWS)
+    model = MODELS[name]().train()
+    novatune.patch(model)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_ckpt, grads_ckpt = packed_loss_and_grads(model, ids, pos, lab)
+    assert_close(loss_ckpt, loss, 1e-6, "loss")
+    for param in grads:
+        assert_close(grads_ckpt[param], grads[param], 1e-6, param)
 
 
 def test_the_window_and_partial_rotary_change_this_batch():
