@@ -59,6 +59,29 @@ def test_gradient_checkpointing_same_grads(name):
         assert_close(grads_ckpt[param], grads[param], 1e-6, param)
 
 
+@pytest.mark.parametrize("name", ["phi4-mini", "olmo2"])
+def test_generation_unchanged_and_no_deprecation_warning(name):
+    """Greedy generation (the KV-cache path runs the stock forwards) gives stock's tokens, and a training step,
+    an eval forward and the generation raise none of transformers' FutureWarning / DeprecationWarning."""
+    import warnings
+
+    ids, pos, lab = packed_batch(ROWS)
+    model = MODELS[name]().eval()
+    with torch.no_grad():
+        ref = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    novatune.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids[:1, :8])
+            out = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref)
+
+
 def test_the_window_and_partial_rotary_change_this_batch():
     """Otherwise the equality above would prove nothing about them."""
     ids, pos, lab = packed_batch(ROWS)
