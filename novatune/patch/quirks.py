@@ -2,8 +2,10 @@
 
 `refusals(config, spec)` reads each MATH_ATTRIBUTE (patch/spec.py) from the config: a non-neutral value the spec
 does not list in `honours` refuses every module of that attribute's kind, with the reason. `attention_refusal`
-checks what lives on an attention module instead of the config (its own window, sinks, q/k norms, non-causal).
-The forwards then implement exactly the declared quirks: `layer_window` is the one sliding window they apply.
+checks what lives on an attention module instead of the config (its own window, sinks, q/k norms, non-causal,
+projections that do not fit the spec's names or a fused [q | k | v] width); `mlp_refusal` the MLP's projections.
+The forwards then implement exactly the declared quirks: `layer_window` is the one sliding window they apply,
+`qkv_split` the one split of a fused projection, `rotary_dim` the rotated width the report names.
 """
 from __future__ import annotations
 
