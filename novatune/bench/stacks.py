@@ -91,8 +91,11 @@ def _liger_hooks(cfg, base_dir) -> Hooks:
 
 def _grouped_mm_experts(model) -> str | None:
     """MoE models: transformers' grouped_mm experts, set explicitly (it raises when this machine cannot run them,
-    instead of HF's silent fall back to its per-expert loop); None for dense models."""
-    if not any(hasattr(m, "gate_up_proj") for m in model.modules()):
+    instead of HF's silent fall back to its per-expert loop); None for dense models. An experts module holds its
+    gate_up_proj as one (experts, ., .) parameter; a dense MLP's fused gate_up_proj (Phi-3) is a Linear."""
+    import torch
+
+    if not any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in model.modules()):
         return None
     setter = getattr(model, "set_experts_implementation", None)
     if setter is not None:

@@ -25,8 +25,12 @@ lookup, a few stride reads and the launch - no view tensors, no triton.cdiv / ne
 Kernel: grid (b * s tokens, head splits). A program loads the token's cos/sin once (fp32), then rotates a block of
 q heads and a block of k heads (GQA: hk may differ from hq) as (heads, half) tiles: fp32 math, one rounding to the
 output dtype. Head splits only exist to give short sequences enough programs (each split re-reads the token's
-cos/sin, 4 * d bytes, from L2); at training shapes one program covers all 32 + 8 heads of a token. Partial rotary
-(rotating only the first rotary_dim < d features) is NOT supported: d of q/k must equal the tables' d.
+cos/sin, 4 * d bytes, from L2); at training shapes one program covers all 32 + 8 heads of a token.
+
+Partial rotary (Phi-4-mini: partial_rotary_factor 0.75): the tables are (b, s, r) with r < d even, and HF rotates
+only the first r features of each head (rotate_half over those r) and passes the last d - r through. The kernel
+rotates the first r the same way (HALF = r // 2) and copies the tail unchanged in both directions (the pass-through
+is the identity, so its transpose is too); every output element is written.
 """
 from __future__ import annotations
 
@@ -66,10 +70,22 @@ def _store_heads(o_ptr, o_tok, osh, H, pid_h, x1, x2, c1, c2, a, b,
 
 
 @triton.jit
+def _copy_tail(x_ptr, x_tok, sh, o_ptr, o_tok, osh, H, pid_h, ROT: tl.constexpr, PASS: tl.constexpr,
+               BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The features [ROT, ROT + PASS) of the heads of block pid_h of one token, copied unchanged (partial rotary)."""
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    dd = tl.arange(0, BLOCK_P)
+    mask = (h[:, None] < H) & (dd[None, :] < PASS)
+    x = tl.load(x_ptr + x_tok + h[:, None].to(tl.int64) * sh + ROT + dd[None, :], mask=mask, other=0.0)
+    tl.store(o_ptr + o_tok + h[:, None].to(tl.int64) * osh + ROT + dd[None, :], x.to(o_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
                  q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, c_sb, c_ss,
                  HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                 BACKWARD: tl.constexpr, SOFT_RNE: tl.constexpr):
+                 BACKWARD: tl.constexpr, SOFT_RNE: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr):
     tok = tl.program_id(0)
     pid_h = tl.program_id(1)
     bi = (tok // S).to(tl.int64)   # int64: b * stride overflows int32 at long packed batches
@@ -96,6 +112,11 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
                  SOFT_RNE)
     _store_heads(ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h, k1, k2, c1, c2, a, b, HALF, BLOCK_D, BLOCK_HK,
                  SOFT_RNE)
+    if PASS > 0:  # partial rotary: the features past the tables' width pass through
+        _copy_tail(q_ptr, bi * q_sb + si * q_ss, q_sh, qo_ptr, bi * qo_sb + si * qo_ss, qo_sh, HQ, pid_h,
+                   2 * HALF, PASS, BLOCK_P, BLOCK_HQ)
+        _copy_tail(k_ptr, bi * k_sb + si * k_ss, k_sh, ko_ptr, bi * ko_sb + si * ko_ss, ko_sh, HK, pid_h,
+                   2 * HALF, PASS, BLOCK_P, BLOCK_HK)
 
 
 def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
@@ -113,7 +134,7 @@ def _bsh(dims: tuple, u: int) -> tuple:
 
 def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu, backward, split, num_warps):
     """Validate the shapes and choose the launch. Depends on shapes and overrides only (no strides, no dtype), so
-    _launch caches it. Returns (u, (B, S, D), (HQ, HK), (cos, sin) batch-broadcast flags, grid, constexprs);
+    _launch caches it. Returns (u, (B, S, R), (HQ, HK), (cos, sin) batch-broadcast flags, grid, constexprs);
     grid is None when there are no tokens."""
     u = normalize_unsqueeze_dim(unsqueeze_dim)
     if len(q_shape) != 4 or len(k_shape) != 4:
@@ -123,16 +144,19 @@ def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu
         raise ValueError(f"q {tuple(q_shape)} and k {tuple(k_shape)} disagree on batch, seq or head_dim")
     if D % 2 or D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM}, got {D}")
-    for t in (cos_shape, sin_shape):   # (b or 1, s, d), or (s, d) from older HF code paths
+    R = cos_shape[-1]   # rotary width: d, or r < d with partial rotary
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"cos/sin width (rotary dim) must be even and in (0, head_dim={D}], got {R}")
+    for t in (cos_shape, sin_shape):   # (b or 1, s, r), or (s, r) from older HF code paths
         t3 = (1, *t) if len(t) == 2 else tuple(t)
-        if len(t3) != 3 or t3[2] != D or t3[1] != S or t3[0] not in (1, B):
-            raise ValueError(f"cos/sin must be (b, s, d) = ({B}, {S}, {D}) or broadcastable (1, s, d); "
-                             f"got {tuple(t)} (partial rotary is not supported)")
+        if len(t3) != 3 or t3[2] != R or t3[1] != S or t3[0] not in (1, B):
+            raise ValueError(f"cos/sin must be (b, s, r) = ({B}, {S}, {R}) or broadcastable (1, s, r); "
+                             f"got {tuple(t)}")
     bcast = tuple(len(t) == 2 or t[0] == 1 for t in (cos_shape, sin_shape))
     n_tok = B * S
     if n_tok == 0:
-        return u, (B, S, D), (HQ, HK), bcast, None, None
-    half = D // 2
+        return u, (B, S, R), (HQ, HK), bcast, None, None
+    half = R // 2
     block_d = triton.next_power_of_2(half)
     if split is None:
         # one program per token at training shapes; split heads when the token count alone cannot fill the GPU,
@@ -147,8 +171,9 @@ def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu
     split = max(triton.cdiv(HQ, bhq), triton.cdiv(HK, bhk))
     if num_warps is None:
         num_warps = 4 if (bhq + bhk) * block_d <= 2048 else 8
-    meta = dict(HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps)
-    return u, (B, S, D), (HQ, HK), bcast, (n_tok, split), meta
+    meta = dict(HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps,
+                PASS=D - R, BLOCK_P=triton.next_power_of_2(max(D - R, 1)))
+    return u, (B, S, R), (HQ, HK), bcast, (n_tok, split), meta
 
 
 # _launch_config results by (q/k/cos/sin shapes, unsqueeze_dim, on GPU, backward, split, num_warps). A training
@@ -186,7 +211,7 @@ def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, n
         if len(_CONFIGS) >= _CONFIGS_MAX:
             _CONFIGS.clear()
         _CONFIGS[key] = cfg
-    u, (B, S, D), (HQ, HK), (c_bcast, s_bcast), grid, meta = cfg
+    u, (B, S, R), (HQ, HK), (c_bcast, s_bcast), grid, meta = cfg
     q, q_st = _unit_last(q)
     k, k_st = _unit_last(k)
     q_out = torch.empty_like(q) if q_out is None else q_out   # dense, same stride order as q (like HF eager)
@@ -197,9 +222,9 @@ def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, n
         return q_out, k_out
     c_st = _table_strides(cos, c_bcast)
     if c_st is None or c_st != _table_strides(sin, s_bcast):
-        # the kernel shares one set of table strides: materialise both as dense (B, S, D) (rare: odd tables)
-        cos, sin = (t.reshape(-1, S, D).expand(B, S, D).contiguous() for t in (cos, sin))
-        c_st = (S * D, D)
+        # the kernel shares one set of table strides: materialise both as dense (B, S, R) (rare: odd tables)
+        cos, sin = (t.reshape(-1, S, R).expand(B, S, R).contiguous() for t in (cos, sin))
+        c_st = (S * R, R)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin, S, HQ, HK,
         *_bsh(q_st, u), *_bsh(k_st, u), *_bsh(qo_st, u), *_bsh(ko_st, u), *c_st,
@@ -211,7 +236,8 @@ def rope_fwd(q, k, cos, sin, unsqueeze_dim=1, q_out=None, k_out=None, split=None
     """(q_embed, k_embed) = HF apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim), fp32 math, one rounding.
 
     q (b, hq, s, d) / k (b, hk, s, d) for unsqueeze_dim=1, (b, s, h, d) for 2; any strides with a unit last
-    stride. cos/sin (b or 1, s, d). q_out/k_out: optional preallocated outputs (tests poison them).
+    stride. cos/sin (b or 1, s, r), r = d or (partial rotary) r < d: the last d - r features pass through.
+    q_out/k_out: optional preallocated outputs (tests poison them).
     split/num_warps: tuning overrides (heads split over split programs per token).
     """
     return _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, False, split, num_warps)

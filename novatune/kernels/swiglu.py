@@ -31,6 +31,12 @@ Layout: the launchers call .contiguous() on their inputs (a no-op for the contig
 copy for strided views) and always return contiguous outputs of the input's shape. Preallocated outputs
 (out= / dgate= / dup=) must be contiguous, of the same shape and dtype.
 
+Fused gate/up (`swiglu_gate_up_fwd` / `_bwd`, Phi-3's gate_up_proj): one (rows, 2I) tensor [gate | up] in, y
+(rows, I) out; the backward writes d(gate_up) in the same [dgate | dup] layout, possibly over gate_up itself (each
+element is read before it is written, by the one program that owns it). The flat index i of y maps to
+gate = i + (i // I) * I and up = gate + I (COLS = I); when I is a multiple of BLOCK a program's block lies in one
+row, so the row is a scalar and the loads stay contiguous (vectorised) as in the flat layout. No split copies.
+
 The fp32 oracle (`swiglu_ref` / `swiglu_bwd_ref`) is in novatune.reference.swiglu.
 """
 from __future__ import annotations
@@ -64,19 +70,34 @@ def _gate(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_offsets(pid, offs, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets of gate and up for the flat output indices offs: the same offsets in two tensors (COLS == 0), or
+    the [gate | up] halves of rows of 2 * COLS in one fused tensor."""
+    if COLS == 0:
+        return offs, offs
+    if COLS % BLOCK == 0:
+        row = (pid * BLOCK) // COLS  # the whole block lies in one row: a scalar shift keeps the loads contiguous
+    else:
+        row = offs // COLS
+    g_off = offs + row * COLS
+    return g_off, g_off + COLS
+
+
+@triton.jit
 def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
-                       SOFT_RNE: tl.constexpr, ACT: tl.constexpr = "silu"):
+                       SOFT_RNE: tl.constexpr, COLS: tl.constexpr, ACT: tl.constexpr = "silu"):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat element indices
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat element indices of y
+    g_off, u_off = _gate_up_offsets(pid, offs, COLS, BLOCK)
     if EVEN:
-        g = tl.load(g_ptr + offs).to(tl.float32)
-        u = tl.load(u_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + g_off).to(tl.float32)
+        u = tl.load(u_ptr + u_off).to(tl.float32)
     else:
         mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + u_off, mask=mask, other=0.0).to(tl.float32)
     factor, _ = _gate(g, ACT)
     y = _round_to(g * factor * u, y_ptr.dtype.element_ty, SOFT_RNE)  # the one rounding
     if EVEN:
@@ -86,31 +107,31 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr, EVEN: tl.con
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n,
-                       BLOCK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT_RNE: tl.constexpr,
-                       ACT: tl.constexpr = "silu"):
+def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr,
+                       I64: tl.constexpr, SOFT_RNE: tl.constexpr, COLS: tl.constexpr, ACT: tl.constexpr = "silu"):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat element indices
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat element indices of dy
+    g_off, u_off = _gate_up_offsets(pid, offs, COLS, BLOCK)
     if EVEN:
         dy = tl.load(dy_ptr + offs).to(tl.float32)
-        g = tl.load(g_ptr + offs).to(tl.float32)
-        u = tl.load(u_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + g_off).to(tl.float32)
+        u = tl.load(u_ptr + u_off).to(tl.float32)
     else:
         mask = offs < n
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + u_off, mask=mask, other=0.0).to(tl.float32)
     factor, dact = _gate(g, ACT)  # recomputed: cheaper than reading a saved tensor
     du = _round_to(dy * (g * factor), du_ptr.dtype.element_ty, SOFT_RNE)
     dg = _round_to(dy * u * dact, dg_ptr.dtype.element_ty, SOFT_RNE)
     if EVEN:
-        tl.store(du_ptr + offs, du)
-        tl.store(dg_ptr + offs, dg)
+        tl.store(du_ptr + u_off, du)
+        tl.store(dg_ptr + g_off, dg)
     else:
-        tl.store(du_ptr + offs, du, mask=mask)
-        tl.store(dg_ptr + offs, dg, mask=mask)
+        tl.store(du_ptr + u_off, du, mask=mask)
+        tl.store(dg_ptr + g_off, dg, mask=mask)
 
 
 def default_config(numel: int) -> tuple[int, int]:
@@ -147,15 +168,19 @@ _CONFIGS: dict[tuple, tuple] = {}
 _CONFIGS_MAX = 4096
 
 
-def _launch_args(numel: int, block: int | None, num_warps: int | None) -> tuple[tuple[int], dict]:
-    key = (numel, block, num_warps, _I64_THRESHOLD)   # the threshold: a test lowers it to force the int64 path
+def _launch_args(numel: int, block: int | None, num_warps: int | None, cols: int = 0) -> tuple[tuple[int], dict]:
+    """cols: the fused [gate | up] layout's half width (0: separate gate and up tensors)."""
+    key = (numel, block, num_warps, _I64_THRESHOLD, cols)   # the threshold: a test lowers it (int64 path)
     args = _CONFIGS.get(key)
     if args is None:
         dblock, dwarps = default_config(numel)
         block = block or dblock
         num_warps = num_warps or dwarps
         grid = (triton.cdiv(numel, block),)
-        meta = dict(BLOCK=block, EVEN=numel % block == 0, I64=numel + block > _I64_THRESHOLD, num_warps=num_warps)
+        # the fused layout addresses up to 2 x numel elements of gate_up
+        reach = 2 * numel if cols else numel
+        meta = dict(BLOCK=block, EVEN=numel % block == 0, I64=reach + block > _I64_THRESHOLD, num_warps=num_warps,
+                    COLS=cols)
         args = grid, meta
         if len(_CONFIGS) >= _CONFIGS_MAX:
             _CONFIGS.clear()
@@ -214,3 +239,55 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: to
     grid, meta = _launch_args(n, block, num_warps)
     _swiglu_bwd_kernel[grid](dy, gate, up, dgate, dup, n, SOFT_RNE=not gate.is_cuda, ACT=activation, **meta)
     return dgate, dup
+
+
+
+def _check_gate_up(gate_up: torch.Tensor) -> int:
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_gate_up: gate_up must end in an even dimension [gate | up], got "
+                         f"{tuple(gate_up.shape)}")
+    return gate_up.shape[-1] // 2
+
+
+def _buffer(t: torch.Tensor | None, shape: tuple, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A new contiguous buffer of `shape` in like's dtype and device, or t checked to be one."""
+    if t is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device or not t.is_contiguous():
+        raise ValueError(f"swiglu_gate_up: {name} must be contiguous with shape {tuple(shape)}, dtype {like.dtype}, "
+                         f"device {like.device}; got {tuple(t.shape)}, {t.dtype}, {t.device}, "
+                         f"contiguous={t.is_contiguous()}")
+    return t
+
+
+def swiglu_gate_up_fwd(gate_up: torch.Tensor, out: torch.Tensor | None = None, *, block: int | None = None,
+                       num_warps: int | None = None) -> torch.Tensor:
+    """y = silu(gate) * up with [gate | up] = gate_up's two halves along the last dim; y (..., I) in gate_up's
+    dtype. One kernel launch, no split copies."""
+    cols = _check_gate_up(gate_up)
+    gate_up = gate_up.contiguous()
+    out = _buffer(out, (*gate_up.shape[:-1], cols), gate_up, "out")
+    n = out.numel()
+    if n == 0:
+        return out
+    grid, meta = _launch_args(n, block, num_warps, cols)
+    _swiglu_fwd_kernel[grid](gate_up, gate_up, out, n, SOFT_RNE=not gate_up.is_cuda, **meta)
+    return out
+
+
+def swiglu_gate_up_bwd(dy: torch.Tensor, gate_up: torch.Tensor, dgate_up: torch.Tensor | None = None, *,
+                       block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """d(gate_up) = [dgate | dup] in gate_up's layout and dtype from dy (..., I). dgate_up may be gate_up itself
+    (its last use): each element is read before it is written, by the one program that owns it."""
+    cols = _check_gate_up(gate_up)
+    if tuple(dy.shape) != (*gate_up.shape[:-1], cols) or dy.device != gate_up.device:
+        raise ValueError(f"swiglu_gate_up: dy {tuple(dy.shape)} must be gate_up {tuple(gate_up.shape)} with the "
+                         f"last dimension halved, on the same device")
+    dy, gate_up = dy.contiguous(), gate_up.contiguous()
+    dgate_up = _buffer(dgate_up, tuple(gate_up.shape), gate_up, "dgate_up")
+    n = dy.numel()
+    if n == 0:
+        return dgate_up
+    grid, meta = _launch_args(n, block, num_warps, cols)
+    _swiglu_bwd_kernel[grid](dy, gate_up, gate_up, dgate_up, dgate_up, n, SOFT_RNE=not gate_up.is_cuda, **meta)
+    return dgate_up

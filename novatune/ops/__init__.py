@@ -17,8 +17,8 @@ from novatune.ops.offset_rms_norm import offset_rms_norm
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm
 from novatune.ops.rope import apply_rope
-from novatune.ops.swiglu import swiglu, swiglu_mlp
+from novatune.ops.swiglu import swiglu, swiglu_gate_up, swiglu_mlp
 
-__all__ = ["rms_norm", "NovaRMSNorm", "offset_rms_norm", "swiglu", "swiglu_mlp", "geglu", "geglu_mlp",
-           "clamped_swiglu", "apply_rope", "qk_norm_rope", "linear_cross_entropy", "varlen_attention", "lora_linear",
-           "moe_experts", "moe_experts_lora", "route"]
+__all__ = ["rms_norm", "NovaRMSNorm", "offset_rms_norm", "swiglu", "swiglu_gate_up", "swiglu_mlp", "geglu",
+           "geglu_mlp", "clamped_swiglu", "apply_rope", "qk_norm_rope", "linear_cross_entropy", "varlen_attention",
+           "lora_linear", "moe_experts", "moe_experts_lora", "route"]

@@ -3,9 +3,11 @@
     q_embed, k_embed = novatune.ops.apply_rope(q, k, cos, sin, unsqueeze_dim=1)
 
 Same layout and result as HF's `apply_rotary_pos_emb` (up to rounding: novatune rounds once, from fp32, where HF
-eager in bf16 rounds three times). q (b, hq, s, d) / k (b, hk, s, d) with unsqueeze_dim=1, or (b, s, h, d) with
-unsqueeze_dim=2; strided views (last dim contiguous) are read in place. Outputs are new tensors, dense, with the
-input's stride order (as torch.empty_like / HF's elementwise ops give). Output dtype = input dtype.
+eager in bf16 rounds three times), including Phi-3's partial rotary: tables (b, s, r) narrower than head_dim d
+rotate the first r features of each head and pass the other d - r through. q (b, hq, s, d) / k (b, hk, s, d)
+with unsqueeze_dim=1, or (b, s, h, d) with unsqueeze_dim=2; strided views (last dim contiguous) are read in
+place. Outputs are new tensors, dense, with the input's stride order (as torch.empty_like / HF's elementwise ops
+give). Output dtype = input dtype.
 
 Gradients flow to q and k only. cos/sin get none: HF computes them under torch.no_grad() from position_ids, so
 nothing upstream can use one (a caller who needs d/dcos must use HF's formula).
@@ -65,9 +67,11 @@ def _check_args(q, k, cos, sin, unsqueeze_dim):
     _k.normalize_unsqueeze_dim(unsqueeze_dim)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"apply_rope: q and k must be 4-d, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[-1] != cos.shape[-1] or k.shape[-1] != cos.shape[-1] or cos.shape != sin.shape:
-        raise ValueError(f"apply_rope: head_dim of q {tuple(q.shape)}, k {tuple(k.shape)} and cos/sin "
-                         f"{tuple(cos.shape)}/{tuple(sin.shape)} must agree (partial rotary is not supported)")
+    r = cos.shape[-1]
+    if q.shape[-1] != k.shape[-1] or r > q.shape[-1] or r % 2 or cos.shape != sin.shape:
+        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share head_dim, and cos/sin "
+                         f"{tuple(cos.shape)}/{tuple(sin.shape)} must have one even width <= head_dim (the rotary "
+                         f"dim: head_dim, or less for partial rotary)")
 
 
 # ----------------------------------------------------------------------------------------------- registered ops
@@ -165,8 +169,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
     q (b, hq, s, d), k (b, hk, s, d) for unsqueeze_dim=1 (HF layout; GQA: hk may differ from hq), or
     (b, s, h, d) for unsqueeze_dim=2. cos/sin (b or 1, s, d) from the model's rotary embedding (per-token
-    positions, so packed rows with restarting position_ids work). d even, <= 256, equal to the tables' d
-    (partial rotary is not supported). Returns new (q_embed, k_embed) in the input dtype.
+    positions, so packed rows with restarting position_ids work). d even, <= 256; the tables' width r = d, or
+    r < d (partial rotary: the last d - r features pass through). Returns new (q_embed, k_embed) in the input
+    dtype.
     """
     if torch.compiler.is_compiling():
         _check_args(q, k, cos, sin, unsqueeze_dim)
@@ -192,13 +197,14 @@ __all__ = ["apply_rope", "rope_fwd", "rope_bwd"]
 
 # ----------------------------------------------------------------------------------------------- the contract
 def _make_inputs(shape, dtype, device, gen, batch: int = 1, unsqueeze_dim: int = 2, magnitude: float = 1.0,
-                 theta: float = 1e6) -> dict:
+                 theta: float = 1e6, rotary_dim: int | None = None) -> dict:
     """shape key (tokens, hq, hk, d): q, k in (b, s, h, d) (unsqueeze_dim=2, the patched model's layout) or
     (b, h, s, d) (1, HF's), tables as HF's rotary embedding builds them on packed rows (positions restarting per
-    document), so a candidate assuming positions 0..T-1 or ignoring the tables' values fails."""
+    document), so a candidate assuming positions 0..T-1 or ignoring the tables' values fails. rotary_dim < d:
+    partial rotary tables (b, s, rotary_dim), as Phi-4-mini's."""
     t, hq, hk, d = shape
     s = t // batch
-    cos, sin = rope_tables(batch, s, d, dtype, device, theta)
+    cos, sin = rope_tables(batch, s, rotary_dim or d, dtype, device, theta)
     q = torch.randn(batch, s, hq, d, generator=gen) * magnitude
     k = torch.randn(batch, s, hk, d, generator=gen) * magnitude
     if unsqueeze_dim == 1:
@@ -225,7 +231,8 @@ def _call_cases(dtype, device, gen) -> list:
             ("HF layout (b, h, s, d) unsqueeze_dim=1", mk((41, 3, 1, 16), unsqueeze_dim=1)),
             ("single token", mk((1, 2, 2, 8))), ("|x| ~ 1e4", mk((19, 2, 2, 64), magnitude=1e4)),
             ("rows > 65,535", mk((65_541, 1, 1, 4))),
-            ("q/k views of a fused projection", noncontig_heads(mk((23, 4, 2, 16))))]
+            ("q/k views of a fused projection", noncontig_heads(mk((23, 4, 2, 16)))),
+            ("partial rotary 3/4 (Phi-4-mini)", mk((29, 3, 1, 32), rotary_dim=24))]
 
 
 def _floor(shape, dtype) -> int:

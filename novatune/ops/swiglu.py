@@ -187,6 +187,67 @@ def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: n
     return down_proj(swiglu(gate_proj(x), up_proj(x), inplace_backward=inplace_backward))
 
 
+def _gate_up_fwd(gate_up: Tensor) -> Tensor:
+    if use_triton(gate_up):
+        return K.swiglu_gate_up_fwd(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _fwd_impl(gate, up, False)
+
+
+def _gate_up_bwd(dy: Tensor, gate_up: Tensor, dgate_up: Tensor | None) -> Tensor:
+    if use_triton(gate_up):
+        return K.swiglu_gate_up_bwd(dy, gate_up, dgate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    d = torch.cat(_bwd_impl(dy, gate, up, False), dim=-1)
+    return d if dgate_up is None else dgate_up.copy_(d)
+
+
+class _SwiGLUGateUpFunction(torch.autograd.Function):
+    """silu(gate) * up on the two halves of one [gate | up] tensor, read in place (no split copies); the gradient
+    comes back as one tensor in the same layout, written over gate_up when inplace_backward (its last use)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: Tensor, inplace_backward: bool) -> Tensor:
+        ctx.save_for_backward(gate_up)
+        ctx.inplace = inplace_backward and gate_up.is_contiguous()
+        ctx.done = False
+        return _gate_up_fwd(gate_up)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        if ctx.inplace and ctx.done:
+            raise RuntimeError("novatune swiglu: this MLP's backward writes its gradients over its saved input, so "
+                               "it cannot run twice (retain_graph=True); patch with swiglu_inplace_backward=False")
+        (gate_up,) = ctx.saved_tensors
+        if not ctx.inplace:
+            return _gate_up_bwd(dy, gate_up, None), None
+        ctx.done = True
+        dgate_up = _gate_up_bwd(dy, gate_up, gate_up)
+        torch.autograd.graph.increment_version(gate_up)
+        return dgate_up, None
+
+
+def swiglu_gate_up(gate_up: Tensor, *, inplace_backward: bool = False) -> Tensor:
+    """silu(gate) * up with [gate | up] = gate_up's two halves along the last dim (Phi-3's fused gate_up_proj
+    output), differentiable; (..., 2I) -> (..., I). Same values as swiglu(*gate_up.chunk(2, -1)) without the
+    copies of the two strided halves. inplace_backward: the gradient is written over gate_up (see swiglu)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_gate_up: the last dimension must be even [gate | up], got {tuple(gate_up.shape)}")
+    if torch.compiler.is_compiling():
+        # traced: the registered swiglu op on the two halves (the compiler plans the buffers)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.ops.novatune.swiglu_fwd(gate, up)
+    return _SwiGLUGateUpFunction.apply(gate_up, inplace_backward)
+
+
+def swiglu_gate_up_mlp(x: Tensor, gate_up_proj: nn.Module, down_proj: nn.Module,
+                       inplace_backward: bool = True) -> Tensor:
+    """down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x) - HF's Phi3MLP forward with the fused
+    activation reading the halves in place. The projections are called, so LoRA / quantised wrappers keep
+    working; gate_up is a fresh projection output read by nothing else, so its memory can take the gradient."""
+    return down_proj(swiglu_gate_up(gate_up_proj(x), inplace_backward=inplace_backward))
+
+
 class NovaSwiGLUMLP(nn.Module):
     """Gated-SiLU MLP using the fused activation; holds (shares) the three projection modules it is given.
 

@@ -85,8 +85,11 @@ def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
 
 def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
     """eps for the fused q/k-norm + RoPE kernel, or None when this attention has no (compatible) q/k norms."""
-    if spec.attention.q_norm is None or spec.norm_offset or spec.norm_rounding != "normalised":
-        return None  # the fused kernel computes Llama's norm (Gemma 3's (1 + w) norms run offset_rms_norm)
+    if (spec.attention.q_norm is None or spec.attention.qk_norm_scope != "head" or spec.norm_offset
+            or spec.norm_rounding != "normalised"):
+        # the fused kernel normalises each head with Llama's norm (a projection-wide norm, or Gemma 3's (1 + w)
+        # norms, run on their own)
+        return None
     qn, kn = getattr(attn, spec.attention.q_norm, None), getattr(attn, spec.attention.k_norm, None)
     if qn is None or kn is None or type(qn).__name__ not in spec.norm_classes:
         return None
@@ -100,7 +103,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
           selection=None, moe: bool = True) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
-    Gemma 3 text), a PEFT model wrapping one, or a Trainer.
+    Gemma 3 text, Phi-3 / Phi-4-mini, OLMo 2), a PEFT model wrapping one, or a Trainer.
 
     rms_norm / swiglu / cross_entropy: fused kernels for every RMSNorm, the SwiGLU MLPs and lm_head + loss.
     cross_entropy_mode: "auto" | "tokens" | "vocab" | "inplace" (novatune.ops.linear_cross_entropy; auto picks
@@ -199,11 +202,12 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
     tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
     why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
            f"{spec.mlp.act_config}={act!r} is not what novatune {spec.mlp.glu} computes ({spec.mlp.activations})"
-           if act not in spec.mlp.activations else None)
+           if act not in spec.mlp.activations else quirks.mlp_refusal(module, spec))
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling)
-        report.add(path, "mlp", "replaced", f"gate/up GEMMs + novatune {spec.mlp.glu} + down GEMM"
+        gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
+        report.add(path, "mlp", "replaced", f"{gate_up} + novatune {spec.mlp.glu} + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "") + tiled)
         return
     report.add(path, "mlp", "skipped", why)
@@ -220,7 +224,9 @@ def _patch_norm(module: nn.Module, path: str, kind: str, spec: FamilySpec, repor
     report.add(path, kind, "replaced", f"novatune {op} (Triton on CUDA, fp32 reference on CPU)"
                + ("; one rounding after the weight, in fp32" if spec.norm_rounding == "output" else "")
                + (f"; weight offset {spec.norm_offset:g} (x_hat * ({spec.norm_offset:g} + w))"
-                  if spec.norm_offset else ""))
+                  if spec.norm_offset else "")
+               + ("; on the sublayer's output before the residual add (the layer's stock order)"
+                  if kind == "post_norm" else ""))
 
 
 def _tiling_words(tiling: MLPTiling) -> str:
@@ -236,9 +242,16 @@ def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, repo
     softcap = getattr(module, spec.attention.softcap, None) if spec.attention.softcap else None
     allowed = ({"_novatune_attn_backend_allowed": ("auto", *SINK_BACKENDS)} if _has_sinks(module, spec) else
                {"_novatune_attn_backend_allowed": ("auto", *SOFTCAP_BACKENDS)} if softcap is not None else {})
+    split = quirks.qkv_split(module) if spec.attention.qkv_proj is not None else None
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
-          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window, **allowed)
+          _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window,
+          _novatune_qkv_split=split, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
+    extra += f"; fused {spec.attention.qkv_proj} split {list(split)}" if split else ""
+    extra += ("; q/k norms over the whole projection" if spec.attention.q_norm is not None
+              and spec.attention.qk_norm_scope == "projection" else "")
+    rotary = quirks.rotary_dim(config, module.head_dim)
+    extra += f"; partial rotary (first {rotary} of {module.head_dim} features)" if rotary else ""
     extra += f"; sliding window {window} per document" if window is not None else ""
     extra += "; attention sinks per head" if _has_sinks(module, spec) else ""
     extra += f"; logits soft-capped at {softcap}" if softcap is not None else ""
@@ -276,7 +289,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         cls = type(module).__name__
         leaf = path.rsplit(".", 1)[-1]
         if cls in spec.norm_classes:
-            kind = "qk_norm" if leaf in qk_norm_names else "rms_norm"
+            kind = "qk_norm" if leaf in qk_norm_names else "post_norm" if leaf in spec.post_norms else "rms_norm"
             why = (refused.get("rms_norm", "rms_norm=False") if not rms_norm or "rms_norm" in refused else
                    None if hasattr(module, spec.norm_eps_attr) else
                    f"no attribute {spec.norm_eps_attr!r} (eps) on {cls}")

@@ -20,7 +20,7 @@ from novatune.ops.offset_rms_norm import offset_rms_norm
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
-from novatune.ops.swiglu import swiglu_mlp
+from novatune.ops.swiglu import swiglu_gate_up_mlp, swiglu_mlp
 from novatune.patch.lora import grouped_qlora
 from novatune.patch.tiled import tiled_rows
 
@@ -42,6 +42,10 @@ _GLU_MLPS = {"swiglu": swiglu_mlp, "geglu": geglu_mlp}
 
 def _swiglu_mlp(self, x):
     names = self._novatune_mlp
+    if names.gate_up_proj is not None:
+        # Phi-3: one projection whose output is [gate | up] (HF chunks it in two); a SiLU gate (the spec's glu)
+        return swiglu_gate_up_mlp(x, getattr(self, names.gate_up_proj), getattr(self, names.down_proj),
+                                  inplace_backward=self._novatune_swiglu_inplace)
     return _GLU_MLPS[names.glu](x, getattr(self, names.gate_proj), getattr(self, names.up_proj),
                                 getattr(self, names.down_proj), inplace_backward=self._novatune_swiglu_inplace)
 
@@ -78,17 +82,12 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
     names = self._novatune_attn
     b, s, _ = hidden_states.shape
     d = self.head_dim
-    projections = (getattr(self, names.q_proj), getattr(self, names.k_proj), getattr(self, names.v_proj))
-    # QLoRA: the three projections in one grouped op when they all take the fused fast path (fewer launches and
-    # less host time); anything else calls each module
-    qkv = grouped_qlora(projections, hidden_states)
-    if qkv is not None and not self._novatune_fuse_qk_norm:
-        # q/k/v are blocks of one buffer; the attention saves v, and without the fused q/k-norm nothing else keeps
-        # q and k (RoPE saves cos/sin only): a copy of v lets the buffer go after RoPE
-        qkv = (qkv[0], qkv[1], qkv[2].contiguous())
-    qkv = qkv or tuple(p(hidden_states) for p in projections)
-    q, k, v = (t.view(b, s, -1, d) for t in qkv)  # (b, s, hq, d), (b, s, hk, d), (b, s, hk, d)
-    cos, sin = position_embeddings  # (b, s, d), per token: packed documents restart their positions
+    q, k, v = _project_qkv(self, names, hidden_states)
+    if names.q_norm is not None and names.qk_norm_scope == "projection":
+        # OLMo 2: RMSNorm over the whole (heads x head_dim) projection output, before the reshape to heads
+        q, k = getattr(self, names.q_norm)(q), getattr(self, names.k_norm)(k)
+    q, k, v = (t.view(b, s, -1, d) for t in (q, k, v))  # (b, s, hq, d), (b, s, hk, d), (b, s, hk, d)
+    cos, sin = position_embeddings  # (b, s, r), per token: packed documents restart their positions
     if names.rope_tables == "half":
         # GPT-OSS's tables cover one half of the head and rotate (x1, x2) to (x1 c - x2 s, x2 c + x1 s): HF's
         # rotate_half rotation with each table repeated over both halves
@@ -98,9 +97,10 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
         qn, kn = getattr(self, names.q_norm), getattr(self, names.k_norm)
         q, k = qk_norm_rope(q, k, qn.weight, kn.weight, self._novatune_qk_eps, cos, sin)
     else:
-        if names.q_norm is not None:
+        if names.q_norm is not None and names.qk_norm_scope == "head":
             q = getattr(self, names.q_norm)(q)
             k = getattr(self, names.k_norm)(k)
+        # tables narrower than head_dim (partial rotary, Phi-4-mini) rotate the first r features of each head
         q, k = apply_rope(q, k, cos, sin, unsqueeze_dim=2)
     hq, hk = q.shape[2], k.shape[2]
     sinks = getattr(self, names.sinks, None) if names.sinks is not None else None
@@ -109,6 +109,24 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
                            scale=self.scaling, backend=self._novatune_attn_backend,
                            window=self._novatune_window, sinks=sinks, softcap=softcap)  # (b*s, hq, d)
     return getattr(self, names.o_proj)(out.reshape(b, s, hq * d)), None  # flex may return a strided view
+
+
+def _project_qkv(self, names, hidden_states):
+    """q, k, v as (b, s, heads x head_dim) from the family's projections."""
+    if names.qkv_proj is not None:
+        # Phi-3: one fused projection [q | k | v]; torch.split's backward writes the three gradients into one
+        # buffer. v is copied so the fused output can go once RoPE has read q and k (the attention saves v)
+        q, k, v = torch.split(getattr(self, names.qkv_proj)(hidden_states), self._novatune_qkv_split, dim=-1)
+        return q, k, v.contiguous()
+    projections = (getattr(self, names.q_proj), getattr(self, names.k_proj), getattr(self, names.v_proj))
+    # QLoRA: the three projections in one grouped op when they all take the fused fast path (fewer launches and
+    # less host time); anything else calls each module
+    qkv = grouped_qlora(projections, hidden_states)
+    if qkv is not None and not self._novatune_fuse_qk_norm:
+        # q/k/v are blocks of one buffer; the attention saves v, and without the fused q/k-norm nothing else keeps
+        # q and k (RoPE saves cos/sin only): a copy of v lets the buffer go after RoPE
+        qkv = (qkv[0], qkv[1], qkv[2].contiguous())
+    return qkv or tuple(p(hidden_states) for p in projections)
 
 
 def decoder_pre_hook(module, args, kwargs):

@@ -94,8 +94,11 @@ def skip_reason(module: nn.Module, names: LoRASpec) -> str | None:
 def _projections(model: nn.Module, spec: FamilySpec) -> dict[int, str]:
     """id(module) -> "attention"/"mlp" for every projection slot of the family's attention and MLP modules."""
     slots = {}
-    attn_names = (spec.attention.q_proj, spec.attention.k_proj, spec.attention.v_proj, spec.attention.o_proj)
-    mlp_names = (spec.mlp.gate_proj, spec.mlp.up_proj, spec.mlp.down_proj)
+    attn = spec.attention
+    attn_names = ((attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj)) + (
+        attn.o_proj,)
+    mlp_names = ((spec.mlp.gate_up_proj,) if spec.mlp.gate_up_proj is not None else (
+        spec.mlp.gate_proj, spec.mlp.up_proj)) + (spec.mlp.down_proj,)
     for module in model.modules():
         cls = type(module).__name__
         names = attn_names if cls in spec.attention_classes else mlp_names if cls in spec.mlp_classes else ()

@@ -3,8 +3,9 @@
 `refusals(config, spec)` reads each MATH_ATTRIBUTE (patch/spec.py) from the config: a non-neutral value the spec
 does not list in `honours` refuses every module of that attribute's kind, with the reason. `attention_refusal`
 checks what lives on an attention module instead of the config (its own window, sinks, soft-capping, q/k norms,
-non-causal).
-The forwards then implement exactly the declared quirks: `layer_window` is the one sliding window they apply.
+non-causal, projections that do not fit the spec's names or a fused [q | k | v] width); `mlp_refusal` the MLP's
+projections. The forwards then implement exactly the declared quirks: `layer_window` is the one sliding window they
+apply, `qkv_split` the one split of a fused projection, `rotary_dim` the rotated width the report names.
 """
 from __future__ import annotations
 
@@ -58,6 +59,50 @@ def attention_refusal(module: nn.Module, spec: FamilySpec, backend: str | bool =
     own = getattr(module, "sliding_window", None)
     if own is not None and spec.attention.window_attr != "sliding_window":
         return f"{cls} has sliding_window={own}, which the {spec.name} spec does not declare"
+    return _projection_refusal(module, spec)
+
+
+def _projection_refusal(module: nn.Module, spec: FamilySpec) -> str | None:
+    """Why the spec's projection names do not fit this attention module, or None."""
+    cls, names = type(module).__name__, spec.attention
+    wanted = (names.qkv_proj,) if names.qkv_proj is not None else (names.q_proj, names.k_proj, names.v_proj)
+    missing = [n for n in (*wanted, names.o_proj) if getattr(module, n, None) is None]
+    if missing:
+        return f"{cls} has no {', '.join(missing)} (the {spec.name} spec's projections)"
+    if names.qkv_proj is None:
+        return None
+    split = qkv_split(module)
+    out = getattr(getattr(module, names.qkv_proj), "out_features", None)
+    if split is None or out != sum(split):
+        return (f"{cls}.{names.qkv_proj} has {out} outputs, not the q/k/v split {split} its config's head counts "
+                f"give")
+    return None
+
+
+def qkv_split(module: nn.Module) -> tuple[int, int, int] | None:
+    """(q, k, v) widths of a fused [q | k | v] projection, from the module's config head counts and head_dim."""
+    config = getattr(module, "config", None)
+    hq, hk = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if hq is None or hk is None:
+        return None
+    return hq * module.head_dim, hk * module.head_dim, hk * module.head_dim
+
+
+def rotary_dim(config, head_dim: int) -> int | None:
+    """The rotated features per head when partial rotary is on (the model's tables are this wide), else None."""
+    factor = config_value(config, "partial_rotary_factor")
+    if factor is None or float(factor) == 1.0:
+        return None
+    return int(head_dim * float(factor))
+
+
+def mlp_refusal(module: nn.Module, spec: FamilySpec) -> str | None:
+    """Why the spec's MLP projection names do not fit this module, or None."""
+    names = spec.mlp
+    wanted = (names.gate_up_proj,) if names.gate_up_proj is not None else (names.gate_proj, names.up_proj)
+    missing = [n for n in (*wanted, names.down_proj) if getattr(module, n, None) is None]
+    if missing:
+        return f"{type(module).__name__} has no {', '.join(missing)} (the {spec.name} spec's projections)"
     return None
 
 

@@ -16,8 +16,14 @@ class AttentionSpec:
     k_proj: str = "k_proj"
     v_proj: str = "v_proj"
     o_proj: str = "o_proj"
-    q_norm: str | None = None  # per-head RMSNorm on q before RoPE (Qwen3)
+    # one fused projection whose output is [q | k | v], split by head counts (num_attention_heads x head_dim, then
+    # num_key_value_heads x head_dim twice: Phi-3); q_proj / k_proj / v_proj are then unused
+    qkv_proj: str | None = None
+    q_norm: str | None = None  # RMSNorm on q before RoPE (Qwen3, OLMo 2)
     k_norm: str | None = None
+    # what a q/k norm normalises: "head" = each head's head_dim features, after the reshape to heads (Qwen3);
+    # "projection" = the whole num_heads x head_dim projection output, before the reshape (OLMo 2)
+    qk_norm_scope: str = "head"
     # sliding-window attention: the layer's window is this attention-module attribute (Qwen2/3 set it per layer
     # from config.layer_types) or this config attribute for every layer (Mistral); None on both = no window
     window_attr: str | None = None
@@ -46,6 +52,8 @@ class MLPSpec:
     activations: tuple[str, ...] = ("silu", "swish")  # values of config.<act_config> the fused kernel computes
     act_config: str = "hidden_act"  # the config attribute naming the activation (Gemma 2/3: hidden_activation)
     glu: str = "swiglu"  # the fused op: "swiglu" (novatune.ops.swiglu) or "geglu" (novatune.ops.geglu)
+    # one fused projection whose output is [gate | up], two equal halves (Phi-3); gate_proj / up_proj then unused
+    gate_up_proj: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,4 +213,8 @@ class FamilySpec:
     norm_rounding: str = "normalised"
     # module classes kept stock on purpose: (class name, report kind, why), listed in the patch report
     stock_modules: tuple[tuple[str, str, str], ...] = ()
+    # decoder-layer norms applied to a sublayer's output before the residual add (OLMo 2's post_attention_layernorm
+    # and post_feedforward_layernorm). The decoder layer's own forward stays stock, so the order is stock's; the
+    # norms get the fused kernel like every RMSNorm and the report lists them as kind "post_norm"
+    post_norms: tuple[str, ...] = ()
     notes: str = ""

@@ -9,6 +9,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+# Phi-4-mini-instruct's LongRoPE long factors (one per rotated frequency: 96 / 2), from its config.json
+PHI4_MINI_LONG_FACTOR = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6,
+    32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+
 ARCHS: dict[str, dict[str, Any]] = {
     # docs/BENCHMARKS.md's headline model: Qwen/Qwen3-4B-Instruct-2507
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -65,6 +73,23 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768),
+    # microsoft/Phi-4-mini-instruct: fused qkv / gate_up projections, 24 query / 8 KV heads of 128, partial rotary
+    # 0.75 (96 of 128 features rotate), LongRoPE (short factors below 4096 positions, long ones past), a window
+    # wider than any row, 200k vocabulary, tied embeddings
+    "phi-4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True,
+                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=131072,
+                       original_max_position_embeddings=4096, sliding_window=262144, resid_pdrop=0.0,
+                       embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=199999, bos_token_id=199999,
+                       eos_token_id=200020,
+                       rope_scaling=dict(rope_type="longrope", partial_rotary_factor=0.75,
+                                         original_max_position_embeddings=4096,
+                                         short_factor=[1.0] * 48, long_factor=PHI4_MINI_LONG_FACTOR)),
+    # allenai/OLMo-2-1124-7B: post-norm layers, q/k norms over the whole projection, 32 heads (no GQA)
+    "olmo-2-7b": dict(model_type="olmo2", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=100352, tie_word_embeddings=False,
+                      rms_norm_eps=1e-6, rope_theta=5e5, max_position_embeddings=4096, attention_bias=False,
+                      pad_token_id=100277, eos_token_id=100257, bos_token_id=None),
 }
 
 

@@ -173,6 +173,10 @@ def test_moe_stacks_name_their_experts_and_refuse_varlen_without_cuda():
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, vocab_size=64))
     assert stacks._grouped_mm_experts(dense) is None
+    phi3 = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(  # a dense fused gate_up_proj
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    assert stacks._grouped_mm_experts(phi3) is None
     cfg = load(None, ["model.device=cpu"])
     assert "CUDA" in stacks.STACKS["hf-varlen"].unavailable(cfg)
 

@@ -22,11 +22,11 @@ from novatune.reference.rope import rope_bwd_ref, rope_ref
 TOL = {torch.float32: 1e-6, torch.bfloat16: 6e-3 if interpreter_on() else 3e-3}
 
 
-def _make(b, hq, hk, s, d, dtype, u, device, table_batch=None):
+def _make(b, hq, hk, s, d, dtype, u, device, table_batch=None, rotary_dim=None):
     shape = (lambda h: (b, h, s, d)) if u == 1 else (lambda h: (b, s, h, d))
     q = torch.randn(shape(hq), device=device, dtype=dtype)
     k = torch.randn(shape(hk), device=device, dtype=dtype)
-    ang = torch.rand(table_batch or b, s, d, device=device) * 6.3   # general tables: halves differ
+    ang = torch.rand(table_batch or b, s, rotary_dim or d, device=device) * 6.3   # general tables: halves differ
     return q, k, ang.cos().to(dtype), ang.sin().to(dtype)
 
 
@@ -59,6 +59,49 @@ CASES = [  # (b, hq, hk, s, d, dtype, unsqueeze_dim)
 def test_fwd_bwd_vs_ref(b, hq, hk, s, d, dtype, u, device):
     torch.manual_seed(0)
     _check(*_make(b, hq, hk, s, d, dtype, u, device), u, dtype)
+
+
+PARTIAL = [  # (b, hq, hk, s, d, rotary_dim, dtype, unsqueeze_dim): Phi-4-mini's 3/4, odd sizes, a narrow band
+    (1, 3, 1, 37, 32, 24, torch.float32, 2),
+    (2, 4, 2, 19, 64, 48, torch.bfloat16, 1),
+    (2, 3, 1, 1, 16, 12, torch.bfloat16, 2),
+    (1, 5, 1, 23, 96, 2, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("b,hq,hk,s,d,r,dtype,u", PARTIAL)
+def test_partial_rotary_vs_ref(b, hq, hk, s, d, r, dtype, u, device):
+    """Tables narrower than head_dim: the first r features rotate, the other d - r are copied bit for bit in both
+    directions (poisoned outputs: every element written)."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(b, hq, hk, s, d, dtype, u, device, rotary_dim=r)
+    _check(q, k, cos, sin, u, dtype)
+    qo, ko = rope_fwd(q, k, cos, sin, u, q_out=poison_(torch.empty_like(q)), k_out=poison_(torch.empty_like(k)))
+    assert torch.equal(qo[..., r:], q[..., r:]) and torch.equal(ko[..., r:], k[..., r:])
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    dq, dk = rope_bwd(gq, gk, cos, sin, u)
+    assert torch.equal(dq[..., r:], gq[..., r:]) and torch.equal(dk[..., r:], gk[..., r:])
+
+
+def test_partial_reference_is_phi3_formula():
+    """The oracle's partial rotary is transformers' Phi-3 apply_rotary_pos_emb (the stock formula), and its
+    backward is the oracle's transpose."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q, k, cos, sin = _make(2, 3, 1, 9, 32, torch.float32, 1, "cpu", rotary_dim=24)
+    hq, hk = apply_rotary_pos_emb(q, k, cos, sin)
+    rq, rk = rope_ref(q, k, cos, sin, 1)
+    assert_close(rq, hq, 1e-7, "q")
+    assert_close(rk, hk, 1e-7, "k")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    rq, rk = rope_ref(q, k, cos, sin, 1)
+    gq, gk = torch.randn_like(rq), torch.randn_like(rk)
+    torch.autograd.backward([rq, rk], [gq, gk])
+    dq, dk = rope_bwd_ref(gq, gk, cos, sin, 1)
+    assert_close(q.grad, dq, 1e-7, "dq")
+    assert_close(k.grad, dk, 1e-7, "dk")
 
 
 def test_ref_matches_autograd():
@@ -143,8 +186,10 @@ def test_rejects_bad_args(device):
     q, k, cos, sin = _make(1, 2, 1, 4, 64, torch.float32, 1, device)
     with pytest.raises(ValueError):
         rope_fwd(q, k, cos, sin, 3)
-    with pytest.raises(ValueError):   # partial rotary: tables narrower than head_dim
-        rope_fwd(q, k, cos[..., :32], sin[..., :32], 1)
+    with pytest.raises(ValueError):   # odd rotary width
+        rope_fwd(q, k, cos[..., :31], sin[..., :31], 1)
+    with pytest.raises(ValueError):   # tables wider than head_dim
+        rope_fwd(q[..., :32], k[..., :32], cos, sin, 1)
     with pytest.raises(ValueError):
         rope_fwd(q[..., :63], k[..., :63], cos[..., :63], sin[..., :63], 1)
 

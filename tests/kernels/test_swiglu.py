@@ -102,7 +102,7 @@ def test_launch_config_cache_keys(monkeypatch):
     runs the int64 variant even when an earlier test cached the same size)."""
     n = 37 * 127
     grid, meta = K._launch_args(n, 1024, 4)
-    assert grid == (5,) and meta == dict(BLOCK=1024, EVEN=False, I64=False, num_warps=4)
+    assert grid == (5,) and meta == dict(BLOCK=1024, EVEN=False, I64=False, num_warps=4, COLS=0)
     assert K._launch_args(n, 1024, 4) is K._launch_args(n, 1024, 4)   # cached
     assert K._launch_args(4096, 1024, 8)[1]["EVEN"]
     monkeypatch.setattr(K, "_I64_THRESHOLD", 0)
@@ -180,3 +180,42 @@ def test_gpu_speed_fraction_of_hbm_floor():
     floor_us = 8 * g.numel() * 2 / (copy_bandwidth_gbps() * 1e3)
     us = kernel_us(step)
     assert floor_us / us >= 0.7, f"swiglu fwd+bwd {us:.1f} us, floor {floor_us:.1f} us ({floor_us / us:.2f})"
+
+
+# ---------------------------------------------------------------- fused [gate | up] layout (Phi-3's gate_up_proj)
+GATE_UP = [  # (shape of gate_up, block, num_warps): odd widths and rows, a block that spans rows, one that divides
+    ((37, 2 * 127), None, None), ((2, 19, 2 * 48), 16, 4), ((2, 19, 2 * 48), 32, 4), ((1, 2), None, None),
+    ((3, 2 * 2560), 512, 4), ((4097, 2 * 7), None, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape,block,warps", GATE_UP, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+                         else str(v))
+def test_gate_up_fwd_bwd_match_reference(shape, block, warps, dtype, device):
+    """One (..., 2I) [gate | up] tensor in: the same values as the two-tensor kernels' reference on its halves;
+    d(gate_up) in the same layout, into a poisoned buffer and over gate_up itself (its last use)."""
+    gen = torch.Generator().manual_seed(1)
+    gu = torch.cat([3 * torch.randn(shape[:-1] + (shape[-1] // 2,), generator=gen),
+                    torch.randn(shape[:-1] + (shape[-1] // 2,), generator=gen)], dim=-1).to(dtype).to(device)
+    g, u = gu.chunk(2, dim=-1)
+    dy = torch.randn(g.shape, generator=gen).to(dtype).to(device)
+    y = poison_(torch.empty(g.shape, dtype=dtype, device=device))
+    assert K.swiglu_gate_up_fwd(gu, out=y, block=block, num_warps=warps) is y
+    assert_close(y, R.swiglu_ref(g, u), TOL[dtype], "y")
+    rdg, rdu = R.swiglu_bwd_ref(dy, g, u)
+    dgu = K.swiglu_gate_up_bwd(dy, gu, poison_(torch.empty_like(gu)), block=block, num_warps=warps)
+    assert_close(dgu, torch.cat([rdg, rdu], dim=-1), TOL[dtype], "dgate_up")
+    inplace = gu.clone()
+    assert K.swiglu_gate_up_bwd(dy, inplace, inplace, block=block, num_warps=warps) is inplace
+    assert torch.equal(inplace, dgu), "over gate_up: the same numbers"
+
+
+def test_gate_up_bad_arguments(device):
+    gu = torch.randn(3, 9, device=device)
+    with pytest.raises(ValueError, match="even"):
+        K.swiglu_gate_up_fwd(gu)
+    gu = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match="halved"):
+        K.swiglu_gate_up_bwd(torch.randn(3, 8, device=device), gu)
+    with pytest.raises(ValueError, match="contiguous with shape"):
+        K.swiglu_gate_up_fwd(gu, out=torch.empty(3, 8, device=device))

@@ -125,6 +125,37 @@ def test_opcheck(u, device):
     torch.library.opcheck(rope_bwd, (gq, gk, cos, sin, u))
 
 
+@pytest.mark.parametrize("dtype,u", [(torch.float32, 2), (torch.bfloat16, 1)])
+def test_partial_rotary_vs_phi3(dtype, u, device):
+    """Phi-4-mini's partial rotary (3/4 of head_dim) through the public op: values and gradients against
+    transformers' Phi-3 apply_rotary_pos_emb and the fp32 reference, tables from Phi3RotaryEmbedding on packed
+    positions; the registered op passes opcheck on the narrow tables."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+    torch.manual_seed(0)
+    b, hq, hk, s, d = 2, 3, 1, 21, 32
+    cfg = Phi3Config(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    pos = torch.cat([torch.arange(8), torch.arange(13)]).expand(b, s).to(device)
+    cos, sin = Phi3RotaryEmbedding(cfg).to(device)(torch.zeros(1, device=device, dtype=dtype), pos)
+    assert cos.shape == (b, s, 24)
+    shape = (lambda h: (b, h, s, d)) if u == 1 else (lambda h: (b, s, h, d))
+    q = torch.randn(shape(hq), device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape(hk), device=device, dtype=dtype, requires_grad=True)
+    gq, gk = torch.randn(q.shape, device=device, dtype=dtype), torch.randn(k.shape, device=device, dtype=dtype)
+    nq, nk, ndq, ndk = _grads(apply_rope, q, k, cos, sin, u, gq, gk)
+    hq_, hk_, hdq, hdk = _grads(phi3_rope, q, k, cos, sin, u, gq, gk)
+    rq, rk = rope_ref(q.detach(), k.detach(), cos, sin, u)
+    for name, out, ref, hf in [("q", nq, rq, hq_), ("k", nk, rk, hk_)]:
+        assert_close(out, ref, TOL_REF[dtype], f"{name} vs fp32 reference")
+        assert_close(out, hf, TOL_HF[dtype], f"{name} vs Phi-3's apply_rotary_pos_emb")
+    assert_close(ndq, hdq, TOL_HF[dtype], "dq")
+    assert_close(ndk, hdk, TOL_HF[dtype], "dk")
+    torch.library.opcheck(rope_fwd, (q.detach(), k.detach(), cos, sin, u))
+
+
 def test_cos_sin_get_no_grad(device):
     """Documented: cos/sin receive no gradient (HF builds them under no_grad)."""
     q, k, cos, sin = _inputs(1, 2, 1, 3, 8, torch.float32, 1, device)
@@ -136,9 +167,10 @@ def test_cos_sin_get_no_grad(device):
 
 def test_bad_args():
     q, k = torch.randn(1, 2, 4, 64), torch.randn(1, 1, 4, 64)
-    cos = sin = torch.ones(1, 4, 32)
-    with pytest.raises(ValueError, match="partial rotary"):
-        apply_rope(q, k, cos, sin)
+    with pytest.raises(ValueError, match="even width <= head_dim"):
+        apply_rope(q, k, torch.ones(1, 4, 33), torch.ones(1, 4, 33))
+    with pytest.raises(ValueError, match="even width <= head_dim"):
+        apply_rope(q, k, torch.ones(1, 4, 66), torch.ones(1, 4, 66))
     with pytest.raises(ValueError):
         apply_rope(q, k, torch.ones(1, 4, 64), torch.ones(1, 4, 64), unsqueeze_dim=0)
 

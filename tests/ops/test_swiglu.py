@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from novatune.measure.numerics import assert_close
-from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_mlp
+from novatune.ops.swiglu import NovaSwiGLUMLP, swiglu, swiglu_gate_up, swiglu_gate_up_mlp, swiglu_mlp
 from novatune.reference.swiglu import swiglu_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -207,6 +207,42 @@ def test_swiglu_mlp_with_peft_lora(device):
     stock = peft.inject_adapter_in_model(cfg, _tiny_qwen3_mlp())
     assert any("lora_" in n for n, p in stock.named_parameters() if p.requires_grad)
     _compare_mlps(stock, lambda m, t: swiglu_mlp(t, m.gate_proj, m.up_proj, m.down_proj), device)
+
+
+# ---- fused [gate | up] (Phi-3) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (37, 2 * 127)), (torch.bfloat16, (2, 19, 2 * 48)),
+                                         (torch.float32, (1, 1, 2))])
+def test_swiglu_gate_up_autograd_matches_fp32_reference(dtype, shape, inplace, device):
+    """One [gate | up] tensor (what Phi-3's gate_up_proj returns): values and its gradient against autograd of
+    silu(gate) * up on its halves in fp32; with inplace_backward the gradient is written over the input."""
+    gen = torch.Generator().manual_seed(0)
+    leaf = (3 * torch.randn(shape, generator=gen)).to(dtype).to(device).requires_grad_(True)
+    gate_up = leaf * 1  # a non-leaf, as a projection output is (autograd does not let a leaf be overwritten)
+    dy = torch.randn(shape[:-1] + (shape[-1] // 2,), generator=gen).to(dtype).to(device)
+    y = swiglu_gate_up(gate_up, inplace_backward=inplace)
+    y.backward(dy)
+    ref = leaf.detach().float().requires_grad_(True)
+    g32, u32 = ref.chunk(2, dim=-1)
+    ry = torch.nn.functional.silu(g32) * u32
+    ry.backward(dy.float())
+    assert y.dtype == dtype and leaf.grad.dtype == dtype and y.shape == ry.shape
+    assert_close(y, ry, _tol(dtype), "y")
+    assert_close(leaf.grad, ref.grad, _tol(dtype), "dgate_up")
+    if inplace:
+        assert torch.equal(gate_up.detach(), leaf.grad), "the gradient was written over gate_up"
+    with pytest.raises(ValueError, match="even"):
+        swiglu_gate_up(torch.randn(3, 5, device=device))
+
+
+def test_swiglu_gate_up_mlp_matches_hf_phi3_mlp(device):
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    torch.manual_seed(0)
+    stock = Phi3MLP(Phi3Config(hidden_size=64, intermediate_size=80, num_attention_heads=4, vocab_size=128)).float()
+    _compare_mlps(stock, lambda m, t: swiglu_gate_up_mlp(t, m.gate_up_proj, m.down_proj), device)
 
 
 # ---- GPU only ------------------------------------------------------------------------------------------

@@ -107,3 +107,84 @@ def tiny_gemma(family: str = "gemma2", seed: int = 0, dtype=torch.float32, layer
             if "norm" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model.to(dtype)
+
+
+def _perturb(model, seed: int, bias_std: float = 0.1, norm_std: float = 0.2) -> None:
+    """Norm weights drawn around 1 and biases away from 0 (their init), so a dropped norm or bias shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(bias_std * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                p.copy_(1.0 + norm_std * torch.randn(p.shape, generator=g))
+
+
+def tiny_phi3(seed: int = 0, dtype=torch.float32, layers: int = 2, sliding_window: int | None = 5,
+              partial_rotary_factor: float = 0.75, longrope_original: int | None = None, attn: str = "eager",
+              **overrides):
+    """Phi-3 / Phi-4-mini at toy size: fused qkv_proj and gate_up_proj, GQA (4 query / 2 key-value heads of 16),
+    partial rotary (3/4: the first 12 features of each head rotate), a sliding window of 5 on every layer, weights
+    at std 0.1 (peaked attention) and norms drawn around 1. longrope_original: LongRoPE tables with distinct short
+    and long factors and that original_max_position_embeddings (the long factors apply past it)."""
+    head_dim = 16
+    rotary_half = int(head_dim * partial_rotary_factor) // 2
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary_factor}
+    kw = dict(max_position_embeddings=256, original_max_position_embeddings=256)
+    if longrope_original is not None:
+        rope.update(rope_type="longrope", original_max_position_embeddings=longrope_original,
+                    short_factor=[1.0 + 0.1 * i for i in range(rotary_half)],
+                    long_factor=[2.0 + 3.0 * i for i in range(rotary_half)])
+        kw = dict(max_position_embeddings=4 * longrope_original, original_max_position_embeddings=longrope_original)
+    cfg = transformers.Phi3Config(
+        vocab_size=257, hidden_size=4 * head_dim, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=sliding_window, use_cache=False,
+        tie_word_embeddings=False, initializer_range=0.1, rope_parameters=rope, pad_token_id=None, bos_token_id=1,
+        eos_token_id=2, **kw, **overrides)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    _perturb(model, seed + 1)
+    return model.to(dtype)
+
+
+def tiny_olmo2(seed: int = 0, dtype=torch.float32, layers: int = 2, attn: str = "eager", **overrides):
+    """OLMo 2 at toy size: post-norm layers, q/k norms over the whole projection (64 and 32 wide), GQA, weights at
+    std 0.1 and every norm weight drawn around 1 (so a per-head q/k norm or a dropped post-norm shows)."""
+    cfg = transformers.Olmo2Config(
+        vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_cache=False, tie_word_embeddings=False,
+        initializer_range=0.1, rms_norm_eps=1e-6, **overrides)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    _perturb(model, seed + 1)
+    return model.to(dtype)
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def stock_per_document(model, ids, pos, lab):
+    """Loss and gradients of a packed batch computed by the model one document at a time: each document's summed
+    loss over the packed batch's label count, so the sum equals the packed mean (the ground truth for packed rows:
+    no attention across documents)."""
+    model.zero_grad(set_to_none=True)
+    n_items = int((lab[:, 1:] != -100).sum())
+    total = torch.zeros((), device=ids.device)
+    for r in range(ids.shape[0]):
+        starts = [i for i in range(ids.shape[1]) if pos[r, i] == 0] + [ids.shape[1]]
+        for a, b in zip(starts, starts[1:]):
+            out = model(input_ids=ids[r:r + 1, a:b], labels=lab[r:r + 1, a:b], use_cache=False,
+                        num_items_in_batch=torch.tensor(n_items))
+            out.loss.backward()
+            total += out.loss.detach()
+    return total, grads_of(model)
+
+
+def packed_loss_and_grads(model, ids, pos, lab):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=lab)
+    out.loss.backward()
+    return out.loss.detach(), grads_of(model)

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from novatune.patch.spec import FamilySpec
-from novatune.patch.specs import gemma, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from novatune.patch.specs import gemma, gpt_oss, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
 
 FAMILIES: tuple[FamilySpec, ...] = (qwen3.SPEC, qwen2.SPEC, llama.SPEC, mistral.SPEC, qwen3_moe.SPEC, mixtral.SPEC,
-                                    gpt_oss.SPEC, gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3)
+                                    gpt_oss.SPEC, gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, phi3.SPEC, olmo2.SPEC)
 
 
 def spec_for(model_type: str) -> FamilySpec | None:
