@@ -25,3 +25,25 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU through the Triton interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _backend_env_read_again():
+    """novatune.ops._backend reads NOVATUNE_BACKEND / TRITON_INTERPRET once: a test that sets them (through
+    `reference_backend` or monkeypatch) gets them read again at its end, after monkeypatch has undone them."""
+    yield
+    from novatune.ops import _backend
+
+    _backend.reset()
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    """A function that sets NOVATUNE_BACKEND=reference for the rest of the test (undone at its end)."""
+    from novatune.ops import _backend
+
+    def force() -> None:
+        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        _backend.reset()
+
+    return force

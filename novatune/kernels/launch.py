@@ -1,0 +1,192 @@
+"""Host-side helpers for the launchers: integer arithmetic without Triton's wrappers, and a lean kernel launch.
+
+Per-layer ops (RMSNorm, q/k-norm + RoPE, SwiGLU, RoPE) run thousands of times per optimizer step on small
+enough work that the host time spent queueing them shows in wall time. Two costs dominate besides the launch
+itself, and both are removed here:
+
+* `triton.cdiv` / `triton.next_power_of_2` are `constexpr_function` objects (Triton 3.6-3.9): each host call
+  goes through a wrapper that imports and unwraps its arguments (a few µs). `cdiv` and `next_pow2` below are plain
+  integer functions with the same results.
+* `JITFunction.__getitem__(grid)(*args)` re-derives, per launch, everything that picks the compiled kernel: it
+  binds the arguments, specialises each one (dtype, 16-byte alignment, ints equal to 1 or divisible by 16),
+  formats the options into the cache key, checks the kernel's globals and builds launch metadata, then calls the
+  compiled kernel's launcher. `LeanKernel` keeps the JIT path as the reference and for the first launch of every
+  key; afterwards it calls the compiled kernel's launcher directly with the same grid, stream, packed metadata and
+  arguments (constexprs included, as Triton passes them).
+
+The lean key (`arg_key`) is at least as fine as Triton's own specialisation of every argument, so two calls with
+one lean key always get the kernel Triton would compile for them: tensors by dtype and 16-byte alignment of the
+data pointer; ints by "equal to 1", "divisible by 16" and their i32 / i64 / u64 range; floats, bools and None by
+type. Any other argument type, a callable grid, a registered launch hook (e.g. a profiler's), or an unverified
+Triton version takes the JIT path. Triton's environment knobs (TRITON_DEBUG, instrumentation) are read at the
+first launch of each key: changing them mid-process needs `reset()`.
+
+`NOVATUNE_LEAN_LAUNCH=0` makes every launch take the JIT path (an A/B switch for measurements); it is read once,
+`reset()` reads it again and drops the cached kernels. On the CPU interpreter (TRITON_INTERPRET=1) the kernels are
+interpreted functions and always take Triton's own path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+
+log = logging.getLogger(__name__)
+
+# Triton versions whose launch convention was read and matched: launcher(grid_x, grid_y, grid_z, stream, function,
+# packed_metadata, launch_metadata, enter_hook, exit_hook, *all bound arguments), hooks as HookChain objects.
+_VERIFIED = ((3, 6), (3, 9))
+_I32, _I64 = 2**31, 2**63
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as triton.cdiv."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of 2 >= n (n >= 1), as triton.next_power_of_2; 0 for n <= 0 as Triton returns for 0."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _int_key(v: int):
+    # Triton: 1 -> a constexpr; otherwise i32 / i64 / u64 by range, "D" when divisible by 16
+    if v == 1:
+        return 1
+    return (v % 16 == 0, 0 if -_I32 <= v < _I32 else 1 if -_I64 <= v < _I64 else 2)
+
+
+def arg_key(a):
+    """A hashable key of one kernel argument, at least as fine as Triton's specialisation of it (see the module
+    docstring); raises TypeError for anything else, which sends the call to the JIT path."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    t = type(a)
+    if t is int:
+        return _int_key(a)
+    if t is float or t is bool or a is None:
+        return t
+    raise TypeError(type(a).__name__)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+class _State:
+    """Process-wide switches, read once (reset() reads them again)."""
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("NOVATUNE_LEAN_LAUNCH", "1") != "0"
+        self.reason = "" if self.enabled else "NOVATUNE_LEAN_LAUNCH=0"
+        if self.enabled and _triton_version() not in _VERIFIED:
+            self.enabled = False
+            self.reason = (f"triton {triton.__version__}: its launch convention is not one verified for the lean "
+                           f"launch ({', '.join(f'{a}.{b}' for a, b in _VERIFIED)})")
+            log.warning("novatune: kernels launch through Triton's JIT path: %s", self.reason)
+        self.runtime = None  # triton.knobs.runtime, bound at the first lean launch
+        self.get_device = self.get_stream = None
+
+
+_STATE = _State()
+_KERNELS: list[LeanKernel] = []
+
+
+def reset(enabled: bool | None = None) -> None:
+    """Re-read NOVATUNE_LEAN_LAUNCH (or force `enabled`) and drop every cached compiled kernel."""
+    global _STATE
+    _STATE = _State()
+    if enabled is not None:
+        _STATE.enabled = enabled and _triton_version() in _VERIFIED
+        _STATE.reason = "" if _STATE.enabled else "disabled by reset()"
+    for k in _KERNELS:
+        k.cache.clear()
+
+
+def lean_enabled() -> tuple[bool, str]:
+    """(whether CUDA launches take the lean path, why not)."""
+    return _STATE.enabled, _STATE.reason
+
+
+def _bind_runtime(state: _State) -> None:
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    state.get_device, state.get_stream = active.get_current_device, active.get_current_stream
+    state.runtime = knobs.runtime
+
+
+def _hooks_active(runtime) -> bool:
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_)
+                or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+
+
+class LeanKernel:
+    """`LeanKernel(jit_fn)[grid](*args, **meta)` launches like `jit_fn[grid](*args, **meta)` (same kernel, same
+    arguments, same stream), with the per-launch host work done once per key on CUDA."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.cache: dict = {}
+        self.lean_ok = self._eligible(fn)
+        _KERNELS.append(self)
+
+    @staticmethod
+    def _eligible(fn) -> bool:
+        from triton.runtime.jit import JITFunction
+
+        # the interpreter's functions, or a kernel with pre-run hooks, keep Triton's path
+        return type(fn) is JITFunction and not getattr(fn, "pre_run_hooks", None)
+
+    def warmup(self, *args, **kwargs):
+        return self.fn.warmup(*args, **kwargs)
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.run(grid, args, meta)
+
+    def run(self, grid, args: tuple, meta: dict) -> None:
+        state = _STATE
+        if not (self.lean_ok and state.enabled) or type(grid) is not tuple:
+            self.fn[grid](*args, **meta)
+            return
+        if state.runtime is None:
+            _bind_runtime(state)
+        if _hooks_active(state.runtime):
+            self.fn[grid](*args, **meta)
+            return
+        device = state.get_device()
+        try:
+            key = (device, tuple(map(arg_key, args)), tuple(meta.items()))
+            entry = self.cache.get(key)
+        except TypeError:  # an argument Triton may specialise otherwise, or an unhashable meta value
+            self.fn[grid](*args, **meta)
+            return
+        if entry is None:
+            self._first_launch(key, grid, args, meta)
+            return
+        launcher, function, packed, tail = entry
+        gx = grid[0]
+        gy = grid[1] if len(grid) > 1 else 1
+        gz = grid[2] if len(grid) > 2 else 1
+        launcher(gx, gy, gz, state.get_stream(device), function, packed, None, None, None, *args, *tail)
+
+    def _first_launch(self, key, grid, args: tuple, meta: dict) -> None:
+        """Launch through the JIT path (it compiles if needed) and keep what the next launches need."""
+        from triton.compiler import CompiledKernel
+
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **meta)
+        if not isinstance(kernel, CompiledKernel) or kernel.function is None:
+            return  # e.g. a compile hook took over: keep the JIT path for this key
+        params = self.fn.params[len(args):]
+        tail = tuple(meta[p.name] if p.name in meta else p.default for p in params)
+        self.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+
+
+def lean(fn) -> LeanKernel:
+    """Wrap a @triton.jit kernel for lean launches (see LeanKernel)."""
+    return LeanKernel(fn)
