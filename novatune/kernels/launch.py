@@ -14,10 +14,10 @@ itself, and both are removed here:
   key; afterwards it calls the compiled kernel's launcher directly with the same grid, stream, packed metadata and
   arguments (constexprs included, as Triton passes them).
 
-The lean key (`arg_key`) is at least as fine as Triton's own specialisation of every argument, so two calls with
+The lean key (`args_key`) is at least as fine as Triton's own specialisation of every argument, so two calls with
 one lean key always get the kernel Triton would compile for them: tensors by dtype and 16-byte alignment of the
-data pointer; ints by "equal to 1", "divisible by 16" and their i32 / i64 / u64 range; floats, bools and None by
-type. Any other argument type, a callable grid, a registered launch hook (e.g. a profiler's), or an unverified
+data pointer, ints by value, floats and bools by type (Triton does not specialise them). Any other argument
+type, a callable grid, a registered launch hook (e.g. a profiler's), or an unverified
 Triton version takes the JIT path. Triton's environment knobs (TRITON_DEBUG, instrumentation) are read at the
 first launch of each key: changing them mid-process needs `reset()`.
 
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # Triton versions whose launch convention was read and matched: launcher(grid_x, grid_y, grid_z, stream, function,
 # packed_metadata, launch_metadata, enter_hook, exit_hook, *all bound arguments), hooks as HookChain objects.
 _VERIFIED = ((3, 6), (3, 9))
-_I32, _I64 = 2**31, 2**63
+_CACHE_MAX = 1024
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,24 +51,26 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _int_key(v: int):
-    # Triton: 1 -> a constexpr; otherwise i32 / i64 / u64 by range, "D" when divisible by 16
-    if v == 1:
-        return 1
-    return (v % 16 == 0, 0 if -_I32 <= v < _I32 else 1 if -_I64 <= v < _I64 else 2)
-
-
-def arg_key(a):
-    """A hashable key of one kernel argument, at least as fine as Triton's specialisation of it (see the module
-    docstring); raises TypeError for anything else, which sends the call to the JIT path."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    t = type(a)
-    if t is int:
-        return _int_key(a)
-    if t is float or t is bool or a is None:
-        return t
-    raise TypeError(type(a).__name__)
+def args_key(args: tuple) -> tuple:
+    """A hashable key of a launch's arguments, at least as fine as Triton's specialisation of each: a tensor by
+    dtype and 16-byte alignment of its data pointer, an int by its value (Triton looks at "equal to 1", "divisible
+    by 16" and the i32 / i64 / u64 range, all functions of the value), a float or a bool by its type (fp32 and u1,
+    never specialised), None as itself. Raises TypeError for anything else, which sends the call to the JIT path."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            out.append(a)
+        elif t is float or t is bool:  # by type: 0 == False and 1 == True as dict keys
+            out.append(t)
+        elif isinstance(a, torch.Tensor):
+            out.append(a.dtype)
+            out.append(a.data_ptr() & 15 == 0)
+        elif a is None:
+            out.append(None)
+        else:
+            raise TypeError(t.__name__)
+    return tuple(out)
 
 
 def _triton_version() -> tuple[int, int]:
@@ -140,8 +142,8 @@ class LeanKernel:
     def _eligible(fn) -> bool:
         from triton.runtime.jit import JITFunction
 
-        # the interpreter's functions, or a kernel with pre-run hooks, keep Triton's path
-        return type(fn) is JITFunction and not getattr(fn, "pre_run_hooks", None)
+        # the interpreter's functions keep Triton's path
+        return type(fn) is JITFunction
 
     def warmup(self, *args, **kwargs):
         return self.fn.warmup(*args, **kwargs)
@@ -156,12 +158,13 @@ class LeanKernel:
             return
         if state.runtime is None:
             _bind_runtime(state)
-        if _hooks_active(state.runtime):
+        if _hooks_active(state.runtime) or self.fn.pre_run_hooks:
             self.fn[grid](*args, **meta)
             return
         device = state.get_device()
         try:
-            key = (device, tuple(map(arg_key, args)), tuple(meta.items()))
+            # meta values with their types: Triton keys constexprs by str(value), so 0 and False differ there
+            key = (device, args_key(args), tuple(meta.items()), tuple(map(type, meta.values())))
             entry = self.cache.get(key)
         except TypeError:  # an argument Triton may specialise otherwise, or an unhashable meta value
             self.fn[grid](*args, **meta)
@@ -184,6 +187,8 @@ class LeanKernel:
             return  # e.g. a compile hook took over: keep the JIT path for this key
         params = self.fn.params[len(args):]
         tail = tuple(meta[p.name] if p.name in meta else p.default for p in params)
+        if len(self.cache) >= _CACHE_MAX:  # ints are keyed by value: bound the growth (e.g. every row count)
+            self.cache.clear()
         self.cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
 
 
