@@ -38,12 +38,19 @@ def _backend_env_read_again():
 
 
 @pytest.fixture
-def reference_backend(monkeypatch):
-    """A function that sets NOVATUNE_BACKEND=reference for the rest of the test (undone at its end)."""
+def backend_env(monkeypatch):
+    """A function that sets NOVATUNE_BACKEND or TRITON_INTERPRET for the rest of the test (undone at its end) and
+    makes the device rule read it."""
     from novatune.ops import _backend
 
-    def force() -> None:
-        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    def set_env(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
         _backend.reset()
 
-    return force
+    return set_env
+
+
+@pytest.fixture
+def reference_backend(backend_env):
+    """A function that sets NOVATUNE_BACKEND=reference for the rest of the test (undone at its end)."""
+    return lambda: backend_env("NOVATUNE_BACKEND", "reference")

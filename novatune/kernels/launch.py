@@ -51,6 +51,13 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def empty_f32(shape: tuple, device: torch.device) -> torch.Tensor:
+    """torch.empty(shape, float32) from a tuple of ints: passing the ints one by one skips the symbolic-size parsing
+    a torch.Size goes through (~1 µs against ~3.5 µs on the CPU)."""
+    return torch.empty(*shape, dtype=torch.float32, device=device) if len(shape) else \
+        torch.empty((), dtype=torch.float32, device=device)
+
+
 def args_key(args: tuple) -> tuple:
     """A hashable key of a launch's arguments, at least as fine as Triton's specialisation of each: a tensor by
     dtype and 16-byte alignment of its data pointer, an int by its value (Triton looks at "equal to 1", "divisible

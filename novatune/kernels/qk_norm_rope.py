@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.kernels.launch import cdiv, lean, next_pow2
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
 
 # shared launch machinery; RESIDENCY (device, dtypes, meta) -> (programs per SM, how) holds rms_norm's entries too,
 # this file's keys start with "qk_norm_rope_bwd"
@@ -414,6 +414,15 @@ def _check_out(t: torch.Tensor, shape, dtype, name: str) -> None:
         f"got {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()}")
 
 
+def _new_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _given(t: torch.Tensor, shape, dtype, name: str) -> torch.Tensor:
+    _check_out(t, shape, dtype, name)
+    return t
+
+
 def _fwd_plan(q, k, q_weight, k_weight, cos, sin, block_t, split, num_warps) -> tuple:
     key = (q.shape, k.shape, q_weight.shape, k_weight.shape, cos.shape, sin.shape, q.dtype, k.dtype,
            q_weight.dtype, k_weight.dtype, q.device, block_t, split, num_warps)
@@ -447,17 +456,11 @@ def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     wq, wk = q_weight.contiguous(), k_weight.contiguous()
     c, sn, c_sb, c_ss = _table_args(cos, sin, b, s)
     q, k = _unit_last(q), _unit_last(k)
-    dev = q.device
-    outs = []
-    for t, shape, dtype, name in ((q_out, q.shape, qdt, "q_out"), (k_out, k.shape, kdt, "k_out"),
-                                  (rstd_q, q.shape[:3], torch.float32, "rstd_q"),
-                                  (rstd_k, k.shape[:3], torch.float32, "rstd_k")):
-        if t is None:
-            t = torch.empty(shape, dtype=dtype, device=dev)
-        else:
-            _check_out(t, shape, dtype, name)
-        outs.append(t)
-    q_out, k_out, rstd_q, rstd_k = outs
+    f32 = torch.float32
+    q_out = _given(q_out, q.shape, qdt, "q_out") if q_out is not None else _new_like(q, qdt)
+    k_out = _given(k_out, k.shape, kdt, "k_out") if k_out is not None else _new_like(k, kdt)
+    rstd_q = _given(rstd_q, q.shape[:3], f32, "rstd_q") if rstd_q is not None else empty_f32(q.shape[:3], q.device)
+    rstd_k = _given(rstd_k, k.shape[:3], f32, "rstd_k") if rstd_k is not None else empty_f32(k.shape[:3], k.device)
     if grid is None:
         return q_out, k_out, rstd_q, rstd_k
     _FWD[grid](q, k, wq, wk, c, sn, q_out, k_out, rstd_q, rstd_k, b * s, s, hq, hk, d, eps,
@@ -548,7 +551,7 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     for t, like, name in ((dq, q, "dq"), (dk, k, "dk"), (dq_weight, q_weight, "dq_weight"),
                           (dk_weight, k_weight, "dk_weight")):
         if t is None:
-            t = torch.empty(like.shape, dtype=like.dtype, device=q.device)
+            t = torch.empty_like(like, memory_format=torch.contiguous_format)
         else:
             _check_out(t, like.shape, like.dtype, name)
         outs.append(t)
@@ -564,7 +567,7 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     c, sn, c_sb, c_ss = _table_args(cos, sin, b, s)
     dq_out, dk_out, q, k = _unit_last(dq_out), _unit_last(dk_out), _unit_last(q), _unit_last(k)
     d = q.shape[-1]
-    partial = torch.empty((g, 2 * d), dtype=torch.float32, device=q.device)  # (G, [q | k] x d)
+    partial = torch.empty(g, 2 * d, dtype=torch.float32, device=q.device)  # (G, [q | k] x d)
     _BWD[(g,)](dq_out, dk_out, q, k, q_weight.contiguous(), k_weight.contiguous(),
                rstd_q if rstd_q.is_contiguous() else rstd_q.contiguous(),
                rstd_k if rstd_k.is_contiguous() else rstd_k.contiguous(), c, sn, dq, dk, partial,

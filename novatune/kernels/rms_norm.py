@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.kernels.launch import cdiv, lean, next_pow2
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
 
 # Rows are held whole in registers (one pass over x); beyond this many columns that stops being sensible.
 MAX_FUSED_N = 65536
@@ -345,11 +345,11 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, ou
     assert weight.shape == (n,), f"weight shape {tuple(weight.shape)} != ({n},)"
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=x.device)
+        out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     else:
         assert out.shape == shape and out.dtype == out_dtype and out.is_contiguous()
     if rstd is None:
-        rstd = torch.empty(shape[:-1], dtype=torch.float32, device=x.device)
+        rstd = empty_f32(shape[:-1], x.device)
     else:
         assert rstd.shape == shape[:-1] and rstd.dtype == torch.float32 and rstd.is_contiguous()
     numel = x.numel()
@@ -383,11 +383,11 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     _check_n(n)
     assert dy.shape == shape and rstd.shape == shape[:-1] and weight.shape == (n,)
     if dx is None:
-        dx = torch.empty(shape, dtype=x.dtype, device=x.device)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
         assert dx.shape == shape and dx.dtype == x.dtype and dx.is_contiguous()
     if dw is None:
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
     else:
         assert dw.shape == weight.shape and dw.dtype == weight.dtype and dw.is_contiguous()
     numel = x.numel()
@@ -406,7 +406,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         cfg["sum"] = _sum_config(cfg["num_programs"], n, x.is_cuda)
         _remember(_BWD_CONFIGS, key, cfg)
     g = cfg["num_programs"]
-    partial = torch.empty((g, n), dtype=torch.float32, device=x.device)  # (G, N)
+    partial = torch.empty(g, n, dtype=torch.float32, device=x.device)  # (G, N)
     # dx is contiguous: the kernel reads it as (rows, N) with row stride N
     _BWD[(g,)](dy2, x2, w, rstd, dx, partial, stride_dy, stride_x, n, rows, n, cfg["n_blocks"], **cfg["meta"])
     sum_grid, sum_meta = cfg["sum"]

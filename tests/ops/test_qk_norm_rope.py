@@ -232,12 +232,12 @@ def test_opcheck(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cpu_reference_path(dtype, monkeypatch):
+def test_cpu_reference_path(dtype, backend_env):
     """Plain CPU (interpreter off): the reference path, which the kernels match (same rounding sequence)."""
     (nq, nk), q, k, gq, gk, cos, sin = _setup(2, 11, 4, 2, 64, dtype, "cpu")
     wq, wk = nq.weight.detach(), nk.weight.detach()
     kernel = _fwd_bwd(_fused(cos, sin), q, k, wq, wk, gq, gk)  # interpreter (conftest) -> the Triton kernels
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backend_env("TRITON_INTERPRET", "0")
     ref = _fwd_bwd(_fused(cos, sin), q, k, wq, wk, gq, gk)
     (hq_, hk_), hf_grads = _fwd_bwd(_hf(cos, sin), q, k, wq, wk, gq, gk)
     with torch.no_grad():
