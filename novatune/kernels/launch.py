@@ -130,8 +130,10 @@ def _bind_runtime(state: _State) -> None:
 
 
 def _hooks_active(runtime) -> bool:
+    """A launch hook (e.g. a profiler's) or a compile-pipeline hook is set: those need Triton's own path. The
+    verified versions hold launch hooks in HookChain objects (`.calls`); anything else counts as set."""
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_)
+    return bool(getattr(enter, "calls", True) or getattr(exit_, "calls", True)
                 or getattr(runtime, "add_stages_inspection_hook", None) is not None)
 
 
