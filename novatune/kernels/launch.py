@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 import triton
@@ -101,7 +102,7 @@ class _State:
 
 
 _STATE = _State()
-_KERNELS: list[LeanKernel] = []
+_KERNELS: weakref.WeakSet[LeanKernel] = weakref.WeakSet()
 
 
 def reset(enabled: bool | None = None) -> None:
@@ -145,7 +146,7 @@ class LeanKernel:
         self.fn = fn
         self.cache: dict = {}
         self.lean_ok = self._eligible(fn)
-        _KERNELS.append(self)
+        _KERNELS.add(self)
 
     @staticmethod
     def _eligible(fn) -> bool:

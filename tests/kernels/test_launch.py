@@ -168,6 +168,116 @@ def test_interpreted_kernels_keep_tritons_path():
     assert not rms_norm._FWD.lean_ok and not rms_norm._BWD.lean_ok
 
 
+# ----------------------------------------------------------------------------------------------- vs Triton's JIT
+class _Recorder:
+    """Stands in for a launcher module's LeanKernel: records (grid, args, meta) of each launch."""
+
+    def __init__(self, lean_kernel):
+        self.lean = lean_kernel
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.calls.append((grid, args, meta))
+
+
+def _recorded_launches(monkeypatch) -> list:
+    """(kernel, grid, args, meta) of every launch the per-layer ops make, recorded from their real launchers on the
+    CPU: odd shapes, a misaligned input, a view of a fused projection, broadcast tables, overrides."""
+    from novatune.kernels import qk_norm_rope as kq
+    from novatune.kernels import rms_norm as kr
+    from novatune.kernels import rope as kro
+    from novatune.kernels import swiglu as ks
+
+    recorders = []
+    for mod, names in ((kr, ("_FWD", "_BWD", "_SUM")), (kq, ("_FWD", "_BWD", "_SUM")), (ks, ("_FWD", "_BWD")),
+                       (kro, ("_ROPE",))):
+        for name in names:
+            rec = _Recorder(getattr(mod, name))
+            monkeypatch.setattr(mod, name, rec)
+            recorders.append(rec)
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+
+    def rnd(*shape, dtype=bf):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    x, w = rnd(3, 37, 96), rnd(96)
+    xm = rnd(3 * 37 * 96 + 1)[1:].view(3, 37, 96)  # misaligned
+    for xi, wi in ((x, w), (xm, w.float())):
+        y, r = kr.rms_norm_fwd(xi, wi, 1e-6)
+        kr.rms_norm_bwd(rnd(3, 37, 96), xi, wi, r)
+    kr.rms_norm_bwd(rnd(3, 37, 96), x, w, r, block_m=4, num_programs=3, stages=0)
+    qkv = rnd(2, 5, 8 * 32)
+    q, k = qkv[..., :4 * 32].view(2, 5, 4, 32), qkv[..., 4 * 32:6 * 32].view(2, 5, 2, 32)
+    wq, wk, cos, sin = rnd(32), rnd(32), rnd(1, 5, 32), rnd(1, 5, 32)
+    qo, ko, rq, rk = kq.qk_norm_rope_fwd(q, k, wq, wk, 1e-6, cos, sin)
+    kq.qk_norm_rope_bwd(rnd(2, 5, 4, 32), rnd(2, 5, 2, 32), q, k, wq, wk, rq, rk, cos, sin)
+    kq.qk_norm_rope_bwd(qo, ko, q, k, wq, wk, rq, rk, rnd(5, 32), rnd(5, 32), rows=4, stages=1)
+    g, u = rnd(7, 33), rnd(7, 33)
+    ks.swiglu_fwd(g, u)
+    ks.swiglu_bwd(rnd(7, 33), g, u)
+    qh, kh = rnd(2, 4, 5, 16), rnd(2, 2, 5, 16)
+    kro.rope_fwd(qh, kh, rnd(2, 5, 16), rnd(2, 5, 16))
+    kro.rope_bwd(qh, kh, rnd(1, 5, 16), rnd(1, 5, 16))
+    return [(rec.lean.fn, *call) for rec in recorders for call in rec.calls]
+
+
+def test_lean_launch_calls_the_launcher_as_tritons_jit_path_does(monkeypatch):
+    """For every launch the per-layer ops make, a compiled-mode JITFunction of the same kernel source is launched
+    through Triton's JIT path and through LeanKernel (first launch through the JIT, second from the cache), with
+    compilation replaced by a stand-in kernel that records its launcher's arguments: the lean launch passes the
+    same grid, stream, function, packed metadata and arguments (launch metadata and hooks None: no hook is set)."""
+    from triton.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from novatune.kernels.launch import _VERIFIED, _triton_version
+
+    if _triton_version() not in _VERIFIED:
+        pytest.skip(f"triton {triton.__version__}: the lean launch is off")
+    from triton.backends.compiler import GPUTarget
+
+    launches = []
+
+    class Compiled(CompiledKernel):
+        def __init__(self):  # noqa: D107 - no binary: nothing to load
+            self.function, self.packed_metadata, self.module = "function", (4, 1, 0), None
+
+        @property
+        def run(self):
+            return lambda *a: launches.append(a)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def __del__(self):
+            pass
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 1234,
+        get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    recorded = _recorded_launches(monkeypatch)
+    assert len(recorded) == 17
+    for kernel, grid, args, meta in recorded:
+        jit = JITFunction(getattr(kernel, "fn", kernel))  # the source under the interpreter's wrapper
+
+        def compile_stub(key, signature, device, constexprs, options, attrs, warmup, jit=jit):
+            jit.device_caches[device][0][key] = compiled = Compiled()
+            return compiled
+
+        jit._do_compile = compile_stub
+        launches.clear()
+        jit[grid](*args, **meta)
+        L.reset(enabled=True)
+        lk = L.LeanKernel(jit)
+        lk[grid](*args, **meta)
+        lk[grid](*args, **meta)
+        assert len(launches) == 3 and lk.cache, kernel
+        want, got = launches[0], launches[2]
+        assert len(got) == len(want) and got[:6] == want[:6] and got[6:9] == (None, None, None), kernel
+        assert all(a is b for a, b in zip(got[9:], want[9:])), kernel
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 def _ops_calls(dtype, offset):
     """(name, fn() -> tensors) for each op on the lean launch, its inputs starting `offset` elements into a buffer
