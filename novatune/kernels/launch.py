@@ -12,14 +12,15 @@ itself, and both are removed here:
   formats the options into the cache key, checks the kernel's globals and builds launch metadata, then calls the
   compiled kernel's launcher. `LeanKernel` keeps the JIT path as the reference and for the first launch of every
   key; afterwards it calls the compiled kernel's launcher directly with the same grid, stream, packed metadata and
-  arguments (constexprs included, as Triton passes them).
+  arguments (constexprs included, as Triton passes them), tensors as their device addresses (which spares the
+  launcher a data_ptr() call and a driver query per pointer).
 
-The lean key (`args_key`) is at least as fine as Triton's own specialisation of every argument, so two calls with
-one lean key always get the kernel Triton would compile for them: tensors by dtype and 16-byte alignment of the
-data pointer, ints by value, floats and bools by type (Triton does not specialise them). Any other argument
-type, a callable grid, a registered launch hook (e.g. a profiler's), or an unverified
-Triton version takes the JIT path. Triton's environment knobs (TRITON_DEBUG, instrumentation) are read at the
-first launch of each key: changing them mid-process needs `reset()`.
+The lean key (`key_and_call_args`) is at least as fine as Triton's own specialisation of every argument, so two
+calls with one lean key always get the kernel Triton would compile for them: tensors by dtype and 16-byte
+alignment of the data pointer, ints by value, floats and bools by type (Triton does not specialise them). Any
+other argument type, a tensor off the GPU, a callable grid, a registered launch hook (e.g. a profiler's), or an
+unverified Triton version takes the JIT path. Triton's environment knobs (TRITON_DEBUG, instrumentation) are read
+at the first launch of each key: changing them mid-process needs `reset()`.
 
 `NOVATUNE_LEAN_LAUNCH=0` makes every launch take the JIT path (an A/B switch for measurements); it is read once,
 `reset()` reads it again and drops the cached kernels. On the CPU interpreter (TRITON_INTERPRET=1) the kernels are
@@ -59,26 +60,42 @@ def empty_f32(shape: tuple, device: torch.device) -> torch.Tensor:
         torch.empty((), dtype=torch.float32, device=device)
 
 
-def args_key(args: tuple) -> tuple:
-    """A hashable key of a launch's arguments, at least as fine as Triton's specialisation of each: a tensor by
-    dtype and 16-byte alignment of its data pointer, an int by its value (Triton looks at "equal to 1", "divisible
-    by 16" and the i32 / i64 / u64 range, all functions of the value), a float or a bool by its type (fp32 and u1,
-    never specialised), None as itself. Raises TypeError for anything else, which sends the call to the JIT path."""
-    out = []
+def key_and_call_args(args: tuple, cuda_only: bool = True) -> tuple[tuple, list]:
+    """(key, call arguments) of a launch. The key is at least as fine as Triton's specialisation of each argument:
+    a tensor by dtype and 16-byte alignment of its data pointer, an int by its value (Triton looks at "equal to 1",
+    "divisible by 16" and the i32 / i64 / u64 range, all functions of the value), a float or a bool by its type
+    (fp32 and u1, never specialised), None as itself. In the call arguments a tensor is its data pointer: Triton's
+    launcher takes an int as the device address as it is, where for a tensor it calls data_ptr() and asks the
+    driver to translate it (cuPointerGetAttribute, per pointer per launch), which for CUDA device memory gives the
+    same address. Raises TypeError for anything else, or (cuda_only) a tensor not on a CUDA device: the call then
+    takes the JIT path, which raises Triton's own error for it."""
+    key, call = [], []
     for a in args:
         t = type(a)
         if t is int:
-            out.append(a)
+            key.append(a)
+            call.append(a)
         elif t is float or t is bool:  # by type: 0 == False and 1 == True as dict keys
-            out.append(t)
+            key.append(t)
+            call.append(a)
         elif isinstance(a, torch.Tensor):
-            out.append(a.dtype)
-            out.append(a.data_ptr() & 15 == 0)
+            if cuda_only and not a.is_cuda:
+                raise TypeError("a tensor not on a CUDA device")
+            ptr = a.data_ptr()
+            key.append(a.dtype)
+            key.append(ptr & 15 == 0)
+            call.append(ptr)
         elif a is None:
-            out.append(None)
+            key.append(None)
+            call.append(None)
         else:
             raise TypeError(t.__name__)
-    return tuple(out)
+    return tuple(key), call
+
+
+def args_key(args: tuple) -> tuple:
+    """The key part of key_and_call_args (any device)."""
+    return key_and_call_args(args, cuda_only=False)[0]
 
 
 def _triton_version() -> tuple[int, int]:
@@ -97,6 +114,7 @@ class _State:
             self.reason = (f"triton {triton.__version__}: its launch convention is not one verified for the lean "
                            f"launch ({', '.join(f'{a}.{b}' for a, b in _VERIFIED)})")
             log.warning("novatune: kernels launch through Triton's JIT path: %s", self.reason)
+        self.cuda_only = True  # tensors must be CUDA tensors (their pointers are passed as device addresses)
         self.runtime = None  # triton.knobs.runtime, bound at the first lean launch
         self.get_device = self.get_stream = None
 
@@ -173,8 +191,9 @@ class LeanKernel:
             return
         device = state.get_device()
         try:
+            args_k, call = key_and_call_args(args, state.cuda_only)
             # meta values with their types: Triton keys constexprs by str(value), so 0 and False differ there
-            key = (device, args_key(args), tuple(meta.items()), tuple(map(type, meta.values())))
+            key = (device, args_k, tuple(meta.items()), tuple(map(type, meta.values())))
             entry = self.cache.get(key)
         except TypeError:  # an argument Triton may specialise otherwise, or an unhashable meta value
             self.fn[grid](*args, **meta)
@@ -186,7 +205,7 @@ class LeanKernel:
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
-        launcher(gx, gy, gz, state.get_stream(device), function, packed, None, None, None, *args, *tail)
+        launcher(gx, gy, gz, state.get_stream(device), function, packed, None, None, None, *call, *tail)
 
     def _first_launch(self, key, grid, args: tuple, meta: dict) -> None:
         """Launch through the JIT path (it compiles if needed) and keep what the next launches need."""

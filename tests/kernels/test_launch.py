@@ -93,6 +93,7 @@ def stand_in(monkeypatch):
     lk = L.LeanKernel(fn)
     lk.lean_ok = True
     monkeypatch.setattr(L._STATE, "enabled", True)
+    monkeypatch.setattr(L._STATE, "cuda_only", False)  # CPU tensors stand in for CUDA ones
     runtime = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
     monkeypatch.setattr(L._STATE, "runtime", runtime)
     monkeypatch.setattr(L._STATE, "get_device", lambda: 3)
@@ -103,15 +104,15 @@ def stand_in(monkeypatch):
 def test_lean_launch_passes_what_the_jit_path_would(stand_in):
     """The first launch of a key goes through the JIT path; the next ones call the compiled kernel's launcher with
     the grid, the stream, the packed metadata, no launch metadata or hooks, then every bound argument in order
-    (constexprs from the call, then defaults), as Triton's JITFunction.run does."""
+    (constexprs from the call, then defaults), as Triton's JITFunction.run does, tensors as their addresses."""
     lk, fn, _ = stand_in
     x = torch.empty(32, dtype=torch.bfloat16)
     lk[(5,)](x, 17, 1e-6, BLOCK=64, num_warps=4)
     assert len(fn.jit_calls) == 1 and fn.kernel.launches == []
     lk[(5, 2)](x, 17, 1e-6, BLOCK=64, num_warps=4)
     assert len(fn.jit_calls) == 1
-    assert fn.kernel.launches == [(5, 2, 1, 77, fn.kernel.function, (4, 1, 0), None, None, None, x, 17, 1e-6, 64,
-                                   True)]
+    assert fn.kernel.launches == [(5, 2, 1, 77, fn.kernel.function, (4, 1, 0), None, None, None, x.data_ptr(), 17,
+                                   1e-6, 64, True)]
     # anything Triton may specialise differently is a new key: the JIT path again
     lk[(5,)](x[1:], 17, 1e-6, BLOCK=64, num_warps=4)   # misaligned pointer
     lk[(5,)](x, 16, 1e-6, BLOCK=64, num_warps=4)       # another int
@@ -139,9 +140,12 @@ def test_hooks_switches_and_odd_calls_take_the_jit_path(stand_in, monkeypatch):
     fn.pre_run_hooks.clear()
     lk[lambda meta: (1,)](x, 3, 0.5, BLOCK=8)    # a callable grid
     lk[(1,)]((x, x), 3, 0.5, BLOCK=8)            # a tuple argument
+    monkeypatch.setattr(L._STATE, "cuda_only", True)
+    lk[(1,)](x, 3, 0.5, BLOCK=8)                 # a tensor off the GPU: Triton's path raises its own error
+    monkeypatch.setattr(L._STATE, "cuda_only", False)
     monkeypatch.setattr(L._STATE, "enabled", False)
     lk[(1,)](x, 3, 0.5, BLOCK=8)
-    assert (len(fn.jit_calls), len(fn.kernel.launches)) == (6, 1)
+    assert (len(fn.jit_calls), len(fn.kernel.launches)) == (7, 1)
 
 
 def test_switch_and_unverified_triton(monkeypatch, caplog):
@@ -226,7 +230,8 @@ def test_lean_launch_calls_the_launcher_as_tritons_jit_path_does(monkeypatch):
     """For every launch the per-layer ops make, a compiled-mode JITFunction of the same kernel source is launched
     through Triton's JIT path and through LeanKernel (first launch through the JIT, second from the cache), with
     compilation replaced by a stand-in kernel that records its launcher's arguments: the lean launch passes the
-    same grid, stream, function, packed metadata and arguments (launch metadata and hooks None: no hook is set)."""
+    same grid, stream, function, packed metadata and arguments (launch metadata and hooks None: no hook is set;
+    tensors as their data pointers, which Triton's launcher takes as device addresses)."""
     from triton.compiler import CompiledKernel
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -269,13 +274,15 @@ def test_lean_launch_calls_the_launcher_as_tritons_jit_path_does(monkeypatch):
         launches.clear()
         jit[grid](*args, **meta)
         L.reset(enabled=True)
+        L._STATE.cuda_only = False  # CPU tensors stand in for CUDA ones
         lk = L.LeanKernel(jit)
         lk[grid](*args, **meta)
         lk[grid](*args, **meta)
         assert len(launches) == 3 and lk.cache, kernel
         want, got = launches[0], launches[2]
         assert len(got) == len(want) and got[:6] == want[:6] and got[6:9] == (None, None, None), kernel
-        assert all(a is b for a, b in zip(got[9:], want[9:])), kernel
+        for a, b in zip(got[9:], want[9:]):  # tensors as their addresses
+            assert (a == b.data_ptr() if isinstance(b, torch.Tensor) else a is b), kernel
 
 
 # ----------------------------------------------------------------------------------------------- GPU
