@@ -3,10 +3,11 @@ is what the host spends queueing it (the GPU finishes each kernel before the hos
 
 Prints µs per forward and per forward+backward for rms_norm, qk_norm_rope, swiglu and rope, each through the lean
 launch (novatune/kernels/launch.py: the compiled kernel called directly) and through Triton's JIT launch
-(NOVATUNE_LEAN_LAUNCH=0's path), and torch's nearest equivalents. `--baseline REF` also runs this script on the
-novatune package of git ref REF (e.g. main) in a subprocess, so one call shows before and after.
+(NOVATUNE_LEAN_LAUNCH=0's path), and torch's nearest equivalents. `--baseline REF` also runs this script on
+another novatune in a subprocess (REF: a folder holding a `novatune` package, or a git ref such as main), so one
+call shows before and after.
 
-    python bench/experiments/exp_host_per_op.py [--baseline main] [--cprofile] [--json PATH] [--device cpu]
+    python bench/experiments/exp_host_per_op.py [--baseline main|FOLDER] [--cprofile] [--json PATH] [--device cpu]
 """
 from __future__ import annotations
 
@@ -129,13 +130,21 @@ def print_rows(title: str, rows: dict) -> None:
 
 
 def baseline(ref: str) -> dict:
-    """This script run on the novatune package of git ref `ref` (extracted to a temporary folder)."""
+    """This script run on another novatune: `ref` is a folder holding a `novatune` package, or a git ref whose
+    `novatune` is extracted to a temporary folder (needs the repository's .git)."""
+    if os.path.isdir(os.path.join(ref, "novatune")):
+        return _run_on(os.path.abspath(ref))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", root, "archive", ref, "novatune"], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        return _run_on(tmp)
+
+
+def _run_on(pythonpath: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, PYTHONPATH=tmp)
+        env = dict(os.environ, PYTHONPATH=pythonpath)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--json", out, "--quiet", "--device", DEVICE],
                        env=env, check=True)
         with open(out) as f:
@@ -161,7 +170,7 @@ def cprofile() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", help="git ref whose novatune to measure too (e.g. main)")
+    ap.add_argument("--baseline", help="a folder holding a novatune package, or a git ref (e.g. main), to measure too")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--quiet", action="store_true")
