@@ -27,13 +27,32 @@ def device():
     return "cuda" if HAS_CUDA else "cpu"
 
 
-@pytest.fixture(autouse=True)
+_BACKEND_ENV = ("NOVATUNE_BACKEND", "TRITON_INTERPRET")
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _backend_env_read_again():
-    """novatune.ops._backend reads NOVATUNE_BACKEND / TRITON_INTERPRET once: a test that sets them (through
-    `reference_backend` or monkeypatch) gets them read again at its end, after monkeypatch has undone them."""
-    yield
+    """novatune.ops._backend reads NOVATUNE_BACKEND / TRITON_INTERPRET once. For the whole test session, setting or
+    deleting either (monkeypatch.setenv and its undo, os.environ[...]) makes it read them again, so a test that sets
+    them sees them at once; `reference_backend` / `backend_env` say it explicitly."""
     from novatune.ops import _backend
 
+    environ = type(os.environ)
+    real_set, real_del = environ.__setitem__, environ.__delitem__
+
+    def setitem(self, key, value):
+        real_set(self, key, value)
+        if key in _BACKEND_ENV:
+            _backend.reset()
+
+    def delitem(self, key):
+        real_del(self, key)
+        if key in _BACKEND_ENV:
+            _backend.reset()
+
+    environ.__setitem__, environ.__delitem__ = setitem, delitem
+    yield
+    environ.__setitem__, environ.__delitem__ = real_set, real_del
     _backend.reset()
 
 
