@@ -187,6 +187,7 @@ class _Recorder:
 def _recorded_launches(monkeypatch) -> list:
     """(kernel, grid, args, meta) of every launch the per-layer ops make, recorded from their real launchers on the
     CPU: odd shapes, a misaligned input, a view of a fused projection, broadcast tables, overrides."""
+    from novatune.kernels import nf4 as kn
     from novatune.kernels import qk_norm_rope as kq
     from novatune.kernels import rms_norm as kr
     from novatune.kernels import rope as kro
@@ -194,7 +195,7 @@ def _recorded_launches(monkeypatch) -> list:
 
     recorders = []
     for mod, names in ((kr, ("_FWD", "_BWD", "_SUM")), (kq, ("_FWD", "_BWD", "_SUM")), (ks, ("_FWD", "_BWD")),
-                       (kro, ("_ROPE",))):
+                       (kro, ("_ROPE",)), (kn, ("_PAIRS", "_ELEMS", "_EMBED"))):
         for name in names:
             rec = _Recorder(getattr(mod, name))
             monkeypatch.setattr(mod, name, rec)
@@ -223,6 +224,11 @@ def _recorded_launches(monkeypatch) -> list:
     qh, kh = rnd(2, 4, 5, 16), rnd(2, 2, 5, 16)
     kro.rope_fwd(qh, kh, rnd(2, 5, 16), rnd(2, 5, 16))
     kro.rope_bwd(qh, kh, rnd(1, 5, 16), rnd(1, 5, 16))
+    for nested in (True, False):  # QLoRA's frozen weights: whole pairs, an odd-offset output, an embedding gather
+        t = kn.nf4_quantize_ref(rnd(6, 64), double_quant=nested)
+        kn.nf4_dequantize(t)
+        kn.nf4_dequantize(t, out=torch.empty(6 * 64 + 1, dtype=bf)[1:])
+        kn.nf4_embedding(t, torch.tensor([[0, 5, 2]]))
     return [(rec.lean.fn, *call) for rec in recorders for call in rec.calls]
 
 
@@ -262,7 +268,7 @@ def test_lean_launch_calls_the_launcher_as_tritons_jit_path_does(monkeypatch):
         get_current_device=lambda: 0, get_current_stream=lambda device: 1234,
         get_current_target=lambda: GPUTarget("cuda", 90, 32)))
     recorded = _recorded_launches(monkeypatch)
-    assert len(recorded) == 17
+    assert len(recorded) == 23
     for kernel, grid, args, meta in recorded:
         jit = JITFunction(getattr(kernel, "fn", kernel))  # the source under the interpreter's wrapper
 
@@ -313,7 +319,17 @@ def _ops_calls(dtype, offset):
         dys = [torch.randn(o.shape, device=dev, dtype=o.dtype, generator=gen) for o in outs]
         return [o.detach() for o in outs] + list(torch.autograd.grad(outs, inputs, dys))
 
-    return [("rms_norm", lambda: run(lambda: ops.rms_norm(x, w, 1e-6), x, w)),
+    kn = importlib.import_module("novatune.kernels.nf4")
+    t = kn.nf4_quantize_ref(torch.randn(6, 192, generator=torch.Generator().manual_seed(0)).to(dtype))
+    t = kn.NF4Tensor(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in t.__dict__.items()})
+    ids = torch.tensor([[0, 5, 2], [1, 1, 4]], device=dev)
+
+    def dequant():
+        out = torch.empty(6 * 192 + offset, device=dev, dtype=dtype)[offset:]
+        return [kn.nf4_dequantize(t, out=out), kn.nf4_embedding(t, ids)]
+
+    return [("nf4", dequant),
+            ("rms_norm", lambda: run(lambda: ops.rms_norm(x, w, 1e-6), x, w)),
             ("swiglu", lambda: run(lambda: ops.swiglu(g, u), g, u)),
             ("qk_norm_rope", lambda: run(lambda: qkr.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin), q, k, qw, kw)),
             ("rope", lambda: run(lambda: ops.apply_rope(qh, kh, cos, sin), qh, kh))]
