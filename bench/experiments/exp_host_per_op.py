@@ -72,6 +72,10 @@ def cases() -> list[tuple[str, object, object]]:
     q, k, qw, kw = leaf(1, 8, 32, 128), leaf(1, 8, 8, 128), leaf(128), leaf(128)
     cos, sin = torch.randn(1, 8, 128, device=dev, dtype=dt), torch.randn(1, 8, 128, device=dev, dtype=dt)
     qh, kh = leaf(1, 32, 8, 128), leaf(1, 8, 8, 128)
+    from novatune.kernels import nf4
+
+    t = nf4.nf4_quantize_ref(torch.randn(64, 256, dtype=dt))
+    t = nf4.NF4Tensor(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in t.__dict__.items()})
 
     def torch_qk_norm_rope():
         qn = F.rms_norm(q, (128,), qw, 1e-6)
@@ -97,6 +101,7 @@ def cases() -> list[tuple[str, object, object]]:
         ("rope fwd", lambda: ops.apply_rope(qh, kh, cos, sin), torch_rope),
         ("rope fwd+bwd", lambda: _grad(ops.apply_rope(qh, kh, cos, sin), (qh, kh)),
          lambda: _grad(torch_rope(), (qh, kh))),
+        ("nf4 dequantize (QLoRA)", lambda: nf4.nf4_dequantize(t), None),
         ("empty launch (torch.add)", None, lambda: torch.add(x, 1)),
     ]
 
