@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -98,6 +100,10 @@ def args_key(args: tuple) -> tuple:
     return key_and_call_args(args, cuda_only=False)[0]
 
 
+def _unbound(*args):
+    raise RuntimeError("novatune.kernels.launch: the driver is not bound yet")
+
+
 def _triton_version() -> tuple[int, int]:
     major, minor = triton.__version__.split(".")[:2]
     return int(major), int(minor)
@@ -115,8 +121,10 @@ class _State:
                            f"launch ({', '.join(f'{a}.{b}' for a, b in _VERIFIED)})")
             log.warning("novatune: kernels launch through Triton's JIT path: %s", self.reason)
         self.cuda_only = True  # tensors must be CUDA tensors (their pointers are passed as device addresses)
-        self.runtime = None  # triton.knobs.runtime, bound at the first lean launch
-        self.get_device = self.get_stream = None
+        # triton.knobs.runtime and the driver's current device / stream, bound at the first lean launch
+        self.runtime: Any = None
+        self.get_device: Callable[[], int] = _unbound
+        self.get_stream: Callable[[int], int] = _unbound
 
 
 _STATE = _State()
