@@ -25,3 +25,51 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: CUDA when present, else the CPU through the Triton interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+_BACKEND_ENV = ("NOVATUNE_BACKEND", "TRITON_INTERPRET")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _backend_env_read_again():
+    """novatune.ops._backend reads NOVATUNE_BACKEND / TRITON_INTERPRET once. For the whole test session, setting or
+    deleting either (monkeypatch.setenv and its undo, os.environ[...]) makes it read them again, so a test that sets
+    them sees them at once; `reference_backend` / `backend_env` say it explicitly."""
+    from novatune.ops import _backend
+
+    environ = type(os.environ)
+    real_set, real_del = environ.__setitem__, environ.__delitem__
+
+    def setitem(self, key, value):
+        real_set(self, key, value)
+        if key in _BACKEND_ENV:
+            _backend.reset()
+
+    def delitem(self, key):
+        real_del(self, key)
+        if key in _BACKEND_ENV:
+            _backend.reset()
+
+    environ.__setitem__, environ.__delitem__ = setitem, delitem
+    yield
+    environ.__setitem__, environ.__delitem__ = real_set, real_del
+    _backend.reset()
+
+
+@pytest.fixture
+def backend_env(monkeypatch):
+    """A function that sets NOVATUNE_BACKEND or TRITON_INTERPRET for the rest of the test (undone at its end) and
+    makes the device rule read it."""
+    from novatune.ops import _backend
+
+    def set_env(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        _backend.reset()
+
+    return set_env
+
+
+@pytest.fixture
+def reference_backend(backend_env):
+    """A function that sets NOVATUNE_BACKEND=reference for the rest of the test (undone at its end)."""
+    return lambda: backend_env("NOVATUNE_BACKEND", "reference")

@@ -41,12 +41,15 @@ No torch.autograd, no transformers, no bitsandbytes import here (ARCHITECTURE.md
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from novatune.kernels.launch import cdiv, lean, next_pow2
 
 # bitsandbytes' get_4bit_type("nf4") (create_normal_map(0.9677083), normalised to [-1, 1]), as fp32 values
 NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -358,11 +361,16 @@ def _nf4_embedding_kernel(ids_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr
     _store_out(out_ptr, tok[:, None] * H + col[None, :], w, out_mask, BF16_BITS)
 
 
-def _launch_kwargs() -> dict:
-    """enable_fp_fusion=False where the Triton backend takes it (the interpreter does not compile: no FMA)."""
-    import os
+# on CUDA the compiled kernel is called directly once Triton has picked it (novatune.kernels.launch): QLoRA
+# dequantises every frozen weight per forward, recompute and backward
+_PAIRS, _ELEMS, _EMBED = lean(_nf4_dequant_pairs_kernel), lean(_nf4_dequant_kernel), lean(_nf4_embedding_kernel)
+# enable_fp_fusion=False where the Triton backend takes it (the interpreter does not compile: no FMA). Read when the
+# kernels are decorated, at import, which is when Triton fixes interpreted-or-compiled too.
+_FP_FUSION_OFF = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
 
-    return {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
+
+def _launch_kwargs() -> dict:
+    return _FP_FUSION_OFF
 
 
 def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None,
@@ -388,16 +396,16 @@ def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor |
                       torch.float32: (2, torch.int64)}[dtype]
         bpp = max(1, 2048 // (t.blocksize // 2))  # 2 KiB of packed bytes per program: 16 per thread on 4 warps
         n_blocks = t.absmax.numel()
-        _nf4_dequant_pairs_kernel[(triton.cdiv(n_blocks, bpp),)](
+        _PAIRS[(cdiv(n_blocks, bpp),)](
             t.packed, t.absmax, t.code, a2, c2, off, flat.view(word), n // 2, n_blocks, BLOCKSIZE=t.blocksize,
             BLOCKSIZE2=t.blocksize2, NESTED=t.nested, OUT_KIND=kind, BLOCKS_PER_PROGRAM=bpp, num_warps=4,
             **_launch_kwargs())
         return out
-    grid = (triton.cdiv(n, block),)  # odd numel (a padding nibble) or an out at an odd element offset
+    grid = (cdiv(n, block),)  # odd numel (a padding nibble) or an out at an odd element offset
     bf16 = dtype == torch.bfloat16
-    _nf4_dequant_kernel[grid](t.packed, t.absmax, t.code, a2, c2, off, out.view(torch.int16) if bf16 else out, n,
-                              BLOCKSIZE=t.blocksize, BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16,
-                              BLOCK=block, **_launch_kwargs())
+    _ELEMS[grid](t.packed, t.absmax, t.code, a2, c2, off, out.view(torch.int16) if bf16 else out, n,
+                 BLOCKSIZE=t.blocksize, BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16, BLOCK=block,
+                 **_launch_kwargs())
     return out
 
 
@@ -432,11 +440,10 @@ def _embedding_launch(t: NF4Tensor, flat_ids: Tensor, out: Tensor, dtype: torch.
     """The launch itself, ids unchecked (the tests drive the kernel's out-of-range NaN rows through it)."""
     (V, H), T = t.shape, flat_ids.numel()
     a2, c2, off = _second_level_args(t)
-    block_h = min(triton.next_power_of_2(H), 1024)
+    block_h = min(next_pow2(H), 1024)
     block_t = max(1, 4096 // block_h)  # ~4096 elements per program: whole 64-element blocks for H >= 64
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    grid = (cdiv(T, block_t), cdiv(H, block_h))
     bf16 = dtype == torch.bfloat16
-    _nf4_embedding_kernel[grid](flat_ids, t.packed, t.absmax, t.code, a2, c2, off,
-                                out.view(torch.int16) if bf16 else out, T, V, H, BLOCKSIZE=t.blocksize,
-                                BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16, BLOCK_T=block_t,
-                                BLOCK_H=block_h, **_launch_kwargs())
+    _EMBED[grid](flat_ids, t.packed, t.absmax, t.code, a2, c2, off, out.view(torch.int16) if bf16 else out, T, V, H,
+                 BLOCKSIZE=t.blocksize, BLOCKSIZE2=t.blocksize2, NESTED=t.nested, BF16_BITS=bf16, BLOCK_T=block_t,
+                 BLOCK_H=block_h, **_launch_kwargs())

@@ -61,6 +61,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
+
 # shared launch machinery; RESIDENCY (device, dtypes, meta) -> (programs per SM, how) holds rms_norm's entries too,
 # this file's keys start with "qk_norm_rope_bwd"
 from novatune.kernels.rms_norm import RESIDENCY, _persistent_grid, _resident_per_sm, _round_to, num_sms  # noqa: F401
@@ -343,6 +345,22 @@ def _sum_partials_kernel(
 
 
 # ----------------------------------------------------------------------------------------------- launchers
+# Launch wrappers: on CUDA the compiled kernel is called directly once Triton has picked it (novatune.kernels.launch)
+_FWD, _BWD, _SUM = lean(_qk_norm_rope_fwd_kernel), lean(_qk_norm_rope_bwd_kernel), lean(_sum_partials_kernel)
+# Validated launch plans by (shapes, dtypes, device, overrides): checks, configs and the measured residency run
+# once per key; a call then reads only strides. The cap only bounds growth (e.g. every sequence length).
+_FWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, tuple] = {}
+_PLANS_MAX = 4096
+
+
+def _remember(cache: dict, key: tuple, value):
+    if len(cache) >= _PLANS_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be 4-d (b, s, h, d), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -373,6 +391,17 @@ def _tables(cos: torch.Tensor, sin: torch.Tensor, b: int, s: int, d: int) -> tup
     return out[0], out[1]
 
 
+def _table_args(cos: torch.Tensor, sin: torch.Tensor, b: int, s: int) -> tuple:
+    """(cos, sin, batch stride, seq stride) as the kernels read the tables: what _tables' views give, without
+    building them for the usual layout (3-d tables of one shape and layout, contiguous last dim; their shapes are
+    checked by the plan)."""
+    st = cos.stride()
+    if cos.dim() == 3 and st[-1] == 1 and st == sin.stride() and cos.shape == sin.shape:
+        return cos, sin, (0 if cos.shape[0] != b else st[0]), st[1]
+    c, sn = _tables(cos, sin, b, s, cos.shape[-1])
+    return c, sn, c.stride(0), c.stride(1)
+
+
 def _check_weight(w: torch.Tensor, d: int, name: str) -> torch.Tensor:
     if w.shape != (d,):
         raise ValueError(f"{name} must have shape ({d},), got {tuple(w.shape)}")
@@ -385,6 +414,37 @@ def _check_out(t: torch.Tensor, shape, dtype, name: str) -> None:
         f"got {tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()}")
 
 
+def _new_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _given(t: torch.Tensor, shape, dtype, name: str) -> torch.Tensor:
+    _check_out(t, shape, dtype, name)
+    return t
+
+
+def _fwd_plan(q, k, q_weight, k_weight, cos, sin, block_t, split, num_warps) -> tuple:
+    key = (q.shape, k.shape, q_weight.shape, k_weight.shape, cos.shape, sin.shape, q.dtype, k.dtype,
+           q_weight.dtype, k_weight.dtype, q.device, block_t, split, num_warps)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        b, s, hq, hk, d = _check_qk(q, k)
+        _check_weight(q_weight, d, "q_weight"), _check_weight(k_weight, d, "k_weight")
+        _tables(cos, sin, b, s, d)  # shape checks
+        qdt, kdt = torch.promote_types(q.dtype, q_weight.dtype), torch.promote_types(k.dtype, k_weight.dtype)
+        n_tok = b * s
+        grid = meta = None
+        if n_tok:
+            cfg = qk_norm_rope_fwd_config(n_tok, hq, hk, d, q.is_cuda, num_sms(q.device))
+            bt = block_t or cfg["block_t"]
+            block_d, bhq, bhk, sp = _head_blocks(hq, hk, d, split or cfg["split"])
+            grid = (cdiv(n_tok, bt) * sp,)
+            meta = dict(HALF=d // 2, BLOCK_D=block_d, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, SPLIT=sp,
+                        SOFT_RNE=not q.is_cuda, num_warps=num_warps or cfg["num_warps"])
+        plan = _remember(_FWD_PLANS, key, (b, s, hq, hk, d, qdt, kdt, grid, meta))
+    return plan
+
+
 def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      eps: float, cos: torch.Tensor, sin: torch.Tensor, *, q_out: torch.Tensor | None = None,
                      k_out: torch.Tensor | None = None, rstd_q: torch.Tensor | None = None,
@@ -392,31 +452,19 @@ def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
                      num_warps: int | None = None):
     """(q_out, k_out, rstd_q, rstd_k): q_out (b, s, hq, d) contiguous in promote(q, q_weight) dtype (k alike),
     rstd_* (b, s, h) fp32. Preallocated outputs must be contiguous; block_t/split/num_warps override the config."""
-    b, s, hq, hk, d = _check_qk(q, k)
-    wq, wk = _check_weight(q_weight, d, "q_weight"), _check_weight(k_weight, d, "k_weight")
-    c, sn = _tables(cos, sin, b, s, d)
+    b, s, hq, hk, d, qdt, kdt, grid, meta = _fwd_plan(q, k, q_weight, k_weight, cos, sin, block_t, split, num_warps)
+    wq, wk = q_weight.contiguous(), k_weight.contiguous()
+    c, sn, c_sb, c_ss = _table_args(cos, sin, b, s)
     q, k = _unit_last(q), _unit_last(k)
-    qdt, kdt = torch.promote_types(q.dtype, wq.dtype), torch.promote_types(k.dtype, wk.dtype)
-    q_out = torch.empty(q.shape, dtype=qdt, device=q.device) if q_out is None else q_out
-    k_out = torch.empty(k.shape, dtype=kdt, device=k.device) if k_out is None else k_out
-    rstd_q = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if rstd_q is None else rstd_q
-    rstd_k = torch.empty(k.shape[:3], dtype=torch.float32, device=k.device) if rstd_k is None else rstd_k
-    _check_out(q_out, q.shape, qdt, "q_out")
-    _check_out(k_out, k.shape, kdt, "k_out")
-    _check_out(rstd_q, q.shape[:3], torch.float32, "rstd_q")
-    _check_out(rstd_k, k.shape[:3], torch.float32, "rstd_k")
-    n_tok = b * s
-    if n_tok == 0:
+    f32 = torch.float32
+    q_out = _given(q_out, q.shape, qdt, "q_out") if q_out is not None else _new_like(q, qdt)
+    k_out = _given(k_out, k.shape, kdt, "k_out") if k_out is not None else _new_like(k, kdt)
+    rstd_q = _given(rstd_q, q.shape[:3], f32, "rstd_q") if rstd_q is not None else empty_f32(q.shape[:3], q.device)
+    rstd_k = _given(rstd_k, k.shape[:3], f32, "rstd_k") if rstd_k is not None else empty_f32(k.shape[:3], k.device)
+    if grid is None:
         return q_out, k_out, rstd_q, rstd_k
-    cfg = qk_norm_rope_fwd_config(n_tok, hq, hk, d, q.is_cuda, num_sms(q.device))
-    bt = block_t or cfg["block_t"]
-    block_d, bhq, bhk, sp = _head_blocks(hq, hk, d, split or cfg["split"])
-    n_items = triton.cdiv(n_tok, bt) * sp
-    _qk_norm_rope_fwd_kernel[(n_items,)](
-        q, k, wq, wk, c, sn, q_out, k_out, rstd_q, rstd_k, n_tok, s, hq, hk, d, eps,
-        *q.stride()[:3], *k.stride()[:3], c.stride(0), c.stride(1),
-        HALF=d // 2, BLOCK_D=block_d, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, SPLIT=sp, SOFT_RNE=not q.is_cuda,
-        num_warps=num_warps or cfg["num_warps"])
+    _FWD[grid](q, k, wq, wk, c, sn, q_out, k_out, rstd_q, rstd_k, b * s, s, hq, hk, d, eps,
+               *q.stride()[:3], *k.stride()[:3], c_sb, c_ss, **meta)
     return q_out, k_out, rstd_q, rstd_k
 
 
@@ -436,10 +484,10 @@ def _bwd_setup(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, si
     rows = overrides.get("rows") or cfg["rows"]
     (btq, bhq, spq), (btk, bhk, spk) = _rows_tile(hq, rows, n_tok), _rows_tile(hk, rows, n_tok)
     stages = cfg["stages"] if overrides.get("stages") is None else int(overrides["stages"])
-    meta = dict(HALF=d // 2, BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_TQ=btq, BLOCK_HQ=bhq, SPLIT_Q=spq,
+    meta = dict(HALF=d // 2, BLOCK_D=next_pow2(d // 2), BLOCK_TQ=btq, BLOCK_HQ=bhq, SPLIT_Q=spq,
                 BLOCK_TK=btk, BLOCK_HK=bhk, SPLIT_K=spk, PREFETCH=stages == 0, STAGES=max(stages, 1),
                 SOFT_RNE=not q.is_cuda, num_warps=overrides.get("num_warps") or cfg["num_warps"])
-    n_q, n_k = triton.cdiv(n_tok, btq) * spq, triton.cdiv(n_tok, btk) * spk
+    n_q, n_k = cdiv(n_tok, btq) * spq, cdiv(n_tok, btk) * spk
     args = [dq_out, dk_out, q, k, wq, wk, rstd_q.contiguous(), rstd_k.contiguous(), c, sn, None, None, None,
             n_tok, s, hq, hk, d, n_q, n_k, *dq_out.stride()[:3], *dk_out.stride()[:3], *q.stride()[:3],
             *k.stride()[:3], c.stride(0), c.stride(1)]
@@ -454,6 +502,25 @@ def _bwd_setup(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, si
                                   meta["num_warps"], q.device)
         g = _persistent_grid(n_items, sms, per_sm)
     return args, meta, max(1, min(int(g), n_items)), (n_q, n_k)
+
+
+def _bwd_plan(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin, overrides) -> tuple:
+    """(meta, G, (n_q, n_k), sum grid, sum meta), validated and measured once per key by _bwd_setup."""
+    key = (dq_out.shape, dk_out.shape, q.shape, k.shape, q_weight.shape, k_weight.shape, rstd_q.shape,
+           rstd_k.shape, cos.shape, sin.shape, dq_out.dtype, dk_out.dtype, q.dtype, k.dtype, q_weight.dtype,
+           k_weight.dtype, cos.dtype, sin.dtype, q.device, tuple(sorted(overrides.items())))
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        _, meta, g, items = _bwd_setup(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin,
+                                       overrides)
+        # the weight-grad reduction: column strips of 16 fp32, each program reading all G rows in one ~8K-element
+        # tile (as rms_norm's reduction); the interpreter takes all columns in one program
+        two_d = 2 * q.shape[-1]
+        rb_n = min(next_pow2(two_d), 16 if q.is_cuda else 512)
+        rb_g = max(16, min(next_pow2(g), 8192 // rb_n))
+        plan = _remember(_BWD_PLANS, key, (meta, g, items, (cdiv(two_d, rb_n),),
+                                           dict(BLOCK_G=rb_g, BLOCK_N=rb_n, SOFT_RNE=not q.is_cuda, num_warps=8)))
+    return plan
 
 
 def qk_norm_rope_bwd_launch_config(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin,
@@ -480,28 +547,31 @@ def qk_norm_rope_bwd(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor
     bad = set(overrides) - {"rows", "num_warps", "num_programs", "stages"}
     if bad:
         raise TypeError(f"unknown overrides {sorted(bad)}")
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dq_weight = torch.empty(q_weight.shape, dtype=q_weight.dtype, device=q.device) if dq_weight is None else dq_weight
-    dk_weight = torch.empty(k_weight.shape, dtype=k_weight.dtype, device=q.device) if dk_weight is None else dk_weight
-    _check_out(dq, q.shape, q.dtype, "dq")
-    _check_out(dk, k.shape, k.dtype, "dk")
-    _check_out(dq_weight, q_weight.shape, q_weight.dtype, "dq_weight")
-    _check_out(dk_weight, k_weight.shape, k_weight.dtype, "dk_weight")
-    if q.shape[0] * q.shape[1] == 0:
+    outs = []
+    for t, like, name in ((dq, q, "dq"), (dk, k, "dk"), (dq_weight, q_weight, "dq_weight"),
+                          (dk_weight, k_weight, "dk_weight")):
+        if t is None:
+            t = torch.empty_like(like, memory_format=torch.contiguous_format)
+        else:
+            _check_out(t, like.shape, like.dtype, name)
+        outs.append(t)
+    dq, dk, dq_weight, dk_weight = outs
+    b, s = q.shape[0], q.shape[1]
+    if b * s == 0:
         _check_qk(q, k)
         dq_weight.zero_()
         dk_weight.zero_()
         return dq, dk, dq_weight, dk_weight
-    args, meta, g, _ = _bwd_setup(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin, overrides)
+    meta, g, (n_q, n_k), sum_grid, sum_meta = _bwd_plan(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k,
+                                                        cos, sin, overrides)
+    c, sn, c_sb, c_ss = _table_args(cos, sin, b, s)
+    dq_out, dk_out, q, k = _unit_last(dq_out), _unit_last(dk_out), _unit_last(q), _unit_last(k)
     d = q.shape[-1]
-    partial = torch.empty((g, 2 * d), dtype=torch.float32, device=q.device)  # (G, [q | k] x d)
-    args[10], args[11], args[12] = dq, dk, partial
-    _qk_norm_rope_bwd_kernel[(g,)](*args, **meta)
-    # column strips of 16 fp32, each program reading all G rows in one ~8K-element tile (as rms_norm's
-    # reduction); the interpreter takes all columns in one program
-    rb_n = min(triton.next_power_of_2(2 * d), 16 if q.is_cuda else 512)
-    rb_g = max(16, min(triton.next_power_of_2(g), 8192 // rb_n))
-    _sum_partials_kernel[(triton.cdiv(2 * d, rb_n),)](partial, dq_weight, dk_weight, g, d, BLOCK_G=rb_g,
-                                                      BLOCK_N=rb_n, SOFT_RNE=not q.is_cuda, num_warps=8)
+    partial = torch.empty(g, 2 * d, dtype=torch.float32, device=q.device)  # (G, [q | k] x d)
+    _BWD[(g,)](dq_out, dk_out, q, k, q_weight.contiguous(), k_weight.contiguous(),
+               rstd_q if rstd_q.is_contiguous() else rstd_q.contiguous(),
+               rstd_k if rstd_k.is_contiguous() else rstd_k.contiguous(), c, sn, dq, dk, partial,
+               b * s, s, q.shape[2], k.shape[2], d, n_q, n_k, *dq_out.stride()[:3], *dk_out.stride()[:3],
+               *q.stride()[:3], *k.stride()[:3], c_sb, c_ss, **meta)
+    _SUM[sum_grid](partial, dq_weight, dk_weight, g, d, **sum_meta)
     return dq, dk, dq_weight, dk_weight

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
+
 # Rows are held whole in registers (one pass over x); beyond this many columns that stops being sensible.
 MAX_FUSED_N = 65536
 # Elements per program tile: 4096 -> 8 KiB of bf16 per tensor per program (one row of 2560, or 32 rows of 128).
@@ -195,8 +197,8 @@ def rms_norm_fwd_config(n_rows: int, n_cols: int) -> dict:
     16 elements per thread (two 16-byte bf16 vectors per tensor): ~40 registers, so 6+ programs fit per SM
     (sm_90, Triton 3.9), i.e. tens of KiB of loads in flight per SM through occupancy alone.
     """
-    block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    block_n = next_pow2(n_cols)
+    block_m = max(1, min(_TILE // block_n, next_pow2(max(n_rows, 1))))
     # 32 elements per thread: the H200 sweep (bench/results/ops.jsonl, 751c797) put 4 warps on a 4096 tile at
     # 9.8 µs vs 10.6 for 8 warps (4096 x 2560), and level (18.0 vs 18.3) on 131072 x 128
     return {"block_m": block_m, "num_warps": _num_warps_for(block_m * block_n, 32)}
@@ -216,8 +218,8 @@ def rms_norm_bwd_config(n_rows: int, n_cols: int, num_sms: int, resident_per_sm:
     stages 0 = prefetch one block ahead in registers; >= 2 = Triton's cp.async pipeliner with that many stages
     (one-row tiles: 4, i.e. three rows of x and dy in flight per program through shared memory).
     """
-    block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    block_n = next_pow2(n_cols)
+    block_m = max(1, min(_TILE // block_n, next_pow2(max(n_rows, 1))))
     # Measured on the H200 (bench_rms_norm --sweep, 751c797): 4096 x 2560 bwd 23.8 µs with one row on 8 warps and
     # Triton's pipeliner (stages 3) vs 33.3 µs for 16 warps with register prefetch; 131072 x 128 bwd 30.8 µs with
     # 32-row tiles on 8 warps vs 32.9 for 16-row tiles. Both are 16 elements per thread.
@@ -225,13 +227,13 @@ def rms_norm_bwd_config(n_rows: int, n_cols: int, num_sms: int, resident_per_sm:
     # bench/experiments/exp_rms_floor.py, 60e6848) fwd+bwd 37.55 µs graph / 33.38 kernel vs 39.14 / 35.14 at
     # stages 3; 5 stages measured the same as 4 (37.66 / 33.65)
     return {"block_m": block_m, "num_warps": _num_warps_for(block_m * block_n, 16),
-            "num_programs": _persistent_grid(triton.cdiv(n_rows, block_m), num_sms, resident_per_sm),
+            "num_programs": _persistent_grid(cdiv(n_rows, block_m), num_sms, resident_per_sm),
             "stages": 4 if block_m == 1 else 0}
 
 
 def _persistent_grid(n_blocks: int, num_sms: int, per_sm: int) -> int:
     g = max(1, min(n_blocks, per_sm * num_sms))
-    return triton.cdiv(n_blocks, triton.cdiv(n_blocks, g))  # same blocks per program, fewer partial rows
+    return cdiv(n_blocks, cdiv(n_blocks, g))  # same blocks per program, fewer partial rows
 
 
 @functools.cache
@@ -295,15 +297,53 @@ def _resident_per_sm(compile_kernel, key: tuple, num_warps: int, device: torch.d
 
 
 # ----------------------------------------------------------------------------------------------- launchers
+# Launch wrappers: on CUDA the compiled kernel is called directly once Triton has picked it (novatune.kernels.launch)
+_FWD, _BWD, _SUM = lean(_rms_norm_fwd_kernel), lean(_rms_norm_bwd_kernel), lean(_sum_partials_kernel)
+# Launch configs by shape (and dtypes, device, overrides): a training run sees a handful of keys; the cap only
+# bounds growth (e.g. every sequence length). Values are plain ints and dicts, nothing tied to a tensor.
+_FWD_CONFIGS: dict[tuple, tuple] = {}
+_BWD_CONFIGS: dict[tuple, dict] = {}
+_CONFIGS_MAX = 4096
+
+
+def _remember(cache: dict, key: tuple, value):
+    if len(cache) >= _CONFIGS_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     """(..., N) -> (rows, N) with unit column stride; a copy only if no such view exists."""
     t2 = t.reshape(-1, n)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _rows_of(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(tensor the kernel reads as (rows, N), its row stride). A contiguous tensor is passed as it is (the kernel
+    needs only its data pointer): no view is built."""
+    if t.is_contiguous():
+        return t, n
+    t2 = _rows_view(t, n)
+    return t2, t2.stride(0)
+
+
 def _check_n(n: int) -> None:
     if n > MAX_FUSED_N:
         raise ValueError(f"rms_norm kernel holds a row in registers; N={n} > {MAX_FUSED_N}")
+
+
+def _fwd_launch(rows: int, n: int, block_m: int | None, num_warps: int | None, on_gpu: bool,
+                round_normalised: bool = True) -> tuple:
+    key = (rows, n, block_m, num_warps, on_gpu, round_normalised)
+    got = _FWD_CONFIGS.get(key)
+    if got is None:
+        cfg = rms_norm_fwd_config(rows, n)
+        bm = block_m or cfg["block_m"]
+        meta = dict(BLOCK_M=bm, BLOCK_N=next_pow2(n), SOFT_RNE=not on_gpu, num_warps=num_warps or cfg["num_warps"],
+                    ROUND_NORMALISED=round_normalised)
+        got = _remember(_FWD_CONFIGS, key, ((cdiv(rows, bm),), meta))
+    return got
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None,
@@ -314,42 +354,38 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, ou
 
     round_normalised=True (Llama/Qwen): y = (w + offset) * round_x(x_hat) in dtype promote(x, w).
     round_normalised=False (Gemma, GPT-OSS): y = round_x((w + offset) * x_hat), all in fp32, in x's dtype."""
-    n = x.shape[-1]
+    shape = x.shape
+    n = shape[-1]
     _check_n(n)
     assert weight.shape == (n,), f"weight shape {tuple(weight.shape)} != ({n},)"
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_normalised else x.dtype
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
+    else:
+        assert out.shape == shape and out.dtype == out_dtype and out.is_contiguous()
     if rstd is None:
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    assert out.shape == x.shape and out.dtype == out_dtype and out.is_contiguous()
-    assert rstd.shape == x.shape[:-1] and rstd.dtype == torch.float32 and rstd.is_contiguous()
-    if x.numel() == 0:
+        rstd = empty_f32(shape[:-1], x.device)
+    else:
+        assert rstd.shape == shape[:-1] and rstd.dtype == torch.float32 and rstd.is_contiguous()
+    numel = x.numel()
+    if numel == 0:
         return out, rstd
-    x2 = _rows_view(x, n)  # (rows, N)
-    rows = x2.shape[0]
-    cfg = rms_norm_fwd_config(rows, n)
-    bm = block_m or cfg["block_m"]
-    w = weight.contiguous()
-    _rms_norm_fwd_kernel[(triton.cdiv(rows, bm),)](
-        x2, w, out.view(-1, n), rstd.view(-1), x2.stride(0), n, rows, n, eps, float(offset),
-        BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), SOFT_RNE=not x.is_cuda, ROUND_NORMALISED=round_normalised,
-        num_warps=num_warps or cfg["num_warps"],
-    )
+    rows = numel // n
+    x2, stride_x = _rows_of(x, n)
+    grid, meta = _fwd_launch(rows, n, block_m, num_warps, x.is_cuda, round_normalised)
+    # out and rstd are contiguous: the kernel reads them as (rows, N) and (rows,)
+    _FWD[grid](x2, weight.contiguous(), out, rstd, stride_x, n, rows, n, eps, float(offset), **meta)
     return out, rstd
 
 
-def _sum_partials(partial: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
-    """dw (N,) = partial (G, N).sum(0) in fp32, cast once to dw's dtype."""
-    g, n = partial.shape
-    # Column strips (32 fp32 = a 128-byte line per partial row; 16 for small N so that N = 128 still gets 8
-    # programs), each reading all G rows in one 8K-element tile when G <= 256..512: the whole kernel is then one
-    # round of loads, ~the latency of a single memory access, for the 2.6 MB / 256 KB of partials.
-    rb_n = min(triton.next_power_of_2(n), 32 if n > 1024 else 16)
-    rb_g = max(16, min(triton.next_power_of_2(g), 8192 // rb_n))
-    _sum_partials_kernel[(triton.cdiv(n, rb_n),)](partial, dw, g, n, BLOCK_G=rb_g, BLOCK_N=rb_n,
-                                                   SOFT_RNE=not partial.is_cuda, num_warps=8)
-    return dw
+def _sum_config(g: int, n: int, on_gpu: bool) -> tuple:
+    """(grid, meta) of the partial-sum kernel: dw (N,) = partial (G, N).sum(0) in fp32, cast once to dw's dtype.
+    Column strips (32 fp32 = a 128-byte line per partial row; 16 for small N so that N = 128 still gets 8
+    programs), each reading all G rows in one 8K-element tile when G <= 256..512: the whole kernel is then one
+    round of loads, ~the latency of a single memory access, for the 2.6 MB / 256 KB of partials."""
+    rb_n = min(next_pow2(n), 32 if n > 1024 else 16)
+    rb_g = max(16, min(next_pow2(g), 8192 // rb_n))
+    return (cdiv(n, rb_n),), dict(BLOCK_G=rb_g, BLOCK_N=rb_n, SOFT_RNE=not on_gpu, num_warps=8)
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
@@ -359,41 +395,65 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
                  round_normalised: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """dx (x.shape, x dtype), dw (N,, weight dtype). `dx`/`dw` may be preallocated (contiguous). offset and
     round_normalised: as the forward was called (rms_norm_fwd)."""
-    n = x.shape[-1]
+    shape = x.shape
+    n = shape[-1]
     _check_n(n)
-    assert dy.shape == x.shape and rstd.shape == x.shape[:-1] and weight.shape == (n,)
+    assert dy.shape == shape and rstd.shape == shape[:-1] and weight.shape == (n,)
     if dx is None:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        assert dx.shape == shape and dx.dtype == x.dtype and dx.is_contiguous()
     if dw is None:
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    assert dx.shape == x.shape and dx.dtype == x.dtype and dx.is_contiguous()
-    assert dw.shape == weight.shape and dw.dtype == weight.dtype and dw.is_contiguous()
-    if x.numel() == 0:
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    else:
+        assert dw.shape == weight.shape and dw.dtype == weight.dtype and dw.is_contiguous()
+    numel = x.numel()
+    if numel == 0:
         dw.zero_()
         return dx, dw
-    x2, dy2 = _rows_view(x, n), _rows_view(dy, n)  # (rows, N) each
-    args = [dy2, x2, weight.contiguous(), rstd.reshape(-1).contiguous(), dx.view(-1, n), None,
-            dy2.stride(0), x2.stride(0), n, x2.shape[0], n, float(offset)]
-    cfg = _bwd_launch_config(args, block_m, num_warps, num_programs, stages)
-    cfg["meta"]["ROUND_NORMALISED"] = round_normalised
-    args[5] = partial = torch.empty((cfg["num_programs"], n), dtype=torch.float32, device=x.device)  # (G, N)
-    _rms_norm_bwd_kernel[(cfg["num_programs"],)](*args, cfg["n_blocks"], **cfg["meta"])
-    _sum_partials(partial, dw)
+    rows = numel // n
+    (x2, stride_x), (dy2, stride_dy) = _rows_of(x, n), _rows_of(dy, n)
+    w = weight.contiguous()
+    rstd = rstd if rstd.is_contiguous() else rstd.contiguous()
+    key = (rows, n, x.device, dy.dtype, x.dtype, w.dtype, block_m, num_warps, num_programs, stages,
+           round_normalised)
+    cfg = _BWD_CONFIGS.get(key)
+    if cfg is None:
+        args = [dy2, x2, w, rstd, dx, None, stride_dy, stride_x, n, rows, n, 0.0]
+        cfg = _bwd_launch_config(args, block_m, num_warps, num_programs, stages)
+        cfg["meta"]["ROUND_NORMALISED"] = round_normalised
+        cfg["sum"] = _sum_config(cfg["num_programs"], n, x.is_cuda)
+        _remember(_BWD_CONFIGS, key, cfg)
+    g = cfg["num_programs"]
+    partial = torch.empty(g, n, dtype=torch.float32, device=x.device)  # (G, N)
+    # dx is contiguous: the kernel reads it as (rows, N) with row stride N
+    _BWD[(g,)](dy2, x2, w, rstd, dx, partial, stride_dy, stride_x, n, rows, n, float(offset), cfg["n_blocks"],
+               **cfg["meta"])
+    sum_grid, sum_meta = cfg["sum"]
+    _SUM[sum_grid](partial, dw, g, n, **sum_meta)
     return dx, dw
+
+
+def _sum_partials(partial: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """dw (N,) = partial (G, N).sum(0) in fp32, cast once to dw's dtype (the backward's second launch)."""
+    g, n = partial.shape
+    grid, meta = _sum_config(g, n, partial.is_cuda)
+    _SUM[grid](partial, dw, g, n, **meta)
+    return dw
 
 
 def _bwd_launch_config(args: list, block_m, num_warps, num_programs, stages) -> dict:
     dy2, x2, w = args[:3]
-    rows, n = x2.shape
+    rows, n = args[9], args[10]
     sms = num_sms(x2.device)
     cfg = rms_norm_bwd_config(rows, n, sms)
     bm = block_m or cfg["block_m"]
-    meta = dict(BLOCK_M=bm, BLOCK_N=triton.next_power_of_2(n), STAGES=cfg["stages"] if stages is None else stages,
+    meta = dict(BLOCK_M=bm, BLOCK_N=next_pow2(n), STAGES=cfg["stages"] if stages is None else stages,
                 SOFT_RNE=not x2.is_cuda, num_warps=num_warps or cfg["num_warps"])
     if x2.is_cuda and meta["STAGES"] >= 2 and stages is None:
         meta["STAGES"] = _fit_stages(meta["STAGES"], bm * meta["BLOCK_N"] * (x2.element_size() + dy2.element_size()),
                                      x2.device)
-    n_blocks = triton.cdiv(rows, bm)
+    n_blocks = cdiv(rows, bm)
     if num_programs is None:
         key = (x2.device, dy2.dtype, x2.dtype, w.dtype, *meta.values())
         wargs = list(args)

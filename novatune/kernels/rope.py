@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from novatune.kernels.launch import cdiv, lean, next_pow2
 from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype, round-to-nearest-even on the interpreter too
 
 MAX_HEAD_DIM = 256
@@ -119,6 +120,10 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, S, HQ, HK,
                    2 * HALF, PASS, BLOCK_P, BLOCK_HK)
 
 
+# on CUDA the compiled kernel is called directly once Triton has picked it (novatune.kernels.launch)
+_ROPE = lean(_rope_kernel)
+
+
 def normalize_unsqueeze_dim(unsqueeze_dim: int) -> int:
     u = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim   # HF unsqueezes a 3-d table into 4-d
     if u not in (1, 2):
@@ -157,22 +162,22 @@ def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu
     if n_tok == 0:
         return u, (B, S, R), (HQ, HK), bcast, None, None
     half = R // 2
-    block_d = triton.next_power_of_2(half)
+    block_d = next_pow2(half)
     if split is None:
         # one program per token at training shapes; split heads when the token count alone cannot fill the GPU,
         # or when a (heads, half) tile would exceed ~4096 fp32 values per half (register pressure). The CPU
         # interpreter runs programs one after another, so there fewer, larger programs are simply faster.
         split = 1
         while on_gpu and split < max(HQ, HK) and (
-                n_tok * split < 2048 or triton.next_power_of_2(triton.cdiv(HQ, split)) * block_d > 4096):
+                n_tok * split < 2048 or next_pow2(cdiv(HQ, split)) * block_d > 4096):
             split *= 2
-    bhq = triton.next_power_of_2(triton.cdiv(HQ, split))
-    bhk = triton.next_power_of_2(triton.cdiv(HK, split))
-    split = max(triton.cdiv(HQ, bhq), triton.cdiv(HK, bhk))
+    bhq = next_pow2(cdiv(HQ, split))
+    bhk = next_pow2(cdiv(HK, split))
+    split = max(cdiv(HQ, bhq), cdiv(HK, bhk))
     if num_warps is None:
         num_warps = 4 if (bhq + bhk) * block_d <= 2048 else 8
     meta = dict(HALF=half, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HK=bhk, BACKWARD=backward, num_warps=num_warps,
-                PASS=D - R, BLOCK_P=triton.next_power_of_2(max(D - R, 1)))
+                PASS=D - R, BLOCK_P=next_pow2(max(D - R, 1)))
     return u, (B, S, R), (HQ, HK), bcast, (n_tok, split), meta
 
 
@@ -225,7 +230,7 @@ def _launch(q, k, cos, sin, unsqueeze_dim, q_out, k_out, backward, split=None, n
         # the kernel shares one set of table strides: materialise both as dense (B, S, R) (rare: odd tables)
         cos, sin = (t.reshape(-1, S, R).expand(B, S, R).contiguous() for t in (cos, sin))
         c_st = (S * R, R)
-    _rope_kernel[grid](
+    _ROPE[grid](
         q, k, q_out, k_out, cos, sin, S, HQ, HK,
         *_bsh(q_st, u), *_bsh(k_st, u), *_bsh(qo_st, u), *_bsh(ko_st, u), *c_st,
         SOFT_RNE=not q.is_cuda, **meta)  # the interpreter truncates fp32 -> bf16; round to nearest as the GPU

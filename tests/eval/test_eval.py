@@ -178,7 +178,7 @@ def test_checkpoint_folder_loads_trained_weights(tmp_path):
     assert model.config.use_cache and desc["kind"] == "checkpoint"
 
 
-def test_lora_checkpoint_of_a_patched_run_loads_through_the_run_builder(tmp_path, monkeypatch):
+def test_lora_checkpoint_of_a_patched_run_loads_through_the_run_builder(tmp_path, monkeypatch, reference_backend):
     """A LoRA run trained with the patch and checkpointing: eval rebuilds it with the trainer's builder (LoRA
     wrapped as in training, patch and checkpointing left out for decoding) and merges the trained adapters:
     each merged weight is W + (alpha / r) B A, W the seeded init (which --arch rebuilds: the same builder)."""
@@ -186,7 +186,7 @@ def test_lora_checkpoint_of_a_patched_run_loads_through_the_run_builder(tmp_path
 
     from novatune.commands.cli import main
 
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")  # the patched ops' PyTorch references: fast on a CPU
+    reference_backend()  # the patched ops' PyTorch references: fast on a CPU
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), "--set", "train.max_steps=1", "--set", "checkpoint.save_every=1",
                  "--set", "checkpoint.export=false", "--set", "method.type=lora", "--set", "method.r=4",

@@ -33,10 +33,10 @@ logging: {every: 1, tensorboard: false, progress: false}
 
 
 @pytest.fixture
-def tiny_cfg(tmp_path, monkeypatch):
+def tiny_cfg(tmp_path, monkeypatch, reference_backend):
     # the patched ops run their PyTorch references (the Triton interpreter takes minutes even at these sizes);
     # the environment variable reaches bench's worker processes too
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     p = tmp_path / "tiny.yaml"
     p.write_text(TINY)
     return p

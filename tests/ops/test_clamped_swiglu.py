@@ -46,8 +46,8 @@ def test_other_alpha_and_limit(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_reference_backend(dtype, monkeypatch):
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+def test_reference_backend(dtype, reference_backend):
+    reference_backend()
     _check((5, 21, 18), dtype, "cpu")
 
 

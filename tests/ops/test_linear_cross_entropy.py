@@ -234,9 +234,9 @@ def test_second_backward_raises(device):
 
 
 @pytest.mark.parametrize("plan", ["tokens", "vocab"])
-def test_reference_backend(plan, device, monkeypatch):
+def test_reference_backend(plan, device, reference_backend):
     """NOVATUNE_BACKEND=reference (and the CPU without the interpreter): the chunked / sliced fp32 PyTorch path."""
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     dtype = torch.bfloat16
     h, w, y = _inputs((2, 33), 127, 4099, dtype, device)
     loss = linear_cross_entropy(h, w, y, **({"chunk_tokens": 16} if plan == "tokens" else
@@ -418,7 +418,7 @@ def test_inplace_tied_embedding_bias_and_all_ignored(dtype, device):
     assert loss.item() == 0.0 and (h.grad == 0).all() and (w.grad == 0).all()
 
 
-def test_inplace_auto_reference_backend_and_errors(device, monkeypatch):
+def test_inplace_auto_reference_backend_and_errors(device, monkeypatch, reference_backend):
     """auto picks "inplace" when grad_W is wanted and T >= H (not without grads); the fp32 reference backend runs
     the same plan; chunk_tokens does not go with it."""
     calls = []
@@ -433,7 +433,7 @@ def test_inplace_auto_reference_backend_and_errors(device, monkeypatch):
     assert calls == ["_fwd_inplace", "_fwd_tokens"]
     _check(h, w, loss, _ref_grads(h, w, y), torch.float32)
 
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     hb, wb, yb = _inputs((2, 33), 16, 4099, torch.bfloat16, device, seed=24)
     loss = linear_cross_entropy(hb, wb, yb, mode="inplace", vocab_slice=100)
     loss.backward()

@@ -26,6 +26,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from novatune.measure.numerics import REL_TOL, assert_close, poison_
+from novatune.ops import _backend
 from novatune.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_bwd, qk_norm_rope_fwd
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
@@ -158,8 +159,10 @@ def test_packed_vs_hf_composition_and_fp32(b, s, hq, hk, d, dtype, device, monke
     (hq_, hk_), hf_grads = _fwd_bwd(_hf(cos, sin), q, k, wq, wk, gq, gk)
     with monkeypatch.context() as m:
         m.setenv("NOVATUNE_BACKEND", "reference")
+        _backend.reset()
         (cq, ck), comp_grads = _fwd_bwd(_composition(cos, sin), q, k, wq, wk, gq, gk)
         (cnq, crq), (cnk, crk) = _composition_fwd(q, k, wq, wk)
+    _backend.reset()
     # the pure fp32 math on the same values
     (fq, fk), f_grads = _fwd_bwd(lambda *t: qk_norm_rope_ref(*t, EPS, cos, sin),
                                  q.float(), k.float(), wq.float(), wk.float(), gq.float(), gk.float())
@@ -229,12 +232,12 @@ def test_opcheck(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cpu_reference_path(dtype, monkeypatch):
+def test_cpu_reference_path(dtype, backend_env):
     """Plain CPU (interpreter off): the reference path, which the kernels match (same rounding sequence)."""
     (nq, nk), q, k, gq, gk, cos, sin = _setup(2, 11, 4, 2, 64, dtype, "cpu")
     wq, wk = nq.weight.detach(), nk.weight.detach()
     kernel = _fwd_bwd(_fused(cos, sin), q, k, wq, wk, gq, gk)  # interpreter (conftest) -> the Triton kernels
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backend_env("TRITON_INTERPRET", "0")
     ref = _fwd_bwd(_fused(cos, sin), q, k, wq, wk, gq, gk)
     (hq_, hk_), hf_grads = _fwd_bwd(_hf(cos, sin), q, k, wq, wk, gq, gk)
     with torch.no_grad():

@@ -72,9 +72,9 @@ def test_kernel_matches_hf_bf16(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_reference_path_is_hf_exact(dtype, monkeypatch):
+def test_cpu_reference_path_is_hf_exact(dtype, backend_env):
     """Plain CPU (no interpreter): the reference path runs HF's op sequence -> identical forward; grads close."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backend_env("TRITON_INTERPRET", "0")
     hf, nova = _pair(127, dtype, "cpu")
     x = torch.randn(2, 37, 127).to(dtype)
     dy = torch.randn(2, 37, 127).to(dtype)

@@ -104,9 +104,9 @@ def test_unused_output_grad(device):
     assert k.grad is None or not k.grad.any()
 
 
-def test_reference_backend(monkeypatch):
+def test_reference_backend(reference_backend):
     """CPU without the interpreter (NOVATUNE_BACKEND=reference forces it): fp32 math cast to the input dtype."""
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     torch.manual_seed(0)
     q, k, cos, sin = _inputs(2, 4, 2, 9, 64, torch.bfloat16, 2, "cpu")
     oq, ok = apply_rope(q, k, cos, sin, 2)
@@ -186,11 +186,11 @@ def _op_path(q, k, cos, sin, u):
     (2, 4, 2, 13, 64, torch.bfloat16, 1),
     (1, 3, 1, 13, 128, torch.float32, 2),
 ])
-def test_eager_function_and_registered_op_agree(b, hq, hk, s, d, dtype, u, backend, device, monkeypatch):
+def test_eager_function_and_registered_op_agree(b, hq, hk, s, d, dtype, u, backend, device, reference_backend):
     """apply_rope in eager runs the autograd.Function (not the custom op's dispatch) and gives the registered op's
     numbers exactly: outputs and grads, both on the Triton path and on the fp32-reference path."""
     if backend == "reference":
-        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        reference_backend()
         device = "cpu"
     torch.manual_seed(0)
     q, k, cos, sin = _inputs(b, hq, hk, s, d, dtype, u, device)

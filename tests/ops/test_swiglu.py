@@ -61,9 +61,9 @@ def test_autograd_matches_fp32_reference(shape, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_reference_backend(dtype, monkeypatch):
+def test_reference_backend(dtype, reference_backend):
     """NOVATUNE_BACKEND=reference (and CPU without the interpreter): fp32 math cast back to the input dtype."""
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     _check_autograd((2, 37, 127), dtype, "cpu", _tol(dtype, triton_path=False))
 
 
@@ -103,11 +103,11 @@ def test_argument_checks(device):
 
 @pytest.mark.parametrize("backend", ["default", "reference"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_eager_function_and_registered_op_agree(dtype, backend, device, monkeypatch):
+def test_eager_function_and_registered_op_agree(dtype, backend, device, reference_backend):
     """swiglu in eager runs the autograd.Function (not the custom op's dispatch) and gives the registered op's
     numbers exactly (y, dgate, dup), on the Triton path and on the fp32-reference path."""
     if backend == "reference":
-        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        reference_backend()
         device = "cpu"
     g, u, dy = _leaf_inputs((2, 37, 127), dtype, device)
     y1 = swiglu(g, u)
@@ -284,11 +284,11 @@ def _mlp_grads(inplace: bool, dtype, device):
 
 @pytest.mark.parametrize("backend", ["default", "reference"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_inplace_backward_same_numbers_in_gate_up_memory(dtype, backend, device, monkeypatch):
+def test_inplace_backward_same_numbers_in_gate_up_memory(dtype, backend, device, reference_backend):
     """inplace_backward gives bit-identical y and gradients (the same kernel, other destinations), and the
     gradients reaching gate/up ARE gate's/up's memory (the point: no two new activation-sized buffers)."""
     if backend == "reference":
-        monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+        reference_backend()
         device = "cpu"
     ref, _, _ = _mlp_grads(False, dtype, device)
     got, ptrs, seen = _mlp_grads(True, dtype, device)

@@ -185,13 +185,13 @@ def test_cuda_bf16_sinks_through_flash_are_as_close_to_fp32_as_stock_bf16():
     assert checked >= 3 * 4
 
 
-def test_gradient_checkpointing_and_lora_on_attention(monkeypatch):
+def test_gradient_checkpointing_and_lora_on_attention(monkeypatch, reference_backend):
     """Checkpointed layers recompute the sink attention in the backward with the same PackedBatch: same gradients.
     PEFT LoRA on the biased q/k/v/o projections takes novatune's fused LoRA forward and matches stock per
     document. The ops run their fp32 references here (the interpreted kernels are covered above and in their own
     tests; this test is about the wiring)."""
     peft = pytest.importorskip("peft")
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     ids, pos, lab = packed_batch(ROWS)
     model = tiny_gpt_oss().train()
     report = novatune.patch(model)

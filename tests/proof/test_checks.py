@@ -20,9 +20,9 @@ VOCAB = 257
 
 
 @pytest.fixture(autouse=True)
-def reference_ops(monkeypatch):
+def reference_ops(monkeypatch, reference_backend):
     # the interpreter would take minutes at these sizes; the kernels are checked against the references elsewhere
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
 
 
 def _rows(seed=0):

@@ -16,8 +16,8 @@ def _quiet():
     return Console(quiet=True)
 
 
-def test_lora_patched_same_loss_curve_as_peft_stock(make_cfg, monkeypatch):
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+def test_lora_patched_same_loss_curve_as_peft_stock(make_cfg, monkeypatch, reference_backend):
+    reference_backend()
     lora = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.1}
     steps = {"max_steps": 4, "lr": 1e-2}
     stock = train(make_cfg("stock", method=lora, train=steps, model={"patch": False}), console=_quiet())

@@ -86,10 +86,10 @@ def test_qlora_trains_resumes_and_exports_dense(make_cfg):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_qlora_patched_same_loss_curve_as_peft_bnb_stock(make_cfg, monkeypatch):
+def test_qlora_patched_same_loss_curve_as_peft_bnb_stock(make_cfg, monkeypatch, reference_backend):
     # fused QLoRA linears (NF4 dequantised by novatune's reference, bit-identical to bnb's) vs PEFT + bnb stock:
     # the same numbers summed in another order, ~1e-6 per step, compounded over 4 steps at lr 1e-2 -> rel 1e-4
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     steps = {"max_steps": 4, "lr": 1e-2}
     stock = train(qcfg(make_cfg, "stock", train=steps, model={"patch": False}), console=quiet())
     fused = train(qcfg(make_cfg, "fused", train=steps, model={"patch": True}), console=quiet())

@@ -32,10 +32,10 @@ def _setup(cfg):
 
 
 @pytest.mark.parametrize("patched", PATCH, ids=["stock", "patched"])
-def test_grad_accum_4x1_equals_one_batch_of_4(make_cfg, patched, monkeypatch):
+def test_grad_accum_4x1_equals_one_batch_of_4(make_cfg, patched, monkeypatch, reference_backend):
     # the patched ops run their PyTorch references here (the Triton interpreter is minutes at these sizes; the
     # kernels are checked against the references in tests/kernels): this checks the patch's num_items plumbing
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+    reference_backend()
     cfg = make_cfg(model={"patch": patched})
     model, data, report = _setup(cfg)
     mode = "host" if report is not None else None
@@ -79,8 +79,8 @@ def test_train_same_losses_for_4x1_and_1x4(make_cfg):
 
 @pytest.mark.parametrize("method,patched", [("full", False), ("lora", False), ("full", True)],
     ids=["full", "lora-dropout", "full-patched"])
-def test_kill_and_resume_continues_the_same_loss_curve(make_cfg, method, patched, monkeypatch):
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")  # patched: PyTorch references, not the interpreter
+def test_kill_and_resume_continues_the_same_loss_curve(make_cfg, method, patched, monkeypatch, reference_backend):
+    reference_backend()  # patched: PyTorch references, not the interpreter
     extra = {"method": {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.1}} if method == "lora" else {}
     extra["model"] = {"patch": patched}
     steps = {"max_steps": 7, "lr": 1e-2 if method == "lora" else 3e-3}

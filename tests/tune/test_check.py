@@ -161,8 +161,8 @@ def test_output_in_an_input_s_memory_is_rejected():
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "swiglu", "rope", "qk_norm_rope", "linear_cross_entropy"])
-def test_reference_paths_are_accepted(op, monkeypatch):
-    monkeypatch.setenv("NOVATUNE_BACKEND", "reference")
+def test_reference_paths_are_accepted(op, reference_backend):
+    reference_backend()
     fn = {"rms_norm": nops.rms_norm, "swiglu": nops.swiglu, "rope": nops.apply_rope,
           "qk_norm_rope": nops.qk_norm_rope, "linear_cross_entropy": nops.linear_cross_entropy}[op]
     v = check_implementation(fn, op, repeats=2)
