@@ -55,6 +55,17 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+CACHE_MAX = 4096  # launch-setting caches are keyed by shape: the cap only bounds growth (every sequence length)
+
+
+def remember(cache: dict, key: tuple, value):
+    """cache[key] = value, clearing the cache first when it holds CACHE_MAX entries; returns value."""
+    if len(cache) >= CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def empty_f32(shape: tuple, device: torch.device) -> torch.Tensor:
     """torch.empty(shape, float32) from a tuple of ints: passing the ints one by one skips the symbolic-size parsing
     a torch.Size goes through (~1 µs against ~3.5 µs on the CPU)."""

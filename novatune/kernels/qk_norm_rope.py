@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2, remember
 
 # shared launch machinery; RESIDENCY (device, dtypes, meta) -> (programs per SM, how) holds rms_norm's entries too,
 # this file's keys start with "qk_norm_rope_bwd"
@@ -351,14 +351,6 @@ _FWD, _BWD, _SUM = lean(_qk_norm_rope_fwd_kernel), lean(_qk_norm_rope_bwd_kernel
 # once per key; a call then reads only strides. The cap only bounds growth (e.g. every sequence length).
 _FWD_PLANS: dict[tuple, tuple] = {}
 _BWD_PLANS: dict[tuple, tuple] = {}
-_PLANS_MAX = 4096
-
-
-def _remember(cache: dict, key: tuple, value):
-    if len(cache) >= _PLANS_MAX:
-        cache.clear()
-    cache[key] = value
-    return value
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -441,7 +433,7 @@ def _fwd_plan(q, k, q_weight, k_weight, cos, sin, block_t, split, num_warps) -> 
             grid = (cdiv(n_tok, bt) * sp,)
             meta = dict(HALF=d // 2, BLOCK_D=block_d, BLOCK_T=bt, BLOCK_HQ=bhq, BLOCK_HK=bhk, SPLIT=sp,
                         SOFT_RNE=not q.is_cuda, num_warps=num_warps or cfg["num_warps"])
-        plan = _remember(_FWD_PLANS, key, (b, s, hq, hk, d, qdt, kdt, grid, meta))
+        plan = remember(_FWD_PLANS, key, (b, s, hq, hk, d, qdt, kdt, grid, meta))
     return plan
 
 
@@ -518,7 +510,7 @@ def _bwd_plan(dq_out, dk_out, q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin
         two_d = 2 * q.shape[-1]
         rb_n = min(next_pow2(two_d), 16 if q.is_cuda else 512)
         rb_g = max(16, min(next_pow2(g), 8192 // rb_n))
-        plan = _remember(_BWD_PLANS, key, (meta, g, items, (cdiv(two_d, rb_n),),
+        plan = remember(_BWD_PLANS, key, (meta, g, items, (cdiv(two_d, rb_n),),
                                            dict(BLOCK_G=rb_g, BLOCK_N=rb_n, SOFT_RNE=not q.is_cuda, num_warps=8)))
     return plan
 

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2
+from novatune.kernels.launch import cdiv, empty_f32, lean, next_pow2, remember
 
 # Rows are held whole in registers (one pass over x); beyond this many columns that stops being sensible.
 MAX_FUSED_N = 65536
@@ -303,14 +303,6 @@ _FWD, _BWD, _SUM = lean(_rms_norm_fwd_kernel), lean(_rms_norm_bwd_kernel), lean(
 # bounds growth (e.g. every sequence length). Values are plain ints and dicts, nothing tied to a tensor.
 _FWD_CONFIGS: dict[tuple, tuple] = {}
 _BWD_CONFIGS: dict[tuple, dict] = {}
-_CONFIGS_MAX = 4096
-
-
-def _remember(cache: dict, key: tuple, value):
-    if len(cache) >= _CONFIGS_MAX:
-        cache.clear()
-    cache[key] = value
-    return value
 
 
 def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -342,7 +334,7 @@ def _fwd_launch(rows: int, n: int, block_m: int | None, num_warps: int | None, o
         bm = block_m or cfg["block_m"]
         meta = dict(BLOCK_M=bm, BLOCK_N=next_pow2(n), SOFT_RNE=not on_gpu, num_warps=num_warps or cfg["num_warps"],
                     ROUND_NORMALISED=round_normalised)
-        got = _remember(_FWD_CONFIGS, key, ((cdiv(rows, bm),), meta))
+        got = remember(_FWD_CONFIGS, key, ((cdiv(rows, bm),), meta))
     return got
 
 
@@ -423,7 +415,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         cfg = _bwd_launch_config(args, block_m, num_warps, num_programs, stages)
         cfg["meta"]["ROUND_NORMALISED"] = round_normalised
         cfg["sum"] = _sum_config(cfg["num_programs"], n, x.is_cuda)
-        _remember(_BWD_CONFIGS, key, cfg)
+        remember(_BWD_CONFIGS, key, cfg)
     g = cfg["num_programs"]
     partial = torch.empty(g, n, dtype=torch.float32, device=x.device)  # (G, N)
     # dx is contiguous: the kernel reads it as (rows, N) with row stride N

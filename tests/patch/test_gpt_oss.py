@@ -11,40 +11,13 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import packed_batch, tiny_gpt_oss
+from tiny_models import packed_batch, packed_loss_and_grads, stock_per_document, tiny_gpt_oss
 
 import novatune
 from novatune.measure.numerics import assert_close
 
 TOL = 2e-5
 ROWS = [[5, 17, 1, 9], [32]]  # documents longer than the window (5), one of length 1, a one-document row
-
-
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def stock_per_document(model, ids, pos, lab):
-    """Loss and gradients of the packed batch computed by the stock model one document at a time: each document's
-    summed loss over the packed batch's label count, so the sum equals the packed mean."""
-    model.zero_grad(set_to_none=True)
-    n_items = int((lab[:, 1:] != -100).sum())
-    total = torch.zeros((), device=ids.device)
-    for r in range(ids.shape[0]):
-        starts = [i for i in range(ids.shape[1]) if pos[r, i] == 0] + [ids.shape[1]]
-        for a, b in zip(starts, starts[1:]):
-            out = model(input_ids=ids[r:r + 1, a:b], labels=lab[r:r + 1, a:b], use_cache=False,
-                        num_items_in_batch=torch.tensor(n_items))
-            out.loss.backward()
-            total += out.loss.detach()
-    return total, _grads(model)
-
-
-def packed_loss_and_grads(model, ids, pos, lab):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, position_ids=pos, labels=lab)
-    out.loss.backward()
-    return out.loss.detach(), _grads(model)
 
 
 def test_patched_packed_equals_stock_per_document():
