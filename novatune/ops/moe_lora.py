@@ -101,6 +101,7 @@ class ExpertsLoRA:
         """aw = w * a from the activation backward; dy = w * dout_s enters through (s * w) * (a A^T)."""
         side = self.down
         if side is not None:
+            assert side.ua is not None and side.g is not None  # set by add_down and down_dinput_
             ua_w = side.ua * (w_row[:, None] * side.scaling).to(side.ua.dtype)
             side.grads(side.g, aw, dout_s, ua_w, r)
             side.g = side.ua = None
@@ -108,18 +109,24 @@ class ExpertsLoRA:
     # backward, gate/up side: dh is already weighted
     def gate_up_grads(self, xs: Tensor, dh: Tensor, r: M.Routing) -> None:
         side = self.gate_up
+        if side is None:
+            return
+        assert side.ua is not None  # set by add_gate_up
         side.g = M.grouped_mm(dh, side.b, r.ends) * side.scaling
         side.grads(side.g, xs, dh, side.ua * side.scaling, r)
         side.ua = None
 
     def gate_up_dinput_(self, dxs: Tensor, r: M.Routing) -> None:
         side = self.gate_up
+        if side is None:
+            return
+        assert side.g is not None  # set by gate_up_grads
         dxs.add_(M.grouped_mm(side.g, side.a, r.ends))
         side.g = None
 
     def saved(self) -> list[Tensor | None]:
         """(A, B, u A^T) of each side, None for a side without an adapter: what the backward needs."""
-        out = []
+        out: list[Tensor | None] = []
         for side in (self.gate_up, self.down):
             out += [None] * 3 if side is None else [side.a, side.b, side.ua]
         return out
