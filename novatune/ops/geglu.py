@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from novatune.kernels import swiglu as K
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
-from novatune.ops.contract import Candidate, OpSpec, compiled, element_size, fill_nan_like, triton_reason, variant_grid
-from novatune.ops.swiglu import make_function
+from novatune.ops.contract import Candidate, OpSpec, compiled, triton_reason, variant_grid
+from novatune.ops.swiglu import gated_floor_bytes, gated_poison_call, make_function
 from novatune.reference import geglu as _ref
 
 __all__ = ["geglu", "geglu_mlp", "geglu_fwd", "geglu_bwd"]
@@ -123,20 +123,6 @@ def _call_cases(dtype, device, gen) -> list:
             ("rows > 65,535", mk((1, 65_541, 4), inplace_backward=True))]
 
 
-def _floor(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return 8 * n * element_size(dtype)  # as swiglu: fwd g, u, y; bwd dy, g, u, dg, du
-
-
-def _poison(kernels, inputs, dy) -> dict:
-    g, u = inputs["gate"], inputs["up"]
-    y = kernels.fwd(g, u, out=fill_nan_like(g))
-    dg, du = kernels.bwd(dy, g, u, dgate=fill_nan_like(g), dup=fill_nan_like(u))
-    return {"out": y, "gate": dg, "up": du}
-
-
 def _triton_pair(cfg):
     from types import SimpleNamespace
 
@@ -155,8 +141,8 @@ def _candidates(shape, dtype, device: str) -> list:
 SPEC = OpSpec(
     trace_kind="activation",
     name="geglu", tensor_args=("gate", "up"), make_inputs=_make_inputs, reference=_ref.geglu_ref,
-    stock=_ref.hf_geglu, floor_bytes=_floor, candidates=_candidates, make_function=make_function,
-    call_cases=_call_cases, poison_call=_poison, layout="contiguous", keyword_args=("inplace_backward",),
+    stock=_ref.hf_geglu, floor_bytes=gated_floor_bytes, candidates=_candidates, make_function=make_function,
+    call_cases=_call_cases, poison_call=gated_poison_call, layout="contiguous", keyword_args=("inplace_backward",),
     shape_of=lambda gate, up, *_: (gate.numel() // max(gate.shape[-1], 1), gate.shape[-1]),
     dtype_of=lambda gate, up, *_: str(gate.dtype)[6:],
     signature="geglu(gate, up, *, inplace_backward: bool = False) -> gelu_tanh(gate) * up (gate's shape and dtype); "

@@ -303,14 +303,16 @@ def _call_cases(dtype, device, gen) -> list:
             ("fused gate_up halves (strided)", _noncontig(mk((2, 21, 48))))]
 
 
-def _floor(shape, dtype) -> int:
+def gated_floor_bytes(shape, dtype) -> int:
+    """HBM floor of a gated activation (SwiGLU, GeGLU): fwd reads g, u, writes y; bwd reads dy, g, u, writes dg, du."""
     n = 1
     for s in shape:
         n *= s
-    return 8 * n * element_size(dtype)  # fwd reads g, u, writes y; bwd reads dy, g, u, writes dg, du
+    return 8 * n * element_size(dtype)
 
 
-def _poison(kernels, inputs, dy) -> dict:
+def gated_poison_call(kernels, inputs, dy) -> dict:
+    """A gated activation's kernels (SwiGLU, GeGLU) into NaN-poisoned output buffers."""
     g, u = inputs["gate"], inputs["up"]
     y = kernels.fwd(g, u, out=fill_nan_like(g))
     dg, du = kernels.bwd(dy, g, u, dgate=fill_nan_like(g), dup=fill_nan_like(u))
@@ -346,8 +348,8 @@ def _candidates(shape, dtype, device: str) -> list:
 SPEC = OpSpec(
     trace_kind="activation",
     name="swiglu", tensor_args=("gate", "up"), make_inputs=_make_inputs, reference=_ref.swiglu_ref,
-    stock=_ref.hf_swiglu, floor_bytes=_floor, candidates=_candidates, make_function=make_function,
-    call_cases=_call_cases, poison_call=_poison, noncontiguous=_noncontig, layout="contiguous",
+    stock=_ref.hf_swiglu, floor_bytes=gated_floor_bytes, candidates=_candidates, make_function=make_function,
+    call_cases=_call_cases, poison_call=gated_poison_call, noncontiguous=_noncontig, layout="contiguous",
     keyword_args=("inplace_backward",),
     shape_of=lambda gate, up, *_: (gate.numel() // max(gate.shape[-1], 1), gate.shape[-1]),
     dtype_of=lambda gate, up, *_: str(gate.dtype)[6:],
