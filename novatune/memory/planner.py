@@ -123,7 +123,13 @@ class Plan:
     static_bytes: int
     activation_bytes: int  # kept between forward and backward, over all layers
     transient_bytes: int
-    offloaded_bytes: int = 0  # layer inputs in pinned host memory
+    offloaded_bytes: int = 0  # layer inputs in pinned host memory (as the pinned allocator rounds them)
+    host_budget_bytes: int | None = None  # what they may take (None: not checked)
+
+    @property
+    def host_limited(self) -> bool:
+        """The offloaded inputs need more pinned host memory than the host budget allows."""
+        return self.host_budget_bytes is not None and self.offloaded_bytes > self.host_budget_bytes
     notes: list[str] = field(default_factory=list)
 
     def counts(self) -> dict:
@@ -188,7 +194,8 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     offloaded = sum(_pow2_ceil(c.input_bytes) for c, p in zip(costs, policies) if p == "offload")
     if host is not None and offloaded > host.bytes:
         fits = False
-    return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, offloaded_bytes=offloaded)
+    return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, offloaded_bytes=offloaded,
+                host_budget_bytes=None if host is None else host.bytes)
 
 
 def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,

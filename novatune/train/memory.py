@@ -171,8 +171,17 @@ def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware)
     return tokens / (plan.seconds + head_flops * tokens / rate)
 
 
+def host_message(plan: planner.Plan) -> str:
+    return (f"the offloaded layer inputs need {plan.offloaded_bytes / GiB:.1f} GiB of pinned host memory (blocks "
+            f"rounded to powers of two) but the host budget is {(plan.host_budget_bytes or 0) / GiB:.1f} GiB "
+            f"({HOST_SHARE:.0%} of the host's available memory)")
+
+
 def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
     which = "the smallest plan" if policy == "auto" else "the plan"
+    if plan.host_limited and (plan.budget_bytes is None or plan.peak_bytes <= plan.budget_bytes):
+        return (f"memory.policy {policy}: {which} ({plan.describe()}) fits the GPU but {host_message(plan)}; lower "
+                f"data.max_length or train.micro_batch, or run on a host with more memory")
     return (f"memory.policy {policy}: {which} ({plan.describe()}) needs {plan.peak_bytes / GiB:.1f} GiB "
             f"(weights, gradients and optimizer states {plan.static_bytes / GiB:.1f} GiB, activations "
             f"{(plan.activation_bytes + plan.transient_bytes) / GiB:.1f} GiB) but the budget is "

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from novatune.train.memory import MARGIN
+from novatune.train.memory import MARGIN, host_message
 from novatune.train.optim import state_bytes
 
 GiB = 2**30
@@ -217,12 +217,18 @@ def render(est: dict) -> str:
              f"  predicted speed              {est['tokens_per_s']:8,.0f} tok/s   ({hw.matmul_tflops:.0f} TFLOP/s "
              f"matmul, {hw.link_gbps:.0f} GB/s host link: {hw.source})",
              *[f"  note: {n}" for n in mp.notes]]
+    if mp.offloaded_bytes:
+        lines.append(f"  offloaded to the host        {g(mp.offloaded_bytes)}   (pinned; host budget "
+                     f"{g(mp.host_budget_bytes).strip() if mp.host_budget_bytes is not None else 'not checked'})")
+    if mp.host_limited:
+        lines.append(f"WARNING: {host_message(mp)}; lower data.max_length or train.micro_batch, or use a host with "
+                     "more memory")
     if est["budget"]:
         lines.append(f"  budget                       {g(est['budget'])}   ({est['budget_source']})")
-        if est["oom"]:
+        if est["oom"] and mp.peak_bytes > est["budget"]:
             lines.append("WARNING: this run will likely run out of GPU memory. Try:")
             lines += [f"  - {t}" for t in est["advice"]]
-        else:
+        elif not est["oom"]:
             lines.append(f"  fits, with {(est['budget'] - est['peak']) / GiB:.1f} GiB to spare")
     else:
         lines.append("  no GPU here: pass --gpu-mem GiB to check against a GPU's memory")

@@ -213,3 +213,15 @@ def test_offload_past_the_host_budget_does_not_fit():
     assert evaluate(["offload", "recompute"], [cost] * 2, 0, None, host=host).fits
     assert not evaluate(["offload", "offload"], [cost] * 2, 0, None, host=host).fits
     assert choose([cost] * 3, 0, 30, host=host).policies.count("offload") <= 1
+
+
+def test_a_plan_short_of_host_memory_says_so_not_gpu_memory():
+    from novatune.train.memory import no_fit_message
+
+    cost = LayerCost(bytes={"keep": 10, "recompute": 2, "selective": 6, "offload": 0},
+                     seconds={"keep": 1, "recompute": 2, "selective": 1.5, "offload": 2.1}, transient=10,
+                     input_bytes=3 * 2**30)
+    plan = evaluate(["offload", "offload"], [cost] * 2, 0, 100 * 2**30, host=planner.HostBudget(6 * 2**30, "test"))
+    assert plan.offloaded_bytes == 8 * 2**30 and plan.host_limited and not plan.fits
+    message = no_fit_message(plan, "offload", "test budget")
+    assert "fits the GPU" in message and "8.0 GiB of pinned host memory" in message and "6.0 GiB" in message
