@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from novatune.measure.numerics import assert_close, rel_err
+
 COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, use_cache=False, tie_word_embeddings=True)
 FAMILIES = {
@@ -188,3 +190,24 @@ def packed_loss_and_grads(model, ids, pos, lab):
     out = model(input_ids=ids, position_ids=pos, labels=lab)
     out.loss.backward()
     return out.loss.detach(), grads_of(model)
+
+
+def assert_as_close_as_stock_bf16(loss, grads, loss_stock, grads_stock, loss_true, grads_true, names=None) -> int:
+    """bf16 on CUDA against the fp32 truth, with stock bf16's own error as the yardstick: ours within 2x stock's
+    error + 5e-3 for the loss and each gradient in `names` (default: all). Returns how many gradients were checked."""
+    assert rel_err(loss, loss_true) <= 2 * rel_err(loss_stock, loss_true) + 5e-3
+    checked = 0
+    for name in (names if names is not None else grads_true):
+        ours, stock = rel_err(grads[name], grads_true[name]), rel_err(grads_stock[name], grads_true[name])
+        assert ours <= 2 * stock + 5e-3, f"{name}: {ours:.3g} vs stock bf16 {stock:.3g}"
+        checked += 1
+    return checked
+
+
+def assert_checkpointing_keeps_gradients(model, ids, pos, lab) -> None:
+    """The patched model's gradients with HF gradient checkpointing on equal those without it (1e-6)."""
+    _, grads = packed_loss_and_grads(model, ids, pos, lab)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads_ckpt = packed_loss_and_grads(model, ids, pos, lab)
+    for name in grads:
+        assert_close(grads_ckpt[name], grads[name], 1e-6, name)
