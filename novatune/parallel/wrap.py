@@ -5,7 +5,13 @@ before its backward), then the root takes what is left (embeddings, final norm, 
 on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and back to
 plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
-gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32.
+gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32 across 2+ ranks.
+
+One process (world of one): there is no other rank to sum with, so the gradients are reduced in the parameters'
+own dtype (bf16 -> fp32 -> bf16 over one rank is the identity, bit for bit) and accumulated over the micro-batches
+in bf16, as the plain path accumulates them; and by default (`parallel.reshard_after_forward` unset) the gathered
+layers are kept for the whole optimizer step: gathered once per step, freed after the last micro-batch's
+backward, before the optimizer writes the shards (a sharded copy of one rank frees no memory by resharding).
 
 DDP: `DistributedDataParallel` over the whole model, gradients all-reduced in buckets during the backward.
 
@@ -32,12 +38,19 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True):
+def reshards_after_forward(setting: bool | None, world: int) -> bool:
+    """`parallel.reshard_after_forward`: as set, else True across 2+ ranks (memory) and False over one (speed)."""
+    return setting if setting is not None else world > 1
+
+
+def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
+         world: int = 1):
     """The model wrapped for `strategy` (fsdp2 | ddp); the returned module is what the trainer calls."""
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        reduce_dtype = torch.float32 if world > 1 else None  # None: the parameters' dtype
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
             if dtype == torch.bfloat16 else MixedPrecisionPolicy()
         for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -63,13 +76,18 @@ def loss_scale(strategy: str, world: int) -> float:
     return float(world) if strategy in ("ddp", "fsdp2") else 1.0
 
 
-def grad_sync(model, strategy: str, sync: bool):
+def grad_sync(model, strategy: str, sync: bool, keep_gathered: bool = False):
     """A context for one micro-batch's backward: gradient communication only on the last micro-batch of a step
-    (the others accumulate locally; the result is the same, with one reduction per step instead of grad_accum)."""
+    (the others accumulate locally; the result is the same, with one reduction per step instead of grad_accum).
+    `keep_gathered` (FSDP2 units that do not reshard after forward): the gathered parameters also stay after the
+    backward of every micro-batch but the last, so the next micro-batch gathers nothing; the last one reshards,
+    before the optimizer updates the shards."""
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
         model.set_requires_gradient_sync(sync)
+        if keep_gathered:
+            model.set_reshard_after_backward(sync)
     return contextlib.nullcontext()
 
 

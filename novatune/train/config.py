@@ -142,7 +142,9 @@ class ParallelConfig:
     # layer, then the root (novatune/parallel/). ddp/fsdp2 run under torchrun (`novatune train --nproc N`), or as
     # one process without it. The global batch is micro_batch x grad_accum x the number of processes.
     strategy: Literal["none", "ddp", "fsdp2"] = "none"
-    reshard_after_forward: bool = True  # fsdp2: free the gathered layer after its forward (gathered again in backward)
+    # fsdp2: free the gathered layer after its forward (gathered again in backward). Unset: yes across 2+ processes;
+    # no with one process, where the gathered layers stay for the optimizer step (gathered once per step)
+    reshard_after_forward: bool | None = None
 
 
 @dataclass

@@ -138,6 +138,9 @@ class Session:
         clip = self.cfg.train.max_grad_norm
         self.clip = clip if clip > 0 else float("inf")
         self.strategy = self.dist.strategy if self.dist.active else "none"
+        # FSDP2 units that keep their gathered parameters after forward keep them across the step's micro-batches
+        self.keep_gathered = self.strategy == "fsdp2" and not pwrap.reshards_after_forward(
+            self.cfg.parallel.reshard_after_forward, self.dist.world)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -179,7 +182,7 @@ class Session:
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                 pwrap.loss_scale(self.strategy, self.dist.world),
-                                lambda last: pwrap.grad_sync(self.model, self.strategy, last))
+                                lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered))
         self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
 
@@ -315,7 +318,8 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
                       f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
 
     if dist.active:
-        model = pwrap.wrap(model, dist.strategy, dtype, device, cfg.parallel.reshard_after_forward)
+        model = pwrap.wrap(model, dist.strategy, dtype, device,
+                           pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world), dist.world)
     opt = build_optimizer(model, cfg.train, device)
     stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
                          rank=dist.rank, world=dist.world)
