@@ -207,7 +207,9 @@ def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(name):
     """The patched bf16 model on CUDA (Triton kernels, packed attention through the GPU backends, partial rotary
     at the kernel, the fused projections) against the truth: the same weights in fp32, stock, one document at a
     time. The yardstick is stock bf16's own error on the same documents (every activation rounded to bf16, in
-    stock and patched alike): loss and every parameter gradient within 2x stock's relative error + 5e-3."""
+    stock and patched alike) with HF's default attention (sdpa): loss and every parameter gradient within 2x stock's
+    relative error + 5e-3. sdpa, not eager: a fused bf16 attention's q/k gradients carry more rounding than eager's
+    fp32 softmax (OLMo 2 with biases: ~3x on the q/k-norm weights, in stock's sdpa and in ours alike)."""
     import copy
 
     from novatune.attention import last_choice
@@ -216,7 +218,9 @@ def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(name):
     model = MODELS[name](dtype=torch.bfloat16, layers=4).cuda().train()
     truth_model = copy.deepcopy(model).float()
     loss_true, grads_true = stock_per_document(truth_model, ids, pos, lab)
-    loss_stock, grads_stock = stock_per_document(model, ids, pos, lab)
+    stock_model = copy.deepcopy(model)
+    stock_model.config._attn_implementation = "sdpa"
+    loss_stock, grads_stock = stock_per_document(stock_model, ids, pos, lab)
     report = novatune.patch(model)
     assert not report.skipped(), str(report)
     loss, grads = packed_loss_and_grads(model, ids, pos, lab)
