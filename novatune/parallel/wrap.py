@@ -43,17 +43,8 @@ def reshards_after_forward(setting: bool | None, world: int) -> bool:
     return setting if setting is not None else world > 1
 
 
-def per_layer_units(setting: str, world: int, reshard_after_forward: bool) -> bool:
-    """`parallel.fsdp_units`: layer (one FSDP2 unit per decoder layer, then the root) or model (the root only);
-    auto: per layer, except over one process with the gathered layers kept for the step, where per-layer units
-    would gather and free nothing between them and only add their hooks (three per layer and micro-batch)."""
-    if setting != "auto":
-        return setting == "layer"
-    return world > 1 or reshard_after_forward
-
-
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
-         world: int = 1, units: str = "auto"):
+         world: int = 1):
     """The model wrapped for `strategy` (fsdp2 | ddp); the returned module is what the trainer calls."""
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -61,8 +52,7 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
         reduce_dtype = torch.float32 if world > 1 else None  # None: the parameters' dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
             if dtype == torch.bfloat16 else MixedPrecisionPolicy()
-        layers = decoder_layers(model)  # also checks the model has the layers FSDP2's units need
-        for layer in layers if per_layer_units(units, world, reshard_after_forward) else ():
+        for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         # the root's parameters are used again right after its forward (lm_head in the backward): keep them
         fully_shard(model, mp_policy=mp, reshard_after_forward=False)

@@ -145,9 +145,6 @@ class ParallelConfig:
     # fsdp2: free the gathered layer after its forward (gathered again in backward). Unset: yes across 2+ processes;
     # no with one process, where the gathered layers stay for the optimizer step (gathered once per step)
     reshard_after_forward: bool | None = None
-    # fsdp2: layer (a unit per decoder layer, then the root) | model (the root only) | auto (per layer, except over
-    # one process with the gathered layers kept for the step: the root only, fewer hooks, the same memory)
-    fsdp_units: Literal["auto", "layer", "model"] = "auto"
 
 
 @dataclass

@@ -319,8 +319,7 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
 
     if dist.active:
         model = pwrap.wrap(model, dist.strategy, dtype, device,
-                           pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world), dist.world,
-                           cfg.parallel.fsdp_units)
+                           pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world), dist.world)
     opt = build_optimizer(model, cfg.train, device)
     stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
                          rank=dist.rank, world=dist.world)

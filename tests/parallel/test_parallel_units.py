@@ -130,13 +130,11 @@ def test_fsdp2_in_one_process_steps_like_the_plain_model(method):
 
 
 def test_fsdp2_over_one_process_gathers_once_per_step_and_reduces_in_the_weights_dtype(monkeypatch):
-    """A world of one: parameters are gathered once per optimizer step (kept across the micro-batches, resharded
-    before the optimizer writes the shards), in one unit (the root: per-layer units would free nothing between
-    them), and gradients are reduced in the parameters' dtype (over one rank the fp32 round trip is the identity).
-    Per-layer units keep the gather per step; resharding after forward gathers again per use."""
+    """A world of one: each unit's parameters are gathered once per optimizer step (kept across the micro-batches,
+    resharded before the optimizer writes the shards) and gradients are reduced in the parameters' dtype (over one
+    rank the fp32 round trip is the identity). Set explicitly, reshard_after_forward gathers again per use."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
-    from torch.distributed.tensor import DTensor
 
     from novatune.parallel import wrap as pwrap
     from novatune.train.config import load_with_base
@@ -160,23 +158,22 @@ def test_fsdp2_over_one_process_gathers_once_per_step_and_reduces_in_the_weights
             gathers.clear()
             session.step(session.next_micro_batches())
             sharded_after_step = all(isinstance(p, DTensor) for p in session.model.parameters())
-            units = [m for m in session.model.modules() if hasattr(m, "_get_fsdp_state")]
-            reduce_dtypes = {m._get_fsdp_state()._mp_policy.reduce_dtype for m in units}
-            return len(gathers), sharded_after_step, len(units), reduce_dtypes
+            reduce_dtypes = {m._get_fsdp_state()._mp_policy.reduce_dtype for m in session.model.modules()
+                             if hasattr(m, "_get_fsdp_state")}
+            return len(gathers), sharded_after_step, len(pwrap.decoder_layers(session.model)), reduce_dtypes
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    kept, sharded, units, reduce_dtypes = gathers_per_step([])
+    from torch.distributed.tensor import DTensor
+
+    kept, sharded, layers, reduce_dtypes = gathers_per_step([])
     assert reduce_dtypes == {None}, reduce_dtypes  # None: the parameters' dtype (bf16)
     assert sharded, "the step ends resharded: the optimizer updates the shards, the next gather copies them"
-    assert (kept, units) == (1, 1), "one unit, gathered once over the step's 2 micro-batches"
-    per_layer, _, units, _ = gathers_per_step(["parallel.fsdp_units=layer"])
-    assert (per_layer, units) == (3, 3), "2 layers + the root, each gathered once per step"
-    again, _, _, _ = gathers_per_step(["parallel.fsdp_units=layer", "parallel.reshard_after_forward=true"])
-    assert again > per_layer  # each layer again before each backward and on each micro-batch
+    assert kept == layers + 1, f"{kept} gathers for {layers} layers + the root over 2 micro-batches"
+    again, _, _, _ = gathers_per_step(["parallel.reshard_after_forward=true"])
+    assert again > kept  # each layer again before each backward and on each micro-batch
     assert pwrap.reshards_after_forward(None, 2) and not pwrap.reshards_after_forward(None, 1)
-    assert pwrap.per_layer_units("auto", 2, True) and not pwrap.per_layer_units("auto", 1, False)
 
 
 @pytest.mark.gpu
