@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from novatune.attention.backends import SINK_BACKENDS, SOFTCAP_BACKENDS
 from novatune.patch import forwards, loss, quirks
+from novatune.patch.host_offsets import read_offsets_on_host
 from novatune.patch.lora import apply_lora
 from novatune.patch.moe import apply_moe
 from novatune.patch.moe_lora import apply_moe_lora
@@ -145,6 +146,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
             spec = spec_for(getattr(model.config, "model_type", "?"))
             if spec is not None:
                 _defer_trainer_metrics(trainer, existing, spec)
+            _host_offsets(trainer, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
     if attention not in (False, *ATTENTION_BACKENDS):
@@ -177,6 +179,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     apply_moe_lora(model, spec, report, _bind, enabled=lora)
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     _defer_trainer_metrics(trainer, report, spec)
+    _host_offsets(trainer, report)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
@@ -410,6 +413,13 @@ def _defer_trainer_metrics(trainer, report: PatchReport, spec) -> None:
         return
     if any(e.action == "replaced" for e in report.entries if e.kind == "cross_entropy"):
         defer_metric_syncs(trainer, report, spec.lm_head_attr)
+
+
+def _host_offsets(trainer, report: PatchReport) -> None:
+    """A trainer of a model whose packed attention is patched gets its batches' offsets from the collator's CPU
+    tensors (patch/host_offsets.py)."""
+    if trainer is not None and report.replaced("packing"):
+        read_offsets_on_host(trainer, report)
 
 
 def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) -> None:

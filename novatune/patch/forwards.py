@@ -21,6 +21,7 @@ from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import rms_norm
 from novatune.ops.rope import apply_rope
 from novatune.ops.swiglu import swiglu_gate_up_mlp, swiglu_mlp
+from novatune.patch.host_offsets import HOST_OFFSETS_KWARG
 from novatune.patch.lora import grouped_qlora
 from novatune.patch.tiled import tiled_rows
 
@@ -132,6 +133,7 @@ def _project_qkv(self, names, hidden_states):
 def decoder_pre_hook(module, args, kwargs):
     """Forward pre-hook (with_kwargs) on the decoder stack: build the PackedBatch once per batch."""
     state = module._novatune_state
+    host = kwargs.pop(HOST_OFFSETS_KWARG, None)  # the collator's offsets (patch/host_offsets.py), never passed on
     if has_cache(kwargs):
         return None  # incremental decoding: stock path
     if not module.training and kwargs.get("use_cache") is not False:
@@ -143,6 +145,8 @@ def decoder_pre_hook(module, args, kwargs):
     ref = ids if ids is not None else kwargs["inputs_embeds"]
     batch, seq = ref.shape[0], ref.shape[1]
     packed = kwargs.get(PACKED_KWARG)
+    if packed is None and host is not None:
+        packed = host.packed(batch, seq, ref.device)
     if packed is None:
         # a collator's host-side cu_seq_lens_q (TRL flattening, novatune's trainer) costs no device sync; CUDA
         # position_ids cost one device->host copy per batch (never one per layer)
