@@ -91,12 +91,13 @@ def stand_in(seen, reject_gqa=False):
         seen.update(cu=cum_seq_q, max=max_q, lse_wanted=compute_log_sumexp, hk=key.shape[1])
         out, lse = S._reference_fwd(query, key, value, pb, scale, None)
         lse = lse.unsqueeze(-1)  # (tokens, hq, 1): one of the layouts torch builds use
-        seen["lse"] = lse
+        seen.setdefault("lses", []).append(lse)  # one per layer call
         return out, lse, cum_seq_q, cum_seq_k, max_q, max_k, torch.zeros(()), torch.zeros(()), torch.empty(0)
 
     def bwd(*, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
             cum_seq_k, max_q, max_k, dropout_p, is_causal, scale):
-        assert logsumexp is seen["lse"] and cum_seq_q is seen["cu"] is cum_seq_k and max_q == seen["max"]
+        assert any(logsumexp is lse for lse in seen["lses"]), "the backward gets its forward's log-sum-exp"
+        assert cum_seq_q is seen["cu"] is cum_seq_k and max_q == seen["max"]
         assert grad_out.is_contiguous() and attn_bias is None and is_causal
         return S._reference_bwd(grad_out, query, key, value, out, logsumexp[..., 0], real_docs(cum_seq_q), scale,
                                 None)
@@ -154,6 +155,37 @@ def test_a_build_that_rejects_gqa_repeats_kv(monkeypatch):
     assert_close(out, varlen_attention(q, k, v, pb, scale=0.25, backend="reference"), 1e-5)
     out.sum().backward()
     assert k.grad.shape == k.shape and torch.isfinite(k.grad).all()
+
+
+def test_a_patched_model_runs_attention_cudnn(monkeypatch):
+    """patch(model, attention="cudnn") reaches this backend from the model's own attention forward (q, k, v views of
+    its projections, GQA 4/2): same loss and gradients as attention="reference", in fp32 with the stand-in ops."""
+    import sys
+    from pathlib import Path
+
+    import novatune
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
+    from tiny_models import packed_batch, tiny_model
+
+    seen = {}
+    monkeypatch.setattr(C, "_aten", stand_in(seen))
+    monkeypatch.setattr(C, "cudnn_why_not", lambda *a: None)
+    monkeypatch.setattr(backends, "cudnn_why_not", lambda *a: None)
+    ids, pos, lab = packed_batch([[13, 1, 30], [44]])
+    results = []
+    for attention in ("cudnn", "reference"):
+        model = tiny_model("qwen3")
+        rep = novatune.patch(model, attention=attention)
+        loss = model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+        assert last_choice().backend == attention
+        rep.revert()
+    assert seen["hk"] == 2 and seen["lse_wanted"]
+    assert_close(results[0][0], results[1][0], 1e-5, name="loss")
+    for got, want in zip(results[0][1], results[1][1]):
+        assert_close(got, want, 1e-4, name="grad")
 
 
 def test_padded_offsets():
