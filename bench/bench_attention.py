@@ -7,6 +7,8 @@ fixed --seed.
 Candidates:
   varlen, cudnn, flex, sdpa_docs, reference
                                        novatune.attention backends on the packed rows (q/k/v as (tokens, h, d))
+  cudnn_aten                           cudnn through torch's aten ops (cudnn: the cudnn-frontend package when it
+                                       imports, else the same aten path)
   cudnn_exact                          cudnn with the exact document offsets (no bucketing: one cuDNN graph per
                                        document count and longest document)
   hf_sdpa_dense                        stock: transformers' sdpa_attention_forward with the dense (b, 1, s, s)
@@ -42,8 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-ALL = ("varlen", "cudnn", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc", "sdpa_docs", "reference")
-DEFAULT = ("varlen", "cudnn", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc")
+ALL = ("varlen", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc", "sdpa_docs",
+       "reference")
+DEFAULT = ("varlen", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc")
+CUDNN_VARIANTS = {"cudnn_aten": dict(impl="aten"), "cudnn_exact": dict(buckets=False)}
 
 
 def parse():
@@ -79,16 +83,13 @@ def doc_lengths(batch, seq, median, sigma, seed):
     return rows
 
 
-def exact_offsets(call):
-    """The cudnn backend with its offsets unbucketed for this call (the backward reuses the forward's offsets)."""
+def cudnn_variant(call, settings: dict):
+    """The cudnn backend with other settings for this call (the backward reuses what the forward chose)."""
     from novatune.attention import cudnn
 
     def run(*args):
-        cudnn.BUCKETS = False
-        try:
+        with cudnn.overrides(**settings):
             return call(*args)
-        finally:
-            cudnn.BUCKETS = True
 
     return run
 
@@ -216,12 +217,12 @@ def main():
             return (lambda: hf_fn(q, k, v)), ref, fwd_flops, hf_impl
         if name == "sdpa_one_doc":
             return (lambda: varlen_attention(q, k, v, one_doc, backend="sdpa")), ref_one, one_doc_fwd_flops, ""
-        backend = "cudnn" if name == "cudnn_exact" else name
+        backend = "cudnn" if name in CUDNN_VARIANTS else name
 
         def call(pb=packed):
             return varlen_attention(q, k, v, pb, backend=backend, window=window, sinks=sinks)
 
-        return (exact_offsets(call) if name == "cudnn_exact" else call), ref, fwd_flops, ""
+        return (cudnn_variant(call, CUDNN_VARIANTS[name]) if name in CUDNN_VARIANTS else call), ref, fwd_flops, ""
 
     from novatune.measure.results import write_row
 

@@ -25,10 +25,11 @@
 #   against stock's own bf16 error, soft-capped flex attention at Gemma 2's shapes, the new kernels), then `novatune
 #   bench examples/qwen3-4b-seed.yaml` on the gemma-3-4b and gemma-2-2b architectures (GEMMA_STACKS, default
 #   stock,liger-peer,novatune; Gemma 2 has no sdpa attention, so its stock runs eager); < 10 min.
-#   cudnn: issue 19's cuDNN attention backend (not in the default list): its GPU tests (values vs the fp32 reference,
-#   document isolation), bench/bench_attention.py with varlen / cudnn / cudnn_exact at the headline shapes, then
-#   `novatune bench` on the headline config twice, novatune with attention auto (varlen) and with attention=cudnn;
-#   < 6 min (timeouts 120 + 120 + 2 x 170 s).
+#   cudnn: issue 19's cuDNN attention backend (not in the default list; its fast path is the nvidia-cudnn-frontend
+#   wheel in .whl/): its GPU tests (values vs the fp32 reference, document isolation, frontend and aten paths),
+#   bench/bench_attention.py with varlen / cudnn / cudnn_aten / cudnn_exact at the headline shapes, then `novatune
+#   bench` on the headline config twice, novatune with attention auto (varlen) and with attention=cudnn; < 7 min
+#   (timeouts 120 + 150 + 2 x 170 s).
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -70,7 +71,7 @@ fi
 if has cudnn; then
   timeout 120 python3 -m pytest -q -rs -m gpu tests/attention/test_cudnn.py 2>&1 | tee "$OUT/cudnn_tests.log" | tail -n 15
   summary+=("cudnn gpu tests: $(tail -n 1 "$OUT/cudnn_tests.log")")
-  timeout 120 python3 bench/bench_attention.py --candidates varlen,cudnn,cudnn_exact --results "$OUT/attention.jsonl" \
+  timeout 150 python3 bench/bench_attention.py --candidates varlen,cudnn,cudnn_aten,cudnn_exact --results "$OUT/attention.jsonl" \
     2>&1 | tee "$OUT/bench_attention_cudnn.log" | tail -n 6
   summary+=("bench_attention cudnn: exit ${PIPESTATUS[0]}")
   for attn in auto cudnn; do

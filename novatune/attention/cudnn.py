@@ -1,39 +1,74 @@
-"""cuDNN's fused attention over packed rows, through torch's own aten ops (no extra package).
+"""cuDNN's fused attention over packed rows (an FA3-class kernel on Hopper), document-causal, GQA without repeating K/V.
 
-torch ships `aten._cudnn_attention_forward` / `aten._cudnn_attention_backward`: cuDNN's SDPA graph (an FA3-class
-kernel on Hopper) with ragged offsets. Given `cum_seq_q` / `cum_seq_k` (the document offsets) it reads q (tokens, hq,
-d) and k, v (tokens, hk, d) in place, one "batch entry" per document, with a padding mask at each document's length
-and the causal diagonal at its top left: document-causal attention, nothing across documents. The query and kv head
-counts are separate graph dimensions, so GQA runs without repeating K/V (query head h reads kv head h // (hq / hk),
-the backward sums dK/dV over each group).
+cuDNN's SDPA graph takes ragged ("THD") inputs: q (tokens, hq, d) and k, v (tokens, hk, d) read in place, one batch
+entry per document found from the offsets, a padding mask at each document's length and the causal diagonal at its
+top left. So attention stays causal inside each document and never crosses one. The query and kv head counts are
+separate graph dimensions: query head h reads kv head h // (hq / hk), the backward sums dK/dV over each group.
 
-Graph reuse. torch builds one cuDNN graph per (documents, longest document, heads, strides) and caches it by that
-key in some versions, rebuilds it on every call in others. Packed batches change both numbers every step, so the
-offsets are padded to a bucket: the document count up to a power of two (empty documents at the end, the layout
-PackedBatch.graph_static uses for FlashAttention) and the longest document up to a power of two (only a bound: the
-padding mask reads each real length). A few graphs then serve every batch. `BUCKETS = False` passes the exact
-layout (the GPU tests check both).
+Two ways to reach it, chosen by IMPL ("auto": the first that imports):
+  frontend  `cudnn.sdpa_torch` of NVIDIA's cudnn-frontend package (`pip install --no-deps nvidia-cudnn-frontend`:
+            its graph API and torch ops; the CuTe-DSL dependencies serve other kernels and are optional). Torch custom
+            ops with autograd; the built graphs are cached by shape.
+  aten      torch's own `aten._cudnn_attention_forward` / `_backward` with `cum_seq_q` (no extra package), in an
+            autograd.Function here. torch builds before the fix of pytorch#191576 rebuild the cuDNN graph on every
+            call (tens of ms), so this path is only fast on newer torch; `bench/bench_attention.py` shows which.
 
-The log-sum-exp's layout differs between torch versions ((tokens, hq, 1) or (hq, tokens)); it only travels from
-this forward to this backward, untouched, so any layout works. Inputs are made contiguous (older builds derive the
-ragged offsets from tokens * heads * d) and the incoming gradient too (older builds read dO with O's offsets).
+Graph reuse. A cuDNN graph is built per (documents, longest document, heads, strides): packed batches change both
+numbers every step, so the offsets are padded to a bucket: the document count up to a power of two (empty documents
+at the end, the layout PackedBatch.graph_static uses for FlashAttention) and the longest document up to a power of
+two (only a bound: the padding mask reads each real length). A few graphs then serve every batch. BUCKETS = False
+passes the exact layout (the GPU tests check both).
+
+The aten path makes its inputs contiguous (older builds derive the ragged offsets from tokens * heads * d) and the
+incoming gradient too (older builds read dO with O's offsets). The log-sum-exp's layout differs between torch
+versions; it only travels from this forward to this backward, untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from novatune.attention.packed import PackedBatch
 
-__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "BUCKETS"]
+__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "overrides", "IMPL", "BUCKETS"]
 
-_aten = torch.ops.aten  # one name for the two cuDNN ops (a CPU test stands in for them here)
+IMPL = "auto"  # "frontend" | "aten" | "auto"
 BUCKETS = True
-# cuDNN's ragged SDPA kernels are measured and supported by torch's own varlen path up to head_dim 128 on sm90
+_aten = torch.ops.aten  # one name for torch's two cuDNN ops (a CPU test stands in for them here)
+# cuDNN's ragged SDPA is supported by torch's own varlen path up to head_dim 128; larger needs newer GPUs / builds
 MAX_HEAD_DIM = 128
-_MIN_SLOTS, _MIN_MAX_LEN = 16, 256  # torch's varlen rejects cuDNN at a longest document <= 128: keep the bound above
-_GQA = "native"  # "repeat" once a build rejects hk != hq (recorded in the detail)
+_MIN_MAX_LEN = 256  # torch's varlen refuses cuDNN at a longest document <= 128: keep the bound above it
+_GQA = "native"  # aten path: "repeat" once a build rejects hk != hq (recorded in the detail)
+
+
+@contextlib.contextmanager
+def overrides(impl: str | None = None, buckets: bool | None = None):
+    """IMPL / BUCKETS changed inside the block (the bench and the tests compare the variants)."""
+    global IMPL, BUCKETS
+    saved = IMPL, BUCKETS
+    IMPL = saved[0] if impl is None else impl
+    BUCKETS = saved[1] if buckets is None else buckets
+    try:
+        yield
+    finally:
+        IMPL, BUCKETS = saved
+
+
+# ------------------------------------------------------------------------------------------------ availability
+@functools.cache
+def _frontend() -> tuple[Any, str]:
+    """(the cudnn-frontend module, "") or (None, why it cannot be used)."""
+    try:
+        module = importlib.import_module("cudnn")
+        module.sdpa_torch  # noqa: B018 - registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd with their autograd
+    except Exception as e:  # noqa: BLE001 - absent or broken package: the aten path may still serve
+        return None, f"nvidia-cudnn-frontend is not usable ({type(e).__name__}: {str(e)[:120]})"
+    return module, ""
 
 
 @functools.cache
@@ -43,15 +78,32 @@ def _op_why_not() -> str | None:
         try:
             args = {a.name for a in getattr(_aten, name).default._schema.arguments}
         except (AttributeError, RuntimeError):
-            return f"torch {torch.__version__} has no aten.{name}; upgrade torch or use backend='varlen'"
+            return f"torch {torch.__version__} has no aten.{name}"
         if not {"cum_seq_q", "cum_seq_k", "max_q"} <= args:
-            return f"torch {torch.__version__}'s aten.{name} takes no ragged offsets (cum_seq_q); upgrade torch"
+            return f"torch {torch.__version__}'s aten.{name} takes no ragged offsets (cum_seq_q)"
     return None
+
+
+def _impl() -> str:
+    if IMPL != "auto":
+        return IMPL
+    return "frontend" if _frontend()[0] is not None else "aten"
+
+
+def _impl_why_not(impl: str) -> str | None:
+    if impl == "frontend":
+        missing = _frontend()[1]
+        return f"{missing}; pip install --no-deps nvidia-cudnn-frontend" if missing else None
+    why = _op_why_not()
+    if why is None:
+        return None
+    also = f", and {_frontend()[1]}" if IMPL == "auto" else ""
+    return f"{why}{also}; pip install --no-deps nvidia-cudnn-frontend, or use backend='varlen'"
 
 
 def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
     """Why the cudnn backend cannot run these inputs (None: it can)."""
-    why = _op_why_not() or _device_why_not(q.device)
+    why = _device_why_not(q.device) or _impl_why_not(_impl())
     if why is not None:
         return why
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -60,7 +112,7 @@ def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window:
     if d % 8 or d > MAX_HEAD_DIM:
         return f"head_dim {d}: the cudnn backend takes head_dim % 8 == 0 and <= {MAX_HEAD_DIM}; use backend='varlen'"
     if window is not None:
-        return "aten's cuDNN attention takes no sliding window; use backend='varlen' or 'flex'"
+        return "the cudnn backend takes no sliding window; use backend='varlen' or 'flex'"
     if packed.lengths is None:
         return "a CUDA-graph static PackedBatch carries no host offsets to pad; only the varlen backend runs on it"
     return None
@@ -79,6 +131,7 @@ def _device_why_not(device: torch.device) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------------ the call
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -87,11 +140,11 @@ def layout(packed: PackedBatch) -> tuple[torch.Tensor, int]:
     """(offsets, longest-document bound) handed to cuDNN: bucketed (see the module docstring) or exact."""
     if not BUCKETS:
         return packed.cu_seqlens, packed.max_seqlen
-    return packed.padded_offsets(max(_MIN_SLOTS, _pow2(packed.num_docs))), max(_MIN_MAX_LEN, _pow2(packed.max_seqlen))
+    return packed.padded_offsets(_pow2(packed.num_docs)), max(_MIN_MAX_LEN, _pow2(packed.max_seqlen))
 
 
-class _CudnnAttention(torch.autograd.Function):
-    """Document-causal attention: forward and backward are the two aten cuDNN ops on the same ragged offsets."""
+class _AtenCudnnAttention(torch.autograd.Function):
+    """Document-causal attention: forward and backward are torch's two cuDNN ops on the same ragged offsets."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_len: int, scale: float, need_lse: bool):
@@ -113,18 +166,12 @@ class _CudnnAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, scale: float,
-                    window: int | None = None) -> torch.Tensor:
-    """(tokens, hq, d) document-causal attention by cuDNN; k, v (tokens, hk, d) with hk dividing hq."""
+def _via_aten(q, k, v, cu, max_len: int, scale: float, need_lse: bool) -> torch.Tensor:
     global _GQA
-    if window is not None:
-        raise ValueError("the cudnn backend takes no sliding window (why_unavailable says so)")
-    cu, max_len = layout(packed)
-    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     q, k, v = (t.contiguous() for t in (q, k, v))
     if k.shape[1] != q.shape[1] and _GQA == "native":
         try:
-            return _CudnnAttention.apply(q, k, v, cu, max_len, scale, need_lse)
+            return _AtenCudnnAttention.apply(q, k, v, cu, max_len, scale, need_lse)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError:
@@ -133,11 +180,33 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: P
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return _CudnnAttention.apply(q, k, v, cu, max_len, scale, need_lse)
+    return _AtenCudnnAttention.apply(q, k, v, cu, max_len, scale, need_lse)
+
+
+def _via_frontend(q, k, v, cu, max_len: int, scale: float, need_lse: bool) -> torch.Tensor:
+    sdpa: Callable[..., Any] = _frontend()[0].sdpa_torch
+    # the frontend's autograd consumes the forward's log-sum-exp: ask for it exactly when a gradient is wanted
+    out = sdpa(q, k, v, scale=scale, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+               max_seqlen_kv=max_len, return_lse=need_lse)
+    return out[0] if need_lse else out
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """(tokens, hq, d) document-causal attention by cuDNN; k, v (tokens, hk, d) with hk dividing hq."""
+    if window is not None:
+        raise ValueError("the cudnn backend takes no sliding window (why_unavailable says so)")
+    cu, max_len = layout(packed)
+    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    run = _via_frontend if _impl() == "frontend" else _via_aten
+    return run(q, k, v, cu, max_len, scale, need_lse)
 
 
 def cudnn_detail() -> str:
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    pad = (f"offsets bucketed (documents to a power of two >= {_MIN_SLOTS}, longest to a power of two >= "
-           f"{_MIN_MAX_LEN})" if BUCKETS else "exact offsets")
-    return f"cuDNN {version} fused attention via aten._cudnn_attention_forward/backward; {pad}; GQA {_GQA}"
+    pad = ("offsets bucketed (documents and longest document to powers of two)" if BUCKETS else "exact offsets")
+    if _impl() == "frontend":
+        how = f"nvidia-cudnn-frontend {getattr(_frontend()[0], '__version__', '?')} cudnn.sdpa_torch, GQA native"
+    else:
+        how = f"torch {torch.__version__} aten._cudnn_attention_forward/backward, GQA {_GQA}"
+    return f"cuDNN {version} fused attention via {how}; {pad}"

@@ -42,6 +42,7 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     if not torch.cuda.is_available():
         assert why_unavailable("cudnn", q, k, pb).startswith("cuDNN attention is CUDA-only")
     monkeypatch.setattr(C, "_device_why_not", lambda device: None)  # the input checks, on any machine
+    monkeypatch.setattr(C, "IMPL", "aten")
     assert why_unavailable("cudnn", q, k, pb) is None
     assert "fp16/bf16" in why_unavailable("cudnn", q.float(), k.float(), pb)
     for d in (12, 256):
@@ -55,9 +56,16 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     assert "static" in why_unavailable("cudnn", q, k, static)
 
 
-def test_a_torch_without_the_ops_is_named(monkeypatch):
+def test_a_torch_without_the_ops_and_no_frontend_are_named(monkeypatch):
     monkeypatch.setattr(C, "_aten", SimpleNamespace())
-    assert "has no aten._cudnn_attention_forward" in C._op_why_not.__wrapped__()
+    why = C._op_why_not.__wrapped__()
+    assert "has no aten._cudnn_attention_forward" in why
+    monkeypatch.setattr(C, "_op_why_not", lambda: why)
+    monkeypatch.setattr(C, "_frontend", lambda: (None, "nvidia-cudnn-frontend is not usable (ImportError: x)"))
+    assert C._impl() == "aten"
+    both = C._impl_why_not("aten")
+    assert "has no aten._cudnn_attention_forward" in both and "not usable" in both and "pip install" in both
+    assert "pip install --no-deps nvidia-cudnn-frontend" in C._impl_why_not("frontend")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
@@ -107,9 +115,10 @@ def stand_in(seen, reject_gqa=False):
 
 @pytest.mark.parametrize("buckets", [True, False])
 @pytest.mark.parametrize("hq,hk", [(4, 2), (3, 3)])
-def test_autograd_glue_against_an_fp64_oracle(monkeypatch, buckets, hq, hk):
+def test_aten_glue_against_an_fp64_oracle(monkeypatch, buckets, hq, hk):
     seen = {}
     monkeypatch.setattr(C, "_aten", stand_in(seen))
+    monkeypatch.setattr(C, "IMPL", "aten")
     monkeypatch.setattr(C, "BUCKETS", buckets)
     pb = packed_of(ROWS)
     q, k, v = make_qkv(pb.total_tokens, hq, hk, 16, torch.float32)
@@ -135,6 +144,7 @@ def test_autograd_glue_against_an_fp64_oracle(monkeypatch, buckets, hq, hk):
 def test_no_log_sum_exp_without_a_gradient(monkeypatch):
     seen = {}
     monkeypatch.setattr(C, "_aten", stand_in(seen))
+    monkeypatch.setattr(C, "IMPL", "aten")
     pb = packed_of(ROWS)
     q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
     C.cudnn_attention(q, k, v, pb, 0.25)
@@ -147,6 +157,7 @@ def test_no_log_sum_exp_without_a_gradient(monkeypatch):
 def test_a_build_that_rejects_gqa_repeats_kv(monkeypatch):
     seen = {}
     monkeypatch.setattr(C, "_aten", stand_in(seen, reject_gqa=True))
+    monkeypatch.setattr(C, "IMPL", "aten")
     monkeypatch.setattr(C, "_GQA", "native")
     pb = packed_of(ROWS)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
@@ -170,6 +181,7 @@ def test_a_patched_model_runs_attention_cudnn(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(C, "_aten", stand_in(seen))
+    monkeypatch.setattr(C, "IMPL", "aten")
     monkeypatch.setattr(C, "cudnn_why_not", lambda *a: None)
     monkeypatch.setattr(backends, "cudnn_why_not", lambda *a: None)
     ids, pos, lab = packed_batch([[13, 1, 30], [44]])
@@ -186,6 +198,45 @@ def test_a_patched_model_runs_attention_cudnn(monkeypatch):
     assert_close(results[0][0], results[1][0], 1e-5, name="loss")
     for got, want in zip(results[0][1], results[1][1]):
         assert_close(got, want, 1e-4, name="grad")
+
+
+def frontend_stand_in(seen):
+    """cudnn-frontend's `sdpa_torch` on the CPU: its contract (THD q/k/v, cu_seqlens, an LSE returned only when asked),
+    the values from the reference backend with torch autograd."""
+
+    def sdpa_torch(q, k, v, *, scale, is_causal, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                   return_lse):
+        assert is_causal and cu_seqlens_q is cu_seqlens_kv and max_seqlen_q == max_seqlen_kv
+        pb = PackedBatch.from_cu_seqlens(torch.unique_consecutive(cu_seqlens_q.cpu()))
+        assert max_seqlen_q >= pb.max_seqlen
+        seen.update(cu=cu_seqlens_q, max=max_seqlen_q, lse_wanted=return_lse, hk=k.shape[1])
+        out = varlen_attention(q, k, v, pb, scale=scale, backend="reference")
+        return (out, torch.zeros(q.shape[0], q.shape[1], 1)) if return_lse else out
+
+    return SimpleNamespace(sdpa_torch=sdpa_torch, __version__="stand-in")
+
+
+@pytest.mark.parametrize("buckets", [True, False])
+def test_frontend_glue(monkeypatch, buckets):
+    seen = {}
+    monkeypatch.setattr(C, "_frontend", lambda: (frontend_stand_in(seen), ""))
+    monkeypatch.setattr(C, "BUCKETS", buckets)
+    assert C._impl() == "frontend" and "nvidia-cudnn-frontend stand-in" in C.cudnn_detail()
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    out = C.cudnn_attention(q, k, v, pb, 0.3)
+    assert seen["lse_wanted"] and seen["hk"] == 2
+    assert seen["max"] == (256 if buckets else pb.max_seqlen) and len(seen["cu"]) == (17 if buckets else 10)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention(q64, k64, v64, pb, scale=0.3, backend="reference")
+    assert_close(out, ref, 1e-5, name="out")
+    out.sum().backward()
+    ref.sum().backward()
+    for name, a, b in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert_close(a.grad, b.grad, 1e-5, name=name)
+    with torch.no_grad():
+        C.cudnn_attention(q, k, v, pb, 0.3)
+    assert seen["lse_wanted"] is False
 
 
 def test_padded_offsets():
@@ -209,9 +260,18 @@ def _poison_allocator(*like: torch.Tensor) -> None:
     del blocks
 
 
+def _gpu_impl_or_skip(impl):
+    why = C._impl_why_not(impl)
+    if why is not None:  # the frontend package travels separately (.whl/): say which path went untested
+        pytest.skip(f"cudnn impl {impl!r} unavailable here: {why}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("buckets", [True, False])
-def test_gpu_cudnn_matches_the_fp32_reference(monkeypatch, buckets):
+@pytest.mark.parametrize("impl", ["frontend", "aten"])
+def test_gpu_cudnn_matches_the_fp32_reference(monkeypatch, impl, buckets):
+    _gpu_impl_or_skip(impl)
+    monkeypatch.setattr(C, "IMPL", impl)
     monkeypatch.setattr(C, "BUCKETS", buckets)
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
@@ -233,8 +293,11 @@ def test_gpu_cudnn_matches_the_fp32_reference(monkeypatch, buckets):
 
 
 @pytest.mark.gpu
-def test_gpu_cudnn_keeps_documents_apart():
+@pytest.mark.parametrize("impl", ["frontend", "aten"])
+def test_gpu_cudnn_keeps_documents_apart(monkeypatch, impl):
     """Changing one document's q, k and v changes no other document's output, bit for bit."""
+    _gpu_impl_or_skip(impl)
+    monkeypatch.setattr(C, "IMPL", impl)
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda"))
     base = varlen_attention(q, k, v, pb, backend="cudnn")
