@@ -5,7 +5,7 @@ entry per document found from the offsets, a padding mask at each document's len
 top left. So attention stays causal inside each document and never crosses one. The query and kv head counts are
 separate graph dimensions: query head h reads kv head h // (hq / hk), the backward sums dK/dV over each group.
 
-Two ways to reach it, chosen by IMPL ("auto": the first that imports):
+Two ways to reach it, chosen by IMPL (environment NOVATUNE_CUDNN_IMPL; "auto": the first that imports):
   frontend  `cudnn.sdpa_torch` of NVIDIA's cudnn-frontend package (`pip install --no-deps nvidia-cudnn-frontend`:
             its graph API and torch ops; the CuTe-DSL dependencies serve other kernels and are optional). Torch custom
             ops with autograd; the built graphs are cached by shape.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,9 @@ from novatune.attention.packed import PackedBatch
 
 __all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "overrides", "IMPL", "BUCKETS"]
 
-IMPL = "auto"  # "frontend" | "aten" | "auto"
+IMPL = os.environ.get("NOVATUNE_CUDNN_IMPL", "auto")  # "frontend" | "aten" | "auto"
+if IMPL not in ("auto", "frontend", "aten"):
+    raise ValueError(f"NOVATUNE_CUDNN_IMPL={IMPL!r}: choose auto, frontend or aten")
 BUCKETS = True
 _aten = torch.ops.aten  # one name for torch's two cuDNN ops (a CPU test stands in for them here)
 # cuDNN's ragged SDPA is supported by torch's own varlen path up to head_dim 128; larger needs newer GPUs / builds
