@@ -10,8 +10,8 @@ Two ways to reach it, chosen by IMPL (environment NOVATUNE_CUDNN_IMPL; "auto": t
             its graph API and torch ops; the CuTe-DSL dependencies serve other kernels and are optional). Torch custom
             ops with autograd; the built graphs are cached by shape.
   aten      torch's own `aten._cudnn_attention_forward` / `_backward` with `cum_seq_q` (no extra package), in an
-            autograd.Function here. torch builds before the fix of pytorch#191576 rebuild the cuDNN graph on every
-            call (tens of ms), so this path is only fast on newer torch; `bench/bench_attention.py` shows which.
+            autograd.Function here. torch builds whose ragged path does not cache its cuDNN graphs rebuild one on
+            every call (tens of ms), so this path is only fast on newer torch; `bench/bench_attention.py` shows it.
 
 Graph reuse. A cuDNN graph is built per (documents, longest document, heads, strides): packed batches change both
 numbers every step, so the offsets are padded to a bucket: the document count up to a power of two (empty documents
