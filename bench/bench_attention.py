@@ -5,7 +5,12 @@ log-normal lengths (median --median = 600, sigma 0.7, min 32, cut at the row end
 fixed --seed.
 
 Candidates:
-  varlen, flex, sdpa_docs, reference   novatune.attention backends on the packed rows (q/k/v as (tokens, h, d))
+  varlen, cudnn, flex, sdpa_docs, reference
+                                       novatune.attention backends on the packed rows (q/k/v as (tokens, h, d))
+  cudnn_aten                           cudnn through torch's aten ops (cudnn: the cudnn-frontend package when it
+                                       imports, else the same aten path)
+  cudnn_exact                          cudnn with the exact document offsets (no bucketing: one cuDNN graph per
+                                       document count and longest document)
   hf_sdpa_dense                        stock: transformers' sdpa_attention_forward with the dense (b, 1, s, s)
                                        document-causal bool mask (repeat_kv: HF uses enable_gqa only without a mask)
   sdpa_one_doc                         the ceiling: plain causal SDPA with ONE document per row (a different workload:
@@ -18,7 +23,10 @@ fwd+bwd = 3 x fwd (the backward's 4 matmuls = 2 x fwd; recomputing P in the back
 computes masked-out tiles (hf_sdpa_dense) gets no credit for them.
 
 Figures: wall ms = triton do_bench median (novatune.measure.timing.wall_us), fwd and fwd+bwd (grads set to None
-inside the timed call), plus rel_err of the forward vs the fp32 reference. Rows: --results (default
+inside the timed call), plus rel_err of the forward vs the fp32 reference. fresh_layout_ms: the median of
+--layouts single fwd+bwd calls (synchronised), each on a document layout never seen before, as every training step
+brings one: it includes any per-layout work (a cuDNN graph build, flex's BlockMask; the PackedBatch itself is built
+outside the timer). Rows: --results (default
 bench/results/attention.jsonl) via novatune.measure.results.write_row. Without CUDA: a tiny smoke run, no rows.
 
     python bench/bench_attention.py                       # all candidates, < 90 s on an H100/H200
@@ -36,8 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-ALL = ("varlen", "flex", "hf_sdpa_dense", "sdpa_one_doc", "sdpa_docs", "reference")
-DEFAULT = ("varlen", "flex", "hf_sdpa_dense", "sdpa_one_doc")
+ALL = ("varlen", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc", "sdpa_docs",
+       "reference")
+DEFAULT = ("varlen", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc")
+CUDNN_VARIANTS = {"cudnn_aten": dict(impl="aten"), "cudnn_exact": dict(buckets=False)}
 
 
 def parse():
@@ -55,6 +65,7 @@ def parse():
     p.add_argument("--quick", action="store_true", help="shorter timing loops")
     p.add_argument("--window", type=int, default=None, help="sliding window in keys (HF's definition)")
     p.add_argument("--sinks", action="store_true", help="per-head attention sinks (GPT-OSS), drawn from N(0, 2^2)")
+    p.add_argument("--layouts", type=int, default=8, help="document layouts cycled by the new_layout timing")
     return p.parse_args()
 
 
@@ -70,6 +81,38 @@ def doc_lengths(batch, seq, median, sigma, seed):
             row.append(min(L, seq - sum(row)))
         rows.append(row)
     return rows
+
+
+def cudnn_variant(call, settings: dict):
+    """The cudnn backend with other settings for this call (the backward reuses what the forward chose)."""
+    from novatune.attention import cudnn
+
+    def run(*args):
+        with cudnn.overrides(**settings):
+            return call(*args)
+
+    return run
+
+
+def fresh_layout_ms(fwd, q, k, v, go, args, dev, cuda) -> float:
+    """Median ms of one synchronised fwd+bwd on each of --layouts document layouts that no call has seen yet."""
+    import torch
+
+    from novatune.attention import PackedBatch
+
+    times = []
+    for i in range(args.layouts):
+        rows = doc_lengths(args.batch, args.seq, args.median, args.sigma, args.seed + 1000 + i)
+        pb = PackedBatch.from_position_ids(torch.tensor([[p for n in r for p in range(n)] for r in rows]), device=dev)
+        q.grad = k.grad = v.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fwd(pb).backward(go)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -174,8 +217,12 @@ def main():
             return (lambda: hf_fn(q, k, v)), ref, fwd_flops, hf_impl
         if name == "sdpa_one_doc":
             return (lambda: varlen_attention(q, k, v, one_doc, backend="sdpa")), ref_one, one_doc_fwd_flops, ""
-        return (lambda: varlen_attention(q, k, v, packed, backend=name, window=window, sinks=sinks)), ref, \
-            fwd_flops, ""
+        backend = "cudnn" if name in CUDNN_VARIANTS else name
+
+        def call(pb=packed):
+            return varlen_attention(q, k, v, pb, backend=backend, window=window, sinks=sinks)
+
+        return (cudnn_variant(call, CUDNN_VARIANTS[name]) if name in CUDNN_VARIANTS else call), ref, fwd_flops, ""
 
     from novatune.measure.results import write_row
 
@@ -202,7 +249,10 @@ def main():
             with torch.no_grad():
                 ms_f = timer(fwd)
             ms_fb = timer(fwd_bwd)
+            fresh = (fresh_layout_ms(fwd, q, k, v, go, args, dev, cuda)
+                     if name not in ("hf_sdpa_dense", "sdpa_one_doc") else None)
             row = dict(candidate=name, fwd_ms=round(ms_f, 4), fwd_bwd_ms=round(ms_fb, 4),
+                       fresh_layout_ms=None if fresh is None else round(fresh, 3),
                        fwd_tflops=round(flops / ms_f / 1e9, 1), fwd_bwd_tflops=round(3 * flops / ms_fb / 1e9, 1),
                        rel_err_fwd=float(f"{err:.3e}"), first_call_s=round(first_s, 2), detail=detail)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a result too
@@ -215,13 +265,15 @@ def main():
         write_row(args.results, {"bench": "attention", **cfg, "candidate": "metadata", **meta})
     print(f"packed attention: {b} x {s} tokens, {len(docs)} docs ({len(docs) / b:.1f}/row), Hq {hq} / Hkv {hk}, "
           f"d {d}, {cfg['dtype']}; metadata {meta['packed_ms']} ms + BlockMask {meta['block_mask_ms']} ms")
-    print(f"{'candidate':15s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'rel err':>9s}  detail")
+    print(f"{'candidate':15s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} {'fresh ms':>8s} "
+          f"{'rel err':>9s}  detail")
     for r in table:
         if "error" in r:
             print(f"{r['candidate']:15s} ERROR {r['error']}")
         else:
+            fresh = "-" if r["fresh_layout_ms"] is None else f"{r['fresh_layout_ms']:.3f}"
             print(f"{r['candidate']:15s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:8.1f} {r['fwd_bwd_ms']:8.3f} "
-                  f"{r['fwd_bwd_tflops']:8.1f} {r['rel_err_fwd']:9.2e}  {r['detail']}")
+                  f"{r['fwd_bwd_tflops']:8.1f} {fresh:>8s} {r['rel_err_fwd']:9.2e}  {r['detail']}")
     if cuda:
         print(f"rows appended to {args.results}")
 

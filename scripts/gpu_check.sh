@@ -25,6 +25,11 @@
 #   against stock's own bf16 error, soft-capped flex attention at Gemma 2's shapes, the new kernels), then `novatune
 #   bench examples/qwen3-4b-seed.yaml` on the gemma-3-4b and gemma-2-2b architectures (GEMMA_STACKS, default
 #   stock,liger-peer,novatune; Gemma 2 has no sdpa attention, so its stock runs eager); < 10 min.
+#   cudnn: issue 19's cuDNN attention backend (not in the default list; its fast path is the nvidia-cudnn-frontend
+#   wheel in .whl/): its GPU tests (values vs the fp32 reference, document isolation, frontend and aten paths),
+#   bench/bench_attention.py with varlen / cudnn / cudnn_aten / cudnn_exact at the headline shapes, then `novatune
+#   bench` on the headline config twice, novatune with attention auto (varlen) and with attention=cudnn; < 7 min
+#   (timeouts 120 + 150 + 2 x 170 s).
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
 # Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
 set -uo pipefail
@@ -62,6 +67,19 @@ if has attention; then
   timeout 240 python3 bench/bench_attention.py --hq 64 --hkv 8 --d 64 --window 128 --sinks --candidates varlen \
     --results "$OUT/attention.jsonl" 2>&1 | tee -a "$OUT/bench_attention_gptoss.log" | tail -n 3
   summary+=("bench_attention gpt_oss (sinks): exit ${PIPESTATUS[0]}")
+fi
+if has cudnn; then
+  timeout 120 python3 -m pytest -q -rs -m gpu tests/attention/test_cudnn.py 2>&1 | tee "$OUT/cudnn_tests.log" | tail -n 15
+  summary+=("cudnn gpu tests: $(tail -n 1 "$OUT/cudnn_tests.log")")
+  timeout 150 python3 bench/bench_attention.py --candidates varlen,cudnn,cudnn_aten,cudnn_exact --results "$OUT/attention.jsonl" \
+    2>&1 | tee "$OUT/bench_attention_cudnn.log" | tail -n 6
+  summary+=("bench_attention cudnn: exit ${PIPESTATUS[0]}")
+  for attn in auto cudnn; do
+    timeout 170 python3 -m novatune bench examples/qwen3-4b-seed.yaml --stacks novatune --steps 4 --timeout 160 \
+      --set model.patch_options.attention=$attn --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/cudnn_$attn" 2>&1 \
+      | tee "$OUT/e2e_attention_$attn.log" | tail -n 6
+    summary+=("novatune bench attention=$attn: exit ${PIPESTATUS[0]}")
+  done
 fi
 if has parity; then
   # smaller real architectures: loss parity stock vs novatune (and speed), random init

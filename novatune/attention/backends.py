@@ -16,6 +16,8 @@ strided view; reshape it). All backends are differentiable through torch autogra
 Backends:
   varlen     torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch; CUDA, fp16/bf16, d % 8 == 0,
              d <= 256)
+  cudnn      cuDNN's fused attention with ragged offsets through torch's aten ops (cudnn.py; CUDA sm80+, cuDNN 9,
+             fp16/bf16, d % 8 == 0, d <= 128, no sliding window); not in AUTO_ORDER: the tune engine chooses it
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
   sdpa       F.scaled_dot_product_attention(is_causal=True) per row; only when every row is one document (on sm90
              it dispatches to cuDNN, the fastest measured: docs/BENCHMARKS.md)
@@ -39,13 +41,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from novatune.attention.cudnn import cudnn_attention, cudnn_detail, cudnn_why_not
 from novatune.attention.packed import PackedBatch
 from novatune.attention.sinks import flash2_inputs_why_not, flash_why_not, sink_attention
 
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
            "SINK_BACKENDS", "SOFTCAP_BACKENDS", "why_unavailable"]
 
-BACKENDS = ("varlen", "flex", "sdpa", "sdpa_docs", "reference")
+BACKENDS = ("varlen", "cudnn", "flex", "sdpa", "sdpa_docs", "reference")
 # Backends that can add attention sinks (novatune/attention/sinks.py): they expose the softmax's log-sum-exp and
 # a backward that takes the sunk output. The others refuse a call with sinks (never drop them).
 SINK_BACKENDS = ("varlen", "reference")
@@ -58,6 +61,7 @@ SOFTCAP_BACKENDS = ("flex", "reference")
 # lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
 # varlen before flex: in the headline training step (H200, torch 2.11) varlen gave 15,893 tok/s vs flex 14,767
 # (bench/results/e2e.jsonl); flex's backward is slower there and its BlockMask costs host time per batch.
+# "cudnn" stays out until a training step measures it ahead of varlen; `novatune tune` times it beside the others.
 AUTO_ORDER: dict[str, list[str]] = {
     "cuda": ["sdpa", "varlen", "flex", "sdpa_docs"],
     "cpu": ["sdpa", "sdpa_docs"],
@@ -281,8 +285,8 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     return torch.cat(outs, 0).to(q.dtype)
 
 
-_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "flex": _flex, "sdpa": _sdpa,
-                                                   "sdpa_docs": _sdpa_docs, "reference": _reference}
+_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "cudnn": cudnn_attention, "flex": _flex,
+                                                   "sdpa": _sdpa, "sdpa_docs": _sdpa_docs, "reference": _reference}
 
 
 def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
@@ -310,6 +314,8 @@ def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, w
         return _varlen_why_not(q, k, packed, window)
     if name == "flex":
         return _flex_why_not(q, k, packed)
+    if name == "cudnn":
+        return cudnn_why_not(q, k, packed, window)
     if name == "sdpa" and not packed.one_doc_per_row:
         return "rows hold several documents (sdpa runs plain causal attention per row)"
     if name == "sdpa" and window is not None:
@@ -435,4 +441,6 @@ def _detail(name: str, with_sinks: bool = False, with_cap: bool = False) -> str:
         return f"torch {torch.__version__}: causal via {sig}; GQA {_VARLEN_GQA}"
     if name == "flex":
         return "compiled flex_attention, document-causal BlockMask cached per batch, enable_gqa"
+    if name == "cudnn":
+        return cudnn_detail()
     return ""

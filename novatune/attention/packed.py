@@ -92,6 +92,7 @@ class PackedBatch:
         self.cu_seqlens = _to_device(self.cu_seqlens_cpu, self.device)
         self._doc_ids: dict[int, torch.Tensor] = {}  # padded length -> device int32 doc id per token
         self._block_masks: dict[tuple[int, int | None], Any] = {}  # (block size, window) -> BlockMask
+        self._padded: dict[int, torch.Tensor] = {}  # slots -> device int32 offsets padded with empty documents
 
     # ----------------------------------------------------------------------------------------------- constructors
     @classmethod
@@ -168,7 +169,7 @@ class PackedBatch:
         pb.lengths, pb.num_docs, pb.max_seqlen = None, cu_seqlens.numel() - 1, int(max_seqlen)
         pb.one_doc_per_row = False  # several (possibly empty) slots per row: never plain per-row causal SDPA
         pb.cu_seqlens_cpu, pb.cu_seqlens = None, cu_seqlens
-        pb._doc_ids, pb._block_masks = {}, {}
+        pb._doc_ids, pb._block_masks, pb._padded = {}, {}, {}
         return pb
 
     @classmethod
@@ -257,6 +258,18 @@ class PackedBatch:
             self._block_masks[key] = (_doc_causal_block_mask(self, block_size) if window is None
                                       else _doc_local_block_mask(self, block_size, window))
         return self._block_masks[key]
+
+    def padded_offsets(self, slots: int) -> torch.Tensor:
+        """cu_seqlens as `slots` documents, on `device`, built once per slot count and cached: the real offsets
+        followed by repeats of the total (empty documents), the layout graph_static uses. Kernels whose compiled
+        plan is keyed on the document count (cuDNN's) then see one count for many batches."""
+        if slots < self.num_docs:
+            raise ValueError(f"{slots} slots cannot hold {self.num_docs} documents")
+        if slots not in self._padded:
+            cu = self.host_offsets()
+            tail = torch.full((slots - self.num_docs,), self.total_tokens, dtype=torch.int32)
+            self._padded[slots] = _to_device(_pin(torch.cat([cu.to(torch.int32), tail]), self.device), self.device)
+        return self._padded[slots]
 
     def __repr__(self) -> str:
         return (f"PackedBatch(batch={self.batch}, seq_len={self.seq_len}, num_docs={self.num_docs}, "

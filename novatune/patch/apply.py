@@ -29,7 +29,7 @@ from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
 
-ATTENTION_BACKENDS = ("auto", "flex", "varlen", "sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "reference")
 
 
 @dataclass
@@ -130,8 +130,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than
     one chunk. Same values; an extra MLP forward per tiled batch.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
-    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "sdpa", "reference"; False
-    keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
+    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "cudnn", "sdpa", "reference";
+    False keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
     report (report.choices) and report.revert() removes them.
