@@ -281,14 +281,3 @@ def uninstall_streaming(layers: list[nn.Module], streamer: FrozenWeightStreamer)
         h.remove()
     streamer.hooks.clear()
     streamer.restore()
-
-
-def spread(candidates: list[int], count: int) -> list[int]:
-    """`count` of the candidate layers, spread evenly: each streamed layer's copy then overlaps the layers between
-    it and the previous streamed one."""
-    if count <= 0:
-        return []
-    if count >= len(candidates):
-        return list(candidates)
-    step = len(candidates) / count
-    return [candidates[int(j * step)] for j in range(count)]

@@ -204,6 +204,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
             save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
         if cfg.checkpoint.export:
+            if session.memory_plan is not None and session.memory_plan.streamer is not None:
+                session.release_optimizer_state()  # room for the streamed weights, which come back for the export
+                session.stop_streaming()
             if report is not None:
                 report.revert()  # export a plain transformers model
             if session.strategy != "none":  # gathered to rank 0, loaded into a plain model there

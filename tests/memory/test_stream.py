@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from novatune.memory.offload import OffloadEngine
+from novatune.memory.planner import spread
 from novatune.memory.policy import install as install_policies
 from novatune.memory.policy import installed
 from novatune.memory.stream import (
     StreamingRefused,
     frozen_bytes,
     install_streaming,
-    spread,
     uninstall_streaming,
 )
 from tests.memory.test_offload import _grads, _layers, _model
