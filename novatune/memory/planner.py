@@ -295,18 +295,24 @@ def fewest_streamed(make_plan, costs: list[LayerCost], n: int, fs: FrozenStream,
                     host: HostBudget | None = None) -> Plan | None:
     """The plan that streams the fewest layers and fits, or None. `make_plan(saved_bytes)` gives the policies'
     plan for a static size `saved_bytes` smaller (auto re-chooses its policies with the room streaming makes)."""
-    def plan_for(k: int) -> Plan:
+    def plan_for(k: int) -> Plan | None:
         saved = (k - 2) * fs.layer_bytes
         base = make_plan(saved)
+        if sum(p != "keep" for p in base.policies) < k:
+            return None  # too few recomputed layers to stream k
         base = replace(base, peak_bytes=base.peak_bytes + saved, static_bytes=base.static_bytes + saved)
         return with_streaming(base, costs, k, fs, host)
 
+    def fits(k: int) -> bool:
+        plan = plan_for(k)
+        return plan is not None and plan.fits
+
     lo, hi = 3, n  # fewer than three streamed layers save nothing (two slots stay)
-    if hi < lo or not plan_for(hi).fits:
+    if hi < lo or not fits(hi):
         return None
     while lo < hi:  # more streamed layers never need more memory: the fewest that fit by bisection
         mid = (lo + hi) // 2
-        if plan_for(mid).fits:
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1

@@ -74,19 +74,14 @@ def frozen_bytes(layer: nn.Module) -> int:
 
 
 def check_streamable(layer: nn.Module, index: int) -> None:
-    """Refuse a layer whose weights train: streaming keeps a host copy and never writes it back, so an optimizer
-    step on a streamed weight would be lost at its next copy."""
+    """Refuse a layer with no frozen weight (full fine-tuning). Only frozen parameters stream (a host copy is never
+    written back, so an optimizer step on a streamed weight would be lost): trainable ones stay on the device."""
     trained = [n for n, p in layer.named_parameters() if p.requires_grad and p.numel() * p.element_size() > 0]
     frozen = frozen_parameters(layer)
     if not frozen:
         raise StreamingRefused(f"decoder layer {index} has no frozen parameters to stream (full fine-tuning trains "
                                f"them: {', '.join(trained[:3])}...); frozen-weight streaming is for LoRA/QLoRA "
                                f"runs: set memory.stream_frozen_layers: 0 or method.type: lora")
-    total = sum(p.numel() for p in layer.parameters())
-    if sum(p.numel() for p in layer.parameters() if p.requires_grad) > 0.25 * total:
-        raise StreamingRefused(f"decoder layer {index}: most of its weights train ({', '.join(trained[:3])}...); "
-                               f"frozen-weight streaming moves only frozen weights (LoRA/QLoRA base weights): set "
-                               f"memory.stream_frozen_layers: 0 for full fine-tuning")
 
 
 class FrozenWeightStreamer:
