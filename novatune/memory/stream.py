@@ -129,7 +129,7 @@ class FrozenWeightStreamer:
             self.entries[i] = entry
             self.order.append(entry)
         for entry in self.order:
-            for p, dtype, off, n, shape in entry.params:
+            for p, dtype, off, n, _ in entry.params:
                 entry.host[dtype][off:off + n].copy_(p.data.reshape(-1))
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the host copies are complete before the device storage goes

@@ -44,9 +44,16 @@ from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
 from novatune.train.config import memory_policy
-from novatune.train.memory import ASSUMED, MemoryPlan, configure_allocator, needs_checkpointing, plan_for_run
+from novatune.train.memory import (
+    ASSUMED,
+    MemoryPlan,
+    configure_allocator,
+    needs_checkpointing,
+    plan_for_run,
+    start_streaming,
+    stop_streaming,
+)
 from novatune.train.memory import install as install_memory_plan
-from novatune.train.memory import start_streaming, stop_streaming
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
     apply_patch,

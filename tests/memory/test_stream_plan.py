@@ -54,9 +54,10 @@ def test_the_fewest_streamed_layers_that_fit():
     full = _plan().peak_bytes  # 1000 + 6 kept + 2 transient
     for k in (3, 4, 5, 6):
         budget = full - (k - 2) * 50
-        plan = fewest_streamed(lambda saved: _plan(budget, saved=saved), [COST] * 6, 6, fs)
+        plan = fewest_streamed(lambda saved, b=budget: _plan(b, saved=saved), [COST] * 6, 6, fs)
         assert plan is not None and len(plan.streamed) == k and plan.fits and plan.peak_bytes <= budget, k
-    assert fewest_streamed(lambda saved: _plan(full - 201, saved=saved), [COST] * 6, 6, fs) is None  # 6 layers save 200
+    # six layers save 200
+    assert fewest_streamed(lambda saved: _plan(full - 201, saved=saved), [COST] * 6, 6, fs) is None
 
 
 def test_auto_rechooses_policies_in_the_room_streaming_makes():
