@@ -113,26 +113,18 @@ class FrozenWeightStreamer:
             raise RuntimeError("this streamer is already installed")
         for i in indices:
             check_streamable(layers[i], i)
-        for ordinal, i in enumerate(sorted(indices)):
-            entry = _Entry(i, ordinal)
-            sizes: Counter = Counter()
-            for _, p in frozen_parameters(layers[i]):
-                if p.device != self.device and not (self.cuda and p.device.type == "cuda"):
-                    raise StreamingRefused(f"decoder layer {i}: a frozen parameter is on {p.device}, not {self.device}")
-                entry.params.append((p, p.dtype, sizes[p.dtype], p.numel(), p.shape))
-                sizes[p.dtype] += p.numel()
-            slot = self.slots[entry.slot]
-            for dtype, n in sizes.items():
-                entry.host[dtype] = torch.empty(n, dtype=dtype, pin_memory=self.cuda)
-                if dtype not in slot or slot[dtype].numel() < n:
-                    slot[dtype] = torch.empty(n, dtype=dtype, device=self.device)
-            self.entries[i] = entry
-            self.order.append(entry)
+        try:
+            for ordinal, i in enumerate(sorted(indices)):
+                self._move_to_host(_Entry(i, ordinal), layers[i])
+        except BaseException:
+            self.restore()  # the layers moved so far go back whole
+            raise
+        # the slots exist only once the device copies are gone: the peak of the install is the model's own
         for entry in self.order:
-            for p, dtype, off, n, _ in entry.params:
-                entry.host[dtype][off:off + n].copy_(p.data.reshape(-1))
-        if self.cuda:
-            torch.cuda.synchronize(self.device)  # the host copies are complete before the device storage goes
+            slot = self.slots[entry.slot]
+            for dtype, host in entry.host.items():
+                if dtype not in slot or slot[dtype].numel() < host.numel():
+                    slot[dtype] = torch.empty(host.numel(), dtype=dtype, device=self.device)
         for entry in self.order:
             slot = self.slots[entry.slot]
             for p, dtype, off, n, shape in entry.params:
@@ -140,6 +132,25 @@ class FrozenWeightStreamer:
         self.holder = [None] * SLOTS
         self.stats["streamed_layers"] = len(self.order)
         self.stats["host_bytes"] = sum(e.nbytes() for e in self.order)
+
+    def _move_to_host(self, entry: _Entry, layer: nn.Module) -> None:
+        """One layer's frozen parameters into its pinned host buffers; their device storage is released (an empty
+        stand-in until the slots exist)."""
+        sizes: Counter = Counter()
+        for _, p in frozen_parameters(layer):
+            if p.device != self.device and not (self.cuda and p.device.type == "cuda"):
+                raise StreamingRefused(f"decoder layer {entry.index}: a frozen parameter is on {p.device}, not "
+                                       f"{self.device}")
+            entry.params.append((p, p.dtype, sizes[p.dtype], p.numel(), p.shape))
+            sizes[p.dtype] += p.numel()
+        for dtype, n in sizes.items():
+            entry.host[dtype] = torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+        for p, dtype, off, n, _ in entry.params:
+            entry.host[dtype][off:off + n].copy_(p.data.reshape(-1))  # synchronous: complete on return
+        self.entries[entry.index] = entry
+        self.order.append(entry)
+        for p, dtype, *_ in entry.params:
+            p.data = torch.empty(0, dtype=dtype, device=p.device)
 
     def slot_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for s in self.slots for b in s.values())
