@@ -241,6 +241,9 @@ def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:
     row["predicted_peak_gib"] = predicted
     if memory_plan.engine is not None:  # bytes moved to host memory since the start (the layers' inputs)
         row["offloaded_gib"] = memory_plan.engine.stats["offloaded_bytes"] / 2**30
+    if memory_plan.streamer is not None:  # frozen weights copied in since the start, and copies not prefetched
+        row["streamed_h2d_gb"] = memory_plan.streamer.stats["copied_bytes"] / 1e9
+        row["stream_fetched_on_demand"] = memory_plan.streamer.stats["fetched_on_demand"]
     speed = memory_plan.predicted_tokens_per_s
     if speed is not None:
         row["predicted_tokens_per_s"] = speed

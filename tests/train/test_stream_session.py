@@ -45,3 +45,28 @@ def test_streamed_lora_trains_like_unstreamed(make_cfg):
 def test_full_fine_tuning_refuses_streaming(make_cfg):
     with pytest.raises(ConfigError, match="memory.stream_frozen_layers: 0"):
         make_cfg(memory={"gradient_checkpointing": True, "stream_frozen_layers": 2})
+
+
+def test_the_trainer_exports_the_streamed_run_like_the_unstreamed_one(make_cfg):
+    """The whole trainer: metrics rows say what was copied, and the merged export (which reads every base
+    weight) equals the unstreamed run's."""
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM
+
+    from novatune.train.loop import train
+    from tests.train.conftest import TINY_ARCH
+
+    def run(name, stream):
+        cfg = make_cfg(name, model={"arch_overrides": {**TINY_ARCH, **ARCH}},
+                       method={"type": "lora", "r": 4, "alpha": 8}, train={"max_steps": 2, "lr": 2e-2},
+                       memory={"gradient_checkpointing": True, "stream_frozen_layers": stream})
+        res = train(cfg, console=Console(file=open("/dev/null", "w")))
+        return res, AutoModelForCausalLM.from_pretrained(res.exported[1]).eval()
+
+    ref, ref_merged = run("ref", 0)
+    got, merged = run("stream", 4)
+    assert got.session.memory_plan.streamer is None  # stopped before the export
+    assert [got.losses[k] for k in sorted(got.losses)] == [ref.losses[k] for k in sorted(ref.losses)]
+    ref_sd = ref_merged.state_dict()
+    for n, t in merged.state_dict().items():
+        assert torch.equal(t, ref_sd[n]), n
