@@ -116,3 +116,24 @@ def test_config_refuses_streaming_for_full_fine_tuning_and_negative_counts():
         validate(from_dict({**base, "memory": {"stream_frozen_layers": 4}}))
     with pytest.raises(ConfigError, match="must be auto or >= 0"):
         validate(from_dict({**base, "method": {"type": "lora"}, "memory": {"stream_frozen_layers": -1}}))
+
+
+def test_novatune_plan_shows_the_streamed_layers():
+    """The seed workload with LoRA r16 under an 8 GiB budget: streaming fills the gap, and `novatune plan` says
+    which layers, the GiB saved and the host-to-device traffic."""
+    from novatune.train.config import load
+    from novatune.train.plan import plan, render
+
+    cfg = load("examples/qwen3-4b-seed.yaml", ["method.type=lora", "method.r=16", "method.alpha=32",
+                                               "memory.budget_gib=8"])
+    est = plan(cfg, hw=planner.Hardware(700.0, 3000.0, 50.0))
+    mp = est["memory_plan"]
+    assert mp.fits and mp.peak_bytes <= 8 * 2**30 and len(mp.streamed) >= 3
+    assert mp.stream_h2d_bytes == (2 * len(mp.streamed) - 4) * (mp.stream_saved_bytes // (len(mp.streamed) - 2))
+    text = render(est)
+    assert f"frozen weights streamed      {len(mp.streamed)} layers" in text
+    assert "GiB saved (two slots kept)" in text and "GB per optimizer step" in text
+    unstreamed = plan(load("examples/qwen3-4b-seed.yaml", ["method.type=lora", "memory.budget_gib=8",
+                                                           "memory.stream_frozen_layers=0"]),
+                      hw=planner.Hardware(700.0, 3000.0, 50.0))
+    assert not unstreamed["memory_plan"].fits and "WARNING" in render(unstreamed)
