@@ -6,7 +6,8 @@ from __future__ import annotations
 import novatune
 from novatune.memory.stream import install_streaming
 from novatune.patch import graphs
-from tests.patch.test_cuda_graphs import _cpu_model, _find_state
+from novatune.patch.apply import _find_state
+from tests.patch.test_cuda_graphs import _cpu_model
 
 
 def test_streamed_layers_stay_graph_compatible_and_acquire_before_each_replay():
