@@ -7,11 +7,16 @@ that slot, so their addresses never change (patch/graphs.py captures them once, 
 whatever the slot holds). Each streamed layer's values wait in one pinned host buffer per dtype; the device
 storage they had is freed at install.
 
-When. `acquire(index)` runs before every use of a streamed layer's weights: its forward, and in the backward its
-recompute (a checkpointed layer re-runs its forward inside the backward; the backward's own matmuls follow right
-after, before any other layer's). So the weights are read only between an `acquire` and the next `acquire` of a
-layer of the same slot. Streaming therefore requires a recomputed layer (`keep` would read the weights in its
-backward without a recompute before it): memory/policy.py refuses that pairing.
+When. `acquire(index)` runs before every use of a streamed layer's weights: its forward (the layer's forward
+pre-hook, which also covers evaluation without checkpointing), and in the backward its recompute (the wrapper of
+the layer's checkpoint function; a checkpointed layer re-runs its forward inside the backward, and the backward's
+own matmuls follow before the next layer's recompute can start, since that layer needs their input gradient);
+patch/graphs.py calls it before each replay of a graphed layer. So the weights are read only between an `acquire`
+and the next `acquire` of a layer of the same slot. Streaming therefore requires a recomputed layer: `keep` would
+read the weights in its backward without a recompute before it, and is refused, as is a forward with gradients
+and without checkpointing.
+
+Below, "layer k" is the k-th streamed layer.
 
   acquire(k)   if slot k % 2 does not hold layer k, copy it now (fetched on demand; counted); the compute stream
                waits for that copy's event only. Then prefetch the layer expected next into the other slot: the
@@ -34,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes  # torch's own escape from dispatch modes
 
 SLOTS = 2
 
