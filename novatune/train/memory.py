@@ -288,21 +288,18 @@ def start_streaming(mp: MemoryPlan, layers: list, device: torch.device) -> str:
         mp.streamer = install_streaming(layers, mp.plan.streamed, device)
     except StreamingRefused as e:
         raise SetupError(f"memory.stream_frozen_layers: {e}") from None
-    st = mp.streamer.stats
+    st, which = mp.streamer.stats, ",".join(map(str, mp.plan.streamed))
     return (f"memory: frozen weights of {len(mp.plan.streamed)} decoder layers streamed from pinned host memory "
-            f"(layers {_ranges(mp.plan.streamed)}): {st['host_bytes'] / GiB:.2f} GiB on the host, two device "
+            f"(layers {which}): {st['host_bytes'] / GiB:.2f} GiB on the host, two device "
             f"slots of {mp.streamer.slot_bytes() / 2 / GiB:.2f} GiB; {mp.plan.stream_h2d_bytes / 1e9:.1f} GB copied "
             f"per micro-batch")
 
 
 def stop_streaming(mp: MemoryPlan, layers: list) -> None:
+    """Every streamed weight back in its own device storage; the layers run unstreamed from here."""
     if mp.streamer is not None:
         uninstall_streaming(layers, mp.streamer)
         mp.streamer = None
-
-
-def _ranges(indices: list[int]) -> str:
-    return ",".join(str(i) for i in indices)
 
 
 def configure_allocator(mem, device: torch.device) -> str | None:
