@@ -240,7 +240,7 @@ def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
             f"{(plan.activation_bytes + plan.transient_bytes) / GiB:.1f} GiB) but the budget is "
             f"{plan.budget_bytes / GiB:.1f} GiB ({budget_source}); lower data.max_length or train.micro_batch "
             f"(raise train.grad_accum for the same batch), use method.type: lora or qlora, or raise "
-            f"memory.budget_gib")
+            f"memory.budget_gib" + "".join(f"; {n}" for n in plan.notes if "stream" in n))
 
 
 def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shards: int = 1) -> MemoryPlan:

@@ -137,3 +137,18 @@ def test_novatune_plan_shows_the_streamed_layers():
                                                            "memory.stream_frozen_layers=0"]),
                       hw=planner.Hardware(700.0, 3000.0, 50.0))
     assert not unstreamed["memory_plan"].fits and "WARNING" in render(unstreamed)
+
+
+def test_a_lora_run_that_streaming_cannot_save_says_so(make_tiny_cfg):
+    from types import SimpleNamespace
+
+    from novatune.train.memory import ASSUMED, no_fit_message, resolve
+
+    mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=9728, num_hidden_layers=36, vocab_size=151936)
+    est = {"weights": 7.55 * 2**30, "gradients": 0.06 * 2**30, "optimizer": 0.12 * 2**30, "dequant": 0,
+           "patch": True, "logits_stock": 0}
+    plan = resolve(make_tiny_cfg(method="lora", budget=1.0), est, mconf, ASSUMED, 2**30)
+    assert not plan.fits and plan.streamed == []
+    assert "streaming the frozen weights of all 36 recomputed layers would not fit either" in \
+        no_fit_message(plan, "checkpoint", "memory.budget_gib")
