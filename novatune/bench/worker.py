@@ -225,7 +225,7 @@ def run_stack(spec: dict, log=print) -> dict:
 
 def memory_facts(session) -> dict:
     """The memory policy the stack ran, the planner's prediction beside the measured peak_gib, and what the
-    offload engine moved."""
+    offload engine and the frozen-weight streamer moved."""
     mp = session.memory_plan
     if mp is None:
         return {}
@@ -235,7 +235,9 @@ def memory_facts(session) -> dict:
             "predicted_layers_s": mp.plan.seconds, "planner_hardware": mp.hardware.source,
             "predicted_tokens_per_s": mp.predicted_tokens_per_s,
             "offloaded_gib": round(engine.stats["offloaded_bytes"] / 2**30, 3) if engine else None,
-            "offload_stats": dict(engine.stats) if engine else None}
+            "offload_stats": dict(engine.stats) if engine else None,
+            "streamed_layers": len(mp.plan.streamed),
+            "stream_stats": dict(mp.streamer.stats) if mp.streamer is not None else None}
 
 
 def main(argv: list[str] | None = None) -> int:

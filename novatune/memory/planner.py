@@ -33,7 +33,7 @@ activations are the first the backward frees), and returns the fastest that fits
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from novatune.memory.policy import POLICIES
 
@@ -76,6 +76,7 @@ class LayerCost:
     seconds: dict  # policy -> forward + backward time
     transient: int  # bytes a recomputed layer holds again during its backward
     input_bytes: int
+    forward: float = 0.0  # the layer's forward time (seconds): a streamed weight copy hides behind forwards
 
 
 def saved_elements_per_token(s: LayerShape) -> dict:
@@ -110,7 +111,7 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     keep = forward + backward
     seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise,
                "offload": keep + forward + exposed}
-    return LayerCost(nbytes, seconds, transient, nbytes["recompute"])
+    return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward)
 
 
 @dataclass
@@ -131,14 +132,18 @@ class Plan:
         """The offloaded inputs need more pinned host memory than the host budget allows."""
         return self.host_budget_bytes is not None and self.offloaded_bytes > self.host_budget_bytes
     notes: list[str] = field(default_factory=list)
+    streamed: list[int] = field(default_factory=list)  # decoder layers whose frozen weights live on the host
+    stream_saved_bytes: int = 0  # device bytes streaming saves (streamed layers' weights minus the two slots)
+    stream_h2d_bytes: int = 0  # host-to-device bytes it copies per micro-batch
 
     def counts(self) -> dict:
         return {p: self.policies.count(p) for p in POLICIES if p in self.policies}
 
     def describe(self) -> str:
-        """Runs of equal policies: 'offload x30, keep x6'."""
+        """Runs of equal policies: 'offload x30, keep x6' (and the streamed layers' count)."""
         runs = [(p, len(list(g))) for p, g in itertools.groupby(self.policies)]
-        return ", ".join(f"{p} x{n}" for p, n in runs)
+        text = ", ".join(f"{p} x{n}" for p, n in runs)
+        return text + (f"; frozen weights of {len(self.streamed)} layers streamed" if self.streamed else "")
 
 
 @dataclass(frozen=True)
@@ -226,3 +231,89 @@ def _compositions(n: int, parts: int):
     for first in range(n + 1):
         for rest in _compositions(n - first, parts - 1):
             yield (first, *rest)
+
+
+# ---------------------------------------------------------------------------------------- frozen-weight streaming
+@dataclass(frozen=True)
+class FrozenStream:
+    """Frozen-weight streaming (memory/stream.py) as the planner sees it: each streamed layer's frozen weights
+    (`layer_bytes`) leave the device; two slots of one layer's size stay; each copy runs at `link_gbps`."""
+    layer_bytes: int
+    link_gbps: float
+
+
+def spread(candidates: list[int], count: int) -> list[int]:
+    """`count` of the candidate layers, spread evenly: each streamed layer's copy then overlaps the layers between
+    it and the previous streamed one."""
+    if count <= 0:
+        return []
+    if count >= len(candidates):
+        return list(candidates)
+    step = len(candidates) / count
+    return [candidates[int(j * step)] for j in range(count)]
+
+
+def stream_seconds(costs: list[LayerCost], policies: list[str], streamed: list[int], fs: FrozenStream) -> float:
+    """Copy time streaming leaves exposed per micro-batch. Forward: streamed layer j's copy starts with layer
+    j - 1's forward and must end by its own (windows: the forwards in between). Backward: layer j - 1's copy starts
+    with layer j's recompute (windows: the backwards in between). The backward ends with the first two streamed
+    layers in their slots, the last two are there from the forward: 2K - 4 copies."""
+    if len(streamed) < 3:
+        return 0.0
+    copy = fs.layer_bytes / (fs.link_gbps * 1e9)
+    fwd = [c.forward for c in costs]
+    bwd = [c.seconds[p] - c.forward for c, p in zip(costs, policies)]
+    exposed = 0.0
+    for j in range(2, len(streamed)):  # forward copies of streamed layers 2..K-1
+        exposed += max(0.0, copy - sum(fwd[streamed[j - 1]:streamed[j]])) + COPY_OVERHEAD_S
+    for j in range(len(streamed) - 2, 0, -1):  # backward copies of streamed layers K-3..0
+        exposed += max(0.0, copy - sum(bwd[streamed[j - 1] + 1:streamed[j] + 1])) + COPY_OVERHEAD_S
+    return exposed
+
+
+def with_streaming(plan: Plan, costs: list[LayerCost], count: int, fs: FrozenStream,
+                   host: HostBudget | None = None) -> Plan:
+    """The plan with `count` of its recomputed layers streaming their frozen weights (spread apart): the peak
+    drops by their weights minus two slots, the time grows by the exposed copies."""
+    candidates = [i for i, p in enumerate(plan.policies) if p != "keep"]
+    if count > len(candidates):
+        raise ValueError(f"{count} layers to stream but only {len(candidates)} are recomputed (streaming needs the "
+                         f"recompute to bring a layer's weights back for its backward)")
+    streamed = spread(candidates, count)
+    saved = (len(streamed) - 2) * fs.layer_bytes if streamed else 0
+    seconds = plan.seconds + stream_seconds(costs, plan.policies, streamed, fs)
+    peak = plan.peak_bytes - saved
+    host_bytes = plan.offloaded_bytes + len(streamed) * fs.layer_bytes
+    fits = (plan.budget_bytes is None or peak <= plan.budget_bytes) and (host is None or host_bytes <= host.bytes)
+    copies = max(0, 2 * len(streamed) - 4) if len(streamed) > 2 else 0
+    return replace(plan, peak_bytes=peak, seconds=seconds, fits=fits, static_bytes=plan.static_bytes - saved,
+                   streamed=streamed, stream_saved_bytes=saved, stream_h2d_bytes=copies * fs.layer_bytes,
+                   notes=list(plan.notes))
+
+
+def fewest_streamed(make_plan, costs: list[LayerCost], n: int, fs: FrozenStream,
+                    host: HostBudget | None = None) -> Plan | None:
+    """The plan that streams the fewest layers and fits, or None. `make_plan(saved_bytes)` gives the policies'
+    plan for a static size `saved_bytes` smaller (auto re-chooses its policies with the room streaming makes)."""
+    def plan_for(k: int) -> Plan | None:
+        saved = (k - 2) * fs.layer_bytes
+        base = make_plan(saved)
+        if sum(p != "keep" for p in base.policies) < k:
+            return None  # too few recomputed layers to stream k
+        base = replace(base, peak_bytes=base.peak_bytes + saved, static_bytes=base.static_bytes + saved)
+        return with_streaming(base, costs, k, fs, host)
+
+    def fits(k: int) -> bool:
+        plan = plan_for(k)
+        return plan is not None and plan.fits
+
+    lo, hi = 3, n  # fewer than three streamed layers save nothing (two slots stay)
+    if hi < lo or not fits(hi):
+        return None
+    while lo < hi:  # more streamed layers never need more memory: the fewest that fit by bisection
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return plan_for(lo)

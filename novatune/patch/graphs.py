@@ -74,11 +74,14 @@ class _LayerGraphs:
                  grad_index: list[int], n_params: int):
         self.fwd, self.bwd, self.out, self.gout, self.gx, self.x_grad = fwd, bwd, out, gout, gx, x_grad
         self.grads, self.grad_index, self.n_params = grads, grad_index, n_params
+        self.before = None  # called before each replay (a streamed layer's weights: memory/stream.py)
 
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, x, *params):
+        if lg.before is not None:
+            lg.before()
         lg.fwd.replay()
         ctx.runner, ctx.lg, ctx.batch_id, ctx.token = runner, lg, batch_id, token
         return lg.out.detach()  # a new tensor object over the static buffer: the next layer's xs[i+1]
@@ -92,6 +95,8 @@ class _GraphedLayer(torch.autograd.Function):
                                "after another forward?); patch with cuda_graphs=False for that pattern")
         if gout.data_ptr() != lg.gout.data_ptr() or gout.stride() != lg.gout.stride():
             lg.gout.copy_(gout)
+        if lg.before is not None:
+            lg.before()
         lg.bwd.replay()
         # fresh tensors: the static ones are overwritten by the next layer's replay
         fresh = torch._foreach_mul(lg.grads, 1.0) if lg.grads else []
@@ -153,6 +158,7 @@ class LayerGraphRunner:
         self.layer_slots: list[list[tuple]] = []  # (module, name) of each trainable parameter
         self.signature = None
         self.grad_sets: dict[tuple, list[Tensor]] = {}
+        self.before_replay: list = []
 
     # ------------------------------------------------------------------------------------------ installation
     def ensure_installed(self) -> None:
@@ -265,11 +271,13 @@ class LayerGraphRunner:
             if not getattr(getattr(hook, "inner", hook), "graphs_compatible", True):
                 return "a memory policy keeps or offloads some layers' activations (the graphs capture the " \
                        "stock recompute only)"
+        self.before_replay = [_before_replay(layer) for layer in self.layers]
         params, slots, sig = [], [], []
         for layer in self.layers:
             mine, where, total, trained = [], [], 0, 0
             for m in layer.modules():
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                pre = [h for h in m._forward_pre_hooks.values() if not (m is layer and _graph_safe(h))]
+                if m._forward_hooks or pre or m._backward_hooks or m._backward_pre_hooks:
                     return f"module hooks on {type(m).__name__} (they would run only at capture)"
                 if isinstance(m, nn.Dropout) and m.training and m.p > 0:
                     return "an active dropout in the layers (random draws; LoRA dropout keeps PEFT's exact path)"
@@ -351,6 +359,9 @@ class LayerGraphRunner:
         if x.data_ptr() != xs_i.data_ptr():
             xs_i.copy_(x)  # the first layer (embeddings); later layers get the previous graph's output buffer
         lg = bucket.layers.get(i)
+        before = self.before_replay[i]
+        if before is not None:
+            before()  # the weights a capture's warm-up runs on
         if lg is None:
             lg = bucket.layers[i] = self._capture(i, fn, x.requires_grad, bucket)
             for sib in bucket.siblings:
@@ -358,6 +369,7 @@ class LayerGraphRunner:
                     sib.layers[i] = self._capture(i, fn, x.requires_grad, sib)
         elif lg.x_grad != x.requires_grad:
             raise _Unsupported("a layer input's requires_grad changed between batches")
+        lg.before = before
         out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, x, *self.layer_params[i])
         if i == len(self.layers) - 1:
             self.token = None  # from here only the layers' autograd nodes keep the batch alive
@@ -479,6 +491,23 @@ class LayerGraphRunner:
 
 class _Unsupported(RuntimeError):
     pass
+
+
+def _graph_safe(hook) -> bool:
+    """A decoder layer's own forward pre-hook that says it may stay (it runs outside the layer's checkpoint, so
+    outside the graphs, at every batch): memory/stream.py's weight streaming."""
+    return bool(getattr(hook, "graph_safe", False))
+
+
+def _before_replay(layer: nn.Module):
+    """The `before_replay()` of whatever wraps the layer's checkpoint function (memory/stream.py brings a streamed
+    layer's weights to the GPU with it), or None."""
+    f = layer.__dict__.get("_gradient_checkpointing_func")
+    while f is not None:
+        if callable(getattr(f, "before_replay", None)):
+            return f.before_replay
+        f = getattr(f, "inner", None)
+    return None
 
 
 def _global_hooks() -> bool:

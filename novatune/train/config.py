@@ -134,6 +134,10 @@ class MemoryConfig:
     # segments): without it, a card that is nearly full fragments, and the allocator frees and re-reserves its
     # cache every step (cudaFree synchronises). PYTORCH_CUDA_ALLOC_CONF, when set, wins (train/memory.py).
     expandable_segments: bool = True
+    # LoRA/QLoRA: the frozen base weights of this many decoder layers live in pinned host memory and are copied
+    # to the GPU for each use (novatune/memory/stream.py), spread over the recomputed layers. auto: the fewest
+    # that make a plan over memory.budget_gib fit (none when it fits); 0: never; N: N layers.
+    stream_frozen_layers: Literal["auto"] | int = "auto"
 
 
 @dataclass

@@ -62,6 +62,14 @@ def _check_memory(cfg: Config) -> None:
     if mem.offload_min_bytes < 0:
         raise ConfigError("memory.offload_min_bytes", f"must be >= 0, got {mem.offload_min_bytes}",
                           "set 0 to offload every saved tensor, or a size in bytes (default 1048576)")
+    streamed = mem.stream_frozen_layers
+    if streamed != "auto" and streamed < 0:
+        raise ConfigError("memory.stream_frozen_layers", f"must be auto or >= 0, got {streamed}",
+                          "set 0 to keep every weight on the GPU, N to stream N layers' frozen weights, or auto")
+    if streamed not in ("auto", 0) and cfg.method.type == "full":
+        raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but full fine-tuning trains "
+                          "every weight (streaming moves only frozen ones)",
+                          "set memory.stream_frozen_layers: 0, or method.type: lora or qlora")
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")

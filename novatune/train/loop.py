@@ -204,6 +204,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
             save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
         if cfg.checkpoint.export:
+            if session.memory_plan is not None and session.memory_plan.streamer is not None:
+                session.release_optimizer_state()  # room for the streamed weights, which come back for the export
+                session.stop_streaming()
             if report is not None:
                 report.revert()  # export a plain transformers model
             if session.strategy != "none":  # gathered to rank 0, loaded into a plain model there
@@ -238,6 +241,9 @@ def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:
     row["predicted_peak_gib"] = predicted
     if memory_plan.engine is not None:  # bytes moved to host memory since the start (the layers' inputs)
         row["offloaded_gib"] = memory_plan.engine.stats["offloaded_bytes"] / 2**30
+    if memory_plan.streamer is not None:  # frozen weights copied in since the start, and copies not prefetched
+        row["streamed_h2d_gb"] = memory_plan.streamer.stats["copied_bytes"] / 1e9
+        row["stream_fetched_on_demand"] = memory_plan.streamer.stats["fetched_on_demand"]
     speed = memory_plan.predicted_tokens_per_s
     if speed is not None:
         row["predicted_tokens_per_s"] = speed

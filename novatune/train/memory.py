@@ -14,8 +14,9 @@ import torch
 
 from novatune.memory import planner
 from novatune.memory.offload import OffloadEngine
-from novatune.memory.policy import UNIFORM, expand_layers
+from novatune.memory.policy import POLICIES, UNIFORM, expand_layers
 from novatune.memory.policy import install as install_policies
+from novatune.memory.stream import FrozenWeightStreamer, StreamingRefused, install_streaming, uninstall_streaming
 from novatune.patch.tiled import MLPTiling
 from novatune.train.config import memory_policy
 from novatune.train.errors import SetupError
@@ -37,6 +38,7 @@ class MemoryPlan:
     offload_min_bytes: int = 1 << 20
     predicted_tokens_per_s: float | None = None  # at measured rates only (auto on a GPU)
     engine: OffloadEngine | None = None
+    streamer: FrozenWeightStreamer | None = None
 
     @property
     def predicted_peak_gib(self) -> float:
@@ -100,20 +102,71 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
-    if policy == "auto":
-        plan = planner.choose(costs, static, budget, fresh=fresh, host=host)
-        if budget is None:
-            plan.notes.append("no memory budget known (no GPU, no memory.budget_gib): every layer keeps its "
-                              "activations")
-    elif policy == "per-layer":
+
+    def policies_plan(saved: int = 0, allowed: tuple[str, ...] = POLICIES) -> planner.Plan:
+        """memory.policy's plan with `saved` bytes fewer static (the room frozen-weight streaming makes)."""
+        if policy == "auto":
+            return planner.choose(costs, static - saved, budget, allowed=allowed, fresh=fresh, host=host)
+        if policy == "per-layer":
+            try:
+                layers = expand_layers(cfg.memory.layers, n)
+            except ValueError as e:
+                raise SetupError(f"memory.layers: {e}") from None
+            return planner.evaluate(layers, costs, static - saved, budget, fresh, host)
+        return planner.evaluate([UNIFORM[policy]] * n, costs, static - saved, budget, fresh, host)
+
+    plan = policies_plan()
+    if policy == "auto" and budget is None:
+        plan.notes.append("no memory budget known (no GPU, no memory.budget_gib): every layer keeps its "
+                          "activations")
+    return _streaming(cfg, mconf, plan, costs, policies_plan, hw, host, shards)
+
+
+def stream_layer_bytes(cfg, mconf) -> int:
+    """One decoder layer's frozen weights as streaming moves them: the matrices (bf16, or NF4's packed bytes for
+    QLoRA: its absmax stays on the device) and the norms."""
+    shape = layer_shape(cfg, mconf, 0.0)
+    hd = shape.q_dim // mconf.num_attention_heads
+    norms = (2 * shape.hidden + 2 * hd) * shape.dtype_bytes
+    gemm = -(-shape.gemm_params // 2) if cfg.method.type == "qlora" else shape.gemm_params * shape.dtype_bytes
+    return gemm + norms
+
+
+def _streaming(cfg, mconf, plan: planner.Plan, costs, policies_plan, hw, host, shards: int) -> planner.Plan:
+    """memory.stream_frozen_layers on top of the policies' plan: N streams N layers; auto streams the fewest that
+    make a plan over the budget fit (LoRA/QLoRA on one process only)."""
+    setting = cfg.memory.stream_frozen_layers
+    n = mconf.num_hidden_layers
+    if setting == 0 or (setting == "auto" and (plan.fits or plan.budget_bytes is None)):
+        return plan
+    why = None
+    if cfg.method.type not in ("lora", "qlora"):
+        why = ("full fine-tuning trains every weight, and streaming moves only frozen ones; set "
+               "memory.stream_frozen_layers: 0, or method.type: lora or qlora")
+    elif shards != 1 or cfg.parallel.strategy != "none":
+        why = "it runs on one process only (parallel.strategy: none); FSDP2 already shards the weights"
+    if why is not None:
+        if setting == "auto":
+            plan.notes.append(f"frozen-weight streaming not used: {why}")
+            return plan
+        raise SetupError(f"memory.stream_frozen_layers: {setting}: {why}")
+    fs = planner.FrozenStream(stream_layer_bytes(cfg, mconf), hw.link_gbps)
+    if setting != "auto":
         try:
-            layers = expand_layers(cfg.memory.layers, n)
+            return planner.with_streaming(plan, costs, int(setting), fs, host)
         except ValueError as e:
-            raise SetupError(f"memory.layers: {e}") from None
-        plan = planner.evaluate(layers, costs, static, budget, fresh, host)
-    else:
-        plan = planner.evaluate([UNIFORM[policy]] * n, costs, static, budget, fresh, host)
-    return plan
+            raise SetupError(f"memory.stream_frozen_layers: {e}; lower it or use a recomputing memory.policy") \
+                from None
+    allowed = tuple(p for p in POLICIES if p != "keep")
+    candidates = n if memory_policy(cfg.memory) == "auto" else sum(p != "keep" for p in plan.policies)
+    best = planner.fewest_streamed(lambda saved: policies_plan(saved, allowed), costs, candidates, fs, host)
+    if best is None:
+        plan.notes.append(f"streaming the frozen weights of all {candidates} recomputed layers would not fit either")
+        return plan
+    best.notes.append(f"frozen weights of {len(best.streamed)} layers streamed from host memory (memory."
+                      f"stream_frozen_layers auto): {best.stream_saved_bytes / GiB:.2f} GiB saved, "
+                      f"{best.stream_h2d_bytes / 1e9:.1f} GB host-to-device per micro-batch")
+    return best
 
 
 # (tokens x hidden) tensors alive outside the decoder layers at the backward's start: the embedding output and its
@@ -187,7 +240,7 @@ def no_fit_message(plan: planner.Plan, policy: str, budget_source: str) -> str:
             f"{(plan.activation_bytes + plan.transient_bytes) / GiB:.1f} GiB) but the budget is "
             f"{plan.budget_bytes / GiB:.1f} GiB ({budget_source}); lower data.max_length or train.micro_batch "
             f"(raise train.grad_accum for the same batch), use method.type: lora or qlora, or raise "
-            f"memory.budget_gib")
+            f"memory.budget_gib" + "".join(f"; {n}" for n in plan.notes if "stream" in n))
 
 
 def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shards: int = 1) -> MemoryPlan:
@@ -227,6 +280,26 @@ def install(model, mp: MemoryPlan, layers: list, device: torch.device) -> Memory
     mp.engine = OffloadEngine(device, mp.offload_min_bytes) if "offload" in mp.plan.policies else None
     install_policies(layers, mp.plan.policies, mp.engine)
     return mp
+
+
+def start_streaming(mp: MemoryPlan, layers: list, device: torch.device) -> str:
+    """Stream the plan's layers' frozen weights (memory/stream.py); returns the console line."""
+    try:
+        mp.streamer = install_streaming(layers, mp.plan.streamed, device)
+    except StreamingRefused as e:
+        raise SetupError(f"memory.stream_frozen_layers: {e}") from None
+    st, which = mp.streamer.stats, ",".join(map(str, mp.plan.streamed))
+    return (f"memory: frozen weights of {len(mp.plan.streamed)} decoder layers streamed from pinned host memory "
+            f"(layers {which}): {st['host_bytes'] / GiB:.2f} GiB on the host, two device "
+            f"slots of {mp.streamer.slot_bytes() / 2 / GiB:.2f} GiB; {mp.plan.stream_h2d_bytes / 1e9:.1f} GB copied "
+            f"per micro-batch")
+
+
+def stop_streaming(mp: MemoryPlan, layers: list) -> None:
+    """Every streamed weight back in its own device storage; the layers run unstreamed from here."""
+    if mp.streamer is not None:
+        uninstall_streaming(layers, mp.streamer)
+        mp.streamer = None
 
 
 def configure_allocator(mem, device: torch.device) -> str | None:

@@ -136,6 +136,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "optimizer": state_bytes(optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
+        "grad_accum": cfg.train.grad_accum,
     }
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     est["peak_stock"] = static + (act_ckpt if cfg.memory.gradient_checkpointing else act_full) + logits_stock
@@ -217,6 +218,12 @@ def render(est: dict) -> str:
              f"  predicted speed              {est['tokens_per_s']:8,.0f} tok/s   ({hw.matmul_tflops:.0f} TFLOP/s "
              f"matmul, {hw.link_gbps:.0f} GB/s host link: {hw.source})",
              *[f"  note: {n}" for n in mp.notes]]
+    if mp.streamed:
+        ga = est.get("grad_accum", 1)
+        lines.append(f"  frozen weights streamed      {len(mp.streamed)} layers ({', '.join(map(str, mp.streamed))}): "
+                     f"{mp.stream_saved_bytes / GiB:.2f} GiB saved (two slots kept), "
+                     f"{mp.stream_h2d_bytes / 1e9:.1f} GB host-to-device per micro-batch, "
+                     f"{ga * mp.stream_h2d_bytes / 1e9:.1f} GB per optimizer step")
     if mp.offloaded_bytes:
         lines.append(f"  offloaded to the host        {g(mp.offloaded_bytes)}   (pinned; host budget "
                      f"{g(mp.host_budget_bytes).strip() if mp.host_budget_bytes is not None else 'not checked'})")

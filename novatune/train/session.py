@@ -44,7 +44,15 @@ from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
 from novatune.train.config import memory_policy
-from novatune.train.memory import ASSUMED, MemoryPlan, configure_allocator, needs_checkpointing, plan_for_run
+from novatune.train.memory import (
+    ASSUMED,
+    MemoryPlan,
+    configure_allocator,
+    needs_checkpointing,
+    plan_for_run,
+    start_streaming,
+    stop_streaming,
+)
 from novatune.train.memory import install as install_memory_plan
 from novatune.train.metrics import flops_per_token
 from novatune.train.model import (
@@ -207,6 +215,11 @@ class Session:
         self.apply_update()
         return out
 
+    def stop_streaming(self) -> None:
+        """Every streamed frozen weight back in its own device storage (before an export or a merge reads them)."""
+        if self.memory_plan is not None:
+            stop_streaming(self.memory_plan, pwrap.decoder_layers(self.inner_model))
+
     def release_optimizer_state(self) -> None:
         """Free the optimizer's moments (2x the trainable weights in fp32) once training is over; the model, data
         and tokenizer stay for whoever checks the trained model."""
@@ -248,6 +261,11 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
     report = apply_patch(model, cfg.model, select, tiled_mlp=cfg.memory.tiled_mlp)
     if report is not None and console is not None:
         console.print(str(report), highlight=False, markup=False)
+    if memory_plan is not None and memory_plan.plan.streamed:
+        # after the patch: the streamer moves the parameters the patched modules compute with
+        msg = start_streaming(memory_plan, pwrap.decoder_layers(model), device)
+        if console is not None:
+            console.print(msg, highlight=False, markup=False)
     return model, report
 
 
