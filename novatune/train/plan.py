@@ -107,9 +107,10 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     # quantize_embeddings None means "not validated yet": qlora's default, true (validate.py)
     emb_nf4 = (emb.numel() if qlora and cfg.method.quantize_embeddings is not False
                and not getattr(mconf, "tie_word_embeddings", False) else 0)
-    # QLoRA: fp32 adapters (module docstring); LoRA keeps the figure the anchors above were checked with
-    tb = 4 if qlora else b
-    weights = (n_params + adapters) * b
+    # LoRA and QLoRA: fp32 adapters (PEFT upcasts adapters over bf16 and 4-bit bases; the measured weights of the
+    # seed LoRA r16 run are the bf16 base + 4 bytes per adapter parameter)
+    tb = 4 if lora else b
+    weights = n_params * b + adapters * tb
     if qlora:
         weights = ((n_params - sum(quant) - emb_nf4) * b + sum(nf4_bytes(n) for n in quant)
                    + (nf4_bytes(emb_nf4) if emb_nf4 else 0) + adapters * tb)

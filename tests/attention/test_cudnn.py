@@ -35,7 +35,28 @@ def make_qkv(T, hq, hk, d, dtype, device="cpu", seed=0):
     return [torch.randn(T, h, d, generator=g).to(device=device, dtype=dtype).requires_grad_() for h in (hq, hk, hk)]
 
 
+@pytest.fixture(autouse=True)
+def backward_under_test(monkeypatch):
+    """The tests here check each route's gradients themselves: the routes train inside them (the product refuses a
+    route's backward until its GPU check passes: test_training_waits_for_the_gpu_check)."""
+    monkeypatch.setattr(C, "BACKWARD_VALIDATED", {"frontend": True, "aten": True})
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
+def test_training_waits_for_the_gpu_check(monkeypatch):
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    monkeypatch.setattr(C, "_device_why_not", lambda device: None)
+    monkeypatch.setattr(C, "IMPL", "aten")
+    monkeypatch.setattr(C, "BACKWARD_VALIDATED", {"frontend": True, "aten": False})
+    assert "has not passed its GPU check" in why_unavailable("cudnn", q, k, pb)
+    with pytest.raises(BackendUnavailable, match="train with backend='varlen'"):
+        varlen_attention(q, k, v, pb, backend="cudnn")
+    with torch.no_grad():
+        assert why_unavailable("cudnn", q, k, pb) is None  # forward-only calls run
+    assert why_unavailable("cudnn", q.detach(), k.detach(), pb) is None
+
+
 def test_why_unavailable_names_each_reason(monkeypatch):
     pb = packed_of(ROWS)
     q, k, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)

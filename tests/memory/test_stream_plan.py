@@ -95,6 +95,31 @@ def test_the_run_streams_only_lora_over_its_budget(make_tiny_cfg):
         resolve(make_tiny_cfg(method="lora", stream=5, policy="none"), est, mconf, ASSUMED, None)
 
 
+def test_lora_plans_count_the_cuda_graph_pool(make_tiny_cfg):
+    """Graphed LoRA layers keep one layer's recompute + backward working set in their pool for the whole run (the
+    seed LoRA r16 run under an 8 GiB cap ran out of memory on a plan without it): the plan counts it as static,
+    and only where the graphs can run."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from novatune.train.memory import ASSUMED, layer_costs, resolve
+
+    mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=9728, num_hidden_layers=36, vocab_size=151936)
+    est = {"weights": 7.55 * 2**30, "gradients": 0.06 * 2**30, "optimizer": 0.12 * 2**30, "dequant": 0,
+           "patch": True, "logits_stock": 0}
+    lora = make_tiny_cfg(method="lora")
+    no_graphs = dataclasses.replace(lora, model=dataclasses.replace(lora.model, patch_options={"cuda_graphs": False}))
+    pool = max(c.transient for c in layer_costs(lora, mconf, ASSUMED))
+    assert pool > 100 * 2**20
+    assert resolve(lora, est, mconf, ASSUMED, None).static_bytes == resolve(no_graphs, est, mconf, ASSUMED,
+                                                                            None).static_bytes + pool
+    full = make_tiny_cfg(method="full")
+    full_est = {**est, "gradients": 7.5 * 2**30, "optimizer": 15 * 2**30}
+    assert resolve(full, full_est, mconf, ASSUMED, None).static_bytes < resolve(lora, full_est, mconf, ASSUMED,
+                                                                                None).static_bytes
+
+
 @pytest.fixture
 def make_tiny_cfg():
     from novatune.train.config import from_dict

@@ -56,7 +56,9 @@ def test_plan_headline_workload_matches_the_anchor():
     assert no_ckpt["activations_no_ckpt"] > 10 * no_ckpt["activations_ckpt"]
     assert any("gradient_checkpointing=true" in t for t in no_ckpt["advice"])
     lora = plan(load(REPO / "examples" / "lora.yaml"), gpu_mem_gib=80)
-    assert 20e6 < lora["trainable"] < 40e6 and lora["optimizer"] < 0.2 * GiB  # r16 all-linear: ~33M adapters
+    assert 20e6 < lora["trainable"] < 40e6  # r16 all-linear: ~33M adapters
+    # PEFT keeps the adapters in fp32 over a bf16 base: fp32 gradients and AdamW moments
+    assert lora["gradients"] == 4 * lora["trainable"] and lora["optimizer"] == 2 * 4 * lora["trainable"]
 
 
 def test_metrics_log_truncates_on_resume(tmp_path):
