@@ -105,9 +105,9 @@ def _impl_why_not(impl: str) -> str | None:
 
 
 # Routes whose backward has passed the GPU check against the fp32 reference (tests/attention/test_cudnn.py). On an
-# H200 (torch 2.11, cuDNN 9.19, frontend 1.32) one route's query gradient came back wrong (relative error 4.3 and
-# 3e32, bucketed and exact offsets), so no route trains until its check passes; forward-only calls run.
-BACKWARD_VALIDATED = {"frontend": False, "aten": False}
+# H200 (torch 2.11, cuDNN 9.19, frontend 1.32) the frontend route passed with bucketed and exact offsets; torch's
+# aten route returned a wrong query gradient (relative error 4.3 bucketed, 3e20 exact), so it runs forward-only.
+BACKWARD_VALIDATED = {"frontend": True, "aten": False}
 
 
 def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
@@ -119,7 +119,8 @@ def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window:
     if wants_grad and not BACKWARD_VALIDATED.get(_impl(), False):
         return (f"the cudnn backend's backward ({_impl()} route) has not passed its GPU check against the fp32 "
                 "reference (a wrong query gradient was measured): it runs forward-only calls; train with "
-                "backend='varlen'")
+                "backend='varlen', or install nvidia-cudnn-frontend (pip install --no-deps "
+                "nvidia-cudnn-frontend) for the frontend route")
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"cuDNN's fused attention takes fp16/bf16, got {q.dtype}; cast the model or use backend='reference'"
     d = q.shape[-1]
