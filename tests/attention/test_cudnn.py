@@ -287,9 +287,13 @@ def _gpu_impl_or_skip(impl):
         pytest.skip(f"cudnn impl {impl!r} unavailable here: {why}")
 
 
+ATEN_DQ = pytest.mark.xfail(reason="torch 2.11's aten ragged cuDNN backward returned a wrong dq on an H200 (relative "
+                                   "error 4.3 / 2.7e20); the route refuses to train (BACKWARD_VALIDATED)", strict=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("buckets", [True, False])
-@pytest.mark.parametrize("impl", ["frontend", "aten"])
+@pytest.mark.parametrize("impl", ["frontend", pytest.param("aten", marks=ATEN_DQ)])
 def test_gpu_cudnn_matches_the_fp32_reference(monkeypatch, impl, buckets):
     _gpu_impl_or_skip(impl)
     monkeypatch.setattr(C, "IMPL", impl)
