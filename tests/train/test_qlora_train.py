@@ -216,7 +216,10 @@ def test_plan_qlora_example_matches_the_anchor():
     assert est["nf4_embedding_params"] == n
     assert stock["weights"] - est["weights"] == 2 * n - nf4_bytes(n)
     assert nf4_bytes(n) / GiB == pytest.approx(0.30, abs=0.005)
-    assert est["peak"] < 7 * GiB
+    # measured with this example on an H200: peak 6.71 GiB (bench.jsonl, session7-long-1). The plan counts the
+    # CUDA-graph pool of the QLoRA layers as static on top (conservative: a planned run must not run out), so it
+    # may stand above the measurement, within the planner's 10%
+    assert 6.71 * GiB <= est["peak"] <= 1.10 * 6.71 * GiB
     text = render(est)
     assert "NF4 linears + NF4 input embedding" in text and "dequantised weight" in text
 
