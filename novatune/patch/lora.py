@@ -49,6 +49,22 @@ def is_qlora_layer(module: nn.Module, names: LoRASpec) -> bool:
     return cls.__module__ == names.qlora_module and cls.__name__ in names.qlora_classes
 
 
+def vanilla_adapter_refusal(module: nn.Module, names: LoRASpec) -> str | None:
+    """Why a PEFT LoRA layer (or parameter wrapper) is not one unmerged, vanilla adapter, as the fused ops compute
+    it; None when it is."""
+    if getattr(module, "merged", False):
+        return "adapter merged into the base weight (the stock forward is a single GEMM already)"
+    active = list(getattr(module, "active_adapters", []))
+    if len(active) != 1:
+        return f"{len(active)} active adapters (the fused forward computes exactly one)"
+    adapter = active[0]
+    if adapter not in getattr(module, names.lora_a):
+        return f"active adapter {adapter!r} has no LoRA weights on this layer"
+    if getattr(module, names.use_dora, {}).get(adapter, False) or adapter in getattr(module, names.variants, {}):
+        return f"adapter {adapter!r} is a LoRA variant (DoRA/aLoRA/...), not vanilla LoRA"
+    return None
+
+
 def skip_reason(module: nn.Module, names: LoRASpec) -> str | None:
     """Why the fused forward cannot stand in for this LoRA layer's forward, or None when it can."""
     cls = type(module)
@@ -69,16 +85,10 @@ def skip_reason(module: nn.Module, names: LoRASpec) -> str | None:
         return f"base layer is {bcls.__module__}.{bcls.__name__}, not a plain nn.Linear (quantised?)"
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out (Conv1D-style transposed weight)"
-    if getattr(module, "merged", False):
-        return "adapter merged into the base weight (the stock forward is a single GEMM already)"
-    active = list(getattr(module, "active_adapters", []))
-    if len(active) != 1:
-        return f"{len(active)} active adapters (the fused forward computes exactly one)"
-    adapter = active[0]
-    if adapter not in getattr(module, names.lora_a):
-        return f"active adapter {adapter!r} has no LoRA weights on this layer"
-    if getattr(module, names.use_dora, {}).get(adapter, False) or adapter in getattr(module, names.variants, {}):
-        return f"adapter {adapter!r} is a LoRA variant (DoRA/aLoRA/...), not vanilla LoRA"
+    why = vanilla_adapter_refusal(module, names)
+    if why is not None:
+        return why
+    adapter = module.active_adapters[0]
     la, lb = getattr(module, names.lora_a)[adapter], getattr(module, names.lora_b)[adapter]
     if not (isinstance(la, nn.Linear) and isinstance(lb, nn.Linear)):
         return f"lora_A/lora_B are {type(la).__name__}/{type(lb).__name__}, not nn.Linear"

@@ -22,6 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from novatune.ops.moe_lora import moe_experts_lora
+from novatune.patch.lora import vanilla_adapter_refusal
 from novatune.patch.moe import experts_arguments, experts_forward
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
@@ -58,16 +59,10 @@ def _refusal(chain: list[nn.Module], experts: nn.Module, spec: FamilySpec) -> st
 
 
 def _wrapper_refusal(w: nn.Module, names) -> str | None:
-    active = list(getattr(w, "active_adapters", []))
-    if len(active) != 1:
-        return f"{len(active)} active adapters (the fused op computes exactly one)"
-    adapter = active[0]
-    if adapter not in getattr(w, names.lora_a):
-        return f"active adapter {adapter!r} has no LoRA weights here"
-    if getattr(w, "merged", False):
-        return "adapter merged into the base weight"
-    if getattr(w, names.use_dora, {}).get(adapter, False) or adapter in getattr(w, names.variants, {}):
-        return f"adapter {adapter!r} is a LoRA variant (DoRA/...), not vanilla LoRA"
+    why = vanilla_adapter_refusal(w, names)
+    if why is not None:
+        return why
+    adapter = w.active_adapters[0]
     if not isinstance(getattr(w, names.dropout)[adapter], nn.Identity):
         return "LoRA dropout on expert weights (PEFT refuses it too: x cannot be factored out)"
     la, lb = getattr(w, names.lora_a)[adapter], getattr(w, names.lora_b)[adapter]

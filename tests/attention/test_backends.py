@@ -26,9 +26,9 @@ def make_qkv(T, hq, hk, d, dtype, device="cpu", seed=0):
     return mk(hq), mk(hk), mk(hk)
 
 
-def oracle(q, k, v, pb, scale=None, window=None):
+def oracle(q, k, v, pb, scale=None, window=None, softcap=None):
     """Dense fp64 attention with the document-causal mask (and HF's sliding window: key j visible from query i iff
-    j > i - window); GQA by indexing kv head h // G."""
+    j > i - window); GQA by indexing kv head h // G; `softcap`: scores -> cap * tanh(score / cap) (HF's order)."""
     q, k, v = (t.double() for t in (q, k, v))
     T, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
@@ -39,6 +39,8 @@ def oracle(q, k, v, pb, scale=None, window=None):
     if window is not None:
         allowed &= i[None, :] > i[:, None] - window
     s = torch.einsum("ihd,jhd->hij", q, k[:, head]) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hij,jhd->ihd", p, v[:, head])
 

@@ -5,6 +5,7 @@ Tolerances as tests/attention/test_backends.py: fp32 vs fp64 1e-5 (summation ord
 forward, 2e-2 gradients (P and dS kept in bf16 for the second matmul of each pass)."""
 import pytest
 import torch
+from test_backends import oracle as document_oracle
 
 from novatune.attention import BackendUnavailable, PackedBatch, backends, last_choice, varlen_attention
 from novatune.measure.numerics import assert_close
@@ -25,18 +26,7 @@ def qkv(T, hq=4, hk=2, d=16, dtype=torch.float32, device="cpu", seed=0):
 
 
 def oracle(q, k, v, pb, scale, cap, window=None):
-    q, k, v = (t.double() for t in (q, k, v))
-    T, hq, _ = q.shape
-    head = torch.arange(hq, device=q.device) // (hq // k.shape[1])
-    doc = torch.repeat_interleave(torch.arange(pb.num_docs), torch.tensor(pb.lengths)).to(q.device)
-    i = torch.arange(T, device=q.device)
-    allowed = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
-    if window is not None:
-        allowed &= i[None, :] > i[:, None] - window
-    s = torch.einsum("ihd,jhd->hij", q, k[:, head]) * scale
-    s = torch.tanh(s / cap) * cap  # HF: attn_weights / softcap, tanh, * softcap
-    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-    return torch.einsum("hij,jhd->ihd", p, v[:, head])
+    return document_oracle(q, k, v, pb, scale, window, softcap=cap)
 
 
 @pytest.mark.parametrize("window", [None, 6])

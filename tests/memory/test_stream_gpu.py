@@ -66,8 +66,8 @@ def test_streaming_frees_the_weights_and_keeps_the_gradients():
           f"{start / 2**30:.3f} GiB, peak {peak_ref / 2**30:.3f} -> {peak / 2**30:.3f} GiB (expected -"
           f"{saved / 2**30:.3f}); {stats}")
     # at least the streamed bytes leave the device; a few MiB more can go with them (measured on an H200: +3.0 MiB
-    # over 135 MB, the allocator's blocks around the freed weights), never a layer's worth
-    assert saved <= start_ref - start <= saved + per_layer / 2
+    # over 135 MB, the allocator's blocks around the freed weights)
+    assert saved <= start_ref - start <= saved + 4 * 2**20
     assert peak_ref - peak == pytest.approx(saved, rel=0.05)
     # per micro-batch 2n - 4 copies, all but the first micro-batch's first prefetched
     assert stats["copies"] <= 2 * (2 * len(streamed) - 4) + 2 and stats["fetched_on_demand"] <= 1

@@ -17,6 +17,7 @@ from tiny_models import (
     stock_per_document,
     tiny_olmo2,
     tiny_phi3,
+    train_eval_generate_warning_free,
 )
 
 import novatune
@@ -70,22 +71,12 @@ def test_gradient_checkpointing_same_grads(name):
 def test_generation_unchanged_and_no_deprecation_warning(name):
     """Greedy generation (the KV-cache path runs the stock forwards) gives stock's tokens, and a training step,
     an eval forward and the generation raise none of transformers' FutureWarning / DeprecationWarning."""
-    import warnings
-
     ids, pos, lab = packed_batch(ROWS)
     model = MODELS[name]().eval()
     with torch.no_grad():
         ref = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
     novatune.patch(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        warnings.simplefilter("error", DeprecationWarning)
-        model.train()
-        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
-        model.eval()
-        with torch.no_grad():
-            model(input_ids=ids[:1, :8])
-            out = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    out = train_eval_generate_warning_free(model, ids, pos, lab, new_tokens=4)
     assert torch.equal(out, ref)
 
 

@@ -6,7 +6,7 @@ Tolerance: fp32; the patched path differs from stock in summation order only -> 
 import pytest
 import torch
 import transformers
-from tiny_models import FAMILIES, packed_batch
+from tiny_models import FAMILIES, packed_batch, train_eval_generate_warning_free
 
 import novatune
 from novatune.measure.numerics import assert_close
@@ -130,20 +130,10 @@ def test_attention_module_with_undeclared_sinks_is_refused():
 def test_patched_model_emits_no_deprecation_warning(family):
     """Training forward + backward, eval forward and a short generation of a patched model, with transformers'
     FutureWarning / DeprecationWarning turned into errors (e.g. naming the deprecated `past_key_values`)."""
-    import warnings
-
     ids, pos, lab = packed_batch(ROWS)
     model = build(family, attn="sdpa")
     novatune.patch(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        warnings.simplefilter("error", DeprecationWarning)
-        model.train()
-        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
-        model.eval()
-        with torch.no_grad():
-            model(input_ids=ids[:1, :8])
-            model.generate(ids[:1, :5], max_new_tokens=3, do_sample=False)
+    train_eval_generate_warning_free(model, ids, pos, lab, new_tokens=3)
 
 
 def test_unsupported_transformers_is_refused_with_the_range(monkeypatch):

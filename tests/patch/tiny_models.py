@@ -164,6 +164,22 @@ def tiny_olmo2(seed: int = 0, dtype=torch.float32, layers: int = 2, attn: str = 
     return model.to(dtype)
 
 
+def train_eval_generate_warning_free(model, ids, pos, lab, new_tokens: int) -> torch.Tensor:
+    """A training forward + backward, an eval forward and a greedy generation of `model`, with transformers'
+    FutureWarning / DeprecationWarning turned into errors; returns the generated tokens."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids[:1, :8])
+            return model.generate(ids[:1, :5], max_new_tokens=new_tokens, do_sample=False)
+
+
 def grads_of(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
