@@ -90,8 +90,9 @@ def test_streaming_through_the_builder_keeps_the_cuda_graphs(tmp_path):
     s, got, runner = run("stream", 6)
     assert got == pytest.approx(ref, rel=2e-2)
     assert s.memory_plan.streamer is not None and len(s.memory_plan.plan.streamed) == 6
-    print({"reference graphs": ref_runner.stats() if ref_runner else None, "streamed graphs": runner.stats()})
-    assert runner is not None and runner.stats()["replayed_batches"] > 0 and runner.broken is None, runner.stats()
+    seen = {"reference graphs": ref_runner.stats() if ref_runner else None, "streamed graphs": runner.stats(),
+            "notes": s.patch_report.to_dict()["notes"]}
+    assert runner is not None and runner.stats()["replayed_batches"] > 0 and runner.broken is None, seen
     assert s.memory_plan.streamer.stats["fetched_on_demand"] <= 2
 
 
