@@ -39,7 +39,7 @@ def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list
 
 
 def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None, patch: bool = True,
-                  output_dir: str | Path = "/tmp/novatune_trl_stack") -> dict:
+                  output_dir: str | Path = "/tmp/novatune_trl_stack", dataloader_workers: int = 0) -> dict:
     """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`.
 
     The model, rows, optimizer and schedule come from the one run builder (train.session.build) with the patch
@@ -62,7 +62,7 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
                          padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
                          train_sampling_strategy="sequential", gradient_checkpointing=False, bf16=False,
                          use_cpu=device.type == "cpu", logging_steps=1, report_to=[], save_strategy="no",
-                         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=0)
+                         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=dataloader_workers)
     # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
     # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
     trainer = trl.SFTTrainer(model=session.model, args=args, train_dataset=dataset,
