@@ -81,13 +81,14 @@ def test_offload_moves_the_checkpoint_memory_to_the_host_and_keeps_the_gradients
         assert torch.equal(grads_off[name], g), name
 
 
-def _builder_cfg(tmp_path, name, method="lora", **memory):
+def _builder_cfg(tmp_path, name, method="lora", packing_strategy="bfd", **memory):
     from novatune.train.config import from_dict
 
     return from_dict({
         "model": {"arch": "qwen3-tiny", "tokenizer": "demo", "device": "cuda", "dtype": "bf16", "patch": True,
                   "arch_overrides": {k: v for k, v in ARCH.items() if k not in ("use_cache", "vocab_size")}},
-        "data": {"sources": [{"type": "synthetic", "num_docs": 64, "median_length": 300}], "max_length": 2048},
+        "data": {"sources": [{"type": "synthetic", "num_docs": 64, "median_length": 300}], "max_length": 2048,
+                 "packing_strategy": packing_strategy},
         "method": {"type": method, "r": 8},
         "train": {"max_steps": 3, "grad_accum": 2, "lr": 1e-4 if method == "lora" else 1e-5, "seed": 0},
         "memory": memory,
