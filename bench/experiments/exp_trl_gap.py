@@ -6,6 +6,7 @@ fetching and collating its micro-batches (Trainer.get_batch_samples) with no GPU
     python bench/experiments/exp_trl_gap.py examples/qwen3-4b-seed.yaml OUT.jsonl
 """
 import json
+import os
 import sys
 import time
 
@@ -47,7 +48,8 @@ def main(config, out):
     with open(out, "a") as f:
         for r in rows:
             r["vs_novatune_train"] = round(r["tok_s"] / base, 4)
-            r.update(torch=torch.__version__, transformers=transformers.__version__, gpu=torch.cuda.get_device_name())
+            r.update(torch=torch.__version__, transformers=transformers.__version__, gpu=torch.cuda.get_device_name(),
+                     git_sha=os.environ.get("NOVATUNE_GIT_SHA"), config=config, steps=8, warm=2)
             print(json.dumps(r))
             f.write(json.dumps(r) + "\n")
 

@@ -39,11 +39,13 @@ def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list
 
 
 def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None, patch: bool = True,
-                  output_dir: str | Path = "/tmp/novatune_trl_stack", dataloader_workers: int = 0) -> dict:
+                  output_dir: str | Path = "/tmp/novatune_trl_stack", dataloader_workers: int = 2) -> dict:
     """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`.
 
     The model, rows, optimizer and schedule come from the one run builder (train.session.build) with the patch
-    off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model."""
+    off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model.
+    dataloader_workers: SFTConfig's dataloader_num_workers; 2 collates ahead in worker processes, as the patch
+    report advises (with 0 the GPU waits for each step's collation: bench/experiments/exp_trl_gap.py)."""
     import dataclasses
 
     import datasets

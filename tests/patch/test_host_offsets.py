@@ -72,3 +72,15 @@ def test_padded_or_device_batches_get_no_offsets():
     assert host_offsets_of({"input_ids": pos}) is None  # nothing says the rows are packed
     wrapped = HostOffsetsCollator(lambda features: {"position_ids": pos, "input_ids": pos})
     assert HOST_OFFSETS_KWARG in wrapped([])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_main_process_collation_is_named_in_the_report(workers, tokenizer, dataset, tmp_path):
+    """With dataloader_num_workers=0 the GPU waits while the main process collates each step's batches: the report
+    says so and names the setting; with workers it says nothing, and either way the trainer's args stay as set."""
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    trainer.args.dataloader_num_workers = workers
+    notes = novatune.patch(trainer).to_dict()["notes"]
+    named = [n for n in notes if "dataloader_num_workers" in n]
+    assert len(named) == (1 if workers == 0 else 0), notes
+    assert trainer.args.dataloader_num_workers == workers
