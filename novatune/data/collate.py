@@ -1,6 +1,6 @@
 """Rows of documents -> model inputs, with every document boundary computed here on the host.
 
-For a micro-batch of B rows padded to the longest row T:
+For a micro-batch of B rows padded to the longest row T (or to `pad_to`, when given: one shape for every batch):
 
   input_ids     (B, T) int64   tokens; padding = pad id
   position_ids  (B, T) int64   restart at 0 for each document (and for the padding tail, its own segment)
@@ -23,8 +23,8 @@ from novatune.data.formats import Doc
 IGNORE = -100
 
 
-def collate(rows: list[list[Doc]], pad_id: int = 0) -> dict:
-    T = max(sum(len(d[0]) for d in row) for row in rows)
+def collate(rows: list[list[Doc]], pad_id: int = 0, pad_to: int | None = None) -> dict:
+    T = max(max(sum(len(d[0]) for d in row) for row in rows), pad_to or 0)
     ids, pos, lab, seg = [], [], [], []
     n_tokens = 0
     attn_keys = 0.0

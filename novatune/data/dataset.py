@@ -98,8 +98,9 @@ class BatchStream:
     global micro-batch at an epoch's end with fewer rows than ranks (one rank would get none) is skipped."""
 
     def __init__(self, rows: list[list[Doc]], micro_batch: int, seed: int = 0, shuffle: bool = True,
-                 pad_id: int = 0, rank: int = 0, world: int = 1):
+                 pad_id: int = 0, rank: int = 0, world: int = 1, pad_to: int | None = None):
         self.rows, self.micro_batch, self.seed, self.shuffle, self.pad_id = rows, micro_batch, seed, shuffle, pad_id
+        self.pad_to = pad_to  # every micro-batch padded to this many tokens per row (None: its longest row)
         self.rank, self.world = rank, world
         self.epoch, self.index = 0, 0
         self._order = self._make_order(0)
@@ -124,8 +125,8 @@ class BatchStream:
         take = self._order[self.index: self.index + self.micro_batch * self.world]
         self.index += len(take)
         if self.world == 1:
-            return collate([self.rows[i] for i in take], self.pad_id)
-        batch = collate([self.rows[i] for i in take[self.rank::self.world]], self.pad_id)
+            return collate([self.rows[i] for i in take], self.pad_id, self.pad_to)
+        batch = collate([self.rows[i] for i in take[self.rank::self.world]], self.pad_id, self.pad_to)
         if self._counts is None:  # the rows never change after packing: count them once, not per micro-batch
             self._counts = [row_counts(r) for r in self.rows]
         counts = [self._counts[i] for i in take]

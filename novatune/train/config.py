@@ -65,6 +65,10 @@ class DataConfig:
     packing: bool = True
     # bfd: whole documents, best fit; greedy: in order, cut at row ends
     packing_strategy: Literal["bfd", "greedy"] = "bfd"
+    # longest: each micro-batch padded to its longest row; max_length: every micro-batch to max_length (one shape,
+    # so CUDA graphs replay every batch; padding is its own segment, never trained or counted); auto: max_length
+    # where the run's LoRA/QLoRA layers run as CUDA graphs (packed rows), else longest
+    pad_rows: Literal["auto", "longest", "max_length"] = "auto"
     overlong: Literal["split", "drop", "truncate"] = "split"
     add_eos: bool = True
     shuffle: bool = True

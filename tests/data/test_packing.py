@@ -70,6 +70,19 @@ def test_collate_boundaries():
     assert "cu_seq_lens_q" not in model_inputs(batch, "cpu", None)
 
 
+def test_collate_pads_to_a_fixed_length_as_an_untrained_segment():
+    """pad_to gives every batch one shape: the padding is one more segment of its own (never attended from a
+    document), labelled -100 and left out of the token counts, so the loss and its normalisation are unchanged."""
+    a, b, c = ([1, 2, 3], [True] * 3), ([4, 5], [True, True]), ([6, 7, 8, 9], [True, False, True, True])
+    short, fixed = collate([[a, b], [c]], pad_id=0), collate([[a, b], [c]], pad_id=0, pad_to=8)
+    assert fixed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 8, 9, 0, 0, 0, 0]]
+    assert fixed["labels"][:, :5].tolist() == short["labels"].tolist() and (fixed["labels"][:, 5:] == -100).all()
+    assert fixed["cu_seqlens"].tolist() == [0, 3, 5, 8, 12, 16]
+    for key in ("num_target_tokens", "num_tokens", "attn_keys"):
+        assert fixed[key] == short[key], key
+    assert collate([[a, b], [c]], pad_id=0, pad_to=2)["input_ids"].shape == (2, 5)  # never cuts a row
+
+
 def test_stream_is_seeded_and_resumable():
     rows = [[d] for d in _docs([5] * 10)]
     s1 = BatchStream(rows, micro_batch=3, seed=7)

@@ -82,8 +82,8 @@ def test_streaming_through_the_builder_keeps_the_cuda_graphs(tmp_path):
     from novatune.train.session import build
 
     def run(name, stream):
-        # greedy rows are all 2048 tokens: one batch shape, so the graphs replay (best-fit rows vary in length)
-        s = build(_builder_cfg(tmp_path, name, "lora", "greedy", policy="checkpoint", stream_frozen_layers=stream))
+        # best-fit rows of varying length, padded to 2048 (data.pad_rows auto): one batch shape, the graphs replay
+        s = build(_builder_cfg(tmp_path, name, "lora", policy="checkpoint", stream_frozen_layers=stream))
         losses = [s.step(s.next_micro_batches()).loss.item() for _ in range(4)]
         return s, losses, _graph_runner(s.model)
 

@@ -1,6 +1,7 @@
 """The run builder (train/session.py): the trainer, bench, proof and eval all step the model through it."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from novatune.train.loop import train
@@ -58,3 +59,28 @@ def test_batches_are_the_streams_next_steps(make_cfg):
         for x, y in zip(mbs, b.next_micro_batches()):
             assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["cu_seqlens"], y["cu_seqlens"])
     assert a.flops_per_token(10.0) > 0
+
+
+def test_rows_are_padded_to_max_length_where_lora_layers_run_as_cuda_graphs(make_cfg):
+    """data.pad_rows auto: LoRA/QLoRA with novatune's layer graphs get one batch shape (max_length); full
+    fine-tuning, graphs off, LoRA dropout (eager layers) or no packing keep each batch at its longest row. The
+    padding changes no loss."""
+    from novatune.train.session import row_padding
+
+    lora = {"type": "lora", "r": 4}
+    assert row_padding(make_cfg(model={"patch": True}, method=lora)) == 128
+    assert row_padding(make_cfg(model={"patch": True})) is None
+    assert row_padding(make_cfg(model={"patch": True, "patch_options": {"cuda_graphs": False}}, method=lora)) is None
+    assert row_padding(make_cfg(model={"patch": True}, method=lora, data={"packing": False})) is None
+    assert row_padding(make_cfg(model={"patch": True}, method={**lora, "dropout": 0.1})) is None  # eager layers
+    assert row_padding(make_cfg(data={"pad_rows": "max_length"})) == 128
+
+    def losses(pad_rows):
+        s = build(make_cfg(pad_rows, data={"pad_rows": pad_rows}))
+        shapes = {tuple(mb["input_ids"].shape) for mb in s.batches(2)[0]}
+        s = build(make_cfg(pad_rows + "2", data={"pad_rows": pad_rows}))
+        return [float(s.step(s.next_micro_batches()).loss) for _ in range(3)], shapes
+
+    (longest, _), (fixed, shapes) = losses("longest"), losses("max_length")
+    assert shapes == {(2, 128)}
+    assert fixed == pytest.approx(longest, rel=1e-5, abs=1e-6)  # fp32: the same sums over other row lengths
