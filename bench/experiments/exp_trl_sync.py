@@ -67,6 +67,10 @@ def main(config):
     res = run_trl_stack(load(config, ["train.max_steps=6", "checkpoint.output_dir=/tmp/exp_trl_sync"]), steps=6,
                         warmup=2, output_dir="/tmp/exp_trl_sync/trl")
     print(f"tok/s {res['tokens_per_s']:.0f}")
+    for filt in (False, True, False):  # without the Trainer's per-micro-batch NaN check of the loss, and with it
+        other = run_trl_stack(load(config, ["train.max_steps=6", "checkpoint.output_dir=/tmp/exp_trl_sync"]), steps=6,
+                              warmup=2, output_dir="/tmp/exp_trl_sync/trl", sft_args={"logging_nan_inf_filter": filt})
+        print(f"logging_nan_inf_filter={filt}: tok/s {other['tokens_per_s']:.0f}")
     print("synchronising sites during steps 4-5 (count, site):")
     for site, n in SITES.most_common(30):
         print(f"  {n:4d}  {site}")

@@ -39,13 +39,15 @@ def _examples(stream: BatchStream, micro_batches: int) -> tuple[list[dict], list
 
 
 def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None, patch: bool = True,
-                  output_dir: str | Path = "/tmp/novatune_trl_stack", dataloader_workers: int = 2) -> dict:
+                  output_dir: str | Path = "/tmp/novatune_trl_stack", dataloader_workers: int = 2,
+                  sft_args: dict | None = None) -> dict:
     """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`.
 
     The model, rows, optimizer and schedule come from the one run builder (train.session.build) with the patch
     off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model.
     dataloader_workers: SFTConfig's dataloader_num_workers; 2 collates ahead in worker processes, as the patch
-    report advises (with 0 the GPU waits for each step's collation: bench/experiments/exp_trl_gap.py)."""
+    report advises (with 0 the GPU waits for each step's collation: bench/experiments/exp_trl_gap.py).
+    sft_args: more SFTConfig fields (experiments)."""
     import dataclasses
 
     import datasets
@@ -64,7 +66,8 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
                          padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
                          train_sampling_strategy="sequential", gradient_checkpointing=False, bf16=False,
                          use_cpu=device.type == "cpu", logging_steps=1, report_to=[], save_strategy="no",
-                         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=dataloader_workers)
+                         disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=dataloader_workers,
+                         **(sft_args or {}))
     # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
     # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
     trainer = trl.SFTTrainer(model=session.model, args=args, train_dataset=dataset,
