@@ -66,7 +66,8 @@ def main(config):
     transformers.Trainer.add_callback = add
     res = run_trl_stack(load(config, ["train.max_steps=6", "checkpoint.output_dir=/tmp/exp_trl_sync"]), steps=6,
                         warmup=2, output_dir="/tmp/exp_trl_sync/trl")
-    print(f"tok/s {res['tokens_per_s']:.0f}")
+    print(f"tok/s {res['tokens_per_s']:.0f} (sync-debug mode on in steps 4-5: slower)")
+    transformers.Trainer.add_callback = real_add  # the timed runs below without the watch
     for filt in (False, True, False):  # without the Trainer's per-micro-batch NaN check of the loss, and with it
         other = run_trl_stack(load(config, ["train.max_steps=6", "checkpoint.output_dir=/tmp/exp_trl_sync"]), steps=6,
                               warmup=2, output_dir="/tmp/exp_trl_sync/trl", sft_args={"logging_nan_inf_filter": filt})
