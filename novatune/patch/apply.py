@@ -25,6 +25,7 @@ from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
 from novatune.patch.tiled import AUTO_MIN_BYTES, MLPTiling
 from novatune.patch.tiled import check_mode as check_tiled_mlp
+from novatune.patch.trainer_syncs import filter_on_device
 from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
@@ -147,6 +148,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
             if spec is not None:
                 _defer_trainer_metrics(trainer, existing, spec)
             _host_offsets(trainer, existing)
+            _trainer_syncs(trainer, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
     if attention not in (False, *ATTENTION_BACKENDS):
@@ -180,6 +182,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     _defer_trainer_metrics(trainer, report, spec)
     _host_offsets(trainer, report)
+    _trainer_syncs(trainer, report)
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
@@ -420,6 +423,12 @@ def _host_offsets(trainer, report: PatchReport) -> None:
     tensors (patch/host_offsets.py)."""
     if trainer is not None and report.replaced("packing"):
         read_offsets_on_host(trainer, report)
+
+
+def _trainer_syncs(trainer, report: PatchReport) -> None:
+    """A Trainer's per-micro-batch logging filter runs on the device (patch/trainer_syncs.py)."""
+    if trainer is not None:
+        filter_on_device(trainer, report)
 
 
 def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) -> None:

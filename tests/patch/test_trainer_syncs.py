@@ -1,0 +1,92 @@
+"""A patched Trainer's logging NaN/inf filter runs on the device: no Python bool of a loss tensor per micro-batch,
+the same logged losses, the trainer's setting back on revert (novatune/patch/trainer_syncs.py)."""
+import sys
+import types
+
+import pytest
+import torch
+import transformers
+from test_trainers import sft_trainer
+
+import novatune
+from novatune.patch import trainer_syncs
+from novatune.train.demo import DEMO_DIR
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR / "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    import test_trainers
+
+    return test_trainers.dataset.__wrapped__()
+
+
+def _logged_losses(trainer) -> list[float]:
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _loop_bool_reads(monkeypatch) -> list[str]:
+    """Python bools taken of tensors by transformers' Trainer loop (each one a host sync on a GPU)."""
+    seen, real = [], torch.Tensor.__bool__
+
+    def counting(self):
+        caller = sys._getframe(1)
+        if caller.f_code.co_filename.endswith("transformers/trainer.py"):
+            seen.append(f"{caller.f_code.co_name}:{caller.f_lineno}")
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", counting)
+    return seen
+
+
+def test_the_filter_moves_to_the_device_with_the_same_logged_losses(tokenizer, dataset, tmp_path, monkeypatch):
+    stock = _logged_losses(sft_trainer("padding_free", tokenizer, dataset, tmp_path))
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    report = novatune.patch(trainer)
+    assert report.replaced("trainer_nan_filter"), str(report)
+    assert not trainer.args.logging_nan_inf_filter
+    reads = _loop_bool_reads(monkeypatch)
+    patched = _logged_losses(trainer)
+    assert not reads, reads
+    assert patched == pytest.approx(stock, rel=1e-4)  # fp32 CPU; the fused loss sums in another order
+    report.revert()
+    assert trainer.args.logging_nan_inf_filter and "training_step" not in trainer.__dict__
+
+
+def test_the_stock_loop_reads_each_micro_batch_loss_on_the_host(tokenizer, dataset, tmp_path, monkeypatch):
+    """The yardstick of the test above: without the patch the loop takes a bool of every micro-batch's loss."""
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    reads = _loop_bool_reads(monkeypatch)
+    trainer.train()
+    assert len(reads) >= 2 * trainer.args.gradient_accumulation_steps, reads
+
+
+@pytest.mark.parametrize("loss", [1.5, float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_loss_adds_the_running_average_as_the_trainer_would(loss):
+    """HF's filter: a NaN/inf micro-batch loss adds _tr_loss / (1 + global_step - _globalstep_last_logged)."""
+    class Base:
+        def training_step(self, *args, **kwargs):
+            return torch.tensor(loss)
+
+    trainer = Base()
+    trainer._tr_loss, trainer._globalstep_last_logged = torch.tensor(6.0), 3
+    trainer.state = types.SimpleNamespace(global_step=5)
+    got = trainer_syncs.training_step(trainer)
+    want = 6.0 / (1 + 5 - 3) if loss != loss or abs(loss) == float("inf") else loss
+    assert float(got) == pytest.approx(want)
+
+
+def test_a_filter_that_is_off_or_a_loop_not_read_stays_as_it_is(tokenizer, dataset, tmp_path, monkeypatch):
+    off = sft_trainer("padding_free", tokenizer, dataset, tmp_path, logging_nan_inf_filter=False)
+    report = novatune.patch(off)
+    assert not report.replaced("trainer_nan_filter") and "training_step" not in off.__dict__
+    monkeypatch.setattr(trainer_syncs, "FILTER_SOURCE", ("a line no Trainer has",))
+    other = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    report = novatune.patch(other)
+    assert not report.replaced("trainer_nan_filter") and other.args.logging_nan_inf_filter
+    assert any("not the one novatune has read" in n for n in report.to_dict()["notes"]), report.to_dict()["notes"]
