@@ -1,7 +1,9 @@
 """Where TRL's SFTTrainer + novatune.patch(trainer) waits for the GPU (issue 13's last 3%): the headline config's
 TRL stack with CUDA's sync-debug mode on during two optimizer steps after the warm-up. Prints every synchronising
 call site (the innermost frames outside torch) with its count, and the host milliseconds of each phase of a step
-(on_step_begin -> compute_loss -> training_step -> on_step_end). Rows: none (stdout; quoted in LOG.md).
+(on_step_begin -> compute_loss -> training_step -> on_step_end), and what is live at the peak of step 4 (the
+allocation trace replayed to its peak, as `novatune bench --memory` does for one micro-step). Then the stack timed
+without and with the Trainer's logging NaN/inf filter. Rows: none (stdout; quoted in LOG.md).
 
     python bench/experiments/exp_trl_sync.py examples/qwen3-4b-seed.yaml
 """
@@ -14,6 +16,7 @@ import warnings
 import torch
 import transformers
 
+from novatune.bench.diagnostics import largest_live, replay_to_peak
 from novatune.bench.trl_stack import run_trl_stack
 from novatune.train.config import load
 
@@ -31,9 +34,18 @@ class Watch(transformers.TrainerCallback):
         PHASES.append((f"step {state.global_step + 1} begin", time.perf_counter()))
         if state.global_step == 3 and torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")
+            torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
 
     def on_step_end(self, args, state, control, **kw):
         PHASES.append((f"step {state.global_step} end", time.perf_counter()))
+        if state.global_step == 4 and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            peak, live, _, _ = replay_to_peak(snap)
+            print(f"step 4 peak allocated {peak / 2**30:.2f} GiB; live at the peak:")
+            for where, (size, n) in largest_live(live, 15):
+                print(f"  {size / 2**30:8.3f} GiB {n:5d} blocks  {where[:240]}")
         if state.global_step == 5 and torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)
 

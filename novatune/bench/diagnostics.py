@@ -66,6 +66,26 @@ def memory_peak_report(model, batch: dict, path: str) -> dict:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     model.zero_grad(set_to_none=True)
+    best, best_live, best_at, n_events = replay_to_peak(snap)
+    phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
+             else f"backward, event {best_at - n_fwd} of {n_events - n_fwd}")
+    top = largest_live(best_live)
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".txt", "w") as f:
+        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}\n")
+        for where, (size, n) in top:
+            f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:260]}\n")
+    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase,
+            "top": [(round(size / 2**30, 3), where[:200]) for where, (size, _) in top[:8]]}
+
+
+def replay_to_peak(snap: dict) -> tuple[int, dict, int, int]:
+    """A memory snapshot with its allocation trace replayed to the moment of peak allocated memory: (peak bytes,
+    the blocks live then {address: (bytes, allocating frames)}, the trace index of the peak (-1: before the trace),
+    the trace's length). Blocks allocated with no Python frame of ours (the autograd thread's C++ nodes:
+    AccumulateGrad, embedding backward, ...) are named by their C++ frames."""
     trace = [e for dev_trace in snap["device_traces"] for e in dev_trace]
     events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
@@ -93,23 +113,17 @@ def memory_peak_report(model, batch: dict, path: str) -> dict:
                 best, best_live, best_at = cur, dict(live), i
         elif e["addr"] in live:
             cur -= live.pop(e["addr"])[0]
-    phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
-             else f"backward, event {best_at - n_fwd} of {len(trace) - n_fwd}")
+    return best, best_live, best_at, len(trace)
+
+
+def largest_live(live: dict, top: int = 25) -> list:
+    """The live blocks grouped by allocating frames, largest first: [(frames, [bytes, blocks])]."""
     groups: dict[str, list] = {}
-    for size, where in best_live.values():
+    for size, where in live.values():
         g = groups.setdefault(where, [0, 0])
         g[0] += size
         g[1] += 1
-    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:25]
-    import os
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".txt", "w") as f:
-        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}\n")
-        for where, (size, n) in top:
-            f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:260]}\n")
-    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase,
-            "top": [(round(size / 2**30, 3), where[:200]) for where, (size, _) in top[:8]]}
+    return sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
 
 
 def _category(name: str) -> str:
