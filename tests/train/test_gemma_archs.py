@@ -43,3 +43,21 @@ def test_sdpa_on_a_family_without_it_names_the_fix():
     _check_attention_supported(arch_config("qwen3-4b"), "sdpa")
     with pytest.raises(SetupError, match="model.attention=eager"):
         _check_attention_supported(arch_config("gemma-2-2b"), "sdpa")
+
+
+def test_soft_capped_attention_resolves_to_eager_whatever_the_class_declares(monkeypatch):
+    """transformers' sdpa raises on soft-capped logits: the stock attention (hf_default) is eager for any config
+    that soft-caps (Gemma 2; a Gemma 3 config that sets attn_logit_softcapping; a release whose Gemma 2 class
+    lists sdpa), and an explicit sdpa names the fix; the other families keep sdpa."""
+    import transformers
+
+    from novatune.train.model import resolve_attention
+
+    g3_capped = arch_config("gemma-3-4b", {"attn_logit_softcapping": 50.0})
+    assert resolve_attention(g3_capped, "hf_default") == "eager"
+    with pytest.raises(SetupError, match="soft-caps its attention logits at 50.*model.attention=eager"):
+        _check_attention_supported(g3_capped, "sdpa")
+    monkeypatch.setattr(transformers.Gemma2ForCausalLM, "_supports_sdpa", True)
+    assert resolve_attention(arch_config("gemma-2-2b"), "hf_default") == "eager"
+    for arch in ("gemma-3-4b", "phi-4-mini", "olmo-2-7b", "qwen3-4b"):
+        assert resolve_attention(arch_config(arch), "hf_default") == "sdpa", arch
