@@ -9,7 +9,7 @@ the published anchor figures were measured, so `novatune bench` measures the sam
   signature changed in every torch release (2.10 `is_causal`; 2.11 `window_size=(-1, 0)`; 2.12 `enable_gqa`).
   A layer's sliding window goes to `window_size` (per document, as the model computes it).
 * A model whose attention varlen_attn cannot compute (`varlen_refusal`: logit soft-capping, Gemma 2; attention
-  sinks, GPT-OSS) keeps Hugging Face's own attention, the one the stock
+  sinks, GPT-OSS; attention dropout) keeps Hugging Face's own attention, the one the stock
   stack runs, and the row's `applied` says so: Liger's kernels with HF's attention are what a Liger user trains
   such a model with. The varlen function itself raises PeerUnavailable on such a call (or on a window that binds,
   under a torch whose varlen_attn takes no window_size) instead of computing something else.
@@ -96,6 +96,9 @@ def register_peer_varlen() -> str:
         if kw.get("softcap") is not None:
             raise PeerUnavailable(f"{type(module).__name__} soft-caps its attention logits ({kw['softcap']}); torch's "
                                   "varlen_attn cannot, so the peer's attention would compute something else")
+        if dropout:
+            raise PeerUnavailable(f"{type(module).__name__} drops attention probabilities in training (p={dropout}); "
+                                  "the peer's varlen_attn has no dropout")
         b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
         if kw.get("s_aux") is not None:
             raise PeerUnavailable("the peer's varlen attention has no attention sinks (s_aux): it would compute "
@@ -132,6 +135,9 @@ def varlen_refusal(config) -> str | None:
     if cap is not None:
         return (f"{config.model_type} soft-caps its attention logits at {cap:g}; torch's varlen_attn has no "
                 f"soft-cap")
+    if getattr(config, "attention_dropout", 0.0):
+        return (f"{config.model_type} drops attention probabilities (p={config.attention_dropout}); torch's "
+                f"varlen_attn has no dropout")
     if config.model_type == "gpt_oss":
         return ("GPT-OSS adds learned per-head attention sinks to the softmax denominator; torch's varlen_attn has "
                 "no sinks")

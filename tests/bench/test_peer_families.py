@@ -98,6 +98,50 @@ def test_varlen_without_a_window_refuses_a_window_that_binds(monkeypatch):
         forward(None, q, q, q, None, position_ids=long, sliding_window=4)
 
 
+def test_attention_dropout_keeps_hf_attention(monkeypatch):
+    """A config that drops attention probabilities in training keeps HF's attention (varlen_attn has no dropout),
+    and the varlen function refuses a call that asks for dropout."""
+    import transformers
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", reference_varlen_attn)
+    model = tiny_arch("olmo-2-7b")
+    model.config.attention_dropout = 0.1
+    assert "no dropout" in peer.use_peer_attention(model) and model.config._attn_implementation == "sdpa"
+    forward = transformers.AttentionInterface._global_mapping[peer.register_peer_varlen()]
+    q = torch.randn(1, 2, 6, 4)
+    with pytest.raises(peer.PeerUnavailable, match="no dropout"):
+        forward(None, q, q, q, None, dropout=0.1, position_ids=torch.arange(6)[None])
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCH))
+def test_liger_rope_equals_the_familys_own(arch):
+    """Liger's rope, which the peer swaps into each family's modeling module, on that family's own cos/sin tables
+    (Phi-4-mini: 12 of 16 features rotate; LongRoPE's attention scaling) equals the family's apply_rotary_pos_emb:
+    it runs under the Triton interpreter (Liger's RMSNorm does not). fp32, 1e-6: the same products in another
+    order."""
+    pytest.importorskip("liger_kernel.transformers")
+    import importlib
+
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    model = tiny_arch(arch)
+    modeling = importlib.import_module(type(model).__module__)
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = torch.randn(1, cfg.num_attention_heads, 24, hd, generator=g)
+    k = torch.randn(1, cfg.num_key_value_heads, 24, hd, generator=g)
+    pos = torch.tensor([[*range(10), *range(14)]])
+    per_type = isinstance(model.model.rotary_emb.rope_type, dict)  # Gemma 3: a table per layer type
+    for layer_type in dict.fromkeys(cfg.layer_types if per_type else [None]):
+        kw = {"layer_type": layer_type} if per_type else {}
+        cos, sin = model.model.rotary_emb(q, pos, **kw)
+        want = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        got = liger_rotary_pos_emb(q, k, cos, sin)
+        for a, b, name in zip(got, want, "qk"):
+            assert_close(a, b, 1e-6, f"{arch} {layer_type} {name}")
+
+
 def test_hf_varlen_is_absent_for_a_soft_capped_family_before_it_builds():
     from novatune.train.config import load
 
