@@ -32,7 +32,7 @@ def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, wind
     """torch.nn.attention.varlen.varlen_attn's function (torch 2.12+ signature) in fp64: (tokens, heads, d) inputs,
     documents by cu_seqlens, query i sees keys [i - left, i + right] of its document (-1: unbounded), GQA by
     head groups."""
-    assert torch.equal(cu_q, cu_k) and enable_gqa or q.shape[1] == k.shape[1]
+    assert torch.equal(cu_q, cu_k) and (enable_gqa or q.shape[1] == k.shape[1])
     left, right = window_size
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = []
