@@ -1,6 +1,7 @@
-"""The Gemma architectures for random-init runs: the real configs' quirks are there (so `novatune bench ...
---set model.arch=gemma-3-4b` measures the real thing), the patch accepts them, and a family without an SDPA
-attention asked for one gets a setup error naming the setting to change."""
+"""The family architectures for random-init runs (Gemma 2 / 3, and Phi-4-mini and OLMo 2 where named): the real
+configs' quirks are there (so `novatune bench examples/gemma-3-4b.yaml` measures the real thing), the patch accepts
+them, the stock attention is one that computes the family's attention, and a family without an SDPA attention
+asked for one gets a setup error naming the setting to change."""
 import pytest
 import torch
 
@@ -24,13 +25,16 @@ def test_gemma_2_2b_and_gemma_3_4b_configs():
     assert g3.final_logit_softcapping is None and g3.attn_logit_softcapping is None
 
 
-@pytest.mark.parametrize("arch", ["gemma-2-2b", "gemma-3-4b"])
+@pytest.mark.parametrize("arch", ["gemma-2-2b", "gemma-3-4b", "phi-4-mini", "olmo-2-7b"])
 def test_patch_replaces_everything_on_the_cut_architecture(arch):
-    """Two layers of the real shapes (vocab cut so the CPU build stays small): nothing skipped."""
+    """Two layers of the real shapes, built on the meta device (the real vocabulary costs nothing there, and the
+    real configs' token ids stay inside it): nothing skipped."""
     import transformers
 
-    cfg = arch_config(arch, {"num_hidden_layers": 2, "vocab_size": 512})
-    cfg._attn_implementation = "eager"
+    from novatune.train.model import resolve_attention
+
+    cfg = arch_config(arch, {"num_hidden_layers": 2})
+    cfg._attn_implementation = resolve_attention(cfg, "hf_default")  # the bench's stock attention
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     report = novatune.patch(model)
