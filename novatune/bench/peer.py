@@ -104,7 +104,9 @@ def register_peer_varlen() -> str:
             raise PeerUnavailable("the peer's varlen attention has no attention sinks (s_aux): it would compute "
                                   "another function")
         cu, mx = meta(kw["position_ids"])
-        window = kw.get("sliding_window")
+        # the layer's window as HF hands it to attention functions, else the attribute the layer keeps it in
+        # (a release that stops passing the keyword must not turn local layers global)
+        window = kw.get("sliding_window", getattr(module, "sliding_window", None))
         if window is not None and window >= mx:
             window = None  # no document reaches past the window: plain causal attention is the same function
         if window is not None and "window_size" not in sig:

@@ -79,6 +79,27 @@ def test_peer_attention_computes_the_stock_function(arch, varlen, monkeypatch):
         assert applied == "attention=peer_varlen" and model.config._attn_implementation == "peer_varlen"
 
 
+def test_the_layers_own_window_applies_without_the_keyword(monkeypatch):
+    """A layer that keeps its window in `sliding_window` (Gemma 2/3) but whose call does not pass the keyword still
+    attends inside the window; a keyword of None (a global layer) stays global."""
+    import types
+
+    import transformers
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", reference_varlen_attn)
+    forward = transformers.AttentionInterface._global_mapping[peer.register_peer_varlen()]
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    pos = torch.arange(8)[None]
+    local = types.SimpleNamespace(sliding_window=3)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    flat = [t[0].transpose(0, 1) for t in (q, k, v)]
+    want_local = reference_varlen_attn(*flat, cu, cu, 8, 8, window_size=(2, 0))
+    want_global = reference_varlen_attn(*flat, cu, cu, 8, 8, window_size=(-1, 0))
+    assert_close(forward(local, q, k, v, None, position_ids=pos)[0][0], want_local, 1e-6, "local")
+    assert_close(forward(local, q, k, v, None, position_ids=pos, sliding_window=None)[0][0], want_global, 1e-6,
+                 "global")
+
+
 def test_varlen_without_a_window_refuses_a_window_that_binds(monkeypatch):
     """A torch whose varlen_attn takes no window_size: a document longer than the window is refused (the peer would
     compute another function); one inside the window runs plain causal attention, the same function."""
