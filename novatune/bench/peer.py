@@ -9,10 +9,10 @@ the published anchor figures were measured, so `novatune bench` measures the sam
   signature changed in every torch release (2.10 `is_causal`; 2.11 `window_size=(-1, 0)`; 2.12 `enable_gqa`).
   A layer's sliding window goes to `window_size` (per document, as the model computes it).
 * A model whose attention varlen_attn cannot compute (`varlen_refusal`: logit soft-capping, Gemma 2; attention
-  sinks, GPT-OSS; attention dropout) keeps Hugging Face's own attention, the one the stock
-  stack runs, and the row's `applied` says so: Liger's kernels with HF's attention are what a Liger user trains
-  such a model with. The varlen function itself raises PeerUnavailable on such a call (or on a window that binds,
-  under a torch whose varlen_attn takes no window_size) instead of computing something else.
+  sinks, GPT-OSS; attention dropout) keeps Hugging Face's own attention, the one the stock stack runs, and the
+  row's `applied` says so: Liger's kernels with HF's attention are what a Liger user trains such a model with.
+  The varlen function itself raises PeerUnavailable on such a call (or on a window that binds, under a torch
+  whose varlen_attn takes no window_size) instead of computing something else.
 """
 from __future__ import annotations
 
