@@ -22,10 +22,14 @@
 #   moe: issue 14's MoE path (not in the default list): the MoE GPU tests (one layer under CUDA sync-debug mode, values
 #   vs HF grouped_mm), bench/bench_moe.py (one layer at Qwen3-30B-A3B shapes), then `novatune bench
 #   examples/qwen3-30b-a3b-moe.yaml` (8-layer cut; stock, hf-varlen, unsloth, novatune); < 8 min.
-#   gemma: issue 18's Gemma families (not in the default list): the Gemma GPU tests (patched tiny Gemma 2/3 in bf16
-#   against stock's own bf16 error, soft-capped flex attention at Gemma 2's shapes, the new kernels), then `novatune
-#   bench examples/qwen3-4b-seed.yaml` on the gemma-3-4b and gemma-2-2b architectures (GEMMA_STACKS, default
-#   stock,liger-peer,novatune; Gemma 2 has no sdpa attention, so its stock runs eager); < 10 min.
+#   gemma: issue 18's Gemma GPU tests (not in the default list): patched tiny Gemma 2/3 in bf16 against stock's own
+#   bf16 error, soft-capped flex attention at Gemma 2's shapes, the new kernels; < 4 min. The benches: `families`.
+#   families: issue 18's family benches (not in the default list), one GPU call per pair of families: the peer's
+#   varlen wiring on the GPU (tests/bench/test_peer_families.py), then `novatune bench examples/<arch>.yaml` for each
+#   of FAMILIES (default "gemma-3-4b gemma-2-2b"; the other call: FAMILIES="phi-4-mini olmo-2-7b") with
+#   FAMILY_STACKS (default stock,liger-peer,novatune), rows in $OUT/families.jsonl, and the acceptance lines
+#   (novatune >= 1.5x stock and >= 1.1x the Liger peer, losses within bf16 noise of stock's); < 9 min (timeouts 60 +
+#   2 x 255 s; each bench ~2.5-4 min: 2 warm-up + 4 timed steps per stack, model build and compiles included).
 #   cudnn: issue 19's cuDNN attention backend (not in the default list; its fast path is the nvidia-cudnn-frontend
 #   wheel in .whl/): its GPU tests (values vs the fp32 reference, document isolation, frontend and aten paths),
 #   bench/bench_attention.py with varlen / cudnn / cudnn_aten / cudnn_exact at the headline shapes, then `novatune
@@ -107,13 +111,38 @@ if has gemma; then
     tests/kernels/test_offset_rms_norm.py tests/kernels/test_geglu.py tests/kernels/test_linear_cross_entropy_softcap.py \
     tests/ops/test_offset_rms_norm.py tests/ops/test_geglu.py 2>&1 | tee "$OUT/gemma_gpu_tests.log" | tail -n 8
   summary+=("gemma gpu tests: $(tail -n 1 "$OUT/gemma_gpu_tests.log")")
-  for arch in gemma-3-4b gemma-2-2b; do
-    extra=(); [[ $arch == gemma-2-2b ]] && extra=(--set model.attention=eager)
-    timeout 300 python3 -m novatune bench examples/qwen3-4b-seed.yaml --set model.arch=$arch "${extra[@]}" \
-      --stacks ${GEMMA_STACKS:-stock,liger-peer,novatune} --results "$OUT/gemma.jsonl" --run-dir "$OUT/runs/$arch" \
-      2>&1 | tee "$OUT/gemma_$arch.log" | tail -n 14
-    summary+=("novatune bench $arch: exit ${PIPESTATUS[0]}")
+fi
+if has families; then
+  timeout 60 python3 -m pytest -q -m gpu tests/bench/test_peer_families.py 2>&1 | tee "$OUT/families_gpu_tests.log" | tail -n 4
+  summary+=("families gpu tests: $(tail -n 1 "$OUT/families_gpu_tests.log")")
+  for arch in ${FAMILIES:-gemma-3-4b gemma-2-2b}; do
+    timeout 255 python3 -m novatune bench examples/$arch.yaml --stacks ${FAMILY_STACKS:-stock,liger-peer,novatune} \
+      --timeout 150 --results "$OUT/families.jsonl" --run-dir "$OUT/runs/$arch" 2>&1 | tee "$OUT/family_$arch.log" | tail -n 9
+    summary+=("novatune bench examples/$arch.yaml: exit ${PIPESTATUS[0]}")
   done
+  [ -f "$OUT/families.jsonl" ] && python3 - "$OUT/families.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for r in rows:
+    if r.get("status") != "ok":
+        print(f"family {r.get('config', '?')[9:]:18s} {r['stack']:11s} {r.get('status')}: {str(r.get('reason'))[:110]}")
+        continue
+    print(f"family {r['model_type']:11s} {r['stack']:11s} {r['tok_s']:8.0f} tok/s  x{r.get('x_stock') or 0:.3f} stock  "
+          f"x{r.get('x_peer') or 0:.3f} peer  {r['peak_gib']:6.2f} GiB  loss vs stock "
+          f"{r.get('loss_max_rel_diff_vs_stock') or 0:.1e}  hf_attention {r.get('hf_attention')}  "
+          f"{r.get('applied') or r.get('attention_backend') or ''}")
+ok = lambda c: "PASS" if c else "FAIL"  # noqa: E731
+for config in dict.fromkeys(r.get("config") for r in rows):
+    by = {r["stack"]: r for r in rows if r.get("config") == config and r.get("status") == "ok"}
+    nt, st, lg = by.get("novatune"), by.get("stock"), by.get("liger-peer")
+    if not (nt and st):
+        print(f"acceptance {config}: novatune or stock did not run"); continue
+    line = (f"acceptance {config}: x{nt['x_stock']:.3f} stock >= 1.5 {ok(nt['x_stock'] >= 1.5)}; loss max rel diff "
+            f"{nt['loss_max_rel_diff_vs_stock']:.1e} (bf16 noise: < 1e-2) {ok(nt['loss_max_rel_diff_vs_stock'] < 1e-2)}")
+    line += (f"; x{nt['tok_s'] / lg['tok_s']:.3f} Liger >= 1.1 {ok(nt['tok_s'] >= 1.1 * lg['tok_s'])}" if lg else
+             "; Liger peer did not run")
+    print(line)
+PY
 fi
 if has eval; then
   # `novatune eval` decoding speed (issue 4): Qwen2.5-0.5B architecture, random init (it never stops early, so every

@@ -7,9 +7,12 @@ the published anchor figures were measured, so `novatune bench` measures the sam
 * Attention: an `AttentionInterface` entry "peer_varlen" that finds document starts from position_ids on the
   device (one host sync per batch, cached across layers) and calls `torch.nn.attention.varlen.varlen_attn`, whose
   signature changed in every torch release (2.10 `is_causal`; 2.11 `window_size=(-1, 0)`; 2.12 `enable_gqa`).
-  A layer's sliding window goes to `window_size` (per document, as the model computes it); attention logit
-  soft-capping (Gemma 2) has no varlen_attn argument, so such a call raises PeerUnavailable instead of computing
-  something else.
+  A layer's sliding window goes to `window_size` (per document, as the model computes it).
+* A model whose attention varlen_attn cannot compute (`varlen_refusal`: logit soft-capping, Gemma 2; attention
+  sinks, GPT-OSS; attention dropout) keeps Hugging Face's own attention, the one the stock stack runs, and the
+  row's `applied` says so: Liger's kernels with HF's attention are what a Liger user trains such a model with.
+  The varlen function itself raises PeerUnavailable on such a call (or on a window that binds, under a torch
+  whose varlen_attn takes no window_size) instead of computing something else.
 """
 from __future__ import annotations
 
@@ -93,21 +96,27 @@ def register_peer_varlen() -> str:
         if kw.get("softcap") is not None:
             raise PeerUnavailable(f"{type(module).__name__} soft-caps its attention logits ({kw['softcap']}); torch's "
                                   "varlen_attn cannot, so the peer's attention would compute something else")
+        if dropout:
+            raise PeerUnavailable(f"{type(module).__name__} drops attention probabilities in training (p={dropout}); "
+                                  "the peer's varlen_attn has no dropout")
         b, hq, s, d = query.shape  # (b, hq, s, d): HF's layout
         if kw.get("s_aux") is not None:
             raise PeerUnavailable("the peer's varlen attention has no attention sinks (s_aux): it would compute "
                                   "another function")
         cu, mx = meta(kw["position_ids"])
-        window = kw.get("sliding_window")
-        if window is not None and mx > window:
-            raise PeerUnavailable(f"the peer's varlen attention has no sliding window ({window} tokens) and a "
-                                  f"document of {mx} tokens exceeds it: it would compute another function")
+        # the layer's window as HF hands it to attention functions, else the attribute the layer keeps it in
+        # (a release that stops passing the keyword must not turn local layers global)
+        window = kw.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is not None and window >= mx:
+            window = None  # no document reaches past the window: plain causal attention is the same function
+        if window is not None and "window_size" not in sig:
+            raise PeerUnavailable(f"torch {torch.__version__}'s varlen_attn takes no window_size and a document of "
+                                  f"{mx} tokens exceeds the {window}-token sliding window: it would compute another "
+                                  f"function")
         q = query.transpose(1, 2).reshape(b * s, hq, d)
         k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-        window = kw.get("sliding_window")
-        if window is not None and "window_size" not in sig:
-            raise PeerUnavailable(f"torch {torch.__version__}'s varlen_attn takes no window_size (sliding window)")
+        # FlashAttention's window: keys [i - left, i + right]; HF's sliding window of w keys is j > i - w
         extra = ({"window_size": (int(window) - 1, 0)} if window is not None else
                  {"is_causal": True} if "is_causal" in sig else {"window_size": (-1, 0)})
         if "enable_gqa" in sig:
@@ -122,9 +131,30 @@ def register_peer_varlen() -> str:
     return PEER_ATTENTION
 
 
-def use_peer_attention(model) -> None:
-    """Switch a built model to the registered peer attention (HF's official dynamic switch)."""
+def varlen_refusal(config) -> str | None:
+    """Why torch's varlen_attn cannot compute the attention of a model with this (transformers) config, or None."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        return (f"{config.model_type} soft-caps its attention logits at {cap:g}; torch's varlen_attn has no "
+                f"soft-cap")
+    if getattr(config, "attention_dropout", 0.0):
+        return (f"{config.model_type} drops attention probabilities (p={config.attention_dropout}); torch's "
+                f"varlen_attn has no dropout")
+    if config.model_type == "gpt_oss":
+        return ("GPT-OSS adds learned per-head attention sinks to the softmax denominator; torch's varlen_attn has "
+                "no sinks")
+    return None
+
+
+def use_peer_attention(model) -> str:
+    """Switch a built model to the peer's varlen attention (HF's official dynamic switch) where varlen_attn computes
+    the model's attention; otherwise keep the model's own HF attention. Returns what the row records."""
+    why = varlen_refusal(model.config)
+    if why is not None:
+        return f"attention={model.config._attn_implementation} (Hugging Face's own: {why})"
+    register_peer_varlen()
     model.set_attn_implementation(PEER_ATTENTION)
     if model.config._attn_implementation != PEER_ATTENTION:
         raise PeerUnavailable(f"{type(model).__name__} kept attention {model.config._attn_implementation!r}: it "
                               f"cannot switch its attention implementation dynamically")
+    return f"attention={PEER_ATTENTION}"

@@ -33,7 +33,9 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       the CPU), peak_reserved_gib: float | null (CUDA graphs replay in a private pool only reserved sees),
       weights_gib: float | null (allocated once the model is built, quantised, wrapped and patched),
       losses: [float] (every optimizer step, warm-up included), grad_norms: [float] (pre-clip), gc_freeze: bool,
-      method: str, model_class: str, model_type: str, params: int, trainable_params: int, dtype: str,
+      method: str, model_class: str, model_type: str, params: int, trainable_params: int,
+      hf_attention: str | null (the model's transformers attention implementation: sdpa, eager, peer_varlen, ...;
+      under novatune.patch the patched attention replaces it, attention_backend names what ran), dtype: str,
       device_type: str, seq: int, grad_accum: int, micro_batch: int, gradient_checkpointing: bool,
       memory_policy: str, memory_layers: str ("offload x30, keep x6"), predicted_peak_gib: float (the memory
       planner's, beside peak_gib), predicted_layers_s: float, planner_hardware: str,

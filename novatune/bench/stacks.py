@@ -9,10 +9,14 @@ with the function named by its module, imported only in that stack's worker:
     register(Stack("trl-sft", "TRL SFTTrainer", STOCK, run=run_from("novatune.bench.trl_stack:run")))
 (or call register() from a module listed in PLUGINS).
 
-  stock           HF as shipped: attn_implementation=sdpa (eager where the family has no sdpa path: GPT-OSS), no
+  stock           HF as shipped: attn_implementation=sdpa (eager where sdpa cannot compute the family's attention:
+                  GPT-OSS's sinks, Gemma 2's soft-capped logits; the row's hf_attention says which), no
                   patch (QLoRA: PEFT + bitsandbytes, bf16 embeddings; LoRA on experts: PEFT's target_parameters)
-  liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py)
-  hf-varlen       Hugging Face's best without other libraries: torch varlen attention (bench/peer.py) and, on MoE
+  liger-peer      the best peer: Liger-Kernel's fused ops + torch varlen attention (bench/peer.py); a family whose
+                  attention varlen_attn cannot compute (soft-capping, sinks) keeps HF's own attention, as stock runs
+                  it, and the row's `applied` says so
+  hf-varlen       Hugging Face's best without other libraries: torch varlen attention (bench/peer.py; absent, with
+                  the reason, where varlen_attn cannot compute the family's attention) and, on MoE
                   models, transformers' grouped_mm experts (the MoE table's best HF row; `stock` runs grouped_mm
                   experts too, with sdpa)
   unsloth         Unsloth: its row says why it did not run (not installed; or installed but not yet built by the
@@ -34,7 +38,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# hf_default: sdpa, or eager for a family without an sdpa path (GPT-OSS)
+# hf_default: sdpa, or eager where sdpa cannot compute the family's attention (GPT-OSS, Gemma 2)
 STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false"]
 NOVATUNE = ["model.patch=true"]
 
@@ -73,19 +77,17 @@ def _missing(module: str, pip: str) -> Callable:
 
 
 def _liger_hooks(cfg, base_dir) -> Hooks:
-    from novatune.bench.peer import (
-        apply_liger,
-        register_peer_varlen,
-        use_peer_attention,
-    )
+    from novatune.bench.peer import apply_liger, use_peer_attention
 
-    hooks = Hooks(model_hook=use_peer_attention)
+    hooks = Hooks()
 
     def before(model_config) -> None:
         hooks.applied = apply_liger(model_config.model_type)  # class-level: before the model exists
-        register_peer_varlen()
 
-    hooks.before_model = before
+    def model_hook(model) -> None:
+        hooks.applied = f"{hooks.applied}, {use_peer_attention(model)}"
+
+    hooks.before_model, hooks.model_hook = before, model_hook
     return hooks
 
 
@@ -116,41 +118,37 @@ def _stock_hooks(cfg, base_dir) -> Hooks:
 
 
 def _hf_varlen_hooks(cfg, base_dir) -> Hooks:
-    from novatune.bench.peer import register_peer_varlen, use_peer_attention
+    from novatune.bench.peer import use_peer_attention
 
     hooks = Hooks()
 
     def model_hook(model) -> None:
-        name = register_peer_varlen()
-        use_peer_attention(model)
-        hooks.applied = ", ".join(filter(None, [f"attention={name}", _grouped_mm_experts(model)]))
+        hooks.applied = ", ".join(filter(None, [use_peer_attention(model), _grouped_mm_experts(model)]))
 
     hooks.model_hook = model_hook
     return hooks
 
 
-def _model_type(cfg) -> str | None:
-    """The config's model_type without building anything (None when it cannot be read here)."""
-    if cfg.model.arch:
-        from novatune.train.arch import ARCHS
-
-        return ARCHS.get(cfg.model.arch, {}).get("model_type")
+def _hf_config(cfg):
+    """The run's transformers config without building anything (None when it cannot be read here)."""
     from novatune.train.errors import SetupError
     from novatune.train.model import model_config
 
     try:
-        return model_config(cfg.model).model_type
-    except SetupError:  # an unreadable model is the build's error to report, with its own message
+        return model_config(cfg.model)
+    except (SetupError, ValueError):  # an unreadable model is the build's error to report, with its own message
         return None
 
 
 def _varlen_unavailable(cfg) -> str | None:
     import torch
 
-    if _model_type(cfg) == "gpt_oss":
-        return ("HF's GPT-OSS attention adds learned per-head sinks to the softmax denominator and alternates "
-                "sliding-window layers; torch's varlen_attn takes neither, so the peer would train another function: "
-                "this stack did not run")
+    from novatune.bench.peer import varlen_refusal
+
+    config = _hf_config(cfg)
+    why = varlen_refusal(config) if config is not None else None
+    if why is not None:
+        return f"{why}: HF + varlen would train another function, so this stack did not run"
     if cfg.model.device == "cpu" or not torch.cuda.is_available():
         return "torch's varlen attention runs on CUDA only: this stack did not run"
     return None

@@ -214,6 +214,7 @@ def run_stack(spec: dict, log=print) -> dict:
         "losses": m["losses"], "grad_norms": m["grad_norms"], "gc_freeze": spec.get("gc_freeze", True),
         "method": cfg.method.type, "model_class": type(session.model).__name__,
         "model_type": session.base_config.model_type, "params": n_total, "trainable_params": n_train,
+        "hf_attention": getattr(session.model.config, "_attn_implementation", None),
         "dtype": str(session.dtype).replace("torch.", ""), "device_type": session.device.type,
         "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum, "micro_batch": cfg.train.micro_batch,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, **memory_facts(session),

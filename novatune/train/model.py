@@ -97,11 +97,27 @@ def _causal_lm_class(config):
     return mapping.get(type(config), None) if mapping is not None else None
 
 
+def _sdpa_refusal(config) -> str | None:
+    """Why transformers' sdpa attention cannot run this config's model (None when it can): a class without an sdpa
+    path (GPT-OSS's sinks, Gemma 2), or soft-capped attention logits, which transformers' sdpa raises for whatever
+    the class declares (a Gemma 3 config may set attn_logit_softcapping too)."""
+    cls = _causal_lm_class(config)
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        return f"{cls.__name__} has no sdpa attention"
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        return f"{config.model_type} soft-caps its attention logits at {cap:g}, which transformers' sdpa cannot"
+    return None
+
+
 def resolve_attention(config, name: str) -> str:
-    """model.attention for this config: "hf_default" -> sdpa where the CausalLM class supports it, else eager."""
+    """model.attention for this config: "hf_default" -> sdpa where transformers' sdpa computes the model's attention
+    (the class supports it and the logits are not soft-capped), else eager (HF's own advice for both)."""
     if name != "hf_default":
         return name
-    return "sdpa" if getattr(_causal_lm_class(config), "_supports_sdpa", False) else "eager"
+    if not getattr(_causal_lm_class(config), "_supports_sdpa", False) or _sdpa_refusal(config) is not None:
+        return "eager"
+    return "sdpa"
 
 
 def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, base_dir: Path | None = None,
@@ -130,15 +146,12 @@ def build_model(mcfg, device: torch.device, dtype: torch.dtype, tokenizer=None, 
 
 
 def _check_attention_supported(config, attn: str) -> None:
-    """model.attention=sdpa on a family without an SDPA attention (Gemma 2, GPT-OSS: their soft-capping or sinks)
-    raises deep inside transformers; say which setting to change instead."""
-    if attn != "sdpa":
-        return
-    cls = _causal_lm_class(config)
-    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
-        raise SetupError(f"model.attention: {cls.__name__} has no sdpa attention; set model.attention=eager (its "
-                         "stock attention; with model.patch the patched model's attention replaces it anyway) or "
-                         "flex_attention")
+    """model.attention=sdpa where transformers' sdpa cannot compute the model's attention (Gemma 2, GPT-OSS: their
+    soft-capping or sinks) raises deep inside transformers; say which setting to change instead."""
+    why = _sdpa_refusal(config) if attn == "sdpa" else None
+    if why is not None:
+        raise SetupError(f"model.attention: {why}; set model.attention=eager (its stock attention; with "
+                         "model.patch the patched model's attention replaces it anyway), hf_default or flex_attention")
 
 
 def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit):

@@ -227,3 +227,35 @@ def assert_checkpointing_keeps_gradients(model, ids, pos, lab) -> None:
     _, grads_ckpt = packed_loss_and_grads(model, ids, pos, lab)
     for name in grads:
         assert_close(grads_ckpt[name], grads[name], 1e-6, name)
+
+
+# The four named family architectures of novatune/train/arch.py cut to toy size (`model.arch_overrides`), every
+# other attribute as the real config has it (soft-caps, rotary tables, Phi-4-mini's LongRoPE with its 262k window,
+# token ids moved into the toy vocabulary); sliding windows of 5 so documents exceed them, weights at std 0.1
+TINY_ARCH = {
+    "gemma-2-2b": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=257, sliding_window=5, initializer_range=0.1),
+    "gemma-3-4b": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=257, sliding_window=5, initializer_range=0.1,
+                       layer_types=["sliding_attention", "full_attention"]),
+    "phi-4-mini": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=257, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       initializer_range=0.1,
+                       rope_scaling=dict(rope_type="longrope", partial_rotary_factor=0.75,
+                                         original_max_position_embeddings=4096, short_factor=[1.0] * 6,
+                                         long_factor=[1.0 + i for i in range(6)])),
+    "olmo-2-7b": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=257, pad_token_id=0, eos_token_id=1, initializer_range=0.1),
+}
+
+
+def tiny_arch(arch: str, attn: str = "hf_default", seed: int = 0, dtype=torch.float32):
+    """A named architecture (TINY_ARCH's cut) built as the trainer builds it, with the stock stack's attention
+    (hf_default: sdpa, or eager where sdpa cannot compute the family's attention)."""
+    from novatune.train.arch import arch_config
+    from novatune.train.model import resolve_attention
+
+    cfg = arch_config(arch, TINY_ARCH[arch])
+    cfg._attn_implementation = resolve_attention(cfg, attn)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)

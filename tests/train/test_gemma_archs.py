@@ -1,6 +1,7 @@
-"""The Gemma architectures for random-init runs: the real configs' quirks are there (so `novatune bench ...
---set model.arch=gemma-3-4b` measures the real thing), the patch accepts them, and a family without an SDPA
-attention asked for one gets a setup error naming the setting to change."""
+"""The family architectures for random-init runs (Gemma 2 / 3, and Phi-4-mini and OLMo 2 where named): the real
+configs' quirks are there (so `novatune bench examples/gemma-3-4b.yaml` measures the real thing), the patch accepts
+them, the stock attention is one that computes the family's attention, and a family without an SDPA attention
+asked for one gets a setup error naming the setting to change."""
 import pytest
 import torch
 
@@ -24,13 +25,16 @@ def test_gemma_2_2b_and_gemma_3_4b_configs():
     assert g3.final_logit_softcapping is None and g3.attn_logit_softcapping is None
 
 
-@pytest.mark.parametrize("arch", ["gemma-2-2b", "gemma-3-4b"])
+@pytest.mark.parametrize("arch", ["gemma-2-2b", "gemma-3-4b", "phi-4-mini", "olmo-2-7b"])
 def test_patch_replaces_everything_on_the_cut_architecture(arch):
-    """Two layers of the real shapes (vocab cut so the CPU build stays small): nothing skipped."""
+    """Two layers of the real shapes, built on the meta device (the real vocabulary costs nothing there, and the
+    real configs' token ids stay inside it): nothing skipped."""
     import transformers
 
-    cfg = arch_config(arch, {"num_hidden_layers": 2, "vocab_size": 512})
-    cfg._attn_implementation = "eager"
+    from novatune.train.model import resolve_attention
+
+    cfg = arch_config(arch, {"num_hidden_layers": 2})
+    cfg._attn_implementation = resolve_attention(cfg, "hf_default")  # the bench's stock attention
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     report = novatune.patch(model)
@@ -43,3 +47,21 @@ def test_sdpa_on_a_family_without_it_names_the_fix():
     _check_attention_supported(arch_config("qwen3-4b"), "sdpa")
     with pytest.raises(SetupError, match="model.attention=eager"):
         _check_attention_supported(arch_config("gemma-2-2b"), "sdpa")
+
+
+def test_soft_capped_attention_resolves_to_eager_whatever_the_class_declares(monkeypatch):
+    """transformers' sdpa raises on soft-capped logits: the stock attention (hf_default) is eager for any config
+    that soft-caps (Gemma 2; a Gemma 3 config that sets attn_logit_softcapping; a release whose Gemma 2 class
+    lists sdpa), and an explicit sdpa names the fix; the other families keep sdpa."""
+    import transformers
+
+    from novatune.train.model import resolve_attention
+
+    g3_capped = arch_config("gemma-3-4b", {"attn_logit_softcapping": 50.0})
+    assert resolve_attention(g3_capped, "hf_default") == "eager"
+    with pytest.raises(SetupError, match="soft-caps its attention logits at 50.*model.attention=eager"):
+        _check_attention_supported(g3_capped, "sdpa")
+    monkeypatch.setattr(transformers.Gemma2ForCausalLM, "_supports_sdpa", True)
+    assert resolve_attention(arch_config("gemma-2-2b"), "hf_default") == "eager"
+    for arch in ("gemma-3-4b", "phi-4-mini", "olmo-2-7b", "qwen3-4b"):
+        assert resolve_attention(arch_config(arch), "hf_default") == "sdpa", arch
