@@ -192,8 +192,8 @@ def _clamped_glu(h, interleaved):
     return (up + 1) * gate * torch.sigmoid(1.702 * gate)
 
 
-def _clamped_routed_bwd(da, h, w_row, interleaved):
-    w = w_row.float()[:, None]
+def _clamped_routed_bwd(da, h, w_pairs, order, interleaved):
+    w = w_pairs[order].float()[:, None]  # row r's routing weight
     with torch.enable_grad():  # called inside the op's backward, where autograd is off
         h32 = h.float().detach().requires_grad_()
         a = _clamped_glu(h32, interleaved)
