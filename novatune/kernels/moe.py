@@ -19,6 +19,11 @@ Shapes: T tokens, K experts per token, S = T * K rows in expert order, H hidden,
                        dw_row = <a, da_u> (the routing weight's gradient: <y, dout> = <a W^T, dout> = <a, dout W>),
                        aw = w * a (the down weight gradient's operand), dh = glu'(h) * (w * da_u)
 
+    router backward    dlogits of softmax (fp32) -> top-k -> optional renormalisation, from the weights' gradient
+                       and the saved probabilities, in one launch per row (autograd's chain is a dozen ops):
+                       dtop = (dw - <dw, w>) / s with renormalisation (s = sum of the top-k probabilities),
+                       else dw; dlogits = p * (g - <dtop, top>), g = dtop scattered to the chosen experts
+
 So neither the weighted copy of the expert outputs nor the inverse-permuted copy exists: the combine reads each
 expert output row once and writes each token once; and the backward never needs the expert outputs y, so the
 forward does not keep them (S x H per layer). Every kernel accumulates in fp32 and rounds once at the store
@@ -137,9 +142,32 @@ def _glu_routed_bwd_kernel(DA, HB, WROW, ORDER, DH, AW, DWROW, N_INTER, INTERLEA
     tl.store(DWROW + r, tl.sum(dot, axis=0))
 
 
+@triton.jit
+def _softmax_topk_bwd_kernel(DW, P, IDS, DZ, E, K, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SOFT_RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    ids = tl.load(IDS + t * K + ks, mask=kmask, other=-1).to(tl.int32)
+    dw = tl.load(DW + t * K + ks, mask=kmask, other=0.0).to(tl.float32)
+    top = tl.load(P + t * E + ids, mask=kmask, other=0.0)  # the chosen probabilities (fp32)
+    if RENORM:  # w = top / s
+        s = tl.sum(top, axis=0)
+        dtop = (dw - tl.sum(dw * (top / s), axis=0)) / s
+    else:
+        dtop = dw
+    c = tl.sum(dtop * top, axis=0)  # <g, p>: g is dtop at the chosen experts, zero elsewhere
+    cols = tl.arange(0, BLOCK_E)
+    emask = cols < E
+    g = tl.sum(tl.where(ids[:, None] == cols[None, :], dtop[:, None], 0.0), axis=0)
+    p = tl.load(P + t * E + cols, mask=emask, other=0.0)
+    tl.store(DZ + t * E + cols, _round_to(p * (g - c), DZ.dtype.element_ty, SOFT_RNE), mask=emask)
+
+
 # ----------------------------------------------------------------------------------------------- launchers
 _GATHER, _COMBINE = lean(_gather_rows_kernel), lean(_combine_kernel)
 _GLU_FWD, _GLU_ROUTED_BWD = lean(_glu_fwd_kernel), lean(_glu_routed_bwd_kernel)
+_SOFTMAX_TOPK_BWD = lean(_softmax_topk_bwd_kernel)
 
 
 def _out(buf, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -252,3 +280,18 @@ def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, inter
         _GLU_ROUTED_BWD[(s,)](da, h, w_row, order if by_order else w_row, dh, aw, dw_row, i, INTERLEAVED=interleaved,
                               BLOCK=default_block(i), SOFT_RNE=not h.is_cuda, BY_ORDER=by_order)
     return dh, aw, dw_row
+
+
+def softmax_topk_bwd(dw: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The router logits' gradient (T, E) in out_dtype, for weights = top-k of probs = softmax(logits) in fp32
+    (divided by their sum when `renormalize`): from dw (T, K) (any float dtype), the saved probs (T, E) fp32 and
+    the chosen expert ids (T, K), distinct per row."""
+    dw, probs, ids = dw.contiguous(), probs.contiguous(), ids.contiguous()
+    t, e = probs.shape
+    k = ids.shape[1]
+    out = _out(out, (t, e), probs, out_dtype)
+    if t:
+        _SOFTMAX_TOPK_BWD[(t,)](dw, probs, ids, out, e, k, RENORM=renormalize, BLOCK_E=next_pow2(e),
+                                BLOCK_K=max(2, next_pow2(k)), SOFT_RNE=not probs.is_cuda)
+    return out

@@ -72,18 +72,47 @@ def route(logits: Tensor, top_k: int, *, scoring: str = "softmax_topk", renormal
     scoring "softmax_topk": softmax over the E experts (in fp32 when softmax_fp32), top-k, optionally divided by
     their sum (Qwen3-MoE with norm_topk_prob, Mixtral); "topk_softmax": top-k of the logits, softmax over those K
     (GPT-OSS). weights_dtype: the weights' dtype (default: the logits'; Mixtral keeps fp32). Ties resolve as
-    torch.topk resolves them, the same call stock makes."""
+    torch.topk resolves them, the same call stock makes.
+
+    The forward is stock's torch calls (bit for bit). Training with the fp32 "softmax_topk" recipe on the Triton
+    path, the backward is one kernel (novatune.kernels.moe.softmax_topk_bwd) instead of autograd's chain through
+    the cast, the division, the sum, the top-k and the softmax (about a dozen launches per layer)."""
+    if scoring not in ("softmax_topk", "topk_softmax"):
+        raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
+    dtype = weights_dtype or logits.dtype
+    if (scoring == "softmax_topk" and softmax_fp32 and logits.requires_grad and torch.is_grad_enabled()
+            and use_triton(logits) and not torch.compiler.is_compiling()):
+        return _SoftmaxTopKFunction.apply(logits, top_k, renormalize, dtype)
     if scoring == "softmax_topk":
         probs = F.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
         top, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
-    elif scoring == "topk_softmax":
+    else:
         top, ids = torch.topk(logits, top_k, dim=-1)
         top = F.softmax(top, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
-    else:
-        raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
-    return top.to(weights_dtype or logits.dtype), ids
+    return top.to(dtype), ids
+
+
+class _SoftmaxTopKFunction(torch.autograd.Function):
+    """route's "softmax_topk" recipe (fp32 softmax) with a one-kernel backward; saves what autograd's chain saves
+    (the fp32 probabilities and the chosen ids)."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k: int, renormalize: bool, weights_dtype: torch.dtype):
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        ctx.save_for_backward(probs, ids)
+        ctx.renormalize, ctx.logits_dtype = renormalize, logits.dtype
+        ctx.mark_non_differentiable(ids)
+        return top.to(weights_dtype), ids
+
+    @staticmethod
+    def backward(ctx, dweights, _dids):
+        probs, ids = ctx.saved_tensors
+        return K.softmax_topk_bwd(dweights, probs, ids, ctx.renormalize, ctx.logits_dtype), None, None, None
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,23 @@ def test_launchers_reject_wrong_output_buffers(device):
     pos = torch.arange(6, device=device).view(3, 2)
     with pytest.raises(ValueError, match="contiguous"):
         K.combine(y, pos, None, out=torch.empty(3, 9, device=device))
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("t,e,k", [(1, 3, 1), (13, 7, 3), (6, 128, 8), (4, 130, 5)], ids=lambda v: str(v))
+def test_softmax_topk_bwd_against_autograd(t, e, k, dtype, renormalize, device):
+    """The router logits' gradient against autograd through the fp32 recipe (softmax, top-k, optional division by
+    the sum); the output (poisoned) rounds once to the logits' dtype."""
+    gen = torch.Generator().manual_seed(t + e + k)
+    z = (2 * torch.randn(t, e, generator=gen)).to(dtype).to(device)
+    dw = torch.randn(t, k, generator=gen).to(dtype).to(device)
+    z32 = z.float().requires_grad_()
+    probs = torch.softmax(z32, dim=-1)
+    top, ids = torch.topk(probs, k, dim=-1)
+    w = top / top.sum(-1, keepdim=True) if renormalize else top
+    (ref,) = torch.autograd.grad(w, z32, dw.float())
+    out = poison_(torch.empty(t, e, dtype=dtype, device=device))
+    got = K.softmax_topk_bwd(dw, probs.detach(), ids, renormalize, dtype, out=out)
+    assert got is out
+    assert_close(out, ref, TOL[dtype], "dlogits")
