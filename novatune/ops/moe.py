@@ -107,10 +107,13 @@ class _SoftmaxTopKFunction(torch.autograd.Function):
         ctx.save_for_backward(probs, ids)
         ctx.renormalize, ctx.logits_dtype = renormalize, logits.dtype
         ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)  # no zeros for the ids' gradient
         return top.to(weights_dtype), ids
 
     @staticmethod
     def backward(ctx, dweights, _dids):
+        if dweights is None:
+            return None, None, None, None
         probs, ids = ctx.saved_tensors
         return K.softmax_topk_bwd(dweights, probs, ids, ctx.renormalize, ctx.logits_dtype), None, None, None
 
