@@ -16,15 +16,18 @@ and counts per forward and per backward:
                 kernels, Python ones a Python call)
 
 and the host µs (this thread's CPU time, best of --reps rounds) of one forward + backward with every kernel
-stubbed out (Triton launches skipped, grouped GEMMs
-returning uninitialised outputs): what is left is the Python, the autograd engine and the dispatch of the
-remaining small aten ops - the host cost besides the launches themselves (a lean Triton launch or a grouped GEMM
-costs ~5-10 µs of host time on the device machine; a Triton JIT launch ~30 µs). The figure is the CPU's, so it
-compares trees on one machine only.
+stubbed out (Triton launches skipped, grouped GEMMs returning uninitialised outputs): what is left is the Python,
+the autograd engine and the dispatch of the remaining small aten ops - the host cost besides the launches
+themselves (a lean Triton launch or a grouped GEMM costs ~5-10 µs of host time on the device machine; a Triton
+JIT launch ~30 µs). The figure is the CPU's, so it compares trees on one machine only.
+
+`--device cuda` measures instead the wall µs of one forward + backward on the GPU with real launches at a small
+token count (--tokens 128 by default there: the kernels finish faster than the host queues them, so the wall
+time is the host's), Qwen3-30B-A3B's block shapes (hidden 2048, 128 experts, top-8, intermediate 768), bf16.
 
     python bench/experiments/exp_moe_host.py                          # this tree
-    python bench/experiments/exp_moe_host.py --baseline /work/main    # and another novatune tree, side by side
-    python bench/experiments/exp_moe_host.py --json out.json --cprofile
+    python bench/experiments/exp_moe_host.py --baseline main          # and main (a git ref or a folder) beside it
+    python bench/experiments/exp_moe_host.py --device cuda --baseline main --results bench/results/experiments.jsonl
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -151,20 +155,51 @@ class Probe:
                 "triton_detail": dict(self.triton), "function_detail": dict(self.functions)}
 
 
-def _block(tokens: int, dtype: torch.dtype):
+TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+
+
+def _block(tokens: int, dtype: torch.dtype, device: str = "cpu"):
     import transformers
 
     import novatune
 
-    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                      norm_topk_prob=True, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16, vocab_size=128, use_cache=False)
+    shapes = QWEN3_30B_A3B if device == "cuda" else TINY
+    cfg = transformers.Qwen3MoeConfig(**shapes, norm_topk_prob=True, num_hidden_layers=1, vocab_size=128,
+                                      use_cache=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).train()
+    if device == "cuda":
+        model.set_experts_implementation("grouped_mm")
     novatune.patch(model)
     block = model.model.layers[0].mlp
-    x = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
+    x = torch.randn(1, tokens, shapes["hidden_size"], dtype=dtype, device=device, requires_grad=True)
     return block, x
+
+
+def cuda_host_us(tokens: int, n: int, reps: int) -> float:
+    """Wall µs per forward + backward on the GPU, real launches, best of `reps` rounds of `n` calls."""
+    block, x = _block(tokens, torch.bfloat16, "cuda")
+    dout = torch.randn_like(x)
+
+    def step():
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        block(x).backward(dout)
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return 1e6 * best
 
 
 def _autograd_nodes(out: torch.Tensor) -> Counter:
@@ -235,16 +270,26 @@ def host_us(tokens: int, dtype: torch.dtype, n: int, reps: int, cprofile: bool) 
 def run(args) -> dict:
     import novatune
 
+    res = {"tree": os.path.dirname(os.path.dirname(novatune.__file__)), "tokens": args.tokens, "dtype": args.dtype,
+           "device": args.device}
+    if args.device == "cuda":
+        res["host_us_fwd_bwd_cuda"] = round(cuda_host_us(args.tokens, args.n, args.reps), 1)
+        return res
     # one intra-op thread: on a shared host, waiting for descheduled worker threads would be counted as host time
     torch.set_num_threads(1)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    res = {"tree": os.path.dirname(os.path.dirname(novatune.__file__)), "tokens": args.tokens, "dtype": args.dtype}
     res.update(counts(args.tokens, dtype))
     res["host_us_fwd_bwd_stubbed"] = round(host_us(args.tokens, dtype, args.n, args.reps, args.cprofile), 1)
     return res
 
 
 def _print(results: list[dict]) -> None:
+    if results[-1]["device"] == "cuda":
+        print(f"MoE block (router + experts), Qwen3-30B-A3B shapes, {results[-1]['tokens']} tokens, bf16, GPU: "
+              "wall µs per forward + backward (host-bound at this size)")
+        for r in results:
+            print(f"  {r['host_us_fwd_bwd_cuda']:>10}  {r['tree']}")
+        return
     keys = ("aten_ops", "aten_kernels", "triton", "grouped_gemms", "launches", "py_functions")
     print(f"MoE block (router + experts), tiny Qwen3-MoE shapes; per call. Trees: "
           + "; ".join(f"[{i}] {r['tree']}" for i, r in enumerate(results)))
@@ -264,23 +309,22 @@ def _print(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--tokens", type=int, help="default 24 on the CPU, 128 on the GPU")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     # bf16 as on the GPU for the counts; the host µs use it too (fp32 drops the casts the GPU runs)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--baseline", help="another tree holding a `novatune` package (e.g. /work/main)")
+    ap.add_argument("--baseline", help="another novatune to measure too: a folder holding a `novatune` package, or "
+                                        "a git ref of this repository (e.g. main)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--results", help="append one row per tree to this .jsonl (e.g. bench/results/experiments.jsonl)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    results = []
-    if args.baseline:
-        cmd = [sys.executable, __file__, "--child", "--tokens", str(args.tokens), "--dtype", args.dtype,
-               "--n", str(args.n), "--reps", str(args.reps)]
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    if args.tokens is None:
+        args.tokens = 128 if args.device == "cuda" else 24
+    results = [baseline(args)] if args.baseline else []
     mine = run(args)
     if args.child:
         print(json.dumps(mine))
@@ -290,7 +334,34 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.results:
+        from novatune.measure.results import write_row
+
+        for r, name in zip(results, ["baseline", "this tree"][-len(results):]):
+            write_row(args.results, {"bench": "exp_moe_host", "tree_role": name, "baseline_ref": args.baseline,
+                                     **{k: v for k, v in r.items() if k != "tree"}})
     return 0
+
+
+def baseline(args) -> dict:
+    """This script's measurement on another novatune, in a subprocess: a folder holding a `novatune` package, or a
+    git ref whose `novatune` is extracted to a temporary folder."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--dtype", args.dtype,
+           "--n", str(args.n), "--reps", str(args.reps), "--device", args.device]
+
+    def on(path: str) -> dict:
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    if os.path.isdir(os.path.join(args.baseline, "novatune")):
+        return on(args.baseline)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", root, "archive", args.baseline, "novatune"], check=True,
+                                 capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        return on(tmp)
 
 
 if __name__ == "__main__":
