@@ -19,10 +19,10 @@ Shapes: T tokens, K experts per token, S = T * K rows in expert order, H hidden,
                        dw_row = <a, da_u> (the routing weight's gradient: <y, dout> = <a W^T, dout> = <a, dout W>),
                        aw = w * a (the down weight gradient's operand), dh = glu'(h) * (w * da_u)
 
-    router backward    dlogits of softmax (fp32) -> top-k -> optional renormalisation, from the weights' gradient
-                       and the saved probabilities, in one launch per row (autograd's chain is a dozen ops):
-                       dtop = (dw - <dw, w>) / s with renormalisation (s = sum of the top-k probabilities),
-                       else dw; dlogits = p * (g - <dtop, top>), g = dtop scattered to the chosen experts
+    router backward    dlogits from the weights' gradient in one launch (autograd's chain is up to a dozen ops):
+                       softmax -> top-k (-> / sum): dtop = (dw - <dw, w>) / s with renormalisation (s = sum
+                       of the top-k probabilities), else dw; dlogits = p * (g - <dtop, top>), g = dtop
+                       scattered to the chosen experts. top-k -> softmax: dlogits = scatter(w * (dw - <dw, w>))
 
 So neither the weighted copy of the expert outputs nor the inverse-permuted copy exists: the combine reads each
 expert output row once and writes each token once; and the backward never needs the expert outputs y, so the
@@ -143,31 +143,37 @@ def _glu_routed_bwd_kernel(DA, HB, WROW, ORDER, DH, AW, DWROW, N_INTER, INTERLEA
 
 
 @triton.jit
-def _softmax_topk_bwd_kernel(DW, P, IDS, DZ, E, K, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                             BLOCK_K: tl.constexpr, SOFT_RNE: tl.constexpr):
+def _route_bwd_kernel(DW, P, IDS, DZ, E, K, TOPK_SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
     ids = tl.load(IDS + t * K + ks, mask=kmask, other=-1).to(tl.int32)
     dw = tl.load(DW + t * K + ks, mask=kmask, other=0.0).to(tl.float32)
-    top = tl.load(P + t * E + ids, mask=kmask, other=0.0)  # the chosen probabilities (fp32)
-    if RENORM:  # w = top / s
-        s = tl.sum(top, axis=0)
-        dtop = (dw - tl.sum(dw * (top / s), axis=0)) / s
-    else:
-        dtop = dw
-    c = tl.sum(dtop * top, axis=0)  # <g, p>: g is dtop at the chosen experts, zero elsewhere
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
-    g = tl.sum(tl.where(ids[:, None] == cols[None, :], dtop[:, None], 0.0), axis=0)
-    p = tl.load(P + t * E + cols, mask=emask, other=0.0)
-    tl.store(DZ + t * E + cols, _round_to(p * (g - c), DZ.dtype.element_ty, SOFT_RNE), mask=emask)
+    if TOPK_SOFTMAX:  # P: the softmax over the K chosen logits (T, K); the other logits get no gradient
+        w = tl.load(P + t * K + ks, mask=kmask, other=0.0).to(tl.float32)
+        dtop = tl.where(kmask, w * (dw - tl.sum(dw * w, axis=0)), 0.0)
+        dz = tl.sum(tl.where(ids[:, None] == cols[None, :], dtop[:, None], 0.0), axis=0)
+    else:  # P: the softmax over all E experts (T, E); the weights are its top-k (divided by their sum: RENORM)
+        top = tl.load(P + t * E + ids, mask=kmask, other=0.0).to(tl.float32)
+        if RENORM:  # w = top / s
+            s = tl.sum(top, axis=0)
+            dtop = tl.where(kmask, (dw - tl.sum(dw * (top / s), axis=0)) / s, 0.0)
+        else:
+            dtop = dw
+        c = tl.sum(dtop * top, axis=0)  # <g, p>: g is dtop at the chosen experts, zero elsewhere
+        g = tl.sum(tl.where(ids[:, None] == cols[None, :], dtop[:, None], 0.0), axis=0)
+        p = tl.load(P + t * E + cols, mask=emask, other=0.0).to(tl.float32)
+        dz = p * (g - c)
+    tl.store(DZ + t * E + cols, _round_to(dz, DZ.dtype.element_ty, SOFT_RNE), mask=emask)
 
 
 # ----------------------------------------------------------------------------------------------- launchers
 _GATHER, _COMBINE = lean(_gather_rows_kernel), lean(_combine_kernel)
 _GLU_FWD, _GLU_ROUTED_BWD = lean(_glu_fwd_kernel), lean(_glu_routed_bwd_kernel)
-_SOFTMAX_TOPK_BWD = lean(_softmax_topk_bwd_kernel)
+_ROUTE_BWD = lean(_route_bwd_kernel)
 
 
 def _out(buf, shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -282,16 +288,16 @@ def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, inter
     return dh, aw, dw_row
 
 
-def softmax_topk_bwd(dw: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, renormalize: bool,
-                     out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The router logits' gradient (T, E) in out_dtype, for weights = top-k of probs = softmax(logits) in fp32
-    (divided by their sum when `renormalize`): from dw (T, K) (any float dtype), the saved probs (T, E) fp32 and
-    the chosen expert ids (T, K), distinct per row."""
-    dw, probs, ids = dw.contiguous(), probs.contiguous(), ids.contiguous()
-    t, e = probs.shape
-    k = ids.shape[1]
-    out = _out(out, (t, e), probs, out_dtype)
+def route_bwd(dw: torch.Tensor, saved: torch.Tensor, ids: torch.Tensor, num_experts: int, *, topk_softmax: bool,
+              renormalize: bool, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The router logits' gradient (T, E) in out_dtype from the weights' gradient dw (T, K) and the chosen expert
+    ids (T, K), distinct per row. `saved`: for "softmax_topk" (topk_softmax False) the softmax over the E
+    experts (T, E), the weights being its top-k (divided by their sum when `renormalize`); for "topk_softmax" the
+    softmax over the K chosen logits (T, K), which are the weights."""
+    dw, saved, ids = dw.contiguous(), saved.contiguous(), ids.contiguous()
+    t, k = ids.shape
+    out = _out(out, (t, num_experts), saved, out_dtype)
     if t:
-        _SOFTMAX_TOPK_BWD[(t,)](dw, probs, ids, out, e, k, RENORM=renormalize, BLOCK_E=next_pow2(e),
-                                BLOCK_K=max(2, next_pow2(k)), SOFT_RNE=not probs.is_cuda)
+        _ROUTE_BWD[(t,)](dw, saved, ids, out, num_experts, k, TOPK_SOFTMAX=topk_softmax, RENORM=renormalize,
+                         BLOCK_E=next_pow2(num_experts), BLOCK_K=max(2, next_pow2(k)), SOFT_RNE=not saved.is_cuda)
     return out

@@ -74,48 +74,56 @@ def route(logits: Tensor, top_k: int, *, scoring: str = "softmax_topk", renormal
     (GPT-OSS). weights_dtype: the weights' dtype (default: the logits'; Mixtral keeps fp32). Ties resolve as
     torch.topk resolves them, the same call stock makes.
 
-    The forward is stock's torch calls (bit for bit). Training with the fp32 "softmax_topk" recipe on the Triton
-    path, the backward is one kernel (novatune.kernels.moe.softmax_topk_bwd) instead of autograd's chain through
-    the cast, the division, the sum, the top-k and the softmax (about a dozen launches per layer)."""
+    The forward is stock's torch calls (bit for bit). When the logits need a gradient on the Triton path, the
+    backward is one kernel (novatune.kernels.moe.route_bwd) instead of autograd's chain through the cast, the
+    division and sum, the top-k and the softmax (up to a dozen launches per layer)."""
     if scoring not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
-    dtype = weights_dtype or logits.dtype
-    if (scoring == "softmax_topk" and softmax_fp32 and logits.requires_grad and torch.is_grad_enabled()
-            and use_triton(logits) and not torch.compiler.is_compiling()):
-        return _SoftmaxTopKFunction.apply(logits, top_k, renormalize, dtype)
-    if scoring == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
+    recipe = (top_k, scoring == "topk_softmax", renormalize, softmax_fp32, weights_dtype or logits.dtype)
+    if (logits.requires_grad and torch.is_grad_enabled() and use_triton(logits)
+            and not torch.compiler.is_compiling()):
+        return _RouteFunction.apply(logits, *recipe)
+    weights, ids, _ = _route_fwd(logits, *recipe)
+    return weights, ids
+
+
+def _route_fwd(logits: Tensor, top_k: int, topk_softmax: bool, renormalize: bool, softmax_fp32: bool,
+               weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(weights, ids, the softmax output the backward needs: over the E experts, or over the K chosen logits)."""
+    softmax_dtype = torch.float32 if softmax_fp32 else None
+    if topk_softmax:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        probs = top = F.softmax(top, dim=-1, dtype=softmax_dtype)
+    else:
+        probs = F.softmax(logits, dim=-1, dtype=softmax_dtype)
         top, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
-    else:
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        top = F.softmax(top, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
-    return top.to(dtype), ids
+    return top.to(weights_dtype), ids, probs
 
 
-class _SoftmaxTopKFunction(torch.autograd.Function):
-    """route's "softmax_topk" recipe (fp32 softmax) with a one-kernel backward; saves what autograd's chain saves
-    (the fp32 probabilities and the chosen ids)."""
+class _RouteFunction(torch.autograd.Function):
+    """route with a one-kernel backward; saves what autograd's chain saves (a softmax output and the ids)."""
 
     @staticmethod
-    def forward(ctx, logits, top_k: int, renormalize: bool, weights_dtype: torch.dtype):
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        top, ids = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            top = top / top.sum(dim=-1, keepdim=True)
+    def forward(ctx, logits, top_k: int, topk_softmax: bool, renormalize: bool, softmax_fp32: bool,
+                weights_dtype: torch.dtype):
+        weights, ids, probs = _route_fwd(logits, top_k, topk_softmax, renormalize, softmax_fp32, weights_dtype)
         ctx.save_for_backward(probs, ids)
-        ctx.renormalize, ctx.logits_dtype = renormalize, logits.dtype
+        ctx.recipe = (logits.shape[-1], topk_softmax, renormalize, logits.dtype)
         ctx.mark_non_differentiable(ids)
         ctx.set_materialize_grads(False)  # no zeros for the ids' gradient
-        return top.to(weights_dtype), ids
+        return weights, ids
 
     @staticmethod
     def backward(ctx, dweights, _dids):
         if dweights is None:
-            return None, None, None, None
+            return (None,) * 6
         probs, ids = ctx.saved_tensors
-        return K.softmax_topk_bwd(dweights, probs, ids, ctx.renormalize, ctx.logits_dtype), None, None, None
+        num_experts, topk_softmax, renormalize, dtype = ctx.recipe
+        dlogits = K.route_bwd(dweights, probs, ids, num_experts, topk_softmax=topk_softmax, renormalize=renormalize,
+                              out_dtype=dtype)
+        return dlogits, None, None, None, None, None
 
 
 @dataclass(frozen=True)

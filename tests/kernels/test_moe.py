@@ -149,21 +149,30 @@ def test_launchers_reject_wrong_output_buffers(device):
         K.combine(y, pos, None, out=torch.empty(3, 9, device=device))
 
 
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("recipe", ["softmax_topk-renorm", "softmax_topk", "topk_softmax"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("t,e,k", [(1, 3, 1), (13, 7, 3), (6, 128, 8), (4, 130, 5)], ids=lambda v: str(v))
-def test_softmax_topk_bwd_against_autograd(t, e, k, dtype, renormalize, device):
-    """The router logits' gradient against autograd through the fp32 recipe (softmax, top-k, optional division by
-    the sum); the output (poisoned) rounds once to the logits' dtype."""
+def test_route_bwd_against_autograd(t, e, k, dtype, recipe, device):
+    """The router logits' gradient against autograd through the fp32 recipe (softmax over E, top-k, optional
+    division by the sum; or top-k of the logits, softmax over K); the output (poisoned) rounds once to the
+    logits' dtype."""
     gen = torch.Generator().manual_seed(t + e + k)
     z = (2 * torch.randn(t, e, generator=gen)).to(dtype).to(device)
     dw = torch.randn(t, k, generator=gen).to(dtype).to(device)
     z32 = z.float().requires_grad_()
-    probs = torch.softmax(z32, dim=-1)
-    top, ids = torch.topk(probs, k, dim=-1)
-    w = top / top.sum(-1, keepdim=True) if renormalize else top
+    if recipe == "topk_softmax":
+        top, ids = torch.topk(z32, k, dim=-1)
+        w = saved = torch.softmax(top, dim=-1)
+    else:
+        saved = torch.softmax(z32, dim=-1)
+        top, ids = torch.topk(saved, k, dim=-1)
+        w = top / top.sum(-1, keepdim=True) if recipe.endswith("renorm") else top
     (ref,) = torch.autograd.grad(w, z32, dw.float())
     out = poison_(torch.empty(t, e, dtype=dtype, device=device))
-    got = K.softmax_topk_bwd(dw, probs.detach(), ids, renormalize, dtype, out=out)
+    got = K.route_bwd(dw, saved.detach(), ids, e, topk_softmax=recipe == "topk_softmax",
+                      renormalize=recipe.endswith("renorm"), out_dtype=dtype, out=out)
     assert got is out
+    if k == 1 and recipe != "softmax_topk":  # the one weight is constant 1: no gradient, both rounding noise
+        assert out.abs().max() <= 1e-6 and ref.abs().max() <= 1e-6
+        return
     assert_close(out, ref, TOL[dtype], "dlogits")
