@@ -288,3 +288,72 @@ def test_the_gpt_oss_activation_against_the_oracle(dtype):
     for g, rg, name in zip(torch.autograd.grad(out, tensors, dout), torch.autograd.grad(ref, ref_in, dout.float()),
                            ["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"]):
         assert_close(g.float(), rg, tol, name)
+
+
+_VIEWS = {"view", "_unsafe_view", "reshape", "alias", "t", "transpose", "permute", "expand", "as_strided", "slice",
+          "select", "unsqueeze", "squeeze", "empty", "empty_like", "empty_strided", "new_empty", "detach"}
+_HOST_READS = {"_local_scalar_dense", "nonzero", "item", "is_nonzero", "equal"}
+
+
+def test_moe_block_host_work(monkeypatch):
+    """The MoE step is host-bound on a GPU, so the launches of one block are part of its contract: a patched
+    Qwen3-MoE block's forward and backward on the Triton path (interpreted) issue exactly these Triton launches
+    and grouped GEMMs, only these aten ops that launch a kernel (ops inside a launch or a grouped GEMM not
+    counted), and no op that reads a device value on the host (a sync on a GPU)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import novatune
+
+    state = {"paused": 0, "launches": Counter(), "ops": Counter()}
+
+    def opaque(kind, fn):
+        def wrapped(*args, **kwargs):
+            state["launches"][kind] += 1
+            state["paused"] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state["paused"] -= 1
+        return wrapped
+
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **kw: opaque(self.__name__, run)(self, *a, **kw))
+    monkeypatch.setattr(M, "grouped_mm", opaque("grouped_mm", M.grouped_mm))
+    monkeypatch.setattr(M, "grouped_outer", opaque("grouped_outer", M.grouped_outer))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not state["paused"] and name not in _VIEWS:
+                state["ops"][name] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=7, num_experts_per_tok=3,
+                                      norm_topk_prob=True, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train()
+    novatune.patch(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 11, 64, dtype=torch.bfloat16, requires_grad=True)
+    with Ops():
+        out = block(x)
+    fwd_ops, fwd_launches = dict(state["ops"]), dict(state["launches"])
+    state["ops"].clear()
+    state["launches"].clear()
+    dout = torch.randn_like(out)
+    with Ops():
+        out.backward(dout)
+    bwd_ops, bwd_launches = dict(state["ops"]), dict(state["launches"])
+    assert fwd_launches == {"_gather_rows_kernel": 1, "grouped_mm": 2, "_glu_fwd_kernel": 1, "_combine_kernel": 1}
+    assert bwd_launches == {"_gather_rows_kernel": 2, "grouped_mm": 2, "grouped_outer": 2, "_glu_routed_bwd_kernel": 1,
+                            "_combine_kernel": 1, "_route_bwd_kernel": 1}
+    # router: linear, softmax (on the CPU a cast first; CUDA's softmax casts in its kernel), top-k, sum, division,
+    # cast; experts: the sort. Backward: the router's two GEMMs and the add of its input gradient to the experts'.
+    allowed_fwd = {"mm": 1, "_to_copy": 2, "_softmax": 1, "topk": 1, "sum": 1, "div": 1, "sort": 1}
+    assert all(n <= allowed_fwd.get(op, 0) for op, n in fwd_ops.items()), fwd_ops
+    assert all(n <= {"mm": 2, "add": 1}.get(op, 0) for op, n in bwd_ops.items()), bwd_ops
+    assert not _HOST_READS & (set(fwd_ops) | set(bwd_ops))
+    assert x.grad is not None and block.gate.weight.grad is not None
