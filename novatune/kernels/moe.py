@@ -62,7 +62,8 @@ def _gather_rows_kernel(X, IDX, OUT, H, DIV, EXPERT, POS, ENDS, S, E, BLOCK: tl.
             tl.store(POS + pair, r)
             # rows are sorted by expert: row r closes the groups e_r .. e_(r+1) - 1, each ending after r
             e = tl.load(EXPERT + r).to(tl.int32)
-            e_next = tl.load(EXPERT + r + 1, mask=r + 1 < S, other=E).to(tl.int32)
+            # after the last row: E (not as the load's `other`, which takes the ids' dtype: 256 overflows uint8)
+            e_next = tl.where(r + 1 < S, tl.load(EXPERT + r + 1, mask=r + 1 < S, other=0).to(tl.int32), E)
             for g in range(e, e_next):
                 tl.store(ENDS + g, (r + 1).to(tl.int32))
             if r == 0:  # experts before the first row's receive no row
@@ -204,7 +205,7 @@ def dispatch(x: torch.Tensor, order: torch.Tensor, expert: torch.Tensor, top_k: 
              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the stable sort of the (T*K,) expert ids (values `expert`, indices `order`): (xs (S, H) with
     xs[r] = x[order[r] // K], pos (S,) int64 with pos[order[r]] = r, ends (E,) int32 with ends[e] = the number of
-    rows whose expert is <= e), in one launch. Expert ids must lie in [0, E)."""
+    rows whose expert is <= e), in one launch. Expert ids (any integer dtype) must lie in [0, E)."""
     x, order, expert = x.contiguous(), order.contiguous(), expert.contiguous()
     s, h = order.shape[0], x.shape[1]
     out = _out(out, (s, h), x)

@@ -132,7 +132,7 @@ class Routing:
 
     order (S,): the (token, choice) pair of sorted row r (its token is order // K); pos (T, K): the sorted row of
     token t's k-th choice; ends (E,) int32: cumulative group ends (grouped_mm's offsets); expert (S,): the expert
-    of each sorted row."""
+    of each sorted row, in the sort's key dtype (sort_key_dtype: uint8 up to 256 experts)."""
 
     order: Tensor
     pos: Tensor
@@ -143,16 +143,29 @@ class Routing:
     def top_k(self) -> int:
         return self.pos.shape[1]
 
+    def expert_index(self) -> Tensor:
+        """expert as an index tensor (int64), for torch's indexing ops (a uint8 index would be read as a mask)."""
+        return self.expert.long()
 
-def _sort_ids(ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(sorted expert ids, order): one stable sort of the (T*K,) ids (ties keep token order: deterministic)."""
-    return torch.sort(ids.reshape(-1), stable=True)
+
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds the expert ids: the radix sort runs one pass per key byte (uint8:
+    one pass instead of the eight of int64 ids)."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 1 << 15 else torch.int32
+
+
+def _sort_ids(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(sorted expert ids in sort_key_dtype, order): one stable sort of the (T*K,) ids in [0, E) (ties keep token
+    order: deterministic)."""
+    return torch.sort(ids.reshape(-1).to(sort_key_dtype(num_experts)), stable=True)
 
 
 def sort_by_expert(ids: Tensor, num_experts: int) -> Routing:
     """The routing of `ids` (T, K) with plain torch ops: the sort, a search for the group ends, a scatter for pos."""
     t, k = ids.shape
-    expert, order = _sort_ids(ids)
+    expert, order = _sort_ids(ids, num_experts)
     ends = torch.searchsorted(expert, torch.arange(num_experts, device=ids.device, dtype=expert.dtype), right=True,
                               out_int32=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
@@ -166,7 +179,7 @@ def dispatch(x: Tensor, ids: Tensor, num_experts: int) -> tuple[Tensor, Routing]
         r = sort_by_expert(ids, num_experts)
         return x.index_select(0, r.order // r.top_k), r
     t, k = ids.shape
-    expert, order = _sort_ids(ids)
+    expert, order = _sort_ids(ids, num_experts)
     xs, pos, ends = K.dispatch(x, order, expert, k, num_experts)
     return xs, Routing(order=order, pos=pos.view(t, k), ends=ends, expert=expert)
 
@@ -239,7 +252,7 @@ def grouped_outer(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: bool) -> Tensor:
     y = grouped_mm(x, w if transposed else w.transpose(-2, -1), r.ends)
-    return y if bias is None else y.add_(bias[r.expert])
+    return y if bias is None else y.add_(bias[r.expert_index()])
 
 
 def _linear_dinput(dy: Tensor, w: Tensor, r: Routing, transposed: bool, out_dtype=None) -> Tensor:
@@ -253,7 +266,7 @@ def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tens
 def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
     """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
-    return acc.index_add_(0, r.expert, dy.float()).to(bias.dtype)
+    return acc.index_add_(0, r.expert_index(), dy.float()).to(bias.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- data movement
@@ -371,7 +384,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     del aw
     d_dn_bias = None
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
-        dw_row = dw_row + (dout_s.float() * dn_bias[r.expert].float()).sum(-1)
+        dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
         if needs[5]:
             d_dn_bias = _bias_grad(dout_s.float() * w_row[:, None], r, dn_bias)
     del dout_s
@@ -416,8 +429,10 @@ def _moe_experts_fwd_fake(x, weights, gate_up, down, gate_up_bias, down_bias, id
     t, k = ids.shape
     s = t * k
     two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
-    return (x.new_empty(x.shape), x.new_empty(s, two_i, dtype=gate_up.dtype), ids.new_empty(s), ids.new_empty(t, k),
-            ids.new_empty(gate_up.shape[0], dtype=torch.int32), ids.new_empty(s))
+    e = gate_up.shape[0]
+    return (x.new_empty(x.shape), x.new_empty(s, two_i, dtype=gate_up.dtype), ids.new_empty(s, dtype=torch.int64),
+            ids.new_empty(t, k, dtype=torch.int64), ids.new_empty(e, dtype=torch.int32),
+            ids.new_empty(s, dtype=sort_key_dtype(e)))
 
 
 @torch.library.custom_op("novatune::moe_experts_bwd", mutates_args=())

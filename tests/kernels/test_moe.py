@@ -51,17 +51,20 @@ def test_gather_and_combine(shape, dtype, device):
     assert_close(K.combine(y, pos, None), R.combine_ref(y, pos, None), TOL[dtype], "unweighted combine")
 
 
-@pytest.mark.parametrize("t,k,h,e", [(1, 1, 37, 3), (13, 3, 127, 7), (9, 8, 64, 11), (5, 2, 1100, 4)],
+@pytest.mark.parametrize("t,k,h,e,key", [(1, 1, 37, 3, torch.int64), (13, 3, 127, 7, torch.uint8),
+                                         (9, 8, 64, 11, torch.int64), (5, 2, 1100, 4, torch.uint8),
+                                         (17, 4, 64, 256, torch.uint8), (11, 3, 48, 300, torch.int16)],
                          ids=lambda v: str(v))
-def test_dispatch_gathers_rows_and_writes_pos_and_group_ends(t, k, h, e, device):
-    """dispatch against the plain-torch routing (sort_by_expert's scatter and searchsorted) on the same sort:
+def test_dispatch_gathers_rows_and_writes_pos_and_group_ends(t, k, h, e, key, device):
+    """dispatch against the plain-torch routing (a scatter and bincount's cumulative counts) on the same sort:
     experts 0 and E-1 and one in the middle receive no row (ends before the first row, between groups and after
-    the last), outputs poisoned (pos with -1, ends with a large value)."""
+    the last), outputs poisoned (pos with -1, ends with a large value); the sorted ids in the int64 of the router
+    or the narrow key dtype the op sorts in (256 experts: the largest uint8 count)."""
     gen = torch.Generator().manual_seed(t * 100 + k)
     used = [g for g in range(1, e - 1) if g != e // 2] or [e // 2]
     ids = torch.tensor(used)[torch.randint(0, len(used), (t, k), generator=gen)].to(device)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
-    expert, order = torch.sort(ids.reshape(-1), stable=True)
+    expert, order = torch.sort(ids.reshape(-1).to(key), stable=True)
     out = poison_(torch.empty(t * k, h, dtype=x.dtype, device=device))
     pos = torch.full((t * k,), -1, dtype=torch.int64, device=device)
     ends = torch.full((e,), 1 << 30, dtype=torch.int32, device=device)

@@ -90,17 +90,18 @@ def test_route_trains_through_its_one_kernel_backward(t, e, k, dtype, recipe):
     assert_close(got, ref, 1e-5 if dtype == torch.float32 else 1e-2, "dlogits")
 
 
-def test_sort_by_expert_invariants():
+@pytest.mark.parametrize("e,key", [(7, torch.uint8), (256, torch.uint8), (300, torch.int16)])
+def test_sort_by_expert_invariants(e, key):
     gen = torch.Generator().manual_seed(0)
-    t, k, e = 17, 3, 7
+    t, k = 17, 3
     ids = torch.randint(0, e - 2, (t, k), generator=gen)  # the last two experts receive no token
     r = M.sort_by_expert(ids, e)
     flat = ids.reshape(-1)
-    assert r.ends.dtype == torch.int32
+    assert r.ends.dtype == torch.int32 and r.expert.dtype == M.sort_key_dtype(e) == key
     assert torch.equal(r.ends, torch.bincount(flat, minlength=e).cumsum(0).int())
-    assert torch.equal(r.expert, flat.sort().values)
+    assert torch.equal(r.expert_index(), flat.sort().values)
     assert torch.equal(r.order[r.pos], torch.arange(t * k).view(t, k)), "row pos[t, k] holds pair (t, k)"
-    assert torch.equal(r.expert[r.pos.reshape(-1)], flat)
+    assert torch.equal(r.expert_index()[r.pos.reshape(-1)], flat)
     for g in range(e):  # stable: inside a group, tokens keep their order
         pairs = r.order[r.expert == g]
         assert torch.equal(pairs, pairs.sort().values)
@@ -134,6 +135,7 @@ CASES = {  # name: (tokens, hidden, intermediate, experts, top-k, transposed, in
     "odd hidden E7 top3": (11, 37, 19, 7, 3, False, False, False),
     "gpt-oss layout E5": (9, 32, 16, 5, 2, True, True, True),
     "one token top1": (1, 16, 8, 3, 1, False, False, False),
+    "300 experts (int16 sort keys)": (7, 16, 8, 300, 2, False, False, False),
 }
 
 
@@ -351,8 +353,9 @@ def test_moe_block_host_work(monkeypatch):
     assert bwd_launches == {"_gather_rows_kernel": 2, "grouped_mm": 2, "grouped_outer": 2, "_glu_routed_bwd_kernel": 1,
                             "_combine_kernel": 1, "_route_bwd_kernel": 1}
     # router: linear, softmax (on the CPU a cast first; CUDA's softmax casts in its kernel), top-k, sum, division,
-    # cast; experts: the sort. Backward: the router's two GEMMs and the add of its input gradient to the experts'.
-    allowed_fwd = {"mm": 1, "_to_copy": 2, "_softmax": 1, "topk": 1, "sum": 1, "div": 1, "sort": 1}
+    # cast; experts: the ids' cast to the one-byte sort key, the sort. Backward: the router's two GEMMs and the
+    # add of its input gradient to the experts'.
+    allowed_fwd = {"mm": 1, "_to_copy": 3, "_softmax": 1, "topk": 1, "sum": 1, "div": 1, "sort": 1}
     assert all(n <= allowed_fwd.get(op, 0) for op, n in fwd_ops.items()), fwd_ops
     assert all(n <= {"mm": 2, "add": 1}.get(op, 0) for op, n in bwd_ops.items()), bwd_ops
     assert not _HOST_READS & (set(fwd_ops) | set(bwd_ops))
