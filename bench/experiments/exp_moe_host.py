@@ -337,10 +337,18 @@ def main(argv=None) -> int:
     if args.results:
         from novatune.measure.results import write_row
 
-        for r, name in zip(results, ["baseline", "this tree"][-len(results):]):
+        shas = [_sha(args.baseline)] if args.baseline else []
+        for r, name, sha in zip(results, ["baseline", "this tree"][-len(results):], shas + [_sha("HEAD")]):
             write_row(args.results, {"bench": "exp_moe_host", "tree_role": name, "baseline_ref": args.baseline,
-                                     **{k: v for k, v in r.items() if k != "tree"}})
+                                     "tree_sha": sha, **{k: v for k, v in r.items() if k != "tree"}})
     return 0
+
+
+def _sha(ref: str) -> str | None:
+    """The short commit of a git ref of this repository (None for a folder or without git)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["git", "-C", root, "rev-parse", "--short", ref], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 and not os.path.isdir(ref) else None
 
 
 def baseline(args) -> dict:
