@@ -6,7 +6,8 @@
 How the expert MLP runs (T tokens, K choices, S = T * K rows, E experts; nothing reads a device value on the host,
 so there is no host sync in the forward or the backward and every shape is known from T, K, H, I, E alone):
 
-1. one stable sort of the (T*K,) expert ids (values and order in one call)
+1. one stable sort of the (T*K,) expert ids (values and order in one call; one-byte keys up to 256 experts, so
+   the radix sort runs one pass)
 2. dispatch (one Triton launch): xs[r] = x[token of row r], and from the sorted ids the inverse permutation pos and
    the cumulative int32 group ends that grouped_mm takes (the same counts as a bincount, without its
    data-dependent output size)
