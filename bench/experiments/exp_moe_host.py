@@ -291,7 +291,7 @@ def _print(results: list[dict]) -> None:
             print(f"  {r['host_us_fwd_bwd_cuda']:>10}  {r['tree']}")
         return
     keys = ("aten_ops", "aten_kernels", "triton", "grouped_gemms", "launches", "py_functions")
-    print(f"MoE block (router + experts), tiny Qwen3-MoE shapes; per call. Trees: "
+    print("MoE block (router + experts), tiny Qwen3-MoE shapes; per call. Trees: "
           + "; ".join(f"[{i}] {r['tree']}" for i, r in enumerate(results)))
     head = "".join(f"{f'[{i}]':>10}" for i in range(len(results)))
     for phase in ("forward", "backward"):

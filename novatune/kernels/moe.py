@@ -277,15 +277,13 @@ def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, inter
     (token, choice) pairs, row r's being w_row[order[r]]."""
     da, h, w_row = da.contiguous(), h.contiguous(), w_row.contiguous()
     s, i = h.shape[0], h.shape[1] // 2
-    by_order = order is not None
-    if by_order:
-        order = order.contiguous()
+    idx = w_row if order is None else order.contiguous()  # unused without an order
     dh = _out(dh, tuple(h.shape), h)
     aw = _out(aw, (s, i), h)
     dw_row = _out(dw_row, (s,), h, torch.float32)
     if s:
-        _GLU_ROUTED_BWD[(s,)](da, h, w_row, order if by_order else w_row, dh, aw, dw_row, i, INTERLEAVED=interleaved,
-                              BLOCK=default_block(i), SOFT_RNE=not h.is_cuda, BY_ORDER=by_order)
+        _GLU_ROUTED_BWD[(s,)](da, h, w_row, idx, dh, aw, dw_row, i, INTERLEAVED=interleaved, BLOCK=default_block(i),
+                              SOFT_RNE=not h.is_cuda, BY_ORDER=order is not None)
     return dh, aw, dw_row
 
 

@@ -387,6 +387,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
         dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
         if needs[5]:
+            assert w_row is not None  # computed above whenever there is a down bias
             d_dn_bias = _bias_grad(dout_s.float() * w_row[:, None], r, dn_bias)
     del dout_s
     d_gate_up = None
