@@ -357,14 +357,18 @@ def baseline(args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tokens", str(args.tokens), "--dtype", args.dtype,
            "--n", str(args.n), "--reps", str(args.reps), "--device", args.device]
 
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
     def on(path: str) -> dict:
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+        # the other tree first, this tree out, the rest of the path kept (e.g. carried wheels)
+        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and os.path.abspath(p) != root]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(path), *rest]))
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
     if os.path.isdir(os.path.join(args.baseline, "novatune")):
         return on(args.baseline)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", root, "archive", args.baseline, "novatune"], check=True,
                                  capture_output=True)
