@@ -6,9 +6,11 @@
 How the expert MLP runs (T tokens, K choices, S = T * K rows, E experts; nothing reads a device value on the host,
 so there is no host sync in the forward or the backward and every shape is known from T, K, H, I, E alone):
 
-1. one stable argsort of the (T*K,) expert ids; `searchsorted` of the sorted ids gives the cumulative int32 group
-   ends that grouped_mm takes (the same counts as a bincount, without its data-dependent output size)
-2. permute: xs[r] = x[token of row r] (Triton gather)
+1. one stable sort of the (T*K,) expert ids (values and order in one call; one-byte keys up to 256 experts, so
+   the radix sort runs one pass)
+2. dispatch (one Triton launch): xs[r] = x[token of row r], and from the sorted ids the inverse permutation pos and
+   the cumulative int32 group ends that grouped_mm takes (the same counts as a bincount, without its
+   data-dependent output size)
 3. h = grouped_mm(xs, gate_up) (+ bias per row), a = silu(gate) * up read from h in place (Triton)
 4. y = grouped_mm(a, down) (+ bias), out = combine(y) (Triton: out[t] = sum_k w[t,k] * y[pos[t,k]], fp32
    accumulation; no weighted copy and no inverse-permuted copy of y)
@@ -17,16 +19,23 @@ The backward saves only x, the routing weights, h (S x 2I) and the routing's int
 gather and a from h, and never needs y: with dout_s = dout[token of each row] (a gather) and
 da_u = dout_s @ W_down (the grouped GEMM the backward runs anyway), the routing weight's gradient is
 dw = <y, dout> = <a, da_u> (+ <b_down, dout_s> with a bias), and the rest of the backward takes the weight inside
-one row-wise Triton kernel (dh = act'(h) * w * da_u, aw = w * a for dW_down = aw^T dout_s). da_u stays fp32
-(the GEMM's accumulator; the dot product has cancellation). Saved per layer: S x 2I + T x H elements, where stock's
-grouped_mm path also keeps the gathered inputs and the expert outputs (2 x S x H more). dX = dY @ W and
-dW = X^T dY per group are grouped GEMMs too, and the router trains as in stock.
+one row-wise Triton kernel (dh = act'(h) * w * da_u, aw = w * a for dW_down = aw^T dout_s; it reads w through the
+sort order). da_u stays fp32 (the GEMM's accumulator; the dot product has cancellation). The input gradient's
+unpermute also brings dw back to (token, choice) order in the same launch. Saved per layer: S x 2I + T x H
+elements, where stock's grouped_mm path also keeps the gathered inputs and the expert outputs (2 x S x H more).
+dX = dY @ W and dW = X^T dY per group are grouped GEMMs too, and the router trains as in stock.
 
 Layouts are data: weights (E, out, in) as nn.Linear stores them or (E, in, out) (`transposed`, GPT-OSS); gate/up
 concatenated [gate; up] or interleaved (g0, u0, g1, u1, ...); optional biases (E, out); `activation` names an
 entry of ACTIVATIONS, so a family with another gated activation adds an entry instead of a new op: a pair
-(fwd(h, interleaved) -> a (S, I), routed_bwd(da_u, h, w_row, interleaved) -> (dh (S, 2I), w_row * a (S, I),
-<a, da_u> per row (S,) fp32)) on the fused gate_up output h (see novatune.kernels.moe).
+(fwd(h, interleaved) -> a (S, I), routed_bwd(da_u, h, w_pairs, order, interleaved) -> (dh (S, 2I), w * a (S, I),
+<a, da_u> per row (S,) fp32), row r's weight w = w_pairs[order[r]]) on the fused gate_up output h (see
+novatune.kernels.moe).
+
+Host work is part of the design: the MoE step is host-bound on a GPU (the host queues kernels more slowly than
+they run), so each layer's forward is a sort, one dispatch launch, two grouped GEMMs, the GLU and the combine,
+and its backward two gathers, four grouped GEMMs, the GLU backward and one combine; bench/experiments/
+exp_moe_host.py counts them.
 
 Grouped GEMM: torch.nn.functional.grouped_mm (torch._grouped_mm on older releases) on CUDA. On the CPU torch's
 kernel needs 16-byte aligned strides; other CPU shapes (odd hidden sizes in tests) run a per-group loop that reads
@@ -64,18 +73,58 @@ def route(logits: Tensor, top_k: int, *, scoring: str = "softmax_topk", renormal
     scoring "softmax_topk": softmax over the E experts (in fp32 when softmax_fp32), top-k, optionally divided by
     their sum (Qwen3-MoE with norm_topk_prob, Mixtral); "topk_softmax": top-k of the logits, softmax over those K
     (GPT-OSS). weights_dtype: the weights' dtype (default: the logits'; Mixtral keeps fp32). Ties resolve as
-    torch.topk resolves them, the same call stock makes."""
-    if scoring == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
+    torch.topk resolves them, the same call stock makes.
+
+    The forward is stock's torch calls (bit for bit). When the logits need a gradient on the Triton path, the
+    backward is one kernel (novatune.kernels.moe.route_bwd) instead of autograd's chain through the cast, the
+    division and sum, the top-k and the softmax (up to a dozen launches per layer)."""
+    if scoring not in ("softmax_topk", "topk_softmax"):
+        raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
+    recipe = (top_k, scoring == "topk_softmax", renormalize, softmax_fp32, weights_dtype or logits.dtype)
+    if (logits.requires_grad and torch.is_grad_enabled() and use_triton(logits)
+            and not torch.compiler.is_compiling()):
+        return _RouteFunction.apply(logits, *recipe)
+    weights, ids, _ = _route_fwd(logits, *recipe)
+    return weights, ids
+
+
+def _route_fwd(logits: Tensor, top_k: int, topk_softmax: bool, renormalize: bool, softmax_fp32: bool,
+               weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(weights, ids, the softmax output the backward needs: over the E experts, or over the K chosen logits)."""
+    softmax_dtype = torch.float32 if softmax_fp32 else None
+    if topk_softmax:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        probs = top = F.softmax(top, dim=-1, dtype=softmax_dtype)
+    else:
+        probs = F.softmax(logits, dim=-1, dtype=softmax_dtype)
         top, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             top = top / top.sum(dim=-1, keepdim=True)
-    elif scoring == "topk_softmax":
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        top = F.softmax(top, dim=-1, dtype=torch.float32 if softmax_fp32 else None)
-    else:
-        raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
-    return top.to(weights_dtype or logits.dtype), ids
+    return top.to(weights_dtype), ids, probs
+
+
+class _RouteFunction(torch.autograd.Function):
+    """route with a one-kernel backward; saves what autograd's chain saves (a softmax output and the ids)."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k: int, topk_softmax: bool, renormalize: bool, softmax_fp32: bool,
+                weights_dtype: torch.dtype):
+        weights, ids, probs = _route_fwd(logits, top_k, topk_softmax, renormalize, softmax_fp32, weights_dtype)
+        ctx.save_for_backward(probs, ids)
+        ctx.recipe = (logits.shape[-1], topk_softmax, renormalize, logits.dtype)
+        ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)  # no zeros for the ids' gradient
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, dweights, _dids):
+        if dweights is None:
+            return (None,) * 6
+        probs, ids = ctx.saved_tensors
+        num_experts, topk_softmax, renormalize, dtype = ctx.recipe
+        dlogits = K.route_bwd(dweights, probs, ids, num_experts, topk_softmax=topk_softmax, renormalize=renormalize,
+                              out_dtype=dtype)
+        return dlogits, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -84,7 +133,7 @@ class Routing:
 
     order (S,): the (token, choice) pair of sorted row r (its token is order // K); pos (T, K): the sorted row of
     token t's k-th choice; ends (E,) int32: cumulative group ends (grouped_mm's offsets); expert (S,): the expert
-    of each sorted row."""
+    of each sorted row, in the sort's key dtype (sort_key_dtype: uint8 up to 256 experts)."""
 
     order: Tensor
     pos: Tensor
@@ -95,18 +144,45 @@ class Routing:
     def top_k(self) -> int:
         return self.pos.shape[1]
 
+    def expert_index(self) -> Tensor:
+        """expert as an index tensor (int64), for torch's indexing ops (a uint8 index would be read as a mask)."""
+        return self.expert.long()
+
+
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds the expert ids: the radix sort runs one pass per key byte (uint8:
+    one pass instead of the eight of int64 ids)."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 1 << 15 else torch.int32
+
+
+def _sort_ids(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(sorted expert ids in sort_key_dtype, order): one stable sort of the (T*K,) ids in [0, E) (ties keep token
+    order: deterministic)."""
+    return torch.sort(ids.reshape(-1).to(sort_key_dtype(num_experts)), stable=True)
+
 
 def sort_by_expert(ids: Tensor, num_experts: int) -> Routing:
-    """One stable argsort of the expert ids (ties keep token order: deterministic) and the group ends."""
+    """The routing of `ids` (T, K) with plain torch ops: the sort, a search for the group ends, a scatter for pos."""
     t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
+    expert, order = _sort_ids(ids, num_experts)
     ends = torch.searchsorted(expert, torch.arange(num_experts, device=ids.device, dtype=expert.dtype), right=True,
                               out_int32=True)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=ids.device)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
     return Routing(order=order, pos=pos.view(t, k), ends=ends, expert=expert)
+
+
+def dispatch(x: Tensor, ids: Tensor, num_experts: int) -> tuple[Tensor, Routing]:
+    """(xs (S, H) with xs[r] = x[token of row r], the routing): on the Triton path the sort and one launch that
+    gathers the rows and writes pos and the group ends (novatune.kernels.moe.dispatch)."""
+    if not use_triton(x):
+        r = sort_by_expert(ids, num_experts)
+        return x.index_select(0, r.order // r.top_k), r
+    t, k = ids.shape
+    expert, order = _sort_ids(ids, num_experts)
+    xs, pos, ends = K.dispatch(x, order, expert, k, num_experts)
+    return xs, Routing(order=order, pos=pos.view(t, k), ends=ends, expert=expert)
 
 
 # ----------------------------------------------------------------------------------------------- grouped GEMM
@@ -177,7 +253,7 @@ def grouped_outer(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: bool) -> Tensor:
     y = grouped_mm(x, w if transposed else w.transpose(-2, -1), r.ends)
-    return y if bias is None else y.add_(bias[r.expert])
+    return y if bias is None else y.add_(bias[r.expert_index()])
 
 
 def _linear_dinput(dy: Tensor, w: Tensor, r: Routing, transposed: bool, out_dtype=None) -> Tensor:
@@ -191,7 +267,7 @@ def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tens
 def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
     """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
-    return acc.index_add_(0, r.expert, dy.float()).to(bias.dtype)
+    return acc.index_add_(0, r.expert_index(), dy.float()).to(bias.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- data movement
@@ -208,14 +284,24 @@ def combine(y: Tensor, r: Routing, weights: Tensor | None, out_dtype: torch.dtyp
     return _ref.combine_ref(y, r.pos, weights).to(out_dtype)
 
 
+def combine_and_pick(dys: Tensor, r: Routing, values: Tensor, out_dtype: torch.dtype,
+                     values_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(sum over each token's rows of dys (T, H), values (S,) back in (token, choice) order (T, K)): the permute's
+    backward and the routing weights' gradient in one launch on the Triton path."""
+    if use_triton(dys):
+        return K.combine_and_pick(dys, r.pos, values, values_dtype, out_dtype=out_dtype)
+    return _ref.combine_ref(dys, r.pos, None).to(out_dtype), values[r.pos].to(values_dtype)
+
+
 def _silu_glu_fwd(h: Tensor, interleaved: bool) -> Tensor:
     return K.glu_fwd(h, interleaved) if use_triton(h) else _ref.glu_ref(h, interleaved).to(h.dtype)
 
 
-def _silu_glu_routed_bwd(da: Tensor, h: Tensor, w_row: Tensor, interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _silu_glu_routed_bwd(da: Tensor, h: Tensor, w_pairs: Tensor, order: Tensor,
+                         interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
     if use_triton(h):
-        return K.glu_routed_bwd(da, h, w_row, interleaved)
-    dh, aw, dw_row = _ref.glu_routed_bwd_ref(da, h, w_row, interleaved)
+        return K.glu_routed_bwd(da, h, w_pairs, interleaved, order=order)
+    dh, aw, dw_row = _ref.glu_routed_bwd_ref(da, h, w_pairs[order], interleaved)
     return dh.to(h.dtype), aw.to(h.dtype), dw_row
 
 
@@ -230,19 +316,20 @@ def _gpt_oss_glu_fwd(h: Tensor, interleaved: bool) -> Tensor:
     return clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT)
 
 
-def _gpt_oss_glu_routed_bwd(da: Tensor, h: Tensor, w_row: Tensor,
+def _gpt_oss_glu_routed_bwd(da: Tensor, h: Tensor, w_pairs: Tensor, order: Tensor,
                             interleaved: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The silu entry's contract from the clamped SwiGLU op: a recomputed from h, <a, da_u> in fp32, and the
     routing weight folded into the gradient before the activation's backward (dh = act'(h) * w * da_u)."""
     _needs_interleaved(interleaved)
     a = clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT)
-    w = w_row.float()[:, None]
+    w = w_pairs[order].float()[:, None]
     dot = (a.float() * da.float()).sum(-1)
     dh = clamped_swiglu_bwd((da.float() * w).to(h.dtype), h, CLAMP_ALPHA, CLAMP_LIMIT)
     return dh, (a.float() * w).to(h.dtype), dot
 
 
-# name -> (fwd(h, interleaved) -> a, routed_bwd(da_u, h, w_row, interleaved) -> (dh, w_row * a, <a, da_u>))
+# name -> (fwd(h, interleaved) -> a, routed_bwd(da_u, h, w_pairs, order, interleaved) -> (dh, w * a, <a, da_u>)),
+# row r's routing weight w being w_pairs[order[r]] (w_pairs: the (T*K,) weights in (token, choice) order)
 ACTIVATIONS = {"silu": (_silu_glu_fwd, _silu_glu_routed_bwd), "gpt_oss": (_gpt_oss_glu_fwd, _gpt_oss_glu_routed_bwd)}
 
 
@@ -260,10 +347,8 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
     """(out (T, H) in x's dtype, h (S, 2I), routing): what the backward needs besides the inputs. `lora`: the
     adapters of the expert weights (novatune.ops.moe_lora.ExpertsLoRA), added inside the grouped GEMMs."""
     act_fwd, _ = ACTIVATIONS[layout.activation]
-    with torch.no_grad():
-        r = sort_by_expert(ids, gate_up.shape[0])
-    xw = x.to(gate_up.dtype)  # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
-    xs = permute(xw, r)
+    # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
+    xs, r = dispatch(x.to(gate_up.dtype), ids, gate_up.shape[0])
     h = _linear(xs, gate_up, gu_bias, r, layout.transposed)  # (S, 2I)
     if lora is not None:
         lora.add_gate_up(xs, h, r)
@@ -284,13 +369,15 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     gradients are left on it."""
     _, act_bwd = ACTIVATIONS[layout.activation]
     dout_s = permute(dout.to(gate_up.dtype), r)  # (S, H): each row's token's gradient, not yet weighted
-    w_row = weights.reshape(-1)[r.order].float()  # (S,)
+    w_pairs = weights.reshape(-1)  # row r's weight is w_pairs[order[r]]
+    # the row weights as a tensor only where torch ops need them (a down bias, the down adapter)
+    w_row = w_pairs[r.order].float() if dn_bias is not None or lora is not None else None
     # (S, I) = dout_s @ W_down, kept in fp32: the routing weight's gradient <a, da_u> is a dot product with
     # cancellation, which a bf16-rounded da_u would carry into it (rel. error ~2e-3 vs 2e-7 in fp32)
     da_u = _linear_dinput(dout_s, down, r, layout.transposed, out_dtype=torch.float32)
     if lora is not None:
         lora.down_dinput_(da_u, dout_s, r)
-    dh, aw, dw_row = act_bwd(da_u, h, w_row, layout.interleaved)
+    dh, aw, dw_row = act_bwd(da_u, h, w_pairs, r.order, layout.interleaved)
     del da_u
     d_down = _linear_dweight(aw, dout_s, r, layout.transposed) if needs[3] else None
     if lora is not None:
@@ -298,8 +385,9 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     del aw
     d_dn_bias = None
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
-        dw_row = dw_row + (dout_s.float() * dn_bias[r.expert].float()).sum(-1)
+        dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
         if needs[5]:
+            assert w_row is not None  # computed above whenever there is a down bias
             d_dn_bias = _bias_grad(dout_s.float() * w_row[:, None], r, dn_bias)
     del dout_s
     d_gate_up = None
@@ -311,14 +399,15 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
             lora.gate_up_grads(xs, dh, r)
         del xs
     d_gu_bias = _bias_grad(dh, r, gu_bias) if gu_bias is not None and needs[4] else None
-    dx = None
+    dx = dweights = None
     if needs[0]:
         dxs = _linear_dinput(dh, gate_up, r, layout.transposed)
         if lora_gu:
             lora.gate_up_dinput_(dxs, r)
-        dx = combine(dxs, r, None, x.dtype)
-    dweights = dw_row[r.pos].to(weights.dtype) if needs[1] else None  # (T, K): row pos[t, k] is pair (t, k)
-    return dx, dweights, d_gate_up, d_down, d_gu_bias, d_dn_bias
+        dx, dweights = combine_and_pick(dxs, r, dw_row, x.dtype, weights.dtype)
+    if needs[1] and dweights is None:
+        dweights = dw_row[r.pos].to(weights.dtype)  # (T, K): row pos[t, k] is pair (t, k)
+    return dx, dweights if needs[1] else None, d_gate_up, d_down, d_gu_bias, d_dn_bias
 
 
 # ----------------------------------------------------------------------------------------------- registered ops
@@ -342,8 +431,10 @@ def _moe_experts_fwd_fake(x, weights, gate_up, down, gate_up_bias, down_bias, id
     t, k = ids.shape
     s = t * k
     two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
-    return (x.new_empty(x.shape), x.new_empty(s, two_i, dtype=gate_up.dtype), ids.new_empty(s), ids.new_empty(t, k),
-            ids.new_empty(gate_up.shape[0], dtype=torch.int32), ids.new_empty(s))
+    e = gate_up.shape[0]
+    return (x.new_empty(x.shape), x.new_empty(s, two_i, dtype=gate_up.dtype), ids.new_empty(s, dtype=torch.int64),
+            ids.new_empty(t, k, dtype=torch.int64), ids.new_empty(e, dtype=torch.int32),
+            ids.new_empty(s, dtype=sort_key_dtype(e)))
 
 
 @torch.library.custom_op("novatune::moe_experts_bwd", mutates_args=())

@@ -43,7 +43,10 @@ def rank_multiple(t: Tensor) -> int:
 
 def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """A (E, rp, in) and B (E, out, rp) contiguous in `dtype`, rp = r rounded up to rank_multiple (zeros)."""
-    a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    # one copy each (cast and layout together; .to alone keeps B's strides: PEFT's B is a permuted view of its
+    # (out, r * E) storage); .contiguous() does the layout when the dtype already matches (`to` returns the view)
+    a = a.to(dtype, memory_format=torch.contiguous_format).contiguous()
+    b = b.to(dtype, memory_format=torch.contiguous_format).contiguous()
     pad = (-a.shape[1]) % rank_multiple(a)
     if pad:
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))

@@ -104,5 +104,5 @@ def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, 
                 continue
             bind(module, experts_forward, report, _novatune_moe=moe, _novatune_activation=activation)
             report.add(path, "moe_experts", "replaced",
-                       "novatune expert MLP: one argsort per layer, Triton permute/combine, grouped GEMMs, "
+                       "novatune expert MLP: one sort per layer, Triton dispatch/combine, grouped GEMMs, "
                        f"{activation} GLU (no host sync)")

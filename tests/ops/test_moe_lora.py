@@ -129,3 +129,27 @@ def test_bad_factor_shapes_name_the_mismatch():
         L.moe_experts_lora(x, ids, w, gu, dn, down_lora=(ga, gb, 1.0), **layout)  # gate_up's factors on down
     with pytest.raises(ValueError, match=r"\(E, r, in\)"):
         L.moe_experts_lora(x, ids, w, gu, dn, gate_up_lora=(ga[1:], gb, 1.0), **layout)
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16], ids=["fp32-factors", "bf16-factors"])
+def test_factors_are_cast_and_laid_out_in_one_copy_each(factor_dtype):
+    """PEFT's B is a permuted view of its (out, r * E) storage and its factors are often fp32: the padded factors
+    for the bf16 GEMMs come from one copy per factor (cast and layout together), not a cast and then a copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_to_copy", "clone", "copy_", "contiguous"):
+                Copies.n += 1
+            return func(*args, **(kwargs or {}))
+
+    e, r, i, o = 3, 8, 16, 12
+    a = torch.randn(e * r, i).to(factor_dtype).view(e, r, i)
+    b = torch.randn(o, r * e).to(factor_dtype).view(o, r, e).permute(2, 0, 1)
+    with Copies():
+        pa, pb = L._pad_rank(a, b, torch.bfloat16)
+    assert pa.is_contiguous() and pb.is_contiguous() and pa.dtype == pb.dtype == torch.bfloat16
+    assert torch.equal(pa, a.to(torch.bfloat16)) and torch.equal(pb, b.to(torch.bfloat16))
+    assert Copies.n == (2 if factor_dtype == torch.float32 else 1), "one copy per factor that needs one"
