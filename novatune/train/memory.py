@@ -179,11 +179,12 @@ OUTSIDE_LAYERS_HIDDEN = 8
 
 def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
     """The decoder layers' CUDA graphs (patch/graphs.py), where the run captures them: novatune.patch
-    on, model.patch_options.cuda_graphs not false (its "auto" captures LoRA/QLoRA layers only), one process
+    on, model.patch_options.cuda_graphs not false (its "auto" captures LoRA/QLoRA layers only), a GPU, one process
     without FSDP2 (its module hooks keep the layers eager). None where the layers always run eagerly. The planner
     counts them only for an assignment the graphs take (every layer recomputed)."""
     graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-    if not cfg.model.patch or graphs is False or shards != 1 or cfg.parallel.strategy == "fsdp2":
+    if not cfg.model.patch or graphs is False or cfg.model.device == "cpu" or shards != 1 \
+            or cfg.parallel.strategy == "fsdp2":
         return None
     if graphs == "auto" and cfg.method.type not in ("lora", "qlora"):
         return None

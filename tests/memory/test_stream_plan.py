@@ -123,6 +123,8 @@ def test_graphed_lora_layers_count_the_pool_instead_of_the_eager_transient(make_
     # a layer that keeps its activations sends every layer down the eager path: no pool
     mixed = make_tiny_cfg(method="lora", policy="per-layer", layers=["recompute*35", "keep"])
     assert resolve(mixed, est, mconf, ASSUMED, None).graph_pool_bytes == 0
+    on_cpu = dataclasses.replace(lora, model=dataclasses.replace(lora.model, device="cpu"))
+    assert resolve(on_cpu, est, mconf, ASSUMED, None).graph_pool_bytes == 0  # graphs need a GPU
     full = make_tiny_cfg(method="full")  # cuda_graphs "auto" captures adapter layers only
     assert resolve(full, {**est, "gradients": 7.5 * 2**30, "optimizer": 15 * 2**30}, mconf, ASSUMED,
                    None).graph_pool_bytes == 0
