@@ -42,7 +42,8 @@ import torch
 
 from novatune.attention.packed import PackedBatch
 
-__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "overrides", "IMPL", "BUCKETS"]
+__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "backward_why_not", "gradient_self_check", "overrides",
+           "IMPL", "BUCKETS", "MEASURED_BACKWARD"]
 
 IMPL = os.environ.get("NOVATUNE_CUDNN_IMPL", "auto")  # "frontend" | "aten" | "auto"
 if IMPL not in ("auto", "frontend", "aten"):
