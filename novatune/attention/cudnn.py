@@ -19,6 +19,12 @@ at the end, the layout PackedBatch.graph_static uses for FlashAttention) and the
 two (only a bound: the padding mask reads each real length). A few graphs then serve every batch. BUCKETS = False
 passes the exact layout (the GPU tests check both).
 
+Training. A route's backward trains only where it is known to match the fp32 reference: on a stack in
+MEASURED_BACKWARD (the route, cuDNN's version, the frontend's or torch's version, as measured on the GPU), or, on
+any other stack, after `gradient_self_check` (one forward + backward on a small ragged problem on the device,
+against novatune.reference.attention; once per process and head shape, cached). A failed check refuses the
+training call with the measured error; forward-only calls run either way.
+
 The aten path makes its inputs contiguous (older builds derive the ragged offsets from tokens * heads * d) and the
 incoming gradient too (older builds read dO with O's offsets). The log-sum-exp's layout differs between torch
 versions; it only travels from this forward to this backward, untouched.
@@ -36,7 +42,8 @@ import torch
 
 from novatune.attention.packed import PackedBatch
 
-__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "overrides", "IMPL", "BUCKETS"]
+__all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "backward_why_not", "gradient_self_check", "overrides",
+           "IMPL", "BUCKETS", "MEASURED_BACKWARD"]
 
 IMPL = os.environ.get("NOVATUNE_CUDNN_IMPL", "auto")  # "frontend" | "aten" | "auto"
 if IMPL not in ("auto", "frontend", "aten"):
@@ -104,10 +111,21 @@ def _impl_why_not(impl: str) -> str | None:
     return f"{why}{also}; pip install --no-deps nvidia-cudnn-frontend, or use backend='varlen'"
 
 
-# Routes whose backward has passed the GPU check against the fp32 reference (tests/attention/test_cudnn.py). On an
-# H200 (torch 2.11, cuDNN 9.19, frontend 1.32) the frontend route passed with bucketed and exact offsets; torch's
-# aten route returned a wrong query gradient (relative error 4.3 bucketed, 3e20 exact), so it runs forward-only.
-BACKWARD_VALIDATED = {"frontend": True, "aten": False}
+# Each route's backward as measured on the GPU against the fp32 reference (tests/attention/test_cudnn.py), keyed by
+# the stack it ran on: (route, cuDNN version as torch reports it, the route's own version: the frontend package's
+# for "frontend", torch's for "aten") -> None (it passed) or the measured failure. Measured on an H200 (torch
+# 2.11.0+cu130, cuDNN 9.19, nvidia-cudnn-frontend 1.32.0), bucketed and exact offsets. On any other stack the route
+# checks itself once before it trains (backward_why_not).
+MEASURED_BACKWARD: dict[tuple[str, int, str], str | None] = {
+    ("frontend", 91900, "1.32.0"): None,
+    ("aten", 91900, "2.11.0+cu130"): "a wrong query gradient (dq relative error 4.3 with bucketed offsets, 2.7e20 "
+                                     "with exact ones)",
+}
+# The self-check's problem: ragged documents (1-token ones, one longer than a 128-token tile) in two rows, and its
+# bound: cuDNN, like FlashAttention, keeps P and dS in bf16 for the second matmul of each pass (the GPU tests' 2e-2;
+# fp16 keeps 3 more mantissa bits)
+CHECK_ROWS = ((1, 150, 7, 98), (200, 1, 55))
+CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
@@ -115,12 +133,6 @@ def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window:
     why = _device_why_not(q.device) or _impl_why_not(_impl())
     if why is not None:
         return why
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if wants_grad and not BACKWARD_VALIDATED.get(_impl(), False):
-        return (f"the cudnn backend's backward ({_impl()} route) has not passed its GPU check against the fp32 "
-                "reference (a wrong query gradient was measured): it runs forward-only calls; train with "
-                "backend='varlen', or install nvidia-cudnn-frontend (pip install --no-deps "
-                "nvidia-cudnn-frontend) for the frontend route")
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"cuDNN's fused attention takes fp16/bf16, got {q.dtype}; cast the model or use backend='reference'"
     d = q.shape[-1]
@@ -130,7 +142,75 @@ def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window:
         return "the cudnn backend takes no sliding window; use backend='varlen' or 'flex'"
     if packed.lengths is None:
         return "a CUDA-graph static PackedBatch carries no host offsets to pad; only the varlen backend runs on it"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return backward_why_not(q, k)
     return None
+
+
+def _stack() -> tuple[str, int, str]:
+    """(route, cuDNN version, the route's own version): MEASURED_BACKWARD's key for this process."""
+    impl = _impl()
+    own = str(getattr(_frontend()[0], "__version__", "?")) if impl == "frontend" else torch.__version__
+    return impl, int(torch.backends.cudnn.version() or 0), own
+
+
+def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """None when the route's backward may train here: its stack passed in MEASURED_BACKWARD, or (on a stack not
+    measured) its gradient self-check on this device, run once per process and problem shape. Else the reason,
+    with the measured error."""
+    stack = _stack()
+    if stack in MEASURED_BACKWARD:
+        failure = MEASURED_BACKWARD[stack]
+    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        failure = "its gradient self-check cannot run inside a CUDA-graph capture"
+    else:
+        failure = gradient_self_check(stack, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+    if failure is None:
+        return None
+    impl, version, own = stack
+    owner = "nvidia-cudnn-frontend" if impl == "frontend" else "torch"
+    other = (", or install nvidia-cudnn-frontend (pip install --no-deps nvidia-cudnn-frontend) for the frontend "
+             "route" if impl == "aten" else "")
+    return (f"the cudnn backend's backward ({impl} route, cuDNN {version}, {owner} {own}) does not match the fp32 "
+            f"reference: {failure}; it runs forward-only calls: train with backend='varlen'{other}")
+
+
+@functools.cache
+def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, hq: int, hk: int,
+                        d: int) -> str | None:
+    """One forward + backward of the route on CHECK_ROWS against the fp32 reference (novatune.reference.attention)
+    computed from the same rounded inputs: None when the output and the three gradients are within
+    CHECK_TOLERANCE, else the worst error. Cached per process: `stack` is part of the key so a changed route
+    checks again."""
+    from novatune.measure.numerics import rel_err
+    from novatune.reference.attention import attention_ref
+
+    pos = torch.tensor([[p for n in row for p in range(n)] for row in CHECK_ROWS])
+    packed = PackedBatch.from_position_ids(pos, device=device)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(packed.total_tokens, h, d, generator=gen).to(device, dtype).requires_grad_()
+               for h in (hq, hk, hk))
+    grad_out = torch.randn(packed.total_tokens, hq, d, generator=gen).to(device, dtype)
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    try:
+        # the check runs at the first training call, which may sit inside a checkpointed layer or an offload
+        # engine's saved-tensor hooks and under autocast: its own graph keeps its tensors, and its math its dtypes
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                torch.autocast(device.type, enabled=False):
+            out = cudnn_attention(q, k, v, packed, d ** -0.5)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            ref = attention_ref(*exact, packed)
+            ref_grads = torch.autograd.grad(ref, exact, grad_out.float())
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a route that fails on the check's problem fails the check, saying how
+        return f"its gradient self-check raised {type(e).__name__}: {str(e)[:200]}"
+    errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
+    name, worst = max(errors.items(), key=lambda item: item[1])
+    limit = CHECK_TOLERANCE.get(dtype, 2e-2)
+    if worst <= limit:
+        return None
+    return f"its gradient self-check measured {name} relative error {worst:.3g} (limit {limit:g})"
 
 
 def _device_why_not(device: torch.device) -> str | None:

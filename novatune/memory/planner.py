@@ -19,6 +19,15 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   two device slots of the input's size. A tiled MLP (novatune/patch/tiled.py) keeps no (T x i) tensor: only one
   chunk's five (chunk x i) tensors join the transient, and its backward runs the MLP's GEMMs once more.
 
+  peak (evaluate)  static + kept + the largest transient, where the transients are a recomputed layer's and the
+  work outside the decoder layers (the loss's logits buffer: `outside`), each at its own moment. When the layers
+  run as CUDA graphs (patch/graphs.py: LoRA/QLoRA, every layer `recompute`), the graphs' shared pool takes the
+  place of the eager layer transient: it holds the recompute and backward of whichever layer replays, so the peak
+  is static + the graphs' buffers + kept + max(pool, outside), never pool + transient. The pool is sized by its
+  capture: the layer's keep set plus the gradients alive at the MLP's backward (the SwiGLU product's gradient,
+  T x i, since SwiGLU writes its own gradients over gate and up; the MLP input's two partial gradients, 2 x T x h).
+  Measured on the seed LoRA r16 run: a 548 MiB pool against 544 MiB from this sum (428 MiB of it the keep set).
+
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
     recompute  keep + F (the forward again)
@@ -77,6 +86,7 @@ class LayerCost:
     transient: int  # bytes a recomputed layer holds again during its backward
     input_bytes: int
     forward: float = 0.0  # the layer's forward time (seconds): a streamed weight copy hides behind forwards
+    graph_pool: int = 0  # the layer's recompute + backward as a CUDA graph's pool holds it (module docstring)
 
 
 def saved_elements_per_token(s: LayerShape) -> dict:
@@ -111,7 +121,11 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     keep = forward + backward
     seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise,
                "offload": keep + forward + exposed}
-    return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward)
+    # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
+    # transient already) and the MLP input's two partial ones
+    mlp_grads = (0 if s.mlp_chunk_tokens else s.tokens * s.intermediate) + 2 * s.tokens * s.hidden
+    pool = transient + mlp_grads * s.dtype_bytes
+    return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool)
 
 
 @dataclass
@@ -123,7 +137,10 @@ class Plan:
     budget_bytes: int | None
     static_bytes: int
     activation_bytes: int  # kept between forward and backward, over all layers
-    transient_bytes: int
+    transient_bytes: int  # the largest of a recomputed layer's (or the graphs' pool) and the outside work's
+    graph_pool_bytes: int = 0  # the CUDA graphs' pool, where the layers run as graphs (else 0; their buffers are
+    # in static_bytes)
+    outside_transient_bytes: int = 0  # the work outside the decoder layers (the loss's logits buffer)
     offloaded_bytes: int = 0  # layer inputs in pinned host memory (as the pinned allocator rounds them)
     host_budget_bytes: int | None = None  # what they may take (None: not checked)
 
@@ -171,26 +188,48 @@ def _recomputed(policy: str) -> bool:
     return policy in ("recompute", "selective", "offload")
 
 
+@dataclass(frozen=True)
+class LayerGraphs:
+    """The decoder layers' CUDA graphs (patch/graphs.py) as the planner sees them: `pool`, the graphs' shared
+    memory pool (the largest layer's recompute + backward: LayerCost.graph_pool), and `buffers`, the static
+    tensors they keep outside it beyond the layers' inputs (one more input buffer and the two gradient buffers
+    the layers hand each other: three (T x h) tensors)."""
+    pool: int
+    buffers: int
+
+
+def runs_as_graphs(policies: list[str], graphs: LayerGraphs | None) -> bool:
+    """The layers replay as CUDA graphs: the run captures them (`graphs` given) and every layer runs the stock
+    recompute, the only policy the graphs capture (any other policy sends every layer down the eager path)."""
+    return graphs is not None and all(p == "recompute" for p in policies)
+
+
 def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None,
-             fresh: FreshGradients | None = None, host: HostBudget | None = None) -> Plan:
+             fresh: FreshGradients | None = None, host: HostBudget | None = None, outside: int = 0,
+             graphs: LayerGraphs | None = None) -> Plan:
     """The peak and time of one assignment: static + every layer's kept bytes + the largest transient (a layer
-    recomputed in the backward) + the offload slots. With `fresh` gradients (static_bytes includes them), the peak
-    is the largest of the end of the forward (no gradient yet) and each layer's backward (the gradients of the
-    layers above it born, the activations of the layers below it still kept). An assignment whose offloaded
-    inputs pass the `host` budget does not fit."""
+    recomputed in the backward, or the `outside` work: the loss) + the offload slots. `graphs`: where the run
+    captures its layers as CUDA graphs (None: it never does); with every layer recomputed their pool replaces the
+    layers' eager transient and their buffers join the static bytes (module docstring). With `fresh` gradients
+    (static_bytes includes them), the peak is the largest of the end of the forward (no gradient yet; the loss
+    runs then) and each layer's backward (the gradients of the layers above it born, the activations of the
+    layers below it still kept). An assignment whose offloaded inputs pass the `host` budget does not fit."""
     kept_each = [c.bytes[p] for c, p in zip(costs, policies)]
     kept = sum(kept_each)
-    transient = max((c.transient for c, p in zip(costs, policies) if _recomputed(p)), default=0)
+    graphed = runs_as_graphs(policies, graphs)
+    pool = graphs.pool if graphed else 0
+    static_bytes += graphs.buffers if graphed else 0
+    own = [pool if graphed else c.transient if _recomputed(p) else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
+    transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots
     if fresh is not None:
         n = len(costs)
         base = static_bytes - fresh.other - n * fresh.layer
-        peak = base + kept + slots  # the end of the forward
+        peak = base + kept + slots + outside  # the end of the forward, where the loss runs
         below = kept
         for j in range(n - 1, -1, -1):  # the backward runs from the last layer down
-            own = costs[j].transient if _recomputed(policies[j]) else 0
-            peak = max(peak, base + fresh.other + (n - j) * fresh.layer + below + own + slots)
+            peak = max(peak, base + fresh.other + (n - j) * fresh.layer + below + own[j] + slots)
             below -= kept_each[j]
         transient = peak - base - kept - slots
     seconds = sum(c.seconds[p] for c, p in zip(costs, policies))
@@ -199,22 +238,23 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     offloaded = sum(_pow2_ceil(c.input_bytes) for c, p in zip(costs, policies) if p == "offload")
     if host is not None and offloaded > host.bytes:
         fits = False
-    return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, offloaded_bytes=offloaded,
+    return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, graph_pool_bytes=pool,
+                outside_transient_bytes=outside, offloaded_bytes=offloaded,
                 host_budget_bytes=None if host is None else host.bytes)
 
 
 def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
            allowed: tuple[str, ...] = POLICIES, fresh: FreshGradients | None = None,
-           host: HostBudget | None = None) -> Plan:
+           host: HostBudget | None = None, outside: int = 0, graphs: LayerGraphs | None = None) -> Plan:
     """The fastest assignment that fits `budget` (module docstring); without a budget, every layer kept. When
-    nothing fits, the assignment with the smallest peak, marked fits=False."""
+    nothing fits, the assignment with the smallest peak, marked fits=False. `outside`, `graphs`: evaluate's."""
     n = len(costs)
     order = [p for p in ("offload", "recompute", "selective", "keep") if p in allowed]
     best: Plan | None = None
     smallest: Plan | None = None
     for counts in _compositions(n, len(order)):
         policies = [p for p, k in zip(order, counts) for _ in range(k)]
-        plan = evaluate(policies, costs, static_bytes, budget, fresh, host)
+        plan = evaluate(policies, costs, static_bytes, budget, fresh, host, outside, graphs)
         if smallest is None or plan.peak_bytes < smallest.peak_bytes:
             smallest = plan
         if plan.fits and (best is None or plan.seconds < best.seconds

@@ -98,22 +98,23 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     `shards`: FSDP2's world size (weights, gradients and optimizer states are split across the ranks)."""
     n = mconf.num_hidden_layers
     costs = layer_costs(cfg, mconf, hw)
-    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf) + graph_pool_bytes(cfg, costs)
+    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf)
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
+    transients = {"outside": loss_transient_bytes(cfg, mconf), "graphs": layer_graphs(cfg, mconf, costs, shards)}
 
     def policies_plan(saved: int = 0, allowed: tuple[str, ...] = POLICIES) -> planner.Plan:
         """memory.policy's plan with `saved` bytes fewer static (the room frozen-weight streaming makes)."""
         if policy == "auto":
-            return planner.choose(costs, static - saved, budget, allowed=allowed, fresh=fresh, host=host)
+            return planner.choose(costs, static - saved, budget, allowed, fresh, host, **transients)
         if policy == "per-layer":
             try:
                 layers = expand_layers(cfg.memory.layers, n)
             except ValueError as e:
                 raise SetupError(f"memory.layers: {e}") from None
-            return planner.evaluate(layers, costs, static - saved, budget, fresh, host)
-        return planner.evaluate([UNIFORM[policy]] * n, costs, static - saved, budget, fresh, host)
+            return planner.evaluate(layers, costs, static - saved, budget, fresh, host, **transients)
+        return planner.evaluate([UNIFORM[policy]] * n, costs, static - saved, budget, fresh, host, **transients)
 
     plan = policies_plan()
     if policy == "auto" and budget is None:
@@ -176,15 +177,43 @@ def _streaming(cfg, mconf, plan: planner.Plan, costs, policies_plan, hw, host, s
 OUTSIDE_LAYERS_HIDDEN = 8
 
 
-def graph_pool_bytes(cfg, costs: list[planner.LayerCost]) -> int:
-    """CUDA graphs of LoRA / QLoRA layers (patch/graphs.py, on unless model.patch_options.cuda_graphs is false)
-    keep one layer's recompute + backward working set in their own pool for the whole run: eager layers hand that
-    memory back to the loss and the other work outside the layers, graphed layers do not, so it counts as static
-    (measured: a 548 MiB pool on the seed LoRA r16 run)."""
+def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
+    """The decoder layers' CUDA graphs (patch/graphs.py), where the run captures them: novatune.patch
+    on, model.patch_options.cuda_graphs not false (its "auto" captures LoRA/QLoRA layers only), a GPU, one process
+    without FSDP2 (its module hooks keep the layers eager). None where the layers always run eagerly. The planner
+    counts them only for an assignment the graphs take (every layer recomputed)."""
     graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-    if not cfg.model.patch or cfg.method.type not in ("lora", "qlora") or graphs is False:
+    if not cfg.model.patch or graphs is False or cfg.model.device == "cpu" or shards != 1 \
+            or cfg.parallel.strategy == "fsdp2":
+        return None
+    if graphs == "auto" and cfg.method.type not in ("lora", "qlora"):
+        return None
+    tokens, dtype_bytes = cfg.train.micro_batch * cfg.data.max_length, 4 if cfg.model.dtype == "fp32" else 2
+    return planner.LayerGraphs(pool=max((c.graph_pool for c in costs), default=0),
+                               buffers=3 * tokens * mconf.hidden_size * dtype_bytes)
+
+
+def loss_transient_bytes(cfg, mconf) -> int:
+    """The loss's working memory beyond the static terms, at the end of the forward: novatune's fused
+    cross-entropy's logits buffer, as its kernel plans it (one (chunk x vocab) block; the (tokens x vocab) logits
+    into which lm_head's gradient is written in its in-place mode; one (tokens x slice) block and an fp32 input
+    gradient in its vocab-slice mode). Stock HF's logits are static already (est["logits_stock"])."""
+    import torch
+
+    from novatune.kernels.linear_cross_entropy import plan_mode
+
+    if not cfg.model.patch:
         return 0
-    return max((c.transient for c in costs), default=0)
+    tokens, vocab, hidden = cfg.train.micro_batch * cfg.data.max_length, mconf.vocab_size, mconf.hidden_size
+    fp32 = cfg.model.dtype == "fp32"
+    e = 4 if fp32 else 2
+    grad_weight = cfg.method.type not in ("lora", "qlora")  # lm_head trains in full fine-tuning only
+    mode, size = plan_mode(tokens, vocab, hidden, torch.float32 if fp32 else torch.bfloat16, grad_weight)
+    if mode == "inplace":
+        return tokens * vocab * e
+    if mode == "vocab":
+        return tokens * size * e + tokens * hidden * 4
+    return size * vocab * e
 
 
 def outside_layers_bytes(cfg, mconf) -> int:

@@ -188,6 +188,17 @@ def _advice(cfg, est: dict) -> list[str]:
     return tips
 
 
+def _transient_lines(mp, g) -> list[str]:
+    """The peak's transient: the CUDA graphs' pool where the layers run as graphs, else the eager layer's."""
+    loss = f"  loss working memory          {g(mp.outside_transient_bytes)}   (the fused loss's logits buffer)"
+    if mp.graph_pool_bytes:
+        return [f"  CUDA-graph pool              {g(mp.graph_pool_bytes)}   (one layer's recompute + backward, "
+                "replayed; counted instead of the eager transient)", loss,
+                f"  backward transient           {g(mp.transient_bytes)}   (the larger of the pool and the loss)"]
+    return [loss, f"  backward transient           {g(mp.transient_bytes)}   (one recomputed layer, or the loss; "
+                  "offload slots)"]
+
+
 def render(est: dict) -> str:
     def g(x):
         return f"{x / GiB:8.2f} GiB"
@@ -213,7 +224,7 @@ def render(est: dict) -> str:
                for p in ("keep", "selective", "recompute", "offload")],
              f"  memory policy {est['policy']}: {mp.describe()}",
              f"  activations kept             {g(mp.activation_bytes)}",
-             f"  backward transient           {g(mp.transient_bytes)}   (one recomputed layer; offload slots)",
+             *_transient_lines(mp, g),
              f"  predicted peak               {g(est['peak'])}"
              + (f"   (stock HF modules: {g(est['peak_stock']).strip()})" if est["patch"] else ""),
              f"  predicted speed              {est['tokens_per_s']:8,.0f} tok/s   ({hw.matmul_tflops:.0f} TFLOP/s "

@@ -35,26 +35,101 @@ def make_qkv(T, hq, hk, d, dtype, device="cpu", seed=0):
     return [torch.randn(T, h, d, generator=g).to(device=device, dtype=dtype).requires_grad_() for h in (hq, hk, hk)]
 
 
+REAL_BACKWARD_WHY_NOT, REAL_MEASURED = C.backward_why_not, dict(C.MEASURED_BACKWARD)
+
+
 @pytest.fixture(autouse=True)
 def backward_under_test(monkeypatch):
-    """The tests here check each route's gradients themselves: the routes train inside them (the product refuses a
-    route's backward until its GPU check passes: test_training_waits_for_the_gpu_check)."""
-    monkeypatch.setattr(C, "BACKWARD_VALIDATED", {"frontend": True, "aten": True})
+    """The tests here check each route's gradients themselves: the routes train inside them (the product trains a
+    route only on a measured stack or after its gradient self-check: the backward-verdict tests below)."""
+    monkeypatch.setattr(C, "backward_why_not", lambda q, k: None)
+    C.gradient_self_check.cache_clear()
 
 
-# ---------------------------------------------------------------------------------------------------- refusals
-def test_training_waits_for_the_gpu_check(monkeypatch):
+# ------------------------------------------------------------------------------------- the backward's verdict
+def counting_stand_in(monkeypatch, dq_factor=1.0):
+    """The aten stand-in as the route under check, its forward calls counted and its dq scaled by `dq_factor`."""
+    seen = {"calls": 0}
+    ops = stand_in(seen)
+    fwd, bwd = ops._cudnn_attention_forward, ops._cudnn_attention_backward
+
+    def counted(**kw):
+        seen["calls"] += 1
+        return fwd(**kw)
+
+    def scaled(**kw):
+        dq, dk, dv = bwd(**kw)
+        return dq * dq_factor, dk, dv
+
+    monkeypatch.setattr(C, "_aten", SimpleNamespace(_cudnn_attention_forward=counted,
+                                                    _cudnn_attention_backward=scaled))
+    monkeypatch.setattr(C, "IMPL", "aten")
+    monkeypatch.setattr(C, "_impl_why_not", lambda impl: None)  # the stand-in has no op schema to inspect
+    monkeypatch.setattr(C, "backward_why_not", REAL_BACKWARD_WHY_NOT)
+    return seen
+
+
+def test_a_measured_stack_decides_without_a_check(monkeypatch):
+    """The stacks in MEASURED_BACKWARD train (or refuse, with the measured error) without running the check."""
     pb = packed_of(ROWS)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    seen = counting_stand_in(monkeypatch)
     monkeypatch.setattr(C, "_device_why_not", lambda device: None)
-    monkeypatch.setattr(C, "IMPL", "aten")
-    monkeypatch.setattr(C, "BACKWARD_VALIDATED", {"frontend": True, "aten": False})
-    assert "has not passed its GPU check" in why_unavailable("cudnn", q, k, pb)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 91900, "2.11.0+cu130"))
+    why = why_unavailable("cudnn", q, k, pb)
+    assert "cuDNN 91900, torch 2.11.0+cu130" in why and "dq relative error 4.3" in why, why
     with pytest.raises(BackendUnavailable, match="train with backend='varlen'"):
         varlen_attention(q, k, v, pb, backend="cudnn")
     with torch.no_grad():
         assert why_unavailable("cudnn", q, k, pb) is None  # forward-only calls run
     assert why_unavailable("cudnn", q.detach(), k.detach(), pb) is None
+    monkeypatch.setattr(C, "_stack", lambda: ("frontend", 91900, "1.32.0"))
+    assert why_unavailable("cudnn", q, k, pb) is None
+    assert seen["calls"] == 0 and C.gradient_self_check.cache_info().currsize == 0  # no check ran
+
+
+def test_an_unmeasured_stack_checks_its_gradients_once(monkeypatch):
+    seen = counting_stand_in(monkeypatch)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)
+    assert C.backward_why_not(q, k) is None
+    assert seen["calls"] == 1 and seen["hk"] == 2  # the call's own head counts
+    assert C.backward_why_not(q, k) is None and seen["calls"] == 1  # cached for the process
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99200, "9.9.1"))  # another stack checks again
+    assert C.backward_why_not(q, k) is None and seen["calls"] == 2
+
+
+def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
+    pb = packed_of(ROWS)
+    counting_stand_in(monkeypatch, dq_factor=1.5)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    why = C.backward_why_not(q, k)
+    assert "(aten route, cuDNN 99100, torch 9.9.0) does not match the fp32 reference" in why, why
+    assert "dq relative error 0.5 (limit 0.02)" in why and "train with backend='varlen'" in why, why
+    # through the backend choice (bf16, as a model calls it): the same refusal, and forward-only calls still run
+    monkeypatch.setattr(C, "_device_why_not", lambda device: None)
+    qb, kb, vb = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    monkeypatch.setattr(C, "gradient_self_check", lambda *a: "its gradient self-check measured dq relative error 0.5")
+    with pytest.raises(BackendUnavailable, match="dq relative error 0.5"):
+        varlen_attention(qb, kb, vb, pb, backend="cudnn")
+    with torch.no_grad():
+        assert why_unavailable("cudnn", qb, kb, pb) is None
+
+
+def test_a_check_that_raises_refuses_with_the_error(monkeypatch):
+    counting_stand_in(monkeypatch)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
+
+    def broken(**kw):
+        raise RuntimeError("cuDNN_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(C._aten, "_cudnn_attention_backward", broken)
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)
+    assert "self-check raised RuntimeError: cuDNN_STATUS_NOT_SUPPORTED" in C.backward_why_not(q, k)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
 
 
 def test_why_unavailable_names_each_reason(monkeypatch):
@@ -288,7 +363,7 @@ def _gpu_impl_or_skip(impl):
 
 
 ATEN_DQ = pytest.mark.xfail(reason="torch 2.11's aten ragged cuDNN backward returned a wrong dq on an H200 (relative "
-                                   "error 4.3 / 2.7e20); the route refuses to train (BACKWARD_VALIDATED)", strict=False)
+                                   "error 4.3 / 2.7e20); the route refuses to train (MEASURED_BACKWARD)", strict=False)
 
 
 @pytest.mark.gpu
@@ -343,3 +418,52 @@ def test_gpu_auto_takes_cudnn_when_the_order_names_it(monkeypatch):
     out = varlen_attention(q, k, v, pb)
     assert last_choice().backend == "cudnn", last_choice()
     assert_close(out, varlen_attention(q.float(), k.float(), v.float(), pb, backend="reference"), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["frontend", "aten"])
+def test_gpu_gradient_self_check(monkeypatch, impl):
+    """The real self-check on the device, as on a stack never measured: it runs once (then cached), and on a
+    measured stack it agrees with MEASURED_BACKWARD's verdict."""
+    import time
+
+    _gpu_impl_or_skip(impl)
+    monkeypatch.setattr(C, "IMPL", impl)
+    monkeypatch.setattr(C, "backward_why_not", REAL_BACKWARD_WHY_NOT)
+    monkeypatch.setattr(C, "MEASURED_BACKWARD", {})
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, _ = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
+    t0 = time.perf_counter()
+    why = C.backward_why_not(q, k)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert C.backward_why_not(q, k) == why
+    assert time.perf_counter() - t0 < 1e-2  # cached: no second check
+    stack = C._stack()
+    print(f"{stack}: self-check {1e3 * first:.0f} ms (graph builds included): {why or 'passed'}")
+    if stack in REAL_MEASURED:
+        assert (why is None) == (REAL_MEASURED[stack] is None), (stack, why)
+    if impl == "frontend":
+        assert why is None, why
+    else:
+        assert why is None or "relative error" in why or "raised" in why, why
+
+
+def test_the_check_runs_inside_a_checkpointed_layer(monkeypatch):
+    """The first training call may come from inside a non-reentrant checkpoint (its saved-tensor hooks active): the
+    check's own backward must neither trigger the checkpoint's recompute nor disturb the layer's gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    seen = counting_stand_in(monkeypatch)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)
+    runs = []
+
+    def layer(x):
+        runs.append(C.backward_why_not(q, k))
+        return (x * x).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).backward()
+    assert runs[0] is None and seen["calls"] == 1  # the recompute finds the verdict cached
+    assert_close(x.grad, 2 * x.detach(), 1e-6, name="layer grad")

@@ -225,3 +225,31 @@ def test_a_plan_short_of_host_memory_says_so_not_gpu_memory():
     assert plan.offloaded_bytes == 8 * 2**30 and plan.host_limited and not plan.fits
     message = no_fit_message(plan, "offload", "test budget")
     assert "fits the GPU" in message and "8.0 GiB of pinned host memory" in message and "6.0 GiB" in message
+
+
+def test_graphed_layers_count_the_pool_in_place_of_the_eager_transient():
+    """Layers replayed as CUDA graphs run their recompute and backward inside the graphs' pool: the peak is static
+    + the graphs' buffers + kept + max(pool, the loss's working memory), and only when every layer recomputes
+    (the graphs capture nothing else). Without graphs: static + kept + max(layer transient, loss)."""
+    cost = LayerCost(bytes={"keep": 10, "recompute": 2, "selective": 6, "offload": 0},
+                     seconds={"keep": 1, "recompute": 2, "selective": 1.5, "offload": 2.1}, transient=10,
+                     input_bytes=2, graph_pool=13)
+    graphs = planner.LayerGraphs(pool=13, buffers=4)
+    recompute = ["recompute"] * 3
+    assert evaluate(recompute, [cost] * 3, 100, None).peak_bytes == 100 + 6 + 10
+    graphed = evaluate(recompute, [cost] * 3, 100, None, graphs=graphs)
+    assert graphed.peak_bytes == 100 + 4 + 6 + 13 and graphed.graph_pool_bytes == 13
+    assert graphed.transient_bytes == 13 and graphed.static_bytes == 104
+    # a loss that needs more than the pool sets the transient; pool and loss never add up
+    assert evaluate(recompute, [cost] * 3, 100, None, outside=20, graphs=graphs).peak_bytes == 100 + 4 + 6 + 20
+    assert evaluate(recompute, [cost] * 3, 100, None, outside=20).peak_bytes == 100 + 6 + 20
+    # one kept layer: every layer runs eagerly, no pool, no buffers
+    mixed = evaluate(["recompute", "recompute", "keep"], [cost] * 3, 100, None, graphs=graphs)
+    assert mixed.graph_pool_bytes == 0 and mixed.peak_bytes == 100 + 2 + 2 + 10 + 10
+    # one micro-batch per step: the loss runs at the end of the forward, the pool during each layer's backward
+    fresh = planner.FreshGradients(layer=5, other=7)
+    plan = evaluate(recompute, [cost] * 3, 100 + 7 + 15, None, fresh, outside=9, graphs=graphs)
+    assert plan.peak_bytes == max(100 + 4 + 6 + 9, 100 + 4 + 7 + 5 + 6 + 13, 100 + 4 + 7 + 15 + 2 + 13)
+    # auto compares graphed and eager assignments on their own peaks
+    assert choose([cost] * 3, 100, 100 + 4 + 6 + 13, allowed=("recompute", "keep"), graphs=graphs).policies == \
+        recompute

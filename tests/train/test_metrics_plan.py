@@ -131,3 +131,32 @@ def test_moe_matmul_params_count_the_active_experts():
     attention = h * (4096 + 2 * 512) + 4096 * h
     assert count_matmul_params(dense_layer) == (2 * attention + 3 * h * 6144 + h * 128 + 8 * 3 * h * 768
                                                 + h * 151936)
+
+
+def test_the_loss_logits_buffer_is_a_transient_of_its_own():
+    """The fused loss runs at the end of the forward, apart from any layer's recompute: its logits buffer (as the
+    kernel plans it) is one transient, the recomputed layer's another, and the peak takes the larger. The seed's
+    full fine-tuning writes lm_head's gradient into the (tokens x vocab) logits (1.16 GiB, above the layer's
+    0.42): measured 32.0 GiB (H200, novatune with checkpointing), planned 31.25 without this term, 31.99 with it."""
+    from novatune.kernels.linear_cross_entropy import plan_mode
+    from novatune.train.memory import loss_transient_bytes
+    from novatune.train.model import model_config
+
+    seed = load(REPO / "examples" / "qwen3-4b-seed.yaml")
+    mconf = model_config(seed.model, None, None)
+    T, V, H = 4096, mconf.vocab_size, mconf.hidden_size
+    assert loss_transient_bytes(seed, mconf) == T * V * 2  # "inplace": the logits hold grad_W
+    lora = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["method.type=lora"])
+    chunk = plan_mode(T, V, H, torch.bfloat16, grad_weight=False)[1]
+    assert chunk < T and loss_transient_bytes(lora, mconf) == chunk * V * 2  # one token chunk, no grad_W
+    long = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["data.max_length=65536"])
+    mode, cols = plan_mode(65536, V, H, torch.bfloat16, grad_weight=True)
+    assert mode == "vocab" and loss_transient_bytes(long, mconf) == 65536 * cols * 2 + 65536 * H * 4
+    stock = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch=false"])
+    assert loss_transient_bytes(stock, mconf) == 0  # stock HF's logits are counted as static
+    est = plan(seed, gpu_mem_gib=141)
+    mp = est["memory_plan"]
+    assert mp.outside_transient_bytes == T * V * 2 and mp.transient_bytes == T * V * 2
+    assert est["peak"] == mp.static_bytes + mp.activation_bytes + T * V * 2
+    assert 31.995 * 0.99 * GiB <= est["peak"] <= 31.995 * 1.04 * GiB
+    assert "loss working memory" in render(est)
