@@ -40,8 +40,8 @@ def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, wind
         qd, kd, vd = (t[a:b].double() for t in (q, k, v))
         group = q.shape[1] // k.shape[1]
         kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
-        i = torch.arange(b - a)
-        allowed = torch.ones(b - a, b - a, dtype=torch.bool)
+        i = torch.arange(b - a, device=q.device)
+        allowed = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device)
         if right >= 0:
             allowed &= i[None, :] <= i[:, None] + right
         if left >= 0:
