@@ -5,9 +5,9 @@ its backward are its inputs: the checkpoint saves them as saved tensors of the o
 layer computes inside is recomputed. `OffloadEngine.layer(i)` wraps one layer's checkpoint call in
 `torch.autograd.graph.saved_tensors_hooks`, so those input saves pass through `_pack` / `_unpack`:
 
-  forward   _pack: the tensor is copied into a pooled (pinned) host buffer on a side stream (d2h) that first waits
-            for an event recorded on the compute stream; the device tensor is released to the allocator once that
-            copy has run (`record_stream`), so its memory serves the next layers.
+  forward   _pack: the tensor is copied into a pooled page-locked host buffer (memory/pinned.py) on a side stream
+            (d2h) that first waits for an event recorded on the compute stream; the device tensor is released to the
+            allocator once that copy has run (`record_stream`), so its memory serves the next layers.
   backward  _unpack of layer i (called when its recompute starts): its input was prefetched into one of two device
             slots while layer i+1 ran its backward; the compute stream waits on that copy's event only. It then
             asks for the previous offloaded layer's input to be copied into the other slot (h2d stream), after
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from novatune.memory.pinned import pinned_empty
 
 # Tensors smaller than this stay where they are: a copy's fixed cost (a few µs) outweighs the memory saved.
 MIN_OFFLOAD_BYTES = 1 << 20
@@ -147,7 +149,7 @@ class OffloadEngine:
             return pool.pop()
         shape, dtype = key
         self.stats["host_buffers"] += 1
-        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda), None
+        return (pinned_empty(shape, dtype) if self.cuda else torch.empty(shape, dtype=dtype)), None
 
     def _release_host(self, key: tuple, host: Tensor, last_use) -> None:
         self.free_host.setdefault(key, []).append((host, last_use))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from novatune.memory.pinned import page_rounded
 from novatune.memory.policy import POLICIES
 
 GiB = 2**30
@@ -141,7 +142,7 @@ class Plan:
     graph_pool_bytes: int = 0  # the CUDA graphs' pool, where the layers run as graphs (else 0; their buffers are
     # in static_bytes)
     outside_transient_bytes: int = 0  # the work outside the decoder layers (the loss's logits buffer)
-    offloaded_bytes: int = 0  # layer inputs in pinned host memory (as the pinned allocator rounds them)
+    offloaded_bytes: int = 0  # layer inputs in page-locked host memory (whole pages)
     host_budget_bytes: int | None = None  # what they may take (None: not checked)
 
     @property
@@ -178,10 +179,6 @@ class HostBudget:
     """Pinned host memory the offloaded layer inputs may take (the planner never plans past it)."""
     bytes: int
     source: str
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _recomputed(policy: str) -> bool:
@@ -234,8 +231,8 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
         transient = peak - base - kept - slots
     seconds = sum(c.seconds[p] for c, p in zip(costs, policies))
     fits = budget is None or peak <= budget
-    # torch's pinned-memory allocator rounds each block up to a power of two
-    offloaded = sum(_pow2_ceil(c.input_bytes) for c, p in zip(costs, policies) if p == "offload")
+    # each input in a page-locked buffer of its own size (memory/pinned.py)
+    offloaded = sum(page_rounded(c.input_bytes) for c, p in zip(costs, policies) if p == "offload")
     if host is not None and offloaded > host.bytes:
         fits = False
     return Plan(list(policies), peak, seconds, fits, budget, static_bytes, kept, transient, graph_pool_bytes=pool,

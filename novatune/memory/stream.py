@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes  # torch's own escape from dispatch modes
 
+from novatune.memory.pinned import pinned_empty
+
 SLOTS = 2
 
 
@@ -149,7 +151,7 @@ class FrozenWeightStreamer:
             entry.params.append((p, p.dtype, sizes[p.dtype], p.numel(), p.shape))
             sizes[p.dtype] += p.numel()
         for dtype, n in sizes.items():
-            entry.host[dtype] = torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+            entry.host[dtype] = pinned_empty(n, dtype) if self.cuda else torch.empty(n, dtype=dtype)
         for p, dtype, off, n, _ in entry.params:
             entry.host[dtype][off:off + n].copy_(p.data.reshape(-1))  # synchronous: complete on return
         self.entries[entry.index] = entry

@@ -266,7 +266,7 @@ def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware)
 
 def host_message(plan: planner.Plan) -> str:
     return (f"the offloaded layer inputs need {plan.offloaded_bytes / GiB:.1f} GiB of pinned host memory (blocks "
-            f"rounded to powers of two) but the host budget is {(plan.host_budget_bytes or 0) / GiB:.1f} GiB "
+            f"in whole pages) but the host budget is {(plan.host_budget_bytes or 0) / GiB:.1f} GiB "
             f"({HOST_SHARE:.0%} of the host's available memory)")
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from novatune.memory import planner
+from novatune.memory.pinned import PAGE, page_rounded
 from novatune.memory.planner import LayerCost, LayerShape, choose, evaluate, saved_elements_per_token
 
 # 4 identical layers: keep 10 bytes, selective 6, recompute 1, offload 0 (+ two 1-byte slots); a recomputed
@@ -209,7 +210,7 @@ def test_offload_past_the_host_budget_does_not_fit():
     cost = LayerCost(bytes={"keep": 10, "recompute": 2, "selective": 6, "offload": 0},
                      seconds={"keep": 1, "recompute": 2, "selective": 1.5, "offload": 2.1}, transient=10,
                      input_bytes=3)
-    host = planner.HostBudget(5, "test")  # one offloaded input of 3 bytes takes a pinned block of 4
+    host = planner.HostBudget(PAGE + 5, "test")  # an offloaded input of 3 bytes page-locks one whole page
     assert evaluate(["offload", "recompute"], [cost] * 2, 0, None, host=host).fits
     assert not evaluate(["offload", "offload"], [cost] * 2, 0, None, host=host).fits
     assert choose([cost] * 3, 0, 30, host=host).policies.count("offload") <= 1
@@ -221,10 +222,24 @@ def test_a_plan_short_of_host_memory_says_so_not_gpu_memory():
     cost = LayerCost(bytes={"keep": 10, "recompute": 2, "selective": 6, "offload": 0},
                      seconds={"keep": 1, "recompute": 2, "selective": 1.5, "offload": 2.1}, transient=10,
                      input_bytes=3 * 2**30)
-    plan = evaluate(["offload", "offload"], [cost] * 2, 0, 100 * 2**30, host=planner.HostBudget(6 * 2**30, "test"))
-    assert plan.offloaded_bytes == 8 * 2**30 and plan.host_limited and not plan.fits
+    plan = evaluate(["offload", "offload"], [cost] * 2, 0, 100 * 2**30, host=planner.HostBudget(5 * 2**30, "test"))
+    assert plan.offloaded_bytes == 6 * 2**30 and plan.host_limited and not plan.fits
     message = no_fit_message(plan, "offload", "test budget")
-    assert "fits the GPU" in message and "8.0 GiB of pinned host memory" in message and "6.0 GiB" in message
+    assert "fits the GPU" in message and "6.0 GiB of pinned host memory" in message and "5.0 GiB" in message
+
+
+def test_offloaded_inputs_page_lock_their_own_size():
+    """Offloaded inputs live in registered host buffers of their own size (memory/pinned.py), not in torch's pinned
+    blocks rounded up to powers of two: 35 inputs of 2.73 GiB (a 358k-token row of Qwen3-8B) take 95.6 GiB, not
+    140, and fit an 84 GiB budget only partly offloaded."""
+    size = int(2.73 * 2**30)
+    cost = LayerCost(bytes={"keep": 10 * size, "recompute": size, "selective": 2 * size, "offload": 0},
+                     seconds={"keep": 1, "recompute": 2, "selective": 1.5, "offload": 2.1}, transient=size,
+                     input_bytes=size)
+    plan = evaluate(["offload"] * 35, [cost] * 35, 0, None, host=planner.HostBudget(84 * 2**30, "test"))
+    assert plan.offloaded_bytes == 35 * page_rounded(size) < 96 * 2**30 and not plan.fits
+    assert evaluate(["offload"] * 30 + ["recompute"] * 5, [cost] * 35, 0, None,
+                    host=planner.HostBudget(84 * 2**30, "test")).fits
 
 
 def test_graphed_layers_count_the_pool_in_place_of_the_eager_transient():

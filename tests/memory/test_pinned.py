@@ -1,0 +1,41 @@
+"""Page-locked host buffers of their own size (novatune/memory/pinned.py)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from novatune.memory.pinned import PAGE, page_rounded, pinned_empty
+
+
+def test_page_rounding():
+    assert page_rounded(0) == 0 and page_rounded(1) == PAGE and page_rounded(PAGE) == PAGE
+    assert page_rounded(int(2.73 * 2**30)) < int(2.73 * 2**30) + PAGE
+
+
+@pytest.mark.gpu
+def test_gpu_registered_buffer_is_pinned_copies_asynchronously_and_unregisters():
+    """A registered buffer counts as pinned; a non_blocking round trip through it on a side stream returns the
+    values; once the tensor is collected the same memory is no longer page-locked (registering it again works)."""
+    n = 3 * 2**20 + 7  # not a power of two
+    host = pinned_empty((n,), torch.float32)
+    assert host.is_pinned()
+    src = torch.randn(n, device="cuda")
+    back = torch.full((n,), float("nan"), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(src, non_blocking=True)
+        back.copy_(host, non_blocking=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(back, src)
+    ptr = host.data_ptr()
+    del host
+    gc.collect()
+    cudart = torch.cuda.cudart()
+    probe = torch.empty(n, dtype=torch.float32)
+    # the probe may or may not reuse the freed address; either way registering it must succeed (no leftover
+    # registration overlapping it)
+    assert int(cudart.cudaHostRegister(probe.data_ptr(), n * 4, 0)) == 0, ptr
+    cudart.cudaHostUnregister(probe.data_ptr())
