@@ -23,11 +23,17 @@ def page_rounded(nbytes: int) -> int:
 
 
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor in page-locked memory of its own size (module docstring)."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
+    """An uninitialised host tensor in page-locked memory of its own size (module docstring). The registered range
+    starts and ends on page boundaries, as cudaHostRegister asks."""
+    numel = 1
+    for n in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
+        numel *= int(n)
+    nbytes = page_rounded(numel * torch.empty((), dtype=dtype).element_size())
     if nbytes == 0:
-        return t
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    t = raw[start:start + nbytes].view(dtype)[:numel].view(shape)
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
