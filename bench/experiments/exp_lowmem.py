@@ -1,6 +1,7 @@
 """Experiment (issue 15, items 3-5): small cards and long rows, each stack in its own process, one call.
 
     python bench/experiments/exp_lowmem.py --results bench/results/experiments.jsonl [--blocks qlora-8b,...]
+    (a block's single row: --blocks long-ctx:8b-qlora-350k)
 
 Rows (novatune's stack of `novatune bench`, each in a fresh process through novatune.bench.runner.run_worker):
   qlora-8b uncapped / capped   examples/qlora.yaml (Qwen3-8B, NF4, LoRA r16, 2048-token rows, GA 4): the same run
@@ -70,9 +71,12 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=150)
     args = p.parse_args(argv)
     run_dir = Path(tempfile.mkdtemp(prefix="exp_lowmem_"))
-    for block in args.blocks.split(","):
+    for wanted in args.blocks.split(","):
+        block, _, only = wanted.partition(":")
         rows = []
         for label, config, overrides, cap, *stack in BLOCKS[block]:
+            if only and label != only:
+                continue
             spec = {"stack": stack[0] if stack else "novatune",
                     "stack_dir": str(run_dir / block / label.replace("=", "_")), "config": config,
                     "overrides": overrides, "warm": args.warm, "steps": args.steps, "peak_tflops": None,
