@@ -29,7 +29,7 @@ expert output row once and writes each token once; and the backward never needs 
 forward does not keep them (S x H per layer). Every kernel accumulates in fp32 and rounds once at the store
 (round-to-nearest-even, bit-identical under the interpreter). Launchers take optional preallocated outputs so tests
 can poison them; all tensors are contiguous (the launchers make them so). On CUDA every launch takes the lean path
-(novatune.kernels.launch): the MoE layer runs seven of these launches per forward and backward, and the step is
+(novatune.kernels.launch): the MoE layer runs eight of these launches per forward and backward, and the step is
 host-bound.
 """
 from __future__ import annotations
