@@ -29,7 +29,7 @@ expert output row once and writes each token once; and the backward never needs 
 forward does not keep them (S x H per layer). Every kernel accumulates in fp32 and rounds once at the store
 (round-to-nearest-even, bit-identical under the interpreter). Launchers take optional preallocated outputs so tests
 can poison them; all tensors are contiguous (the launchers make them so). On CUDA every launch takes the lean path
-(novatune.kernels.launch): the MoE layer runs seven of these launches per forward and backward, and the step is
+(novatune.kernels.launch): the MoE layer runs eight of these launches per forward and backward, and the step is
 host-bound.
 """
 from __future__ import annotations
@@ -195,8 +195,8 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = N
     s, h = idx.shape[0], x.shape[1]
     out = _out(out, (s, h), x)
     block = block or default_block(h)
-    if s:
-        _GATHER[(s, cdiv(h, block))](x, idx, out, h, div, idx, idx, idx, s, 0, BLOCK=block, ROUTING=False)
+    if s:  # the routing arguments are unused: constant zeros keep one compiled variant and one lean-launch key
+        _GATHER[(s, cdiv(h, block))](x, idx, out, h, div, idx, idx, idx, 0, 0, BLOCK=block, ROUTING=False)
     return out
 
 

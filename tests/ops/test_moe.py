@@ -13,6 +13,7 @@ import transformers
 
 from novatune.measure.numerics import assert_close
 from novatune.ops import moe as M
+from novatune.ops._backend import interpreter_on
 from novatune.reference import moe as R
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -66,20 +67,20 @@ ROUTE_RECIPES = {"qwen3_moe": dict(renormalize=True), "qwen3_moe_no_norm": dict(
 @pytest.mark.parametrize("recipe", sorted(ROUTE_RECIPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t,e,k", [(13, 7, 3), (5, 128, 8), (1, 3, 1)], ids=lambda v: str(v))
-def test_route_trains_through_its_one_kernel_backward(t, e, k, dtype, recipe):
+def test_route_trains_through_its_one_kernel_backward(t, e, k, dtype, recipe, device):
     """route with a gradient (the one-kernel backward): the same weights and ids as the plain recipe bit for bit,
     and the logits' gradient of autograd through it in fp32 (bf16: one rounding of the output and of dw, the
     bf16 softmax of GPT-OSS's recipe -> 1e-2)."""
     kw = ROUTE_RECIPES[recipe]
     gen = torch.Generator().manual_seed(t * e)
-    logits = (2 * torch.randn(t, e, generator=gen)).to(dtype).requires_grad_()
+    logits = (2 * torch.randn(t, e, generator=gen)).to(dtype).to(device).requires_grad_()
     w, ids = M.route(logits, k, **kw)
     assert "RouteFunction" in type(w.grad_fn).__name__, "the one-kernel backward is the path under test"
     plain_w, plain_ids = R.route_ref(logits.detach(), k, **kw)
     assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w)
     ref_logits = logits.detach().float().requires_grad_()
     ref_w, _ = R.route_ref(ref_logits, k, **{**kw, "weights_dtype": torch.float32})
-    dw = torch.randn(t, k, generator=gen).to(w.dtype)
+    dw = torch.randn(t, k, generator=gen).to(w.dtype).to(device)
     (got,) = torch.autograd.grad(w, logits, dw)
     (ref,) = torch.autograd.grad(ref_w, ref_logits, dw.float())
     assert got.dtype == dtype
@@ -297,6 +298,8 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "alias", "t", "transpose", "permute
 _HOST_READS = {"_local_scalar_dense", "nonzero", "item", "is_nonzero", "equal"}
 
 
+@pytest.mark.skipif(not interpreter_on(), reason="counts the CUDA code path on the CPU, through the Triton "
+                    "interpreter (on a GPU machine: bench/experiments/exp_moe_host.py --device cuda)")
 def test_moe_block_host_work(monkeypatch):
     """The MoE step is host-bound on a GPU, so the launches of one block are part of its contract: a patched
     Qwen3-MoE block's forward and backward on the Triton path (interpreted) issue exactly these Triton launches
