@@ -3,7 +3,9 @@
 torch's pinned allocator (`torch.empty(..., pin_memory=True)`) rounds every block up to a power of two: a 2.73 GiB
 layer input of a 358k-token row takes 4 GiB of page-locked memory, and 35 of them ask the host for 140 GiB instead of
 96. Here the buffer is ordinary host memory registered with CUDA (`cudaHostRegister`): page-locked at its own size
-(rounded to whole pages), so copies from and into it run asynchronously on a stream like any pinned tensor's. The
+(rounded to whole pages), so copies from and into it run asynchronously on a stream like any pinned tensor's
+(torch's `is_pinned()` knows only its own allocator's blocks and says False; its non_blocking copies call
+cudaMemcpyAsync either way). The
 registration ends when the tensor returned here is garbage-collected: callers keep that tensor (not only views of
 it) for as long as they use the memory, as the offload engine's pool and the weight streamer do.
 """

@@ -16,11 +16,14 @@ def test_page_rounding():
 
 @pytest.mark.gpu
 def test_gpu_registered_buffer_is_pinned_copies_asynchronously_and_unregisters():
-    """A registered buffer counts as pinned; a non_blocking round trip through it on a side stream returns the
-    values; once the tensor is collected the same memory is no longer page-locked (registering it again works)."""
+    """The buffer's pages are registered with CUDA (registering them again is refused as already registered; torch's
+    is_pinned() knows only its own allocator's blocks); a non_blocking round trip through it on a side stream
+    returns the values; once the tensor is collected the registration is gone."""
     n = 3 * 2**20 + 7  # not a power of two
     host = pinned_empty((n,), torch.float32)
-    assert host.is_pinned()
+    cudart = torch.cuda.cudart()
+    assert host.data_ptr() % PAGE == 0
+    assert int(cudart.cudaHostRegister(host.data_ptr(), PAGE, 0)) != 0  # cudaErrorHostMemoryAlreadyRegistered
     src = torch.randn(n, device="cuda")
     back = torch.full((n,), float("nan"), device="cuda")
     side = torch.cuda.Stream()
@@ -33,7 +36,6 @@ def test_gpu_registered_buffer_is_pinned_copies_asynchronously_and_unregisters()
     ptr = host.data_ptr()
     del host
     gc.collect()
-    cudart = torch.cuda.cudart()
     probe = torch.empty(n, dtype=torch.float32)
     # the probe may or may not reuse the freed address; either way registering it must succeed (no leftover
     # registration overlapping it)
