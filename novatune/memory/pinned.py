@@ -37,10 +37,15 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     start = -raw.data_ptr() % PAGE
     t = raw[start:start + nbytes].view(dtype)[:numel].view(shape)
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (CUDA error {int(err)}): the host "
-                           f"could not page-lock the memory; lower the offloaded bytes (data.max_length, "
-                           f"memory.policy) or free host memory")
+    try:
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+    except RuntimeError as e:  # torch's binding raises on a CUDA error (torch.AcceleratorError)
+        err, detail = -1, str(e).splitlines()[0]
+    else:
+        detail = f"CUDA error {err}"
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed ({detail}): the host could not "
+                           f"page-lock the memory; lower the offloaded bytes (data.max_length, memory.policy) or "
+                           f"free host memory")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t

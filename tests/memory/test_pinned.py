@@ -23,7 +23,8 @@ def test_gpu_registered_buffer_is_pinned_copies_asynchronously_and_unregisters()
     host = pinned_empty((n,), torch.float32)
     cudart = torch.cuda.cudart()
     assert host.data_ptr() % PAGE == 0
-    assert int(cudart.cudaHostRegister(host.data_ptr(), PAGE, 0)) != 0  # cudaErrorHostMemoryAlreadyRegistered
+    with pytest.raises(RuntimeError, match="already"):  # cudaErrorHostMemoryAlreadyRegistered
+        cudart.cudaHostRegister(host.data_ptr(), PAGE, 0)
     src = torch.randn(n, device="cuda")
     back = torch.full((n,), float("nan"), device="cuda")
     side = torch.cuda.Stream()
@@ -39,5 +40,17 @@ def test_gpu_registered_buffer_is_pinned_copies_asynchronously_and_unregisters()
     probe = torch.empty(n, dtype=torch.float32)
     # the probe may or may not reuse the freed address; either way registering it must succeed (no leftover
     # registration overlapping it)
-    assert int(cudart.cudaHostRegister(probe.data_ptr(), n * 4, 0)) == 0, ptr
+    assert int(cudart.cudaHostRegister(probe.data_ptr(), n * 4, 0)) == 0, ptr  # raises if still registered
     cudart.cudaHostUnregister(probe.data_ptr())
+
+
+def test_a_registration_the_host_refuses_names_the_fix(monkeypatch):
+    """torch's cudart binding raises on a CUDA error: the caller gets the size and what to lower, not the raw error."""
+    class Refusing:
+        def cudaHostRegister(self, ptr, size, flags):
+            raise RuntimeError("CUDA error: out of memory\nmore")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 0\.00 GiB failed \(CUDA error: out of memory\).*"
+                                           r"data\.max_length"):
+        pinned_empty((1000,), torch.float32)
