@@ -3,25 +3,12 @@ call builds its PackedBatch without a device-to-host copy (novatune/patch/host_o
 import sys
 
 import pytest
-import test_trainers as trainers_tests
 import torch
-import transformers
 from test_trainers import assert_losses_match, sft_trainer, train_recording_losses
 
 import novatune
 from novatune.attention.packed import PackedBatch
 from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets, HostOffsetsCollator, host_offsets_of
-from novatune.train.demo import DEMO_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return trainers_tests.dataset.__wrapped__()
 
 
 @pytest.mark.parametrize("mode", ["packing", "padding_free"])

@@ -5,24 +5,10 @@ import types
 
 import pytest
 import torch
-import transformers
 from test_trainers import sft_trainer
 
 import novatune
 from novatune.patch import trainer_syncs
-from novatune.train.demo import DEMO_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    import test_trainers
-
-    return test_trainers.dataset.__wrapped__()
 
 
 def _logged_losses(trainer) -> list[float]:

@@ -6,7 +6,6 @@ Tolerance: fp32 end to end (bf16=False: TRL's default bf16 autocast would add ~1
 patched path differs from stock only in summation order (kernels under the Triton interpreter, the fused loss summed
 per chunk) -> ~1e-6 relative per op; over 4 micro-steps with 2 AdamW updates the losses stay within 2e-5 relative
 (measured: <= 2e-7)."""
-import random
 import time
 
 import pytest
@@ -15,25 +14,11 @@ import transformers
 
 import novatune
 from novatune.patch import loss as loss_module
-from novatune.train.demo import DEMO_DIR
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 REL_TOL = 2e-5
-WORDS = "apple book marble pencil sticker cookie shell coin stamp card one two three plus minus equals".split()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(str(DEMO_DIR / "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    rng = random.Random(0)
-    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))} for _ in range(24)]
-    return datasets.Dataset.from_list(rows)
 
 
 def tiny_qwen3(tokenizer, seed=0):
