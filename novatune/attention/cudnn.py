@@ -199,7 +199,7 @@ def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, 
                 torch.autocast(device.type, enabled=False):
             out = cudnn_attention(q, k, v, packed, d ** -0.5)
             grads = torch.autograd.grad(out, (q, k, v), grad_out)
-            ref = attention_ref(*exact, packed)
+            ref = attention_ref(exact[0], exact[1], exact[2], packed)
             ref_grads = torch.autograd.grad(ref, exact, grad_out.float())
     except torch.OutOfMemoryError:
         raise
