@@ -177,16 +177,18 @@ def _streaming(cfg, mconf, plan: planner.Plan, costs, policies_plan, hw, host, s
 OUTSIDE_LAYERS_HIDDEN = 8
 
 
-def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
-    """The decoder layers' CUDA graphs (patch/graphs.py), where the run captures them: novatune.patch
-    on, model.patch_options.cuda_graphs not false (its "auto" captures LoRA/QLoRA layers only), a GPU, one process
-    without FSDP2 (its module hooks keep the layers eager). None where the layers always run eagerly. The planner
-    counts them only for an assignment the graphs take (every layer recomputed)."""
+def layer_graphs_asked(cfg) -> bool:
+    """The run asks for novatune's CUDA graphs of the decoder layers (patch/graphs.py): novatune.patch on and
+    model.patch_options.cuda_graphs not false; its "auto" captures LoRA/QLoRA layers only."""
     graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-    if not cfg.model.patch or graphs is False or cfg.model.device == "cpu" or shards != 1 \
-            or cfg.parallel.strategy == "fsdp2":
-        return None
-    if graphs == "auto" and cfg.method.type not in ("lora", "qlora"):
+    return bool(cfg.model.patch) and graphs is not False and (graphs is True or cfg.method.type in ("lora", "qlora"))
+
+
+def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
+    """The decoder layers' CUDA graphs, where the run captures them: asked for (layer_graphs_asked), a GPU, one
+    process without FSDP2 (its module hooks keep the layers eager). None where the layers always run eagerly. The
+    planner counts them only for an assignment the graphs take (every layer recomputed)."""
+    if not layer_graphs_asked(cfg) or cfg.model.device == "cpu" or shards != 1 or cfg.parallel.strategy == "fsdp2":
         return None
     tokens, dtype_bytes = cfg.train.micro_batch * cfg.data.max_length, 4 if cfg.model.dtype == "fp32" else 2
     return planner.LayerGraphs(pool=max((c.graph_pool for c in costs), default=0),
@@ -198,8 +200,6 @@ def loss_transient_bytes(cfg, mconf) -> int:
     cross-entropy's logits buffer, as its kernel plans it (one (chunk x vocab) block; the (tokens x vocab) logits
     into which lm_head's gradient is written in its in-place mode; one (tokens x slice) block and an fp32 input
     gradient in its vocab-slice mode). Stock HF's logits are static already (est["logits_stock"])."""
-    import torch
-
     from novatune.kernels.linear_cross_entropy import plan_mode
 
     if not cfg.model.patch:

@@ -48,6 +48,7 @@ from novatune.train.memory import (
     ASSUMED,
     MemoryPlan,
     configure_allocator,
+    layer_graphs_asked,
     needs_checkpointing,
     plan_for_run,
     start_streaming,
@@ -98,10 +99,9 @@ def row_padding(cfg) -> int | None:
     eager (its random draws), and rows of their own length keep PEFT's draws."""
     mode = cfg.data.pad_rows
     if mode == "auto":
-        graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-        layer_graphs = (cfg.model.patch and cfg.method.type in ("lora", "qlora") and graphs is not False
-                        and not cfg.method.dropout)
-        mode = "max_length" if cfg.data.packing and layer_graphs else "longest"
+        lora = cfg.method.type in ("lora", "qlora")
+        mode = ("max_length" if cfg.data.packing and lora and layer_graphs_asked(cfg) and not cfg.method.dropout
+                else "longest")
     return cfg.data.max_length if mode == "max_length" else None
 
 
