@@ -30,6 +30,13 @@
 #   FAMILY_STACKS (default stock,liger-peer,novatune), rows in $OUT/families.jsonl, and the acceptance lines
 #   (novatune >= 1.5x stock and >= 1.1x the Liger peer, losses within bf16 noise of stock's); < 9 min (timeouts 60 +
 #   2 x 255 s; each bench ~2.5-4 min: 2 warm-up + 4 timed steps per stack, model build and compiles included).
+#   multigpu: issue 17's multi-GPU run (not in the default list; a machine of 2+ GPUs): the GPU tests of tests/parallel
+#   (2 GPUs against one, kill and resume), then `novatune bench examples/qwen3-4b-seed.yaml --nproc N` for N in
+#   MULTI_NPROC (default "2 4", skipped above the GPUs present) with MULTI_STACKS (default
+#   novatune,novatune_ddp,novatune_fsdp2: one process at the same global batch beside DDP and FSDP2 on N GPUs),
+#   MULTI_VARIANT ("key=value ..."): novatune_fsdp2 on 2 GPUs once more with those settings; then Qwen3-8B full
+#   fine-tuning on 8192-token rows under FSDP2 on MULTI_8B GPUs (default 2; empty: not run); MULTI_TESTS=0 skips
+#   the tests; rows in $OUT/multigpu.jsonl; < 10 min on 4 GPUs.
 #   cudnn: issue 19's cuDNN attention backend (not in the default list; its fast path is the nvidia-cudnn-frontend
 #   wheel in .whl/): its GPU tests (values vs the fp32 reference, document isolation, frontend and aten paths),
 #   bench/bench_attention.py with varlen / cudnn / cudnn_aten / cudnn_exact at the headline shapes, then `novatune
@@ -232,6 +239,49 @@ if has lowmem; then
   timeout ${LOWMEM_TIMEOUT:-330} python3 bench/experiments/exp_lowmem.py --results "$OUT/lowmem.jsonl" \
     --blocks ${LOWMEM_BLOCKS:-qlora-8b,lora-r16,long-4b} 2>&1 | tee "$OUT/lowmem.log" | grep -v "^\[" | tail -n 12
   summary+=("exp_lowmem: exit ${PIPESTATUS[0]}")
+fi
+if has multigpu; then
+  # NVLink multicast stays off in every process (the machines' rule; torchrun passes the environment on)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "${MULTI_TESTS:-1}" = 1 ]; then
+    timeout 200 python3 -m pytest -q -m gpu tests/parallel 2>&1 | tee "$OUT/multigpu_tests.log" | tail -n 6
+    summary+=("multigpu tests: $(tail -n 1 "$OUT/multigpu_tests.log")")
+  fi
+  for n in ${MULTI_NPROC:-2 4}; do
+    [ "$n" -gt "$ngpu" ] && { summary+=("multigpu: $n GPUs asked, $ngpu here: not run"); continue; }
+    timeout ${MULTI_TIMEOUT:-300} python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "$n" \
+      --stacks ${MULTI_STACKS:-novatune,novatune_ddp,novatune_fsdp2} --steps ${MULTI_STEPS:-6} --timeout 150 \
+      --set data.sources.0.num_docs=$((600 * n)) --results "$OUT/multigpu.jsonl" --run-dir "$OUT/runs/seed_x$n" 2>&1 \
+      | tee "$OUT/multigpu_seed_x$n.log" | tail -n 12
+    summary+=("multigpu seed on $n GPUs: exit ${PIPESTATUS[0]}")
+  done
+  if [ -n "${MULTI_VARIANT:-}" ]; then  # e.g. "parallel.gradient_sync=step parallel.reshard_after_forward=false"
+    sets=(); for kv in $MULTI_VARIANT; do sets+=(--set "$kv"); done
+    timeout 150 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc 2 --stacks novatune_fsdp2 \
+      --steps ${MULTI_STEPS:-6} --set data.sources.0.num_docs=1200 "${sets[@]}" --results "$OUT/multigpu.jsonl" \
+      --run-dir "$OUT/runs/variant" 2>&1 | tee "$OUT/multigpu_variant.log" | tail -n 6
+    summary+=("multigpu fsdp2 variant ($MULTI_VARIANT) on 2 GPUs: exit ${PIPESTATUS[0]}")
+  fi
+  if [ -n "${MULTI_8B:-2}" ] && [ "${MULTI_8B:-2}" -le "$ngpu" ]; then  # Qwen3-8B full fine-tuning at 8k
+    timeout 240 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "${MULTI_8B:-2}" --stacks novatune_fsdp2 \
+      --steps 4 --timeout 200 --set model.arch=qwen3-8b --set data.max_length=8192 \
+      --set data.sources.0.num_docs=1200 --results "$OUT/multigpu.jsonl" --run-dir "$OUT/runs/8b_8k" 2>&1 \
+      | tee "$OUT/multigpu_8b.log" | tail -n 8
+    summary+=("multigpu qwen3-8b 8k on ${MULTI_8B:-2} GPUs: exit ${PIPESTATUS[0]}")
+  fi
+  [ -f "$OUT/multigpu.jsonl" ] && python3 - "$OUT/multigpu.jsonl" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if r.get("status") != "ok":
+        print(f"multigpu {r['stack']:15s} {r.get('status')}: {str(r.get('reason'))[:160]}")
+        continue
+    sc = r.get("scaling")
+    print(f"multigpu {r['model_type']} seq {r['seq']} {r['stack']:15s} x{r.get('nproc', 1)} ga {r['grad_accum']:2d} "
+          f"{r['tok_s']:9.0f} tok/s ({r.get('tok_s_per_proc', r['tok_s']):7.0f}/GPU) scaling "
+          f"{'-' if sc is None else f'{sc:.3f}'} peak {r['peak_gib']} GiB/rank {r.get('peak_gib_per_rank')} "
+          f"planned {r.get('predicted_peak_gib')} loss vs 1 proc {r.get('loss_max_rel_diff_vs_one_process')}")
+PY
 fi
 echo; echo "=== summary ==="
 for s in "${summary[@]}"; do echo "$s"; done

@@ -10,6 +10,13 @@ own builder (novatune.train.session.build) and stepped with the session's step, 
 timed ones. Separate processes keep memory peaks, caches and Liger's process-wide class patching from leaking
 between stacks (docs/BENCHMARKS.md rule).
 
+Several GPUs (`--nproc N`): a stack with a parallel strategy (novatune_ddp, novatune_fsdp2) runs its worker under
+torchrun with N processes, `grad_accum` micro-batches per rank; every other stack trains the same global batch in
+one process (grad_accum x N): the same rows in the same order per optimizer step, so the per-step losses compare
+directly and the `novatune` row is the one-process reference of the parallel rows (x_one_process, scaling,
+loss_max_rel_diff_vs_one_process). One process at grad_accum x N amortises its optimizer step over more tokens
+than one rank does, so the scaling it gives is, if anything, low.
+
 Figures (docs/BENCHMARKS.md): tokens/s = real (non-padding) tokens of the timed steps / their wall time; peak GiB =
 torch.cuda.max_memory_allocated() over the timed steps (reset after warm-up); FLOPs/token = 6 x matmul params
 + attention causal within documents (novatune.train.metrics.flops_per_token, from the timed batches' own
@@ -45,8 +52,12 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       attention_backend: str | null, cuda_graphs: dict (patched stacks), liger_version: str | null,
       pack: PackStats.to_dict(), memory: dict | str (--memory), profile: dict, trace: str (--profile),
       process_wall_s: float, x_stock: float | null, x_peer: float | null, best_peer: str | null,
-      loss_max_rel_diff_vs_stock: float | null   (max over steps of |loss - stock| / |stock|)
-  <run_dir>/summary.json       {"config", "overrides", "stacks": [names in run order], "warm", "steps",
+      loss_max_rel_diff_vs_stock: float | null   (max over steps of |loss - stock| / |stock|),
+      nproc: int (processes that trained the stack; tok_s, timed_tokens and tokens_per_step are their total, mfu
+      and peak_gib per process: peak_gib the largest rank's), tok_s_per_proc: float, peak_gib_per_rank: [float],
+      x_one_process: float | null (tok_s / the one-process novatune row's, same global batch), scaling: float |
+      null (x_one_process / nproc), loss_max_rel_diff_vs_one_process: float | null
+  <run_dir>/summary.json       {"config", "overrides", "stacks": [names in run order], "warm", "steps", "nproc",
                                "peak_tflops", "peak_tflops_source", "rows": [the bench.jsonl rows],
                                "speedup": {"novatune_vs_stock", "novatune_vs_peer", "peer_vs_stock"} (null when a
                                side did not run), "env": results.environment(), "exit_code": int}
@@ -67,6 +78,7 @@ import time
 from pathlib import Path
 
 from novatune.bench.stacks import STACKS, load_plugins
+from novatune.parallel.launch import torchrun_command
 
 PEERS = ("liger-peer", "unsloth", "hf-varlen")  # the stacks x_peer compares with (the fastest that ran)
 
@@ -92,27 +104,58 @@ def _absent_row(stack: str, reason: str) -> dict:
     return {"stack": stack, "status": "absent", "reason": reason, "description": STACKS[stack].description}
 
 
+def worker_command(spec_path: Path, nproc: int) -> list[str]:
+    """One stack's worker: this Python, or torchrun with `nproc` processes for a parallel stack."""
+    if nproc > 1:
+        return torchrun_command(nproc, [str(spec_path)], module="novatune.bench.worker")
+    return [sys.executable, "-m", "novatune.bench.worker", str(spec_path)]
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> int | None:
+    """The worker's exit code; None after a timeout. On a timeout, or when this driver is stopped (SIGTERM,
+    Ctrl-C), the worker's whole process group goes (torchrun and its ranks too), so nothing stays on the GPU."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        return None
+    except BaseException:
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_worker(spec: dict, timeout: float | None) -> dict:
-    """One stack in a fresh Python process; returns its result row (status failed, with the log's tail, if the
-    process died or wrote no result)."""
+    """One stack in a fresh Python process (or `spec["nproc"]` of them under torchrun); returns its result row
+    (status failed, with the log's tail, if the process died or wrote no result)."""
     stack, stack_dir = spec["stack"], Path(spec["stack_dir"])
     stack_dir.mkdir(parents=True, exist_ok=True)
     result_path = stack_dir / "result.json"
     result_path.unlink(missing_ok=True)
     (stack_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-    cmd = [sys.executable, "-m", "novatune.bench.worker", str(stack_dir / "spec.json")]
+    cmd = worker_command(stack_dir / "spec.json", spec.get("nproc", 1))
     env = dict(os.environ)
     # the worker must import this same novatune (a source checkout is not necessarily installed)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a bench started under torchrun: its workers make their own groups
     log = stack_dir / "worker.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        code = _wait(proc, timeout)
     wall = time.perf_counter() - t0
     if result_path.exists():
         row = json.loads(result_path.read_text())
@@ -148,6 +191,12 @@ def add_ratios(rows: list[dict]) -> dict:
         r["best_peer"] = peer["stack"] if peer else None
         r["loss_max_rel_diff_vs_stock"] = _max_rel_diff(r["losses"], stock["losses"]) if stock and ran else None
     nova = ok.get("novatune")
+    one = nova if nova is not None and nova.get("nproc", 1) == 1 else None
+    for r in rows:  # the parallel rows against one process training the same global batch
+        parallel = r.get("status") == "ok" and r.get("nproc", 1) > 1 and one is not None
+        r["x_one_process"] = round(r["tok_s"] / one["tok_s"], 4) if parallel else None
+        r["scaling"] = round(r["tok_s"] / (one["tok_s"] * r["nproc"]), 4) if parallel else None
+        r["loss_max_rel_diff_vs_one_process"] = _max_rel_diff(r["losses"], one["losses"]) if parallel else None
 
     def ratio(a, b):
         return round(a["tok_s"] / b["tok_s"], 4) if a and b else None
@@ -156,16 +205,31 @@ def add_ratios(rows: list[dict]) -> dict:
             "peer_vs_stock": ratio(peer, stock)}
 
 
+def stack_procs(stack: str, nproc: int) -> tuple[int, int]:
+    """(processes, grad_accum multiplier) of one stack in a bench with `nproc` processes: a parallel stack runs on
+    nproc ranks as configured; any other stack in one process at grad_accum x nproc (the same global batch)."""
+    if nproc <= 1:
+        return 1, 1
+    if STACKS[stack].strategy is not None:
+        return nproc, 1
+    return 1, nproc
+
+
 def _run_stacks(rows: list, cfg, spec: dict, stacks: list[str], run_dir: Path, timeout, log) -> None:
     for stack in stacks:
         why = STACKS[stack].unavailable(cfg) if STACKS[stack].unavailable is not None else None
+        procs, times = stack_procs(stack, spec.get("nproc", 1))
         if why is not None:
             row = _absent_row(stack, why)
         else:
-            log(f"[{stack}] running {spec['warm']} warm-up + {spec['steps']} timed steps (log: "
+            on = f" on {procs} processes" if procs > 1 else (f" in one process, grad_accum x {times} (the same "
+                                                              f"global batch)" if times > 1 else "")
+            log(f"[{stack}] running {spec['warm']} warm-up + {spec['steps']} timed steps{on} (log: "
                 f"{run_dir / stack / 'worker.log'})")
-            row = run_worker({**spec, "stack": stack, "stack_dir": str(run_dir / stack)}, timeout)
+            row = run_worker({**spec, "stack": stack, "stack_dir": str(run_dir / stack), "nproc": procs,
+                              "grad_accum_times": times}, timeout)
         row.setdefault("config", spec["config"] or "<demo>")
+        row.setdefault("nproc", procs)
         log(f"[{stack}] {row['status']}" + (f": {row['tok_s']:,.0f} tok/s, peak {row.get('peak_gib')} GiB, step ms "
                                              f"{row.get('step_ms')}" if row["status"] == "ok" else
                                              f": {row.get('reason', '')[:400]}"))
@@ -174,9 +238,10 @@ def _run_stacks(rows: list, cfg, spec: dict, stacks: list[str], run_dir: Path, t
 
 def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_dir: Path, warm: int, steps: int,
               timeout: float | None = None, profile: bool = False, log=print, results: str | None = None,
-              memory: bool = False, gc_freeze: bool = True, diag: bool = False) -> dict:
-    """Run every stack (one process each) and write the run directory described above; returns the summary.
-    `results`: a .jsonl file the rows are appended to as well (the repository's bench/results/)."""
+              memory: bool = False, gc_freeze: bool = True, diag: bool = False, nproc: int = 1) -> dict:
+    """Run every stack (one process each; a parallel stack on `nproc` under torchrun) and write the run directory
+    described above; returns the summary. `results`: a .jsonl file the rows are appended to as well (the
+    repository's bench/results/)."""
     from novatune.measure.results import environment, write_row
     from novatune.train.config import load_with_base, to_yaml
 
@@ -193,8 +258,8 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
         log(f"MFU denominator: {peak:.1f} TFLOP/s ({source})")
     spec = {"config": str(config) if config else None, "overrides": list(overrides), "warm": warm, "steps": steps,
             "peak_tflops": peak, "peak_source": source, "profile": profile, "memory": memory,
-            "gc_freeze": gc_freeze, "diag": diag}
-    # SIGTERM (e.g. `timeout` around the bench) becomes SystemExit, so subprocess.run kills the running worker
+            "gc_freeze": gc_freeze, "diag": diag, "nproc": nproc}
+    # SIGTERM (e.g. `timeout` around the bench) becomes SystemExit, so the running worker is stopped
     # instead of leaving it on the GPU behind the dead driver
     prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows: list[dict] = []
@@ -214,7 +279,8 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
             write_row(results, {k: v for k, v in r.items() if k != "time"})
     failed = [r["stack"] for r in rows if r["status"] == "failed"]
     summary = {"config": str(config) if config else "<demo>", "overrides": list(overrides), "stacks": stacks,
-               "warm": warm, "steps": steps, "peak_tflops": peak, "peak_tflops_source": source, "rows": written,
+               "warm": warm, "steps": steps, "nproc": nproc, "peak_tflops": peak, "peak_tflops_source": source,
+               "rows": written,
                "speedup": speedup, "env": environment(), "exit_code": 1 if failed else 0}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if stopped is not None:
@@ -245,6 +311,13 @@ def render_table(summary: dict) -> str:
         lines.append(f"per-step loss (steps 1..{len(ok[0]['losses'])}: the first {summary['warm']} warm-up):")
         for r in ok:
             lines.append(f"  {r['stack']:14s} " + " ".join(f"{x:.4f}" for x in r["losses"]))
+    for r in ok:
+        if r.get("nproc", 1) > 1:
+            lines.append(f"{r['stack']} on {r['nproc']} processes: {r['tok_s_per_proc']:,.0f} tok/s per process, "
+                         f"{_fmt(r.get('x_one_process'), '.3f')}x one process at the same global batch (scaling "
+                         f"{_fmt(r.get('scaling'), '.3f')}), losses within "
+                         f"{_fmt(r.get('loss_max_rel_diff_vs_one_process'), '.2e')} of its, peak GiB per rank "
+                         f"{r.get('peak_gib_per_rank')}")
     sp = summary["speedup"]
     lines.append("speedup: novatune/stock " + _fmt(sp["novatune_vs_stock"], ".3f") + ", novatune/peer "
                  + _fmt(sp["novatune_vs_peer"], ".3f") + ", peer/stock " + _fmt(sp["peer_vs_stock"], ".3f"))

@@ -27,8 +27,14 @@ with the function named by its module, imported only in that stack's worker:
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
   trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
-  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): one process, a one-member process group, each
-                  decoder layer and the root fully_shard-ed; what the sharding costs beside `novatune`
+  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): each decoder layer and the root fully_shard-ed;
+                  one process (a one-member group: what the sharding costs beside `novatune`), or `--nproc N`
+                  processes through torchrun
+  novatune_ddp    novatune under DistributedDataParallel (parallel.strategy=ddp): a whole replica per process, the
+                  gradients all-reduced once per optimizer step; one process, or `--nproc N` through torchrun
+A stack with a `strategy` runs under torchrun with `novatune bench --nproc N` processes; every other stack then
+trains the same global batch in one process (grad_accum x N), so its row is the one-process reference for the
+parallel rows' scaling and per-step losses (bench/runner.py).
 A stack that cannot run here gives a row with status "absent" and the reason; it is never dropped silently.
 """
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Stack:
     unavailable: Callable | None = None  # unavailable(cfg) -> reason it cannot run here, or None
     run: Callable | None = None  # run(spec, cfg, base_dir) -> row fields: a stack with its own trainer
     patched: bool = False  # the stack runs novatune.patch (its row records the attention backend, CUDA graphs)
+    strategy: str | None = None  # ddp | fsdp2: run with `--nproc` processes under torchrun
 
 
 def _missing(module: str, pip: str) -> Callable:
@@ -168,10 +175,13 @@ def _full_refused_under_qlora(cfg) -> str | None:
     return None
 
 
-def _fsdp2_refused_under_qlora(cfg) -> str | None:
-    if cfg.method.type == "qlora":
-        return "novatune_fsdp2: parallel.strategy fsdp2 refuses qlora (NF4 base weights cannot be sharded yet)"
-    return None
+def _parallel_refused_under_qlora(strategy: str) -> Callable:
+    def why(cfg) -> str | None:
+        if cfg.method.type == "qlora":
+            return (f"novatune_{strategy}: parallel.strategy {strategy} refuses qlora (bitsandbytes' NF4 base weights "
+                    f"can be neither sharded nor broadcast)")
+        return None
+    return why
 
 
 def run_from(target: str) -> Callable:
@@ -214,8 +224,10 @@ for _policy, _what in (("offload", "checkpointing with each layer's input offloa
     register(Stack(f"novatune_{_policy}", f"novatune, memory.policy {_policy}: {_what}",
                    NOVATUNE + ["memory.gradient_checkpointing=false",
                                f"memory.policy={'none' if _policy == 'keep' else _policy}"], patched=True))
-register(Stack("novatune_fsdp2", "novatune under FSDP2 (fully_shard, world size 1)",
-               NOVATUNE + ["parallel.strategy=fsdp2"], unavailable=_fsdp2_refused_under_qlora, patched=True))
+for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per decoder layer and the root)"),
+                         ("ddp", "DistributedDataParallel (a replica per process)")):
+    register(Stack(f"novatune_{_strategy}", f"novatune under {_what}", NOVATUNE + [f"parallel.strategy={_strategy}"],
+                   unavailable=_parallel_refused_under_qlora(_strategy), patched=True, strategy=_strategy))
 
 
 def load_plugins() -> None:

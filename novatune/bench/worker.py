@@ -2,7 +2,11 @@
 
 The spec (written by bench/runner.py) names the stack, the config and overrides, the step counts and the options:
   {"stack", "stack_dir", "config", "overrides", "warm", "steps", "peak_tflops", "peak_source",
-   "profile", "memory", "gc_freeze", "diag", "gpu_cap_gib" (optional: a GPU memory cap for the whole process)}
+   "profile", "memory", "gc_freeze", "diag", "gpu_cap_gib" (optional: a GPU memory cap for the whole process),
+   "nproc" (optional: the processes torchrun started for a parallel stack), "grad_accum_times" (optional: a
+   one-process stack in a bench of several processes trains grad_accum x this, the same global batch)}
+Under torchrun every rank builds and steps its part of the run; the totals (tokens, the slowest rank's wall time)
+and each rank's peak memory are gathered to rank 0, which alone writes the row.
 The run is built by novatune.train.session.build with the stack's overrides and hooks and stepped with the
 session's own step. The measurement (docs/BENCHMARKS.md's rules):
   * every optimizer step's micro-batches are collated before the first step and pinned on CUDA (a trainer's
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -42,7 +47,12 @@ def load_stack_config(spec: dict):
     stack = STACKS[spec["stack"]]
     total = spec["warm"] + spec["steps"]
     run = RUN_OVERRIDES + [f"checkpoint.output_dir={spec['stack_dir']}", f"train.max_steps={total}"]
-    return load_with_base(spec.get("config"), list(spec.get("overrides", [])) + stack.overrides + run)
+    overrides = list(spec.get("overrides", [])) + stack.overrides + run
+    cfg, base = load_with_base(spec.get("config"), overrides)
+    times = spec.get("grad_accum_times", 1)
+    if times > 1:
+        cfg, base = load_with_base(spec.get("config"), overrides + [f"train.grad_accum={cfg.train.grad_accum * times}"])
+    return cfg, base
 
 
 class Clock:
@@ -118,6 +128,22 @@ def timed_steps(session, spec: dict, log=print) -> dict:
             "reserved_bytes": torch.cuda.max_memory_reserved() if clock.cuda else None}
 
 
+def over_ranks(session, m: dict) -> dict:
+    """The timed steps' figures of the whole run: under several processes the tokens and attended keys are summed
+    over the ranks, the wall time is the slowest rank's, and the peaks are each rank's (peak_bytes the largest);
+    the losses are already the global batch's (the session sums them)."""
+    d = session.dist
+    per = d.gather({k: m[k] for k in ("timed_s", "tokens_per_step", "keys", "peak_bytes", "reserved_bytes")})
+    out = {**m, "nproc": len(per), "peak_bytes_per_rank": [p["peak_bytes"] for p in per]}
+    if len(per) > 1:
+        out.update(timed_s=max(p["timed_s"] for p in per), keys=sum(p["keys"] for p in per),
+                   tokens_per_step=[sum(col) for col in zip(*(p["tokens_per_step"] for p in per))])
+        if m["peak_bytes"] is not None:
+            out.update(peak_bytes=max(p["peak_bytes"] for p in per),
+                       reserved_bytes=max(p["reserved_bytes"] for p in per))
+    return out
+
+
 def diagnostics(session, spec: dict, stack: str) -> dict:
     """--memory (CUDA) and --profile, on the next micro-batch, after the timed steps (never inside them)."""
     from novatune.bench import diagnostics as diag
@@ -127,14 +153,15 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
         return extra
     batch = micro_batch_kwargs(session, session.stream.next())
     out = Path(spec["stack_dir"]).parent
+    name = stack if session.dist.main else f"{stack}.rank{session.dist.rank}"  # every rank runs the micro-step
     if spec.get("memory") and session.device.type == "cuda":
         try:
-            extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / stack))
+            extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / name))
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if spec.get("profile"):
-        extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / stack))
-        extra["trace"] = str(out / "traces" / f"{stack}.json")
+        extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name))
+        extra["trace"] = str(out / "traces" / f"{name}.json")
     return extra
 
 
@@ -145,7 +172,7 @@ def patch_facts(session) -> dict:
 
     choice = last_choice()
     facts = {"attention_backend": choice.backend if choice else None}
-    model = session.model
+    model = session.inner_model
     found = _find_state(model.get_base_model() if hasattr(model, "get_base_model") else model)
     if found is not None and found[1].graphs is not None:
         facts["cuda_graphs"] = found[1].graphs.stats()
@@ -184,12 +211,13 @@ def run_stack(spec: dict, log=print) -> dict:
         install_diagnostics()
     session = build(cfg, base, Console(soft_wrap=True), hooks.before_model, hooks.model_hook,
                     select=selection_for)
-    m = timed_steps(session, spec, log)
+    m = over_ranks(session, timed_steps(session, spec, log))
     extra = diagnostics(session, spec, stack.name)
     if stack.patched:
         extra.update(patch_facts(session))
     tokens = sum(m["tokens_per_step"])
     tps = tokens / m["timed_s"]
+    nproc = m["nproc"]
     fpt = session.flops_per_token(m["keys"] / max(1, tokens))
     peak, source = spec.get("peak_tflops"), spec.get("peak_source")
     if not peak:
@@ -208,17 +236,20 @@ def run_stack(spec: dict, log=print) -> dict:
         "tok_s": round(tps, 1), "timed_s": round(m["timed_s"], 6), "timed_tokens": tokens,
         "tokens_per_step": m["tokens_per_step"], "step_ms": m["step_ms"], "step_s": m["step_s"],
         "gflop_per_tok": _sig(fpt / 1e9),
-        "model_tflops": _sig(tps * fpt / 1e12), "mfu": round(tps * fpt / (peak * 1e12), 4) if peak else None,
+        "model_tflops": _sig(tps * fpt / 1e12),
+        "mfu": round(tps * fpt / (nproc * peak * 1e12), 4) if peak else None,
+        "nproc": nproc, "tok_s_per_proc": round(tps / nproc, 1),
+        "peak_gib_per_rank": [gib(b) for b in m["peak_bytes_per_rank"]] if m["peak_bytes"] is not None else None,
         "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
         "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),
         "losses": m["losses"], "grad_norms": m["grad_norms"], "gc_freeze": spec.get("gc_freeze", True),
-        "method": cfg.method.type, "model_class": type(session.model).__name__,
+        "method": cfg.method.type, "model_class": type(session.inner_model).__name__,
         "model_type": session.base_config.model_type, "params": n_total, "trainable_params": n_train,
-        "hf_attention": getattr(session.model.config, "_attn_implementation", None),
+        "hf_attention": getattr(session.inner_model.config, "_attn_implementation", None),
         "dtype": str(session.dtype).replace("torch.", ""), "device_type": session.device.type,
         "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum, "micro_batch": cfg.train.micro_batch,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, **memory_facts(session),
-        "nf4_embedding": type(session.model.get_input_embeddings()).__name__ == "NF4Embedding",
+        "nf4_embedding": type(session.inner_model.get_input_embeddings()).__name__ == "NF4Embedding",
         "patch": report.to_dict() if report is not None else None, "applied": hooks.applied,
         "liger_version": liger_version(), "pack": session.data.stats.to_dict(), "gpu_cap_gib": cap, **extra,
     }
@@ -271,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             code = 1
     row = {**base, **row}
-    (out / "result.json").write_text(json.dumps(row, indent=1))
-    print("RESULT " + json.dumps({k: row.get(k) for k in ("stack", "status", "tok_s", "peak_gib", "reason")}),
-          flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 writes the row of the whole run
+        (out / "result.json").write_text(json.dumps(row, indent=1))
+        print("RESULT " + json.dumps({k: row.get(k) for k in ("stack", "status", "tok_s", "peak_gib", "reason")}),
+              flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return code
 
 

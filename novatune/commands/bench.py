@@ -17,6 +17,8 @@ EPILOG = """examples:
   novatune bench examples/qwen3-4b-seed.yaml --stacks stock,novatune --set model.arch_overrides.num_hidden_layers=8
   novatune bench examples/lora.yaml --stacks stock,liger-peer,novatune,novatune_full
   novatune bench examples/qlora.yaml --stacks stock,novatune,novatune_eager --profile --memory
+  novatune bench examples/qwen3-4b-seed.yaml --nproc 2 --stacks novatune,novatune_ddp,novatune_fsdp2
+                                      # the parallel stacks on 2 GPUs beside one GPU at the same global batch
   novatune report /tmp/bench                                       # the report from the run directory
 """
 
@@ -29,6 +31,10 @@ def add_arguments(p) -> None:
                    help="comma list of stock, liger-peer, unsloth, novatune, novatune_full, novatune_eager "
                         "(the anchors' names hf_sdpa and varlen_liger are accepted); default: "
                         "stock,liger-peer,unsloth,novatune")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="processes (GPUs) for the parallel stacks novatune_ddp and novatune_fsdp2, under torchrun, "
+                        "grad_accum micro-batches per rank; the other stacks then train the same global batch in "
+                        "one process (grad_accum x N), the reference of the parallel rows' scaling and losses")
     p.add_argument("--warm", type=int, default=2, help="warm-up optimizer steps, not timed (default 2, min 1)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed optimizer steps (default: train.max_steps minus the warm-up)")
@@ -63,6 +69,7 @@ def run(args) -> int:
     if args.warm < 1:
         raise ConfigError("--warm", f"must be >= 1, got {args.warm}", "docs/BENCHMARKS.md asks for >= 2 warm-up steps")
     cfg, _ = load_config(args)  # config errors surface here, before any process starts
+    check_nproc(args.nproc, cfg, stacks)
     steps = args.steps if args.steps is not None else (cfg.train.max_steps or 0) - args.warm
     if steps < 1:
         raise ConfigError("--steps", f"{steps} timed steps (train.max_steps={cfg.train.max_steps}, --warm "
@@ -70,7 +77,7 @@ def run(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("bench")
     summary = run_bench(args.config, list(args.overrides), stacks, run_dir, args.warm, steps, args.timeout,
                         args.profile, results=args.results or None, memory=args.memory,
-                        gc_freeze=not args.no_gc_freeze, diag=args.diag)
+                        gc_freeze=not args.no_gc_freeze, diag=args.diag, nproc=args.nproc)
     print()
     print(render_table(summary))
     print(f"run directory: {run_dir}")
@@ -79,3 +86,25 @@ def run(args) -> int:
                       **{r["stack"]: (r["tok_s"] if r["status"] == "ok" else r["status"]) for r in summary["rows"]},
                       **sp}))
     return summary["exit_code"]
+
+
+def check_nproc(nproc: int, cfg, stacks: list[str]) -> None:
+    """--nproc: at least 1, a parallel stack to run with it, and as many GPUs as processes on a CUDA run."""
+    from novatune.bench.stacks import STACKS
+    from novatune.train.config import ConfigError
+
+    if nproc < 1:
+        raise ConfigError("--nproc", f"must be >= 1, got {nproc}", "pass the number of processes, e.g. 2")
+    if nproc == 1:
+        return
+    if not any(STACKS[s].strategy for s in stacks):
+        parallel = ", ".join(s for s in STACKS if STACKS[s].strategy)
+        raise ConfigError("--nproc", f"{nproc} processes, but none of the stacks {', '.join(stacks)} runs on several",
+                          f"add a parallel stack to --stacks ({parallel})")
+    if cfg.model.device != "cpu":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have and have < nproc:
+            raise ConfigError("--nproc", f"{nproc} processes, one GPU each, but this machine shows {have} GPU(s)",
+                              f"pass --nproc {have} or less (or set CUDA_VISIBLE_DEVICES)")

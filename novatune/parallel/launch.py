@@ -27,10 +27,10 @@ def strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The torchrun command line for `novatune <argv>` on `nproc` local processes."""
+def torchrun_command(nproc: int, argv: list[str], module: str = "novatune") -> list[str]:
+    """The torchrun command line for `python -m <module> <argv>` on `nproc` local processes."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "novatune", *strip_nproc(argv)]
+            "-m", module, *strip_nproc(argv)]
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:

@@ -62,7 +62,8 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
 
         ids = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        # the gradients are views into the all-reduce buckets: no second copy of them (as large as the weights)
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     raise ValueError(f"unknown parallel strategy {strategy!r}")
 
 
@@ -76,18 +77,28 @@ def loss_scale(strategy: str, world: int) -> float:
     return float(world) if strategy in ("ddp", "fsdp2") else 1.0
 
 
-def grad_sync(model, strategy: str, sync: bool, keep_gathered: bool = False):
-    """A context for one micro-batch's backward: gradient communication only on the last micro-batch of a step
-    (the others accumulate locally; the result is the same, with one reduction per step instead of grad_accum).
-    `keep_gathered` (FSDP2 units that do not reshard after forward): the gathered parameters also stay after the
-    backward of every micro-batch but the last, so the next micro-batch gathers nothing; the last one reshards,
-    before the optimizer updates the shards."""
+def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
+    """`parallel.gradient_sync`: micro_batch | step as set; auto: every micro-batch for FSDP2 across 2+ ranks (its
+    gradients then stay sharded; once per step it would accumulate whole fp32 gradients on every rank), once per
+    step otherwise (DDP holds whole gradients either way; one rank has nothing to reduce with)."""
+    if setting == "auto":
+        return strategy == "fsdp2" and world > 1
+    return setting == "micro_batch"
+
+
+def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False):
+    """A context for one micro-batch's backward. Gradient communication on the last micro-batch of a step only
+    (the others accumulate locally; the same result with one reduction per step instead of grad_accum), or on
+    every micro-batch (`every_micro_batch`). `keep_gathered` (FSDP2 units that do not reshard after forward): the
+    gathered parameters also stay after the backward of every micro-batch but the last, so the next micro-batch
+    gathers nothing; the last one reshards, before the optimizer updates the shards."""
+    sync = last or every_micro_batch
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
         model.set_requires_gradient_sync(sync)
         if keep_gathered:
-            model.set_reshard_after_backward(sync)
+            model.set_reshard_after_backward(last)
     return contextlib.nullcontext()
 
 

@@ -153,6 +153,13 @@ class ParallelConfig:
     # fsdp2: free the gathered layer after its forward (gathered again in backward). Unset: yes across 2+ processes;
     # no with one process, where the gathered layers stay for the optimizer step (gathered once per step)
     reshard_after_forward: bool | None = None
+    # when the gradients are reduced across the processes: once per optimizer step, after the last micro-batch
+    # (`step`; the others accumulate locally), or after every micro-batch (`micro_batch`). fsdp2 with `step`
+    # accumulates whole (unsharded) gradients in fp32 between reductions: 4 bytes per parameter on every rank;
+    # with `micro_batch` the gradients stay sharded at the cost of grad_accum reduce-scatters per step. auto:
+    # micro_batch for fsdp2 across 2+ processes (what sharding is for), step otherwise (ddp keeps whole
+    # gradients anyway)
+    gradient_sync: Literal["auto", "step", "micro_batch"] = "auto"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from novatune.memory.offload import OffloadEngine
 from novatune.memory.policy import POLICIES, UNIFORM, expand_layers
 from novatune.memory.policy import install as install_policies
 from novatune.memory.stream import FrozenWeightStreamer, StreamingRefused, install_streaming, uninstall_streaming
+from novatune.parallel import wrap as pwrap
 from novatune.patch.tiled import MLPTiling
 from novatune.train.config import memory_policy
 from novatune.train.errors import SetupError
@@ -98,7 +99,7 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     `shards`: FSDP2's world size (weights, gradients and optimizer states are split across the ranks)."""
     n = mconf.num_hidden_layers
     costs = layer_costs(cfg, mconf, hw)
-    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf)
+    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf) + fsdp2_held_bytes(cfg, est, shards)
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
@@ -252,6 +253,19 @@ def static_bytes(est: dict, shards: int = 1) -> int:
     `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off."""
     sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
     return int(sharded + est["dequant"] + (0 if est["patch"] else est["logits_stock"]))
+
+
+def fsdp2_held_bytes(cfg, est: dict, shards: int) -> int:
+    """What FSDP2 holds on each rank beyond its shards: the whole weights when the gathered layers stay for the
+    step (parallel.reshard_after_forward false; over one rank the gathered copy is a second copy), and the whole
+    gradients accumulated between reductions (parallel.gradient_sync step with grad_accum > 1): in fp32 across
+    2+ ranks (the reduce dtype), in the weights' dtype over one, where they take the sharded gradients' place."""
+    if cfg.parallel.strategy != "fsdp2":
+        return 0
+    held = 0 if pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, shards) else est["weights"]
+    if cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2", shards):
+        held += 4 * est["trainable"] if shards > 1 else 0
+    return int(held)
 
 
 def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware) -> float:

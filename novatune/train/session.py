@@ -77,7 +77,7 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
 
     Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
     loss is normalised by the whole global batch, and `loss_scale` (the world size) undoes the ranks' gradient
-    averaging. `grad_sync(last)` gives the context of each backward (gradient communication on the last only).
+    averaging. `grad_sync(last)` gives the context of each backward (when the gradients are reduced).
     The returned loss is this rank's part; the session sums it over the ranks."""
     n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
@@ -164,6 +164,8 @@ class Session:
         # FSDP2 units that keep their gathered parameters after forward keep them across the step's micro-batches
         self.keep_gathered = self.strategy == "fsdp2" and not pwrap.reshards_after_forward(
             self.cfg.parallel.reshard_after_forward, self.dist.world)
+        self.sync_every_micro_batch = pwrap.syncs_every_micro_batch(self.cfg.parallel.gradient_sync, self.strategy,
+                                                                    self.dist.world)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -205,7 +207,8 @@ class Session:
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                 pwrap.loss_scale(self.strategy, self.dist.world),
-                                lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered))
+                                lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
+                                                             self.sync_every_micro_batch))
         self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
 
