@@ -256,19 +256,19 @@ if has multigpu; then
       | tee "$OUT/multigpu_seed_x$n.log" | tail -n 12
     summary+=("multigpu seed on $n GPUs: exit ${PIPESTATUS[0]}")
   done
-  if [ -n "${MULTI_VARIANT:-}" ]; then  # e.g. "parallel.gradient_sync=step parallel.reshard_after_forward=false"
-    sets=(); for kv in $MULTI_VARIANT; do sets+=(--set "$kv"); done
-    timeout 150 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc 2 --stacks novatune_fsdp2 \
-      --steps ${MULTI_STEPS:-6} --set data.sources.0.num_docs=1200 "${sets[@]}" --results "$OUT/multigpu.jsonl" \
-      --run-dir "$OUT/runs/variant" 2>&1 | tee "$OUT/multigpu_variant.log" | tail -n 6
-    summary+=("multigpu fsdp2 variant ($MULTI_VARIANT) on 2 GPUs: exit ${PIPESTATUS[0]}")
-  fi
   if [ -n "${MULTI_8B:-2}" ] && [ "${MULTI_8B:-2}" -le "$ngpu" ]; then  # Qwen3-8B full fine-tuning at 8k
     timeout 240 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "${MULTI_8B:-2}" --stacks novatune_fsdp2 \
       --steps 4 --timeout 200 --set model.arch=qwen3-8b --set data.max_length=8192 \
       --set data.sources.0.num_docs=1200 --results "$OUT/multigpu.jsonl" --run-dir "$OUT/runs/8b_8k" 2>&1 \
       | tee "$OUT/multigpu_8b.log" | tail -n 8
     summary+=("multigpu qwen3-8b 8k on ${MULTI_8B:-2} GPUs: exit ${PIPESTATUS[0]}")
+  fi
+  if [ -n "${MULTI_VARIANT:-}" ]; then  # e.g. "parallel.gradient_sync=step parallel.reshard_after_forward=false"
+    sets=(); for kv in $MULTI_VARIANT; do sets+=(--set "$kv"); done
+    timeout 150 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc 2 --stacks novatune_fsdp2 \
+      --steps ${MULTI_STEPS:-6} --set data.sources.0.num_docs=1200 "${sets[@]}" --results "$OUT/multigpu.jsonl" \
+      --run-dir "$OUT/runs/variant" 2>&1 | tee "$OUT/multigpu_variant.log" | tail -n 6
+    summary+=("multigpu fsdp2 variant ($MULTI_VARIANT) on 2 GPUs: exit ${PIPESTATUS[0]}")
   fi
   [ -f "$OUT/multigpu.jsonl" ] && python3 - "$OUT/multigpu.jsonl" <<'PY'
 import json, sys
