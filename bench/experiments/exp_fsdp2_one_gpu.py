@@ -1,11 +1,16 @@
-"""Where FSDP2 over one GPU loses time beside the plain path (issue 16's 3% line).
+"""Where FSDP2 (and DDP) lose time beside the plain path: over one GPU (issue 16's 3% line) and, under torchrun,
+over several (issue 17's scaling).
 
     python bench/experiments/exp_fsdp2_one_gpu.py VARIANT OUT_DIR [--set KEY=VALUE ...]
+    torchrun --nproc-per-node 2 bench/experiments/exp_fsdp2_one_gpu.py VARIANT OUT_DIR [KEY=VALUE ...]
 
-VARIANT: plain, or fsdp2 with any of the tags _noreshard, _bf16reduce (reduce_dtype bf16: no fp32 gradient
-accumulation), _nomp (no mixed-precision policy), e.g. fsdp2_bf16reduce_noreshard. Builds the seed workload's
-Session, runs 2 warm-up and 3 timed steps, then one whole optimizer step under torch.profiler; writes
-OUT_DIR/VARIANT.txt (tok/s, peak, the CUDA time per kernel category and the top kernels)."""
+VARIANT: plain, ddp (tags: _static: static_graph, _bucket200: 200 MB buckets, _nobcast: no buffer broadcast),
+or fsdp2 with any of the tags _noreshard, _bf16reduce (reduce_dtype bf16: no fp32 gradient
+accumulation), _nomp (no mixed-precision policy), _stepsync (parallel.gradient_sync step), e.g.
+fsdp2_bf16reduce_noreshard. Builds the seed workload's Session, runs 2 warm-up and 3 timed steps, times the
+phases of one step (how long the host takes to queue forward_backward and apply_update, and until the GPU has run
+them), then one whole optimizer step under torch.profiler; writes OUT_DIR/VARIANT.txt (rank r > 0:
+VARIANT.rank<r>.txt): tok/s, peak, phases, the CUDA time per kernel category and the top kernels."""
 from __future__ import annotations
 
 import sys
@@ -32,9 +37,23 @@ if "bf16reduce" in variant or "nomp" in variant:
         return real(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     fsdp.MixedPrecisionPolicy = policy
 
-sets = ["parallel.strategy=none"] if variant == "plain" else ["parallel.strategy=fsdp2"]
+if variant.startswith("ddp") and "_" in variant:  # DDP's own knobs: _static, _bucket200, _nobcast
+    import torch.nn.parallel as tnp
+
+    real_ddp = tnp.DistributedDataParallel
+
+    def ddp(module, **kw):
+        kw.update({"static_graph": True} if "static" in variant else {})
+        kw.update({"bucket_cap_mb": 200} if "bucket200" in variant else {})
+        kw.update({"broadcast_buffers": False} if "nobcast" in variant else {})
+        return real_ddp(module, **kw)
+    tnp.DistributedDataParallel = ddp
+
+sets = [f"parallel.strategy={'none' if variant == 'plain' else variant.split('_')[0]}"]
 if "noreshard" in variant:
     sets.append("parallel.reshard_after_forward=false")
+if "stepsync" in variant:
+    sets.append("parallel.gradient_sync=step")
 cfg, base = load_with_base("examples/qwen3-4b-seed.yaml", sets + overrides)
 session = build(cfg, base)
 plan = session.batches(6)
@@ -47,13 +66,15 @@ for k in range(2, 5):
     out = session.step(plan[k])
 torch.cuda.synchronize()
 wall = time.perf_counter() - t0
-tokens = sum(mb["num_tokens"] for mbs in plan[2:5] for mb in mbs)
-lines = [f"{variant}: {tokens / wall:,.0f} tok/s, step {1e3 * wall / 3:.0f} ms, peak "
+tokens = sum(mb["num_tokens"] for mbs in plan[2:5] for mb in mbs) * session.dist.world
+who = f"rank {session.dist.rank} of {session.dist.world}"
+lines = [f"{variant} ({who}): {tokens / wall:,.0f} tok/s, step {1e3 * wall / 3:.0f} ms, peak "
          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, loss {float(out.loss):.4f}"]
 
 # phases: how long the host takes to queue each (cpu) and until the GPU has run it (gpu, after a sync)
 for k in (5, 2):
     mbs = plan[k]
+    session.dist.barrier()
     torch.cuda.synchronize()
     t = time.perf_counter()
     session.forward_backward(mbs)
@@ -106,5 +127,8 @@ lines.append("top CPU ops (self ms, calls):")
 for e in cpu:
     lines.append(f"  {e.self_cpu_time_total / 1e3:8.1f} {e.count:6d}  {e.key[:100]}")
 out_dir.mkdir(parents=True, exist_ok=True)
-(out_dir / f"{variant}.txt").write_text("\n".join(lines) + "\n")
-print("\n".join(lines[:12]))
+name = variant if session.dist.main else f"{variant}.rank{session.dist.rank}"
+(out_dir / f"{name}.txt").write_text("\n".join(lines) + "\n")
+print("\n".join(lines[:14] if session.dist.main else lines[:2]), flush=True)
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
