@@ -8,7 +8,7 @@ puts the policies on the built model's decoder layers (after checkpointing and L
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,7 @@ class MemoryPlan:
     predicted_tokens_per_s: float | None = None  # at measured rates only (auto on a GPU)
     engine: OffloadEngine | None = None
     streamer: FrozenWeightStreamer | None = None
+    parallel: object | None = None  # the ParallelConfig planned with (FSDP2's unset settings chosen), or None
 
     @property
     def predicted_peak_gib(self) -> float:
@@ -99,7 +100,7 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     `shards`: FSDP2's world size (weights, gradients and optimizer states are split across the ranks)."""
     n = mconf.num_hidden_layers
     costs = layer_costs(cfg, mconf, hw)
-    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf) + fsdp2_held_bytes(cfg, est, shards)
+    static = static_bytes(est, shards) + outside_layers_bytes(cfg, mconf) + fsdp2_held_bytes(cfg, est, mconf, shards)
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
@@ -255,17 +256,52 @@ def static_bytes(est: dict, shards: int = 1) -> int:
     return int(sharded + est["dequant"] + (0 if est["patch"] else est["logits_stock"]))
 
 
-def fsdp2_held_bytes(cfg, est: dict, shards: int) -> int:
-    """What FSDP2 holds on each rank beyond its shards: the whole weights when the gathered layers stay for the
-    step (parallel.reshard_after_forward false; over one rank the gathered copy is a second copy), and the whole
-    gradients accumulated between reductions (parallel.gradient_sync step with grad_accum > 1): in fp32 across
-    2+ ranks (the reduce dtype), in the weights' dtype over one, where they take the sharded gradients' place."""
+def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
+    """What FSDP2 holds on each rank beyond its shards (fitted to the peaks of 2- and 4-GPU runs within 2%):
+    * gathered weights: the whole model when the layers stay gathered for the step (parallel.reshard_after_forward
+      false; over one rank the gathered copy is a second copy); else the root unit (embeddings, lm_head), which is
+      never resharded, its other ranks' part;
+    * across 2+ ranks, gradients in the fp32 reduce dtype before their reduce-scatter: the whole model's, summed
+      over the micro-batches, with one reduction per step (parallel.gradient_sync step, grad_accum > 1), less the
+      sharded gradients that come only after it, plus the root's fp32 reduce-scatter output; else the root's (its
+      reduction waits for the whole backward)."""
     if cfg.parallel.strategy != "fsdp2":
         return 0
-    held = 0 if pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, shards) else est["weights"]
-    if cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2", shards):
-        held += 4 * est["trainable"] if shards > 1 else 0
-    return int(held)
+    keep = not pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, shards)
+    per_param = est["weights"] / max(1, est["params"])
+    root = mconf.vocab_size * mconf.hidden_size * (1 if getattr(mconf, "tie_word_embeddings", False) else 2)
+    if shards == 1:
+        return int(est["weights"]) if keep else 0
+    gathered = est["weights"] if keep else root * per_param * (1 - 1 / shards)
+    step_sync = cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2",
+                                                                               shards)
+    root_trained = root if est["trainable"] >= root and cfg.method.type == "full" else 0
+    # step: every gradient whole in fp32 until its reduction (the root's last, with its fp32 reduce-scatter
+    # output beside it), the sharded gradients born as the reductions finish
+    grads = (4 * est["trainable"] - est["gradients"] / shards + 4 * root_trained / shards if step_sync
+             else 4 * root_trained)
+    return int(gathered + grads)
+
+
+def fsdp2_fastest_that_fits(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None,
+                            shards: int) -> tuple[object, str | None]:
+    """FSDP2 across 2+ ranks with parallel.reshard_after_forward and gradient_sync both unset: the layers stay
+    gathered for the step and the gradients are reduced once per step (one all-gather and one reduce-scatter per
+    layer per step, as fast as DDP in the 2-GPU runs) where the plan fits the budget at that cost; else every
+    layer is resharded after its forward and the gradients after each micro-batch (the memory-lean default).
+    Returns the config with both set, and a line saying which and why (None when nothing was chosen)."""
+    p = cfg.parallel
+    if p.strategy != "fsdp2" or shards < 2 or p.reshard_after_forward is not None or p.gradient_sync != "auto":
+        return cfg, None
+    fast = replace(cfg, parallel=replace(p, reshard_after_forward=False, gradient_sync="step"))
+    lean = replace(cfg, parallel=replace(p, reshard_after_forward=True, gradient_sync="micro_batch"))
+    held = fsdp2_held_bytes(fast, est, mconf, shards)
+    if budget is not None and resolve(fast, est, mconf, hw, budget, shards).fits:
+        return fast, (f"parallel: fsdp2 keeps the gathered layers for the step and reduces the gradients once per "
+                      f"step (+{held / GiB:.1f} GiB per rank, within the {budget / GiB:.1f} GiB budget)")
+    why = "no memory budget known" if budget is None else f"+{held / GiB:.1f} GiB per rank would not fit"
+    return lean, (f"parallel: fsdp2 reshards each layer after its forward and reduces the gradients after every "
+                  f"micro-batch (keeping the layers gathered for the step: {why})")
 
 
 def predicted_tokens_per_s(cfg, mconf, plan: planner.Plan, hw: planner.Hardware) -> float:
@@ -305,6 +341,9 @@ def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shar
     measured = policy == "auto" and device.type == "cuda"
     hw = hardware(device) if measured else ASSUMED
     budget, source = default_budget(device, cfg.memory.budget_gib)
+    cfg, fsdp2_choice = fsdp2_fastest_that_fits(cfg, est, mconf, hw, budget, shards)
+    if console is not None and fsdp2_choice:
+        console.print(fsdp2_choice, highlight=False, markup=False)
     plan = resolve(cfg, est, mconf, hw, budget, shards)
     if policy == "auto" and not plan.fits:
         raise SetupError(no_fit_message(plan, policy, source))
@@ -317,7 +356,7 @@ def plan_for_run(cfg, est: dict, mconf, device: torch.device, console=None, shar
                       + "".join(f"; {n}" for n in plan.notes), highlight=False)
     tokens = cfg.train.micro_batch * cfg.data.max_length
     speed = predicted_tokens_per_s(cfg, mconf, plan, hw) if measured else None
-    return MemoryPlan(plan, policy, hw, tokens, cfg.memory.offload_min_bytes, speed)
+    return MemoryPlan(plan, policy, hw, tokens, cfg.memory.offload_min_bytes, speed, parallel=cfg.parallel)
 
 
 def needs_checkpointing(mp: MemoryPlan | None, cfg=None) -> bool:

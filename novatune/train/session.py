@@ -343,6 +343,8 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
         console.print(f"data: {data.stats.summary()}", highlight=False)
 
     memory_plan = memory_plan_for(cfg, base_dir, mconf, device, console, dist)
+    if memory_plan is not None and memory_plan.parallel is not None:  # FSDP2's settings the plan chose
+        cfg = dataclasses.replace(cfg, parallel=memory_plan.parallel)
     model, report = build_patched_model(cfg, device, dtype, tokenizer, base_dir, console, before_model, select,
                                         memory_plan)
     if model_hook is not None:

@@ -209,3 +209,64 @@ def test_gpt_oss_stock_attention_is_eager_and_the_varlen_peer_is_refused():
     pos = torch.tensor([[0, 1, 2, 3, 4, 5]])
     with pytest.raises(peer.PeerUnavailable, match="sinks"):
         forward(None, q, q, q, None, position_ids=pos, s_aux=torch.zeros(2))
+
+
+def test_parallel_rows_are_measured_against_one_process_at_the_same_global_batch():
+    """x_one_process / scaling / loss diff of a row trained on N processes against the one-process novatune row."""
+    rows = [{"stack": "novatune", "status": "ok", "tok_s": 16000.0, "losses": [12.0, 11.0], "nproc": 1},
+            {"stack": "novatune_ddp", "status": "ok", "tok_s": 30400.0, "losses": [12.0, 11.0022], "nproc": 2,
+             "tok_s_per_proc": 15200.0, "peak_gib_per_rank": [39.5, 39.5]},
+            {"stack": "novatune_fsdp2", "status": "failed", "reason": "worker exited with code 1", "nproc": 2}]
+    add_ratios(rows)
+    assert rows[1]["x_one_process"] == 1.9 and rows[1]["scaling"] == 0.95
+    assert rows[1]["loss_max_rel_diff_vs_one_process"] == pytest.approx(2e-4)
+    assert rows[0]["scaling"] is None and rows[2]["x_one_process"] is None
+    table = render_table({"rows": rows, "warm": 1, "speedup": {"novatune_vs_stock": None, "novatune_vs_peer": None,
+                                                               "peer_vs_stock": None}})
+    assert "novatune_ddp on 2 processes: 15,200 tok/s per process, 1.900x one process" in table
+    assert "(scaling 0.950)" in table
+
+
+def test_stack_processes_under_nproc():
+    from novatune.bench.runner import stack_procs, worker_command
+
+    assert stack_procs("novatune_fsdp2", 4) == (4, 1) and stack_procs("novatune_ddp", 2) == (2, 1)
+    assert stack_procs("novatune", 4) == (1, 4)  # one process, grad_accum x 4: the same global batch
+    assert stack_procs("novatune_fsdp2", 1) == (1, 1) and stack_procs("stock", 1) == (1, 1)
+    cmd = worker_command("spec.json", 2)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
+    assert cmd[-3:] == ["-m", "novatune.bench.worker", "spec.json"]
+
+
+def test_nproc_without_a_parallel_stack_or_enough_gpus_names_the_fix(spec):
+    from novatune.bench.worker import load_stack_config
+    from novatune.commands.bench import check_nproc
+    from novatune.train.errors import ConfigError
+
+    cfg, _ = load_stack_config(spec)
+    with pytest.raises(ConfigError, match="add a parallel stack to --stacks"):
+        check_nproc(2, cfg, ["stock", "novatune"])
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        check_nproc(0, cfg, ["novatune"])
+    check_nproc(2, cfg, ["novatune", "novatune_fsdp2"])  # a CPU config: gloo processes, no GPU count
+
+
+@pytest.mark.slow  # two worker processes and one torchrun of two: ~20-40 s on a busy 2-core machine
+@pytest.mark.parametrize("parallel", ["novatune_fsdp2", "novatune_ddp"])
+def test_bench_with_two_processes_trains_the_one_process_global_batch(spec, tmp_path, monkeypatch, parallel):
+    """`novatune bench --nproc 2` on the CPU (gloo): the parallel stack's row counts both ranks' tokens, its
+    per-step losses equal the one-process row's at grad_accum x 2 (fp32: only the reduction order differs, 1e-5),
+    and each row says how many processes trained it."""
+    from novatune.bench.runner import run_bench
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    s = run_bench(spec["config"], ["model.patch=false", "model.arch_overrides.num_hidden_layers=2"],
+                  ["novatune", parallel], tmp_path / "run", warm=1, steps=2, log=lambda _: None, nproc=2)
+    one, par = s["rows"]
+    assert (one["status"], par["status"]) == ("ok", "ok"), par.get("reason")
+    assert (one["nproc"], par["nproc"], one["grad_accum"], par["grad_accum"]) == (1, 2, 4, 2)
+    assert par["tokens_per_step"] == one["tokens_per_step"] and par["timed_tokens"] == one["timed_tokens"]
+    assert par["tok_s_per_proc"] == pytest.approx(par["tok_s"] / 2, rel=1e-3)
+    assert par["loss_max_rel_diff_vs_one_process"] < 1e-5 and par["scaling"] > 0
+    assert s["nproc"] == 2
+    assert (tmp_path / "run" / parallel / "worker.log").read_text().count("RESULT ") == 1  # rank 0's row only

@@ -1,0 +1,61 @@
+"""The planner's FSDP2 terms (train/memory.py: fsdp2_held_bytes) against the peaks measured on 2 and 4 H100s
+(bench/results/bench.jsonl, call session10-1: `novatune bench --nproc N`, max_memory_allocated of the largest rank),
+and the choice FSDP2 makes when its two settings are left unset (fsdp2_fastest_that_fits)."""
+import pytest
+
+from novatune.train.config import load
+from novatune.train.memory import ASSUMED, GiB, fsdp2_fastest_that_fits, fsdp2_held_bytes, resolve
+from novatune.train.model import model_config
+from novatune.train.plan import plan as estimate
+
+FAST = ["parallel.reshard_after_forward=false", "parallel.gradient_sync=step"]
+LEAN = ["parallel.reshard_after_forward=true", "parallel.gradient_sync=micro_batch"]
+
+
+def planned(sets: list[str], shards: int, budget_gib: float | None = 76.0):
+    cfg = load("examples/qwen3-4b-seed.yaml", ["parallel.strategy=fsdp2", *sets])
+    mconf = model_config(cfg.model, None, None)
+    est = estimate(cfg, None, mconf=mconf, hw=ASSUMED)
+    budget = int(budget_gib * GiB) if budget_gib else None
+    return cfg, est, mconf, resolve(cfg, est, mconf, ASSUMED, budget, shards)
+
+
+@pytest.mark.parametrize("sets, shards, measured_gib", [
+    (LEAN, 2, 18.48),  # seed, 2 GPUs: every layer resharded, gradients reduced after each micro-batch
+    (LEAN, 4, 10.99),  # the same on 4 GPUs
+    (FAST, 2, 35.75),  # gathered layers kept for the step, whole fp32 gradients reduced once per step
+    ([*LEAN, "model.arch=qwen3-8b", "data.max_length=8192"], 2, 39.85),  # Qwen3-8B on 8192-token rows
+])
+def test_the_fsdp2_plan_stands_at_or_just_above_the_measured_peak(sets, shards, measured_gib):
+    """Never under the measurement (a plan under the peak runs out of memory), at most 5% above it."""
+    *_, p = planned(sets, shards)
+    got = p.peak_bytes / GiB
+    assert measured_gib <= got <= 1.05 * measured_gib, got
+
+
+def test_fsdp2_holds_nothing_extra_for_other_strategies_and_the_gathered_copy_over_one_rank():
+    cfg, est, mconf, _ = planned(FAST, 1)
+    assert fsdp2_held_bytes(cfg, est, mconf, 1) == est["weights"]  # one rank: the gathered copy is a second copy
+    ddp = load("examples/qwen3-4b-seed.yaml", ["parallel.strategy=ddp"])
+    assert fsdp2_held_bytes(ddp, est, mconf, 2) == 0
+
+
+def test_unset_fsdp2_settings_keep_the_layers_gathered_where_that_fits_else_reshard():
+    cfg, est, mconf, _ = planned([], 2)
+    assert cfg.parallel.reshard_after_forward is None and cfg.parallel.gradient_sync == "auto"
+    fast, why = fsdp2_fastest_that_fits(cfg, est, mconf, ASSUMED, int(76 * GiB), 2)
+    assert (fast.parallel.reshard_after_forward, fast.parallel.gradient_sync) == (False, "step")
+    assert "keeps the gathered layers" in why
+    lean, why = fsdp2_fastest_that_fits(cfg, est, mconf, ASSUMED, int(24 * GiB), 2)  # 35.7 GiB would not fit
+    assert (lean.parallel.reshard_after_forward, lean.parallel.gradient_sync) == (True, "micro_batch")
+    assert "would not fit" in why
+    unknown, why = fsdp2_fastest_that_fits(cfg, est, mconf, ASSUMED, None, 2)
+    assert unknown.parallel.reshard_after_forward is True and "no memory budget known" in why
+
+
+def test_a_set_fsdp2_setting_or_one_rank_is_left_as_it_is():
+    for sets, shards in ((["parallel.gradient_sync=step"], 2), (["parallel.reshard_after_forward=true"], 2),
+                         ([], 1)):
+        cfg, est, mconf, _ = planned(sets, shards)
+        same, why = fsdp2_fastest_that_fits(cfg, est, mconf, ASSUMED, int(76 * GiB), shards)
+        assert same is cfg and why is None
