@@ -70,7 +70,8 @@ def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
     assert set(a) == set(b)
     for k in a:
         scale = a[k].abs().max().clamp_min(1e-6)
-        assert ((a[k] - b[k]).abs().max() / scale).item() < 1e-4, k
+        rel = ((a[k] - b[k]).abs().max() / scale).item()
+        assert rel < 1e-4, (k, rel)
 
 
 @pytest.fixture(scope="module")
