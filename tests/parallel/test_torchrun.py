@@ -65,13 +65,13 @@ def assert_same_losses(got: dict, want: dict, steps) -> None:
         assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got[s], want[s])
 
 
-def assert_same_weights(a_dir: Path, b_dir: Path) -> None:
+def assert_same_weights(a_dir: Path, b_dir: Path, tol: float = 1e-4) -> None:
     a, b = load_file(str(a_dir / "model.safetensors")), load_file(str(b_dir / "model.safetensors"))
     assert set(a) == set(b)
     for k in a:
         scale = a[k].abs().max().clamp_min(1e-6)
         rel = ((a[k] - b[k]).abs().max() / scale).item()
-        assert rel < 1e-4, (k, rel)
+        assert rel < tol, (k, rel)
 
 
 @pytest.fixture(scope="module")
