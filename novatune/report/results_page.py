@@ -5,7 +5,8 @@ table line names the git sha, device and date of its row. It measures nothing an
 
 Row kinds (recognised by file name and by `bench`):
 - `e2e.jsonl` / `bench.jsonl`: one row per training stack in a side-by-side call (`tok_s`, `mfu`, `peak_gib`,
-  `losses`). A call is a run of consecutive rows: `run_index` restarting (or not increasing), another git sha, or
+  `losses`); rows of `novatune bench --nproc N` (a row with `nproc` > 1 and the one-process rows of its bench)
+  go to a table of their own, with the scaling the bench computed against one process at the same global batch. A call is a run of consecutive rows: `run_index` restarting (or not increasing), another git sha, or
   more than CALL_GAP_S between two rows without `run_index` starts the next one. "x stock" and the loss difference
   are computed inside one call against the stock row of the same workload, because only ratios from one call
   compare (machines of one kind differ in host speed from day to day).
@@ -28,6 +29,7 @@ STACK_NAMES = {
     "novatune": "novatune", "novatune_eager": "novatune, no CUDA graphs", "novatune_full": "novatune, full FT",
     "novatune_offload": "novatune, offload", "novatune_selective": "novatune, selective recompute",
     "novatune_keep": "novatune, no recompute", "novatune_auto": "novatune, memory planner",
+    "novatune_ddp": "novatune, DDP", "novatune_fsdp2": "novatune, FSDP2",
 }
 RENDERED = ("e2e", "bench", "ops", "attention", "tune", "train", "validate", "eval")
 
@@ -170,8 +172,45 @@ def section_of(row: dict) -> str:
 SECTION_ORDER = ["Headline: Qwen3-4B full fine-tuning", "LoRA", "QLoRA", "novatune bench", "Other architectures"]
 
 
+def several_processes(row: dict, bench_rows: dict) -> bool:
+    """A row of a `novatune bench --nproc N` run: trained on N processes, or the one-process reference beside
+    them (the same bench run: its rows share their time and config)."""
+    return (row.get("nproc") or 1) > 1 or bool(bench_rows.get((row.get("time"), row.get("config"))))
+
+
+PARALLEL_HEADER = ["stack", "workload", "processes", "grad_accum", "tok/s", "tok/s per process",
+                   "x one process", "scaling", "peak GiB per rank", "loss diff vs one process", "git sha", "device",
+                   "date (UTC)"]
+
+
+def render_parallel(rows: list[dict]) -> list[str]:
+    """`novatune bench --nproc N` rows, newest first: the parallel stacks beside one process training the same
+    global batch (the bench's own x_one_process, scaling and loss difference)."""
+    if not rows:
+        return []
+    lines = []
+    for r in newest_first(rows):
+        ok = r.get("status", "ok") == "ok"
+        stack = STACK_NAMES.get(str(r.get("stack")), fmt(r.get("stack")))
+        if not ok:
+            stack += f" ({r.get('status')}: {fmt(r.get('reason'))})"
+        diff = r.get("loss_max_rel_diff_vs_one_process")
+        lines.append([stack, workload(r), fmt(r.get("nproc") or 1), fmt(r.get("grad_accum")), fmt(r.get("tok_s"), 0),
+                      fmt(r.get("tok_s_per_proc"), 0), fmt(r.get("x_one_process"), 3), fmt(r.get("scaling"), 3),
+                      fmt(r.get("peak_gib")), "-" if diff is None else f"{diff:.1e}", *provenance(r)])
+    return ["## Several GPUs (`novatune bench --nproc N`)", "",
+            "The parallel stacks on N processes (grad_accum micro-batches per rank) beside one process training the "
+            "same global batch (grad_accum x N) in the same bench: `x one process` is their tok/s ratio, `scaling` "
+            "that ratio per process; the peak is the largest rank's.", ""] + table(PARALLEL_HEADER, lines)
+
+
 def render_stacks(rows: list[dict]) -> list[str]:
-    """Training-speed tables by workload kind, newest call first, rows of a call in the order they ran."""
+    """Training-speed tables by workload kind, newest call first, rows of a call in the order they ran; the rows
+    of several processes in their own table."""
+    # a bench writes all its rows at its end: one (time, config) per bench run
+    parallel_runs = {(r.get("time"), r.get("config")): True for r in rows if (r.get("nproc") or 1) > 1}
+    parallel = [r for r in rows if several_processes(r, parallel_runs)]
+    rows = [r for r in rows if not several_processes(r, parallel_runs)]
     by_section: dict[str, list[list]] = {}
     for call in reversed(split_calls(rows)):
         for row, line in stack_lines(call):
@@ -182,7 +221,7 @@ def render_stacks(rows: list[dict]) -> list[str]:
     for name in SECTION_ORDER:
         if name in by_section:
             out += [f"### {name}", ""] + table(STACK_HEADER, by_section[name])
-    return out
+    return out + render_parallel(parallel)
 
 
 def shape_label(row: dict) -> str:

@@ -150,3 +150,21 @@ def test_ops_rows_naming_their_call_stay_together_across_trees_and_hours(tmp_pat
     assert "| 475.0 | 507.1 |" in table_line(section, "rms_norm", "4096x2560", "hf_eager")
     assert "| 34.8 | 80.5 |" in table_line(section, "rms_norm", "4096x2560", "novatune")
     assert "old0000" not in section
+
+
+def test_rows_of_several_processes_get_their_own_table_with_their_one_process_reference(tmp_path: Path) -> None:
+    t = "2026-11-28T01:00:00+00:00"
+    bench = {**ENV, "time": t, "git_sha": "eee5555", "bench": "novatune_bench", "config": "seed.yaml",
+             "overrides": [], "status": "ok", "mfu": 0.5, "peak_gib": 32.0, "losses": [12.0]}
+    write(tmp_path, "bench.jsonl", [
+        {**bench, "stack": "novatune", "nproc": 1, "grad_accum": 8, "tok_s": 16000.0, "tok_s_per_proc": 16000.0},
+        {**bench, "stack": "novatune_ddp", "nproc": 2, "grad_accum": 4, "tok_s": 29600.0, "tok_s_per_proc": 14800.0,
+         "x_one_process": 1.85, "scaling": 0.925, "loss_max_rel_diff_vs_one_process": 2e-5},
+        {**bench, "time": "2026-11-28T02:00:00+00:00", "stack": "novatune", "tok_s": 15000.0},  # another bench
+    ])
+    page = render_results_page(tmp_path)
+    several = page[page.index("## Several GPUs"):]
+    assert table_line(several, "novatune, DDP", "2", "4", "29,600", "14,800", "1.850", "0.925", "2.0e-05")
+    assert table_line(several, "novatune", "1", "8", "16,000")  # the one-process reference, beside it
+    single = page[:page.index("## Several GPUs")]
+    assert "| 15,000 |" in single and "| 16,000 |" not in single and "29,600" not in single
