@@ -316,8 +316,8 @@ def render_table(summary: dict) -> str:
             lines.append(f"{r['stack']} on {r['nproc']} processes: {r['tok_s_per_proc']:,.0f} tok/s per process, "
                          f"{_fmt(r.get('x_one_process'), '.3f')}x one process at the same global batch (scaling "
                          f"{_fmt(r.get('scaling'), '.3f')}), losses within "
-                         f"{_fmt(r.get('loss_max_rel_diff_vs_one_process'), '.2e')} of its, peak GiB per rank "
-                         f"{r.get('peak_gib_per_rank')}")
+                         f"{_fmt(r.get('loss_max_rel_diff_vs_one_process'), '.2e')} of one process's, peak GiB "
+                         f"per rank {r.get('peak_gib_per_rank')}")
     sp = summary["speedup"]
     lines.append("speedup: novatune/stock " + _fmt(sp["novatune_vs_stock"], ".3f") + ", novatune/peer "
                  + _fmt(sp["novatune_vs_peer"], ".3f") + ", peer/stock " + _fmt(sp["peer_vs_stock"], ".3f"))

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, optional=False)
     p.add_argument("--gpu-mem", type=float, metavar="GiB",
                    help="GPU memory to plan for (default: this GPU's free memory; memory.budget_gib wins)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="plan one of N processes (parallel.strategy fsdp2: each rank holds 1/N of the weights, "
+                        "gradients and optimizer states)")
     sub.add_parser("env", help="versions, GPU, available kernels and attention backends", formatter_class=fmt,
                    description="Print the environment novatune sees (paste it into bug reports).")
     for name, module in PLUGGED_COMMANDS.items():
@@ -134,10 +137,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from novatune.train.config import ConfigError
     from novatune.train.plan import plan, render
 
     cfg, base = load_config(args)
-    est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem)
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "pass the number of processes, e.g. 2")
+    est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem, nproc=args.nproc)
     print(render(est))
     return 1 if est.get("oom") else 0
 

@@ -6,8 +6,9 @@ table line names the git sha, device and date of its row. It measures nothing an
 Row kinds (recognised by file name and by `bench`):
 - `e2e.jsonl` / `bench.jsonl`: one row per training stack in a side-by-side call (`tok_s`, `mfu`, `peak_gib`,
   `losses`); rows of `novatune bench --nproc N` (a row with `nproc` > 1 and the one-process rows of its bench)
-  go to a table of their own, with the scaling the bench computed against one process at the same global batch. A call is a run of consecutive rows: `run_index` restarting (or not increasing), another git sha, or
-  more than CALL_GAP_S between two rows without `run_index` starts the next one. "x stock" and the loss difference
+  go to a table of their own, with the scaling the bench computed against one process at the same global batch.
+  A call is a run of consecutive rows: `run_index` restarting (or not increasing), another git sha, or more than
+  CALL_GAP_S between two rows without `run_index` starts the next one. "x stock" and the loss difference
   are computed inside one call against the stock row of the same workload, because only ratios from one call
   compare (machines of one kind differ in host speed from day to day).
 - `ops.jsonl`: one row per (op, shape, candidate); launch-config sweeps (`phase` rows) are counted, not tabulated.

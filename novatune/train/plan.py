@@ -82,10 +82,13 @@ def _lora_params(model, targets: list[str], r: int, parameters: list[str] = ()) 
     return total
 
 
-def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mconf=None, hw=None) -> dict:
+def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mconf=None, hw=None,
+         nproc: int = 1) -> dict:
     """The estimate of the module docstring, and the memory plan (est["memory_plan"], train/memory.py) under the
     budget: memory.budget_gib, else a card of `gpu_mem_gib`, else this card's free memory. `hw`: the card's rates
-    (planner.Hardware; default: measured on this GPU, assumed without one)."""
+    (planner.Hardware; default: measured on this GPU, assumed without one). `nproc`: the processes of a
+    parallel.strategy fsdp2 run, each planned as one rank with its shards (and FSDP2's unset settings chosen as
+    the run would choose them); ddp and one process plan the whole model per GPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -141,22 +144,33 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     }
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     est["peak_stock"] = static + (act_ckpt if cfg.memory.gradient_checkpointing else act_full) + logits_stock
-    _memory_plan(cfg, est, mconf, gpu_mem_gib, hw)
+    _memory_plan(cfg, est, mconf, gpu_mem_gib, hw, nproc)
     return est
 
 
-def _memory_plan(cfg, est: dict, mconf, gpu_mem_gib: float | None, hw) -> None:
+def _memory_plan(cfg, est: dict, mconf, gpu_mem_gib: float | None, hw, nproc: int = 1) -> None:
     """est["memory_plan"] (per-layer policies, peak, time) and the verdict against the budget."""
     import torch
 
     from novatune.train.config import memory_policy
-    from novatune.train.memory import ASSUMED, default_budget, hardware, layer_costs, predicted_tokens_per_s, resolve
+    from novatune.train.memory import (
+        ASSUMED,
+        default_budget,
+        fsdp2_fastest_that_fits,
+        hardware,
+        layer_costs,
+        predicted_tokens_per_s,
+        resolve,
+    )
 
     gpu = torch.device("cuda") if torch.cuda.is_available() and not gpu_mem_gib else None
     budget, source = default_budget(gpu, cfg.memory.budget_gib, gpu_mem_gib)
     if hw is None:
         hw = hardware(gpu) if gpu is not None else ASSUMED
-    mp = resolve(cfg, est, mconf, hw, budget)
+    shards = nproc if cfg.parallel.strategy == "fsdp2" else 1
+    cfg, choice = fsdp2_fastest_that_fits(cfg, est, mconf, hw, budget, shards)
+    est.update(nproc=nproc, strategy=cfg.parallel.strategy, parallel_choice=choice)
+    mp = resolve(cfg, est, mconf, hw, budget, shards)
     est.update(memory_plan=mp, hardware=hw, peak=mp.peak_bytes, budget=budget, budget_source=source,
                gpu_mem=budget / (1 - MARGIN) if budget and source != "memory.budget_gib" else budget,
                gpu_source=source if budget else None)
@@ -188,6 +202,21 @@ def _advice(cfg, est: dict) -> list[str]:
     return tips
 
 
+def _parallel_lines(est: dict) -> list[str]:
+    """What one process of several holds: fsdp2 shards the weights, gradients and optimizer states (the lines
+    below are the whole model's; the peak is one rank's); ddp keeps a whole replica on every GPU."""
+    n, strategy = est.get("nproc", 1), est.get("strategy", "none")
+    if n <= 1:
+        return []
+    if strategy == "fsdp2":
+        return [f"  {n} processes, fsdp2: each rank holds 1/{n} of the weights, gradients and optimizer states "
+                f"below; the peak is one rank's", *([f"  {est['parallel_choice']}"] if est["parallel_choice"] else [])]
+    if strategy == "ddp":
+        return [f"  {n} processes, ddp: every GPU holds the whole model, its gradients and optimizer states"]
+    return [f"  {n} processes asked, but parallel.strategy is {strategy}: planned as one process (set "
+            f"parallel.strategy fsdp2 or ddp)"]
+
+
 def _transient_lines(mp, g) -> list[str]:
     """The peak's transient: the CUDA graphs' pool where the layers run as graphs, else the eager layer's."""
     loss = f"  loss working memory          {g(mp.outside_transient_bytes)}   (the fused loss's logits buffer)"
@@ -204,6 +233,7 @@ def render(est: dict) -> str:
         return f"{x / GiB:8.2f} GiB"
 
     mp, hw = est["memory_plan"], est["hardware"]
+    sharded = est.get("nproc", 1) > 1 and est.get("strategy") == "fsdp2"  # peak_stock is one whole replica's
     n = est["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     emb = " + NF4 input embedding" if est["nf4_embedding_params"] else ""
@@ -213,6 +243,7 @@ def render(est: dict) -> str:
     lines = [f"novatune plan: {est['model']}, {size} parameters "
              f"({est['trainable'] / 1e6:,.1f}M trainable), {wdesc}, "
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
+             *_parallel_lines(est),
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
@@ -226,7 +257,7 @@ def render(est: dict) -> str:
              f"  activations kept             {g(mp.activation_bytes)}",
              *_transient_lines(mp, g),
              f"  predicted peak               {g(est['peak'])}"
-             + (f"   (stock HF modules: {g(est['peak_stock']).strip()})" if est["patch"] else ""),
+             + (f"   (stock HF modules: {g(est['peak_stock']).strip()})" if est["patch"] and not sharded else ""),
              f"  predicted speed              {est['tokens_per_s']:8,.0f} tok/s   ({hw.matmul_tflops:.0f} TFLOP/s "
              f"matmul, {hw.link_gbps:.0f} GB/s host link: {hw.source})",
              *[f"  note: {n}" for n in mp.notes]]

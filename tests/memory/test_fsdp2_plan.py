@@ -59,3 +59,19 @@ def test_a_set_fsdp2_setting_or_one_rank_is_left_as_it_is():
         cfg, est, mconf, _ = planned(sets, shards)
         same, why = fsdp2_fastest_that_fits(cfg, est, mconf, ASSUMED, int(76 * GiB), shards)
         assert same is cfg and why is None
+
+
+def test_novatune_plan_with_nproc_plans_one_rank_and_names_the_choice(capsys):
+    from novatune.commands.cli import main
+
+    seed = ["plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80", "--set", "parallel.strategy=fsdp2"]
+    assert main([*seed, "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 processes, fsdp2: each rank holds 1/2" in out and "keeps the gathered layers" in out
+    per_rank = float(out.split("predicted peak")[1].split("GiB")[0])
+    assert per_rank == pytest.approx(planned([*FAST], 2, 80 * 0.92)[3].peak_bytes / GiB, rel=1e-3)
+    assert main([*seed, "--nproc", "2", "--set", "model.arch=qwen3-8b", "--set", "data.max_length=8192"]) == 0
+    assert "reshards each layer" in capsys.readouterr().out  # the 8B run's choice (session10-3)
+    assert main(["plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80", "--nproc", "2"]) == 0
+    assert "parallel.strategy is none: planned as one process" in capsys.readouterr().out
+    assert main([*seed, "--nproc", "0"]) == 2
