@@ -13,7 +13,8 @@ in bf16, as the plain path accumulates them; and by default (`parallel.reshard_a
 layers are kept for the whole optimizer step: gathered once per step, freed after the last micro-batch's
 backward, before the optimizer writes the shards (a sharded copy of one rank frees no memory by resharding).
 
-DDP: `DistributedDataParallel` over the whole model, gradients all-reduced in buckets during the backward.
+DDP: `DistributedDataParallel` over the whole model, gradients all-reduced in buckets during the backward of the
+last micro-batch (or of every micro-batch: parallel.gradient_sync micro_batch).
 
 Both average the gradients over the ranks. The trainer's loss is already normalised by the target tokens of the
 whole global batch, so `loss_scale(world)` (x world) turns that average back into the sum: N ranks then give the
@@ -62,7 +63,9 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
 
         ids = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else None
-        # the gradients are views into the all-reduce buckets: no second copy of them (as large as the weights)
+        # the reduced gradients stay in the all-reduce buckets (the parameters' .grad are views of them) instead of
+        # being copied back out. The micro-batches under no_sync still accumulate outside the buckets (the
+        # gradients are set to None between steps), so the peak keeps one copy: 39.49 GiB on the seed either way
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     raise ValueError(f"unknown parallel strategy {strategy!r}")
 
