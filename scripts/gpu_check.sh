@@ -256,12 +256,12 @@ if has multigpu; then
       | tee "$OUT/multigpu_seed_x$n.log" | tail -n 12
     summary+=("multigpu seed on $n GPUs: exit ${PIPESTATUS[0]}")
   done
-  if [ -n "${MULTI_8B:-2}" ] && [ "${MULTI_8B:-2}" -le "$ngpu" ]; then  # Qwen3-8B full fine-tuning at 8k
-    timeout 240 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "${MULTI_8B:-2}" --stacks novatune_fsdp2 \
+  if [ -n "${MULTI_8B-2}" ] && [ "${MULTI_8B-2}" -le "$ngpu" ]; then  # Qwen3-8B full fine-tuning at 8k
+    timeout 240 python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "${MULTI_8B-2}" --stacks novatune_fsdp2 \
       --steps 4 --timeout 200 --set model.arch=qwen3-8b --set data.max_length=8192 \
       --set data.sources.0.num_docs=1200 --results "$OUT/multigpu.jsonl" --run-dir "$OUT/runs/8b_8k" 2>&1 \
       | tee "$OUT/multigpu_8b.log" | tail -n 8
-    summary+=("multigpu qwen3-8b 8k on ${MULTI_8B:-2} GPUs: exit ${PIPESTATUS[0]}")
+    summary+=("multigpu qwen3-8b 8k on ${MULTI_8B-2} GPUs: exit ${PIPESTATUS[0]}")
   fi
   if [ -n "${MULTI_VARIANT:-}" ]; then  # e.g. "parallel.gradient_sync=step parallel.reshard_after_forward=false"
     sets=(); for kv in $MULTI_VARIANT; do sets+=(--set "$kv"); done

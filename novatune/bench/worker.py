@@ -21,6 +21,7 @@ row says why), 1 when it failed (the row holds the error, worker.log the traceba
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -47,11 +48,10 @@ def load_stack_config(spec: dict):
     stack = STACKS[spec["stack"]]
     total = spec["warm"] + spec["steps"]
     run = RUN_OVERRIDES + [f"checkpoint.output_dir={spec['stack_dir']}", f"train.max_steps={total}"]
-    overrides = list(spec.get("overrides", [])) + stack.overrides + run
-    cfg, base = load_with_base(spec.get("config"), overrides)
-    times = spec.get("grad_accum_times", 1)
+    cfg, base = load_with_base(spec.get("config"), list(spec.get("overrides", [])) + stack.overrides + run)
+    times = spec.get("grad_accum_times", 1)  # one process at the global batch of a several-process bench
     if times > 1:
-        cfg, base = load_with_base(spec.get("config"), overrides + [f"train.grad_accum={cfg.train.grad_accum * times}"])
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=cfg.train.grad_accum * times))
     return cfg, base
 
 

@@ -91,10 +91,10 @@ def run(args) -> int:
 def check_nproc(nproc: int, cfg, stacks: list[str]) -> None:
     """--nproc: at least 1, a parallel stack to run with it, and as many GPUs as processes on a CUDA run."""
     from novatune.bench.stacks import STACKS
+    from novatune.commands.cli import check_nproc_positive
     from novatune.train.config import ConfigError
 
-    if nproc < 1:
-        raise ConfigError("--nproc", f"must be >= 1, got {nproc}", "pass the number of processes, e.g. 2")
+    check_nproc_positive(nproc)
     if nproc == 1:
         return
     if not any(STACKS[s].strategy for s in stacks):

@@ -109,14 +109,21 @@ def load_config(args):
     return load_with_base(args.config, args.overrides, getattr(args, "output_dir", None))
 
 
+def check_nproc_positive(nproc: int) -> None:
+    """--nproc (train, plan, bench): a number of processes, at least 1."""
+    from novatune.train.config import ConfigError
+
+    if nproc < 1:
+        raise ConfigError("--nproc", f"must be >= 1, got {nproc}", "pass the number of processes, e.g. 2")
+
+
 def cmd_train(args) -> int:
     from novatune.parallel import dist as pdist
     from novatune.train.config import ConfigError
 
     cfg, base = load_config(args)
     if args.nproc is not None and not pdist.launched_by_torchrun():
-        if args.nproc < 1:
-            raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "pass the number of processes, e.g. 2")
+        check_nproc_positive(args.nproc)
         if cfg.parallel.strategy == "none" and args.nproc > 1:
             raise ConfigError("parallel.strategy", f"--nproc {args.nproc} needs a multi-process strategy",
                               "add --set parallel.strategy=fsdp2 (or ddp)")
@@ -137,12 +144,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from novatune.train.config import ConfigError
     from novatune.train.plan import plan, render
 
     cfg, base = load_config(args)
-    if args.nproc < 1:
-        raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "pass the number of processes, e.g. 2")
+    check_nproc_positive(args.nproc)
     est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem, nproc=args.nproc)
     print(render(est))
     return 1 if est.get("oom") else 0

@@ -173,10 +173,10 @@ def section_of(row: dict) -> str:
 SECTION_ORDER = ["Headline: Qwen3-4B full fine-tuning", "LoRA", "QLoRA", "novatune bench", "Other architectures"]
 
 
-def several_processes(row: dict, bench_rows: dict) -> bool:
+def several_processes(row: dict, parallel_runs: set) -> bool:
     """A row of a `novatune bench --nproc N` run: trained on N processes, or the one-process reference beside
     them (the same bench run: its rows share their time and config)."""
-    return (row.get("nproc") or 1) > 1 or bool(bench_rows.get((row.get("time"), row.get("config"))))
+    return (row.get("nproc") or 1) > 1 or (row.get("time"), row.get("config")) in parallel_runs
 
 
 PARALLEL_HEADER = ["stack", "workload", "processes", "grad_accum", "tok/s", "tok/s per process",
@@ -209,7 +209,7 @@ def render_stacks(rows: list[dict]) -> list[str]:
     """Training-speed tables by workload kind, newest call first, rows of a call in the order they ran; the rows
     of several processes in their own table."""
     # a bench writes all its rows at its end: one (time, config) per bench run
-    parallel_runs = {(r.get("time"), r.get("config")): True for r in rows if (r.get("nproc") or 1) > 1}
+    parallel_runs = {(r.get("time"), r.get("config")) for r in rows if (r.get("nproc") or 1) > 1}
     parallel = [r for r in rows if several_processes(r, parallel_runs)]
     rows = [r for r in rows if not several_processes(r, parallel_runs)]
     by_section: dict[str, list[list]] = {}
