@@ -157,12 +157,13 @@ def run_worker(spec: dict, timeout: float | None) -> dict:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         code = _wait(proc, timeout)
     wall = time.perf_counter() - t0
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
     if result_path.exists():
         row = json.loads(result_path.read_text())
         if code not in (0, None) and row.get("status") == "ok":
-            row.update(status="failed", reason=f"worker exited with code {code} after writing its result")
+            row.update(status="failed",
+                       reason=f"worker exited with code {code} after writing its result; log tail:\n{tail}")
     else:
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         why = f"timed out after {timeout:.0f} s" if code is None else f"worker exited with code {code}"
         row = {"stack": stack, "status": "failed", "reason": f"{why}, no result.json; log tail:\n{tail}",
                "description": STACKS[stack].description}

@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps({k: row.get(k) for k in ("stack", "status", "tok_s", "peak_gib", "reason")}),
               flush=True)
     if torch.distributed.is_initialized():
+        # every rank waits for the others before leaving, as the trainer's teardown does: a rank that leaves while
+        # a slower one still finishes its last collective can take that rank down with it (exit code 1 after the
+        # row was written, once, on a busy 2-core CI machine)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return code
 
