@@ -350,14 +350,22 @@ def _check(q, k, v, packed: PackedBatch, sinks=None):
                          f"{tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    # Input errors are raised here, before any backend runs: under "auto" a backend that raises is marked broken
+    # for the process, which must mean the backend failed, never that the call was malformed.
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype} (cast k and v "
+                        "to q's dtype, as the attention layer's projections would give)")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.shape[0] != packed.total_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens but the PackedBatch describes {packed.total_tokens} "
                          f"({packed.batch} x {packed.seq_len})")
     if packed.device.type != q.device.type:
         raise ValueError(f"PackedBatch lives on {packed.device} but q on {q.device}: build it with device=q.device")
-    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device):
-        raise ValueError(f"sinks must be one logit per query head, shape ({q.shape[1]},) on {q.device}; got "
-                         f"{tuple(sinks.shape)} on {sinks.device}")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be one logit per query head, floating point, shape ({q.shape[1]},) on "
+                         f"{q.device}; got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch,
@@ -373,9 +381,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
 
     `packed` is built once per batch (PackedBatch.from_position_ids / from_cu_seqlens / from_kwargs) and passed to
     every layer. `scale` defaults to 1/sqrt(d). `backend`: "auto" or one of BACKENDS; see the module docstring.
-    The choice is recorded: `last_choice()`.
+    The choice is recorded: `last_choice()`. q, k, v share one floating dtype and device (under autocast they are
+    cast to its dtype first, as SDPA does); malformed inputs raise here, before any backend runs, so they never
+    make "auto" skip a backend for the rest of the process.
     """
     global _LAST
+    if torch.is_autocast_enabled(q.device.type):  # what SDPA does under autocast: q, k, v in the autocast dtype
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) if t.is_floating_point() else t for t in (q, k, v))
     _check(q, k, v, packed, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = _effective_window(window, packed)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from novatune.attention.packed import PackedBatch
 
@@ -252,6 +253,7 @@ class _AtenCudnnAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # cuDNN's backward has no derivative of its own: a second order must raise
     def backward(ctx, g):
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
         dq, dk, dv = _aten._cudnn_attention_backward(

@@ -27,6 +27,7 @@ import functools
 from types import SimpleNamespace
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from novatune.attention.packed import PackedBatch
 
@@ -179,6 +180,7 @@ class _SinkAttention(torch.autograd.Function):
         return out_sunk
 
     @staticmethod
+    @once_differentiable  # out_sunk and lse are saved forward outputs: a second-order gradient would miss them
     def backward(ctx, g):
         q, k, v, sinks, out_sunk, lse = ctx.saved_tensors
         packed, scale, window, impl = ctx.meta

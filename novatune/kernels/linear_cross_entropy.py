@@ -253,6 +253,9 @@ def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mod
     "tokens" and "vocab" apply it: "auto" plans as without it but never "inplace"; "inplace" raises."""
     if mode not in MODES:
         raise ValueError(f"linear_cross_entropy: mode must be one of {MODES}, got {mode!r}")
+    for name, size in (("chunk_tokens", chunk_tokens), ("vocab_slice", vocab_slice)):
+        if size is not None and size <= 0:  # a size of 0 or less would loop forever or index backwards
+            raise ValueError(f"linear_cross_entropy: {name} must be positive (or None: planned), got {size}")
     if softcap is not None and mode == "inplace":
         raise ValueError("linear_cross_entropy: final logit soft-capping runs in modes 'tokens' and 'vocab' (its "
                          "in-place plan overwrites the logits the capped gradient needs); use mode='auto'")

@@ -370,7 +370,9 @@ def _sweep_torch(za, zb, rows_a, labels, loss_rows, divisor, V, ignore_index, gr
         lse = torch.where(active, lse, torch.zeros_like(lse))
         for z, off in blocks:
             hit, loc = local(z, off)
-            g = torch.exp(z.float() - lse)
+            # ignored tokens' logits enter as -inf, so their columns are exactly 0 (as the Triton sweep masks them):
+            # exp(z - 0) of a large logit would overflow to inf, and inf * a zero scale is NaN
+            g = torch.exp(torch.where(active, z.float(), float("-inf")) - lse)
             g.scatter_add_(0, loc, torch.where(hit, -1.0, 0.0).to(g.dtype).unsqueeze(0))
             z.copy_(g * scale)
 

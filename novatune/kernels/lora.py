@@ -30,10 +30,11 @@ xa once and the LoRA term once more before the final sum: a few bf16 ulps relati
 (tests/kernels/test_lora.py states the tolerances).
 
 The base weight W is either a dense tensor or a dequantise-on-the-fly stand-in (QLoRA: novatune.ops.nf4.DequantWeight,
-any object with `.shape`, `.dtype` and `__call__() -> dense W`): each big GEMM materialises it just before and drops
-it right after (`_dense`), so the forward holds one dequantised weight for the length of one GEMM and the backward
-dequantises again instead of keeping it (dx = dy·dequant(W) + s·(dy B)A; never a W gradient). Callers that may
-hold the dense weight (novatune.ops.lora inside a checkpointed layer) pass it as a tensor to both instead.
+any object with `.shape`, `.dtype`, `.device` and `__call__() -> dense W`): each big GEMM materialises it just
+before and drops it right after (`_dense`), so the forward holds one dequantised weight for the length of one GEMM
+and the backward dequantises again instead of keeping it (dx = dy·dequant(W) + s·(dy B)A; never a W gradient).
+Callers that may hold the dense weight (novatune.ops.lora inside a checkpointed layer) pass it as a tensor to both
+instead. Every operand must be on x's device (ValueError otherwise: a GEMM into x's buffer does not check them).
 
 Launchers take 2-D operands (callers flatten leading dims) and optional preallocated `out=` / `dx=` buffers so
 tests can poison them and check every element is written (a beta = 0 GEMM never reads its output's old values).
@@ -47,8 +48,14 @@ from torch import Tensor
 ORDERS = ("lora_first", "base_first")
 
 
-def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Tensor | None) -> None:
+def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Tensor | None,
+           bias: Tensor | None = None) -> None:
     n_in, n_out, r = weight.shape[1], weight.shape[0], lora_a.shape[0]
+    for name, t in (("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b), ("x_lora", x_lora), ("bias", bias)):
+        # a GEMM writing into x's device never checks its operands' (a meta W makes addmm_ skip the product)
+        if t is not None and t.device != x.device:
+            raise ValueError(f"lora_linear: {name} is on {t.device} but x on {x.device}: move the layer and its "
+                             "input to one device (a meta weight has not been materialised: load it first)")
     if x.dim() != 2 or x.shape[1] != n_in:
         raise ValueError(f"lora_linear: x must be (tokens, {n_in}), got {tuple(x.shape)}")
     if tuple(lora_a.shape) != (r, n_in) or tuple(lora_b.shape) != (n_out, r):
@@ -81,7 +88,7 @@ def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tens
 
     order: "lora_first" (default: the K = r GEMM writes y, the big GEMM accumulates into it) or "base_first"
     (big GEMM writes y, the K = r GEMM accumulates: one more memory-bound read of y; kept for bench_lora.py)."""
-    _check(x, weight, lora_a, lora_b, x_lora)
+    _check(x, weight, lora_a, lora_b, x_lora, bias)
     cd = x.dtype
     a, b = lora_a.to(cd), lora_b.to(cd)  # no-ops when the caller passes them in x's dtype (the op layer does)
     xa = torch.mm(x if x_lora is None else x_lora.to(cd), a.t())  # (tokens, r)

@@ -208,13 +208,27 @@ def absmax_ref(t: NF4Tensor) -> Tensor:
     return a + offset.reshape(())  # ... and a second one, as bnb (dequantize_blockwise, then += offset)
 
 
+def dequantize_dtype(t: NF4Tensor, dtype: torch.dtype | None, out: Tensor | None = None) -> torch.dtype:
+    """The dequantisation's output dtype (`dtype`, else out's, else t.dtype), checked the same on every path:
+    TypeError unless one of OUT_DTYPES (an integer cast would truncate the levels), ValueError for an `out` that
+    is not a contiguous tensor of t's size in it."""
+    dtype = dtype or (out.dtype if out is not None else t.dtype)
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"nf4_dequantize: output dtype must be one of {OUT_DTYPES}, got {dtype}")
+    if out is not None and (out.dtype != dtype or out.numel() != t.numel or not out.is_contiguous()):
+        raise ValueError(f"nf4_dequantize: out must be a contiguous {dtype} tensor of {t.numel} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return dtype
+
+
 def nf4_dequantize_ref(t: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Plain-PyTorch dequantisation: fp32 product, one cast to `dtype` (default t.dtype); shape t.shape."""
     check(t)
+    dtype = dequantize_dtype(t, dtype)
     n = t.numel
     q = torch.stack([t.packed >> 4, t.packed & 0xF], dim=1).reshape(-1)[:n].long()  # (n,) high nibble first
     scale = absmax_ref(t).repeat_interleave(t.blocksize)[:n]
-    return (t.code[q] * scale).to(dtype or t.dtype).view(t.shape)
+    return (t.code[q] * scale).to(dtype).view(t.shape)
 
 
 def _check_rows(t: NF4Tensor, ids: Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -378,14 +392,9 @@ def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor |
     """Triton dequantisation into `out` (or a new tensor of t.shape) in `dtype` (default t.dtype); bit-identical
     to nf4_dequantize_ref and to bitsandbytes' dequantize_4bit."""
     check(t)
-    dtype = dtype or (out.dtype if out is not None else t.dtype)
-    if dtype not in OUT_DTYPES:
-        raise TypeError(f"nf4_dequantize: output dtype must be one of {OUT_DTYPES}, got {dtype}")
+    dtype = dequantize_dtype(t, dtype, out)
     if out is None:
         out = torch.empty(t.shape, dtype=dtype, device=t.packed.device)
-    elif out.dtype != dtype or out.numel() != t.numel or not out.is_contiguous():
-        raise ValueError(f"nf4_dequantize: out must be a contiguous {dtype} tensor of {t.numel} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
     n = t.numel
     if n == 0:
         return out

@@ -325,6 +325,28 @@ def _check_n(n: int) -> None:
         raise ValueError(f"rms_norm kernel holds a row in registers; N={n} > {MAX_FUSED_N}")
 
 
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, op: str = "rms_norm") -> None:
+    """TypeError / ValueError for what no path of the op takes: non-floating x or weight (a norm of integers is
+    truncated), a weight that is not (N,) on x's device. Raised, not asserted (python -O keeps it): the kernel
+    would read N weights past a shorter one, and the fp32 reference would broadcast a (1,) or (1, N) weight.
+    novatune.ops calls it before choosing a path, so the CPU path refuses what the kernels refuse."""
+    if not (x.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(f"{op}: x and weight must be floating point, got {x.dtype} and {weight.dtype} (cast the "
+                        "input, e.g. x.float())")
+    if x.dim() == 0 or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"{op}: weight must have shape ({x.shape[-1] if x.dim() else 'N'},) (x's last dim), got "
+                         f"{tuple(weight.shape)} for x {tuple(x.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{op}: weight is on {weight.device} but x on {x.device}: move them to one device")
+
+
+def _check_buffer(t: torch.Tensor, shape, dtype: torch.dtype, name: str) -> None:
+    """A preallocated output must be contiguous with the output's shape and dtype (the kernel writes it flat)."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"rms_norm: {name} must be a contiguous {tuple(shape)} {dtype} tensor, got "
+                         f"{tuple(t.shape)} {t.dtype} contiguous={t.is_contiguous()}")
+
+
 def _fwd_launch(rows: int, n: int, block_m: int | None, num_warps: int | None, on_gpu: bool,
                 round_normalised: bool = True) -> tuple:
     key = (rows, n, block_m, num_warps, on_gpu, round_normalised)
@@ -346,19 +368,19 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, ou
 
     round_normalised=True (Llama/Qwen): y = (w + offset) * round_x(x_hat) in dtype promote(x, w).
     round_normalised=False (Gemma, GPT-OSS): y = round_x((w + offset) * x_hat), all in fp32, in x's dtype."""
+    check_inputs(x, weight)
     shape = x.shape
     n = shape[-1]
     _check_n(n)
-    assert weight.shape == (n,), f"weight shape {tuple(weight.shape)} != ({n},)"
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_normalised else x.dtype
     if out is None:
         out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
     else:
-        assert out.shape == shape and out.dtype == out_dtype and out.is_contiguous()
+        _check_buffer(out, shape, out_dtype, "out")
     if rstd is None:
         rstd = empty_f32(shape[:-1], x.device)
     else:
-        assert rstd.shape == shape[:-1] and rstd.dtype == torch.float32 and rstd.is_contiguous()
+        _check_buffer(rstd, shape[:-1], torch.float32, "rstd")
     numel = x.numel()
     if numel == 0:
         return out, rstd
@@ -387,18 +409,21 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
                  round_normalised: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """dx (x.shape, x dtype), dw (N,, weight dtype). `dx`/`dw` may be preallocated (contiguous). offset and
     round_normalised: as the forward was called (rms_norm_fwd)."""
+    check_inputs(x, weight)
     shape = x.shape
     n = shape[-1]
     _check_n(n)
-    assert dy.shape == shape and rstd.shape == shape[:-1] and weight.shape == (n,)
+    if dy.shape != shape or rstd.shape != shape[:-1]:
+        raise ValueError(f"rms_norm backward: dy {tuple(dy.shape)} must have x's shape {tuple(shape)} and rstd "
+                         f"{tuple(rstd.shape)} its leading dims (as rms_norm_fwd returned it)")
     if dx is None:
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
-        assert dx.shape == shape and dx.dtype == x.dtype and dx.is_contiguous()
+        _check_buffer(dx, shape, x.dtype, "dx")
     if dw is None:
         dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
     else:
-        assert dw.shape == weight.shape and dw.dtype == weight.dtype and dw.is_contiguous()
+        _check_buffer(dw, weight.shape, weight.dtype, "dw")
     numel = x.numel()
     if numel == 0:
         dw.zero_()

@@ -141,6 +141,8 @@ def clamped_swiglu(gate_up: Tensor, alpha: float = ALPHA, limit: float = LIMIT) 
                          f"got shape {tuple(gate_up.shape)}")
     if not limit > 0:
         raise ValueError(f"clamped_swiglu: limit must be > 0, got {limit}")
+    if not gate_up.is_floating_point():  # the clamps and sigmoid of an integer tensor would be truncated
+        raise TypeError(f"clamped_swiglu: gate_up must be floating point, got {gate_up.dtype}")
     if torch.compiler.is_compiling():
         return torch.ops.novatune.clamped_swiglu_fwd(gate_up, float(alpha), float(limit))
     if (hook := dispatch.ACTIVE) is not None and (

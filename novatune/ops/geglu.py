@@ -25,7 +25,7 @@ from novatune.kernels import swiglu as K
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled, triton_reason, variant_grid
-from novatune.ops.swiglu import gated_floor_bytes, gated_poison_call, make_function
+from novatune.ops.swiglu import gated_floor_bytes, gated_poison_call, make_function, require_float
 from novatune.reference import geglu as _ref
 
 __all__ = ["geglu", "geglu_mlp", "geglu_fwd", "geglu_bwd"]
@@ -91,6 +91,7 @@ def geglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor
     if gate.shape != up.shape:
         raise ValueError(f"geglu: gate and up must have the same shape, got {tuple(gate.shape)} and "
                          f"{tuple(up.shape)}")
+    require_float("geglu", gate, up)
     if gate.dtype != up.dtype:
         dt = torch.result_type(gate, up)
         gate, up = gate.to(dt), up.to(dt)

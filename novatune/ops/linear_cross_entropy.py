@@ -115,6 +115,8 @@ def _(grad, grad_output):
 def _setup_context(ctx, inputs, output) -> None:
     _, dhidden, dweight, dbias, *_token_stats = output
     ctx.save_for_backward(dhidden, dweight, dbias)
+    hidden, weight, bias = inputs[0], inputs[1], inputs[4]
+    ctx.input_shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
     # Only the loss is used downstream. By default autograd hands the backward a ZERO tensor for every other output
     # (allocated at the start of the backward: a (V, H) one for dweight, 0.72 GiB at Qwen3-4B, which set the
     # training step's memory peak); the backward ignores them, so let them stay None.
@@ -134,9 +136,12 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
     saved = ctx.saved_tensors
     in_place = not _traced(g_loss, *saved)
     grads = []
-    for need, g in zip((ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]), saved):
-        if not need or g.numel() == 0:
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
+    for need, g, shape in zip(needs, saved, ctx.input_shapes):
+        if not need:
             grads.append(None)
+        elif g.numel() == 0:  # an input with no elements (0 tokens): its gradient is empty, not missing
+            grads.append(g.new_zeros(shape))
         elif in_place:
             torch.ops.novatune.linear_cross_entropy_scale_(g, g_loss)
             grads.append(g)
@@ -216,6 +221,9 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
             or (chunk_tokens and vocab_slice)):
         raise ValueError("linear_cross_entropy: chunk_tokens goes with mode 'tokens', vocab_slice with 'vocab' or "
                          f"'inplace' (got mode={mode!r}, chunk_tokens={chunk_tokens}, vocab_slice={vocab_slice})")
+    for name, size in (("chunk_tokens", chunk_tokens), ("vocab_slice", vocab_slice)):
+        if size is not None and not (isinstance(size, int) and size > 0):
+            raise ValueError(f"linear_cross_entropy: {name} must be a positive int (or None: planned), got {size!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r} "
                          "('none' is unsupported: the gradients are computed in the forward)")
@@ -230,6 +238,10 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"linear_cross_entropy: labels must be int64 or int32, got {labels.dtype}")
     dev = hidden.device
+    for name, t in (("lm_weight", lm_weight), ("bias", bias)):
+        if t is not None and t.device != dev:  # a meta weight would give a garbage loss, another GPU a crash
+            raise ValueError(f"linear_cross_entropy: {name} is on {t.device} but hidden on {dev}: move them to one "
+                             "device (a meta weight has not been materialised: load or initialise it first)")
     if torch.is_autocast_enabled(dev.type):  # what F.linear would do under autocast (differentiable casts)
         dt = torch.get_autocast_dtype(dev.type)
         hidden, lm_weight = hidden.to(dt), lm_weight.to(dt)

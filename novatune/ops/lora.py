@@ -14,7 +14,8 @@ Registered ops (visible to torch.compile, FSDP2, opcheck):
 A gradient that is not computed comes back as an empty tensor (a custom op cannot return None); the registered
 autograd turns it into None. Eager calls use `_LoRALinearFunction` instead: the custom-op dispatch costs ~100 µs of
 host time per fwd+bwd, and a Qwen3-4B step runs 7 LoRA linears x 36 layers x (forward, recompute, backward).
-Identical numbers on both paths (tested).
+Identical numbers on both paths (tested). Neither is twice differentiable (the backward reads xa saved from the
+forward): a second-order gradient raises (the Function's backward is once_differentiable) instead of being wrong.
 
 There is no device switch: the implementation is the same cuBLAS / CPU-BLAS GEMM sequence everywhere (nothing
 to tune: the GEMMs are the vendor's), so the CPU path is the GPU path and the fp32 reference is only for tests.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from novatune.kernels import lora as K
 
@@ -125,6 +127,7 @@ class _LoRALinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # xa is a saved forward output: a gradient of this backward would miss its dependence
     def backward(ctx, dy: Tensor):
         x, weight, bias, a, b, xa, x_lora = ctx.saved_tensors
         weight = weight if ctx.weight_obj is None else ctx.weight_obj
@@ -176,6 +179,7 @@ class _LoRAGroupFunction(torch.autograd.Function):
         return tuple(y.view(*x.shape[:-1], sum(outs)).split(outs, dim=-1))
 
     @staticmethod
+    @once_differentiable  # as _LoRALinearFunction: xa is saved from the forward
     def backward(ctx, *dys):
         x2, xa, a_cat, w_cat, *b_casts = ctx.saved_tensors
         n = ctx.n

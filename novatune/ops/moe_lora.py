@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from novatune.ops import moe as M
 
@@ -154,6 +155,7 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # h and u A^T are saved forward outputs: a second-order gradient would miss them
     def backward(ctx, dout):
         x, weights, gate_up, down, gu_bias, dn_bias, h, order, pos, ends, expert, *saved = ctx.saved_tensors
         lora = ctx.lora
@@ -197,7 +199,7 @@ def moe_experts_lora(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, d
     if torch.compiler.is_compiling():
         raise NotImplementedError("moe_experts_lora runs eagerly only; keep the MoE block out of torch.compile "
                                   "(torch.compiler.disable) or let PEFT's forward run")
-    M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation)
+    M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias)
     gu = _factors("gate_up", gate_up_lora, gate_up, transposed)
     dn = _factors("down", down_lora, down, transposed)
     layout = M.ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)

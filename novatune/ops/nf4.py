@@ -37,7 +37,7 @@ def nf4_dequantize(t: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor |
     """Dense tensor of t.shape in `dtype` (default t.dtype): bitsandbytes' dequantize_4bit, bit for bit."""
     if use_triton(t.packed):
         return K.nf4_dequantize(t, dtype, out=out)
-    ref = K.nf4_dequantize_ref(t, dtype or (out.dtype if out is not None else None))
+    ref = K.nf4_dequantize_ref(t, K.dequantize_dtype(t, dtype, out))
     return ref if out is None else out.view(ref.shape).copy_(ref)
 
 

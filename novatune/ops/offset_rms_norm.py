@@ -21,6 +21,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from novatune.kernels import rms_norm as _k
 from novatune.ops import dispatch
@@ -59,6 +60,7 @@ def _bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: float
 @torch.library.custom_op("novatune::offset_rms_norm_fwd", mutates_args=())
 def offset_rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
     """(y, rstd): y has x's shape and dtype; rstd is fp32 with shape x.shape[:-1]."""
+    _k.check_inputs(x, weight, "offset_rms_norm")
     return _fwd_impl(x, weight, eps, offset)
 
 
@@ -107,6 +109,7 @@ def make_function(fwd, bwd):
             return y
 
         @staticmethod
+        @once_differentiable  # rstd is a saved forward output: a second-order gradient would miss its dependence
         def backward(ctx, dy: Tensor):
             x, weight, rstd = ctx.saved_tensors
             dx, dw = bwd(dy, x, weight, rstd, ctx.offset)
@@ -122,7 +125,9 @@ _eager = make_function(_fwd_impl, _bwd_impl)
 
 
 def offset_rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) -> Tensor:
-    """transformers' GemmaRMSNorm over the last dim of x (offset 1.0), differentiable in x and weight; x's dtype."""
+    """transformers' GemmaRMSNorm over the last dim of x (offset 1.0), differentiable in x and weight; x's dtype.
+    x and weight floating point, weight (x.shape[-1],) on x's device, on every path (as rms_norm)."""
+    _k.check_inputs(x, weight, "offset_rms_norm")
     offset = float(offset)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.offset_rms_norm_fwd(x, weight, eps, offset)[0]

@@ -32,6 +32,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from novatune.kernels import qk_norm_rope as _k
 from novatune.ops import dispatch
@@ -58,6 +59,9 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_fwd", "qk_norm_rope_bwd"]
 def _check(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"qk_norm_rope: q and k must be (b, s, h, d), got {tuple(q.shape)} and {tuple(k.shape)}")
+    if not all(t.is_floating_point() for t in (q, k, q_weight, k_weight, cos, sin)):
+        raise TypeError(f"qk_norm_rope: q, k, the weights and cos/sin must be floating point, got {q.dtype}, "
+                        f"{k.dtype}, {q_weight.dtype}, {k_weight.dtype}, {cos.dtype}, {sin.dtype}")
     d = q.shape[-1]
     if k.shape[-1] != d or q_weight.shape != (d,) or k_weight.shape != (d,):
         raise ValueError(f"qk_norm_rope: head_dim of q {tuple(q.shape)}, k {tuple(k.shape)} and the weights "
@@ -153,6 +157,7 @@ def make_function(fwd, bwd):
             return q_out, k_out
 
         @staticmethod
+        @once_differentiable  # rstd_q/rstd_k are saved forward outputs: a second-order gradient would miss them
         def backward(ctx, dq_out, dk_out):
             q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin = ctx.saved_tensors
             dq_out, dk_out = _grads_or_zeros(dq_out, dk_out, q, k, q_weight, k_weight)

@@ -8,7 +8,8 @@ normalised value to x's dtype, exactly as PyTorch autograd treats HF's `.to(inpu
 Registered ops (visible to torch.compile, FSDP2, opcheck):
     torch.ops.novatune.rms_norm_fwd(x, weight, eps) -> (y, rstd)        rstd: x.shape[:-1], fp32
     torch.ops.novatune.rms_norm_bwd(dy, x, weight, rstd) -> (dx, dw)    dx: x's dtype, dw: weight's dtype
-with fake impls and autograd registered on the forward.
+with fake impls and autograd registered on the forward. Once differentiable on every path (the backward reads rstd
+saved from the forward): a second-order gradient raises instead of missing rstd's dependence on x.
 
 Eager calls take a lighter path: a torch.autograd.Function around the same two implementations (identical numbers,
 tested), because a custom op with registered autograd costs 2-4x the host time of a Function per fwd+bwd (measured
@@ -25,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from novatune.kernels import rms_norm as _k
 from novatune.ops import dispatch
@@ -66,6 +68,7 @@ def _bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tens
 @torch.library.custom_op("novatune::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(y, rstd): y has x's shape and dtype promote(x, weight); rstd is fp32 with shape x.shape[:-1]."""
+    _k.check_inputs(x, weight)
     return _fwd_impl(x, weight, eps)
 
 
@@ -117,6 +120,7 @@ def make_function(fwd, bwd):
             return y
 
         @staticmethod
+        @once_differentiable  # rstd is a saved forward output: a second-order gradient would miss its dependence
         def backward(ctx, dy: Tensor):
             x, weight, rstd = ctx.saved_tensors
             dx, dw = bwd(dy, x, weight, rstd)
@@ -137,7 +141,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """HF-exact RMSNorm over the last dim of x (any leading dims); differentiable in x and weight.
 
     Output dtype is torch.promote_types(x.dtype, weight.dtype) (e.g. fp32 weight with bf16 x gives fp32).
+    x and weight floating point, weight (x.shape[-1],) on x's device (TypeError / ValueError otherwise, on every
+    path: the fp32 reference would broadcast a (1,) weight where the kernel refuses it).
     """
+    _k.check_inputs(x, weight)
     if torch.compiler.is_compiling():
         return torch.ops.novatune.rms_norm_fwd(x, weight, eps)[0]
     # an implementation `novatune tune` selected for this shape

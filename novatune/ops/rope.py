@@ -65,6 +65,9 @@ def _run(kernel, ref, x, y, cos, sin, unsqueeze_dim, on_triton: bool):
 
 def _check_args(q, k, cos, sin, unsqueeze_dim):
     _k.normalize_unsqueeze_dim(unsqueeze_dim)
+    if not all(t.is_floating_point() for t in (q, k, cos, sin)):
+        raise TypeError(f"apply_rope: q, k, cos and sin must be floating point, got {q.dtype}, {k.dtype}, "
+                        f"{cos.dtype}, {sin.dtype} (integer inputs would be rotated and truncated)")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"apply_rope: q and k must be 4-d, got {tuple(q.shape)} and {tuple(k.shape)}")
     r = cos.shape[-1]
@@ -158,7 +161,7 @@ def _default_bwd(dq_embed, dk_embed, cos, sin, unsqueeze_dim):
 _eager = make_function(_default_fwd, _default_bwd)
 
 
-# Argument shapes _check_args accepted (eager calls only: under torch.compile shapes may be symbolic).
+# Argument shapes and dtypes _check_args accepted (eager calls only: under torch.compile shapes may be symbolic).
 _CHECKED: set[tuple] = set()
 
 
@@ -176,7 +179,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if torch.compiler.is_compiling():
         _check_args(q, k, cos, sin, unsqueeze_dim)
         return rope_fwd(q, k, cos, sin, unsqueeze_dim)
-    key = (q.shape, k.shape, cos.shape, sin.shape, unsqueeze_dim)
+    key = (q.shape, k.shape, cos.shape, sin.shape, unsqueeze_dim, q.dtype, k.dtype, cos.dtype, sin.dtype)
     if key not in _CHECKED:
         _check_args(q, k, cos, sin, unsqueeze_dim)
         if len(_CHECKED) >= 4096:   # bound only (every sequence length would be a new key)

@@ -48,6 +48,13 @@ from novatune.ops.contract import (
 from novatune.reference import swiglu as _ref
 
 
+def require_float(op: str, *tensors: Tensor) -> None:
+    """TypeError for integer inputs: silu of an integer tensor would be computed and truncated (or raise deep in a
+    kernel), never what a model means."""
+    if not all(t.is_floating_point() for t in tensors):
+        raise TypeError(f"{op}: inputs must be floating point, got {[str(t.dtype) for t in tensors]}")
+
+
 def _fwd_impl(gate: Tensor, up: Tensor, on_triton: bool) -> Tensor:
     if on_triton:
         return K.swiglu_fwd(gate, up)
@@ -167,6 +174,7 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and "
                          f"{tuple(up.shape)}")
+    require_float("swiglu", gate, up)
     if gate.dtype != up.dtype:
         dt = torch.result_type(gate, up)
         gate, up = gate.to(dt), up.to(dt)
@@ -233,6 +241,7 @@ def swiglu_gate_up(gate_up: Tensor, *, inplace_backward: bool = False) -> Tensor
     copies of the two strided halves. inplace_backward: the gradient is written over gate_up (see swiglu)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_gate_up: the last dimension must be even [gate | up], got {tuple(gate_up.shape)}")
+    require_float("swiglu_gate_up", gate_up)
     if torch.compiler.is_compiling():
         # traced: the registered swiglu op on the two halves (the compiler plans the buffers)
         gate, up = gate_up.chunk(2, dim=-1)

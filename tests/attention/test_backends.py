@@ -209,6 +209,36 @@ def test_explicit_sdpa_on_multi_doc_rows_and_bad_inputs_raise():
         varlen_attention(q[:, :3], k, v, pb)
 
 
+@pytest.mark.parametrize("bad", ["k fp32 for bf16 q", "v bf16", "integer q", "k on meta"])
+def test_malformed_inputs_raise_before_any_backend_and_mark_none_broken(bad, monkeypatch):
+    """A malformed call under "auto" made the backend that rejected it (sdpa_docs) broken for the whole process,
+    so every later valid call silently ran the slow reference. It now raises before a backend runs; the next
+    valid call still takes sdpa_docs, nothing skipped but sdpa (several documents per row)."""
+    monkeypatch.setattr(backends, "_BROKEN", {})
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32, seed=7))
+    args = {"k fp32 for bf16 q": (q.bfloat16(), k, v), "v bf16": (q, k, v.bfloat16()),
+            "integer q": (q.long(), k.long(), v.long()), "k on meta": (q, k.to("meta"), v)}[bad]
+    with pytest.raises((TypeError, ValueError), match="dtype|device"):
+        varlen_attention(*args, pb)
+    assert not backends._BROKEN
+    out = varlen_attention(q, k, v, pb)
+    c = last_choice()
+    assert c.backend == "sdpa_docs" and [n for n, _ in c.skipped] == ["sdpa"]
+    assert_close(out, oracle(q, k, v, pb))
+
+
+def test_autocast_casts_q_k_v_to_one_dtype_as_sdpa_does():
+    """Under autocast q / k may come out of fp32-weight norms while v is bf16: cast to the autocast dtype first (as
+    SDPA would), so the call runs rather than raising the mixed-dtype error."""
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32, seed=8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = varlen_attention(q, k, v.bfloat16(), pb)
+    assert out.dtype == torch.bfloat16 and last_choice().backend == "sdpa_docs"
+    assert_close(out, oracle(q, k, v, pb), 1e-2)
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 GPU_ROWS = [[700, 300, 1200, 50, 900, 646, 300]]  # 4096 tokens, 7 documents
 

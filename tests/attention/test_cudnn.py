@@ -237,6 +237,18 @@ def test_aten_glue_against_an_fp64_oracle(monkeypatch, buckets, hq, hk):
         assert cu == pb.cu_seqlens_cpu.tolist() and seen["max"] == pb.max_seqlen
 
 
+def test_aten_route_refuses_double_backward(monkeypatch):
+    """cuDNN's backward has no derivative of its own: a second-order gradient raises instead of being dropped."""
+    monkeypatch.setattr(C, "_aten", stand_in({}))
+    monkeypatch.setattr(C, "IMPL", "aten")
+    pb = packed_of([[3, 2], [5]])
+    q, k, v = make_qkv(pb.total_tokens, 2, 2, 8, torch.float32, seed=3)
+    out = C.cudnn_attention(q, k, v, pb, 0.3)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape).requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()
+
+
 def test_no_log_sum_exp_without_a_gradient(monkeypatch):
     seen = {}
     monkeypatch.setattr(C, "_aten", stand_in(seen))

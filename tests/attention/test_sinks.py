@@ -163,3 +163,14 @@ def test_flash_glue_with_a_cpu_stand_in_for_the_aten_ops(monkeypatch):
         out = check(lambda q, k, v, s, pb_, w: sink_attention(q, k, v, s, pb_, 16 ** -0.5, w, impl="flash"),
                     ROWS, 4, 2, 16, torch.float32, window=window)
         assert torch.equal(seen["out"], out.detach()), "the backward must see the sunk output"
+
+
+def test_double_backward_raises_instead_of_being_wrong():
+    """The backward reads the sunk output and log-sum-exp saved from the forward: a second-order gradient missed
+    their dependence (dq 38% off, dk 67%, silently). The Function is once-differentiable."""
+    pb = packed_of([[3, 2], [5]])
+    q, k, v, s = inputs(pb, 2, 2, 4, torch.float32, seed=9)
+    out = sink_attention(q, k, v, s, pb, 0.5)
+    grads = torch.autograd.grad(out, (q, k, v, s), torch.randn(out.shape).requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()

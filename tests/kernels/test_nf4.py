@@ -120,6 +120,21 @@ def test_check_rejects_bad_state():
         K.nf4_dequantize(t, out=torch.empty(201, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+@pytest.mark.parametrize("bad", [torch.int32, torch.uint8, torch.float64], ids=str)
+def test_output_dtype_is_refused_on_every_path(bad, path, backend_env):
+    """Only bf16 / fp16 / fp32 outputs: the kernel refused an integer dtype, the CPU reference truncated the
+    levels to integers silently. A wrong `out` buffer is refused on both paths too."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    t = K.nf4_quantize_ref(torch.randn(3, 64, generator=torch.Generator().manual_seed(7)), 64, True)
+    with pytest.raises(TypeError, match="output dtype must be one of"):
+        ops_nf4.nf4_dequantize(t, bad)
+    with pytest.raises(TypeError, match="output dtype must be one of"):
+        K.nf4_dequantize_ref(t, bad)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        ops_nf4.nf4_dequantize(t, torch.float32, out=torch.empty(3, 64, dtype=torch.bfloat16))
+
+
 def test_dynamic_map_and_quantiser_match_bnb():
     F = _bnb()
     assert torch.equal(K.dynamic_map(), F.create_dynamic_map())

@@ -141,6 +141,31 @@ def test_empty_rows(device):
     assert y.shape == (0, 64) and dx.shape == (0, 64) and torch.all(dw == 0)
 
 
+def test_bad_arguments_raise_value_errors_not_asserts(device):
+    """The launchers validate with exceptions (python -O strips asserts): a weight that is not (N,) (the kernel
+    would read N elements past a (1,) one), integer inputs, mismatched dy / rstd, and preallocated buffers of the
+    wrong shape, dtype or layout."""
+    x, w, dy = _inputs((5, 37), torch.float32, device, seed=4)
+    y, rstd = rms_norm_fwd(x, w, EPS)
+    for bad_w in (w[:1], w.view(1, 37), torch.cat([w, w[:1]])):
+        with pytest.raises(ValueError, match=r"weight must have shape \(37,\)"):
+            rms_norm_fwd(x, bad_w, EPS)
+        with pytest.raises(ValueError, match=r"weight must have shape \(37,\)"):
+            rms_norm_bwd(dy, x, bad_w, rstd)
+    with pytest.raises(TypeError, match="floating point"):
+        rms_norm_fwd(x.long(), w, EPS)
+    with pytest.raises(ValueError, match="dy"):
+        rms_norm_bwd(dy[:4], x, w, rstd)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        rms_norm_fwd(x, w, EPS, out=torch.empty(5, 38, device=device))
+    with pytest.raises(ValueError, match="rstd must be a contiguous"):
+        rms_norm_fwd(x, w, EPS, rstd=torch.empty(5, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dx must be a contiguous"):
+        rms_norm_bwd(dy, x, w, rstd, dx=torch.empty(37, 5, device=device).t())
+    with pytest.raises(ValueError, match="dw must be a contiguous"):
+        rms_norm_bwd(dy, x, w, rstd, dw=torch.empty(37, device=device, dtype=torch.bfloat16))
+
+
 def test_heuristics_cover_both_regimes():
     assert rms_norm_fwd_config(131072, 128)["block_m"] >= 16, "q/k-norm needs many rows per program"
     assert rms_norm_bwd_config(131072, 128, num_sms=132)["block_m"] >= 16

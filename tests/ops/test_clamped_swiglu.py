@@ -58,6 +58,8 @@ def test_public_name_and_argument_checks(device):
         clamped_swiglu(gu)
     with pytest.raises(ValueError, match="limit must be > 0"):
         clamped_swiglu(torch.zeros(2, 4, device=device), limit=0.0)
+    with pytest.raises(TypeError, match="gate_up must be floating point"):
+        clamped_swiglu(torch.zeros(2, 4, device=device, dtype=torch.int32))
 
 
 def test_opcheck_and_eager_path_agree(device):

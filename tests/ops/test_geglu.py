@@ -65,3 +65,9 @@ def test_geglu_mlp_matches_hf_gemma2_mlp(device):
     assert_close(y, ref, 1e-5, "y")
     for a, b in zip(grads, grads_ref):
         assert_close(a, b, 1e-5, "grad")
+
+
+def test_integer_inputs_are_refused():
+    ints = torch.randint(-3, 4, (3, 6))
+    with pytest.raises(TypeError, match="geglu: inputs must be floating point"):
+        geglu(ints, ints)

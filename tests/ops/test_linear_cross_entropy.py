@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from novatune.kernels import linear_cross_entropy as K
+from novatune.kernels import linear_cross_entropy_lowmem as L
 from novatune.measure.numerics import REL_TOL, assert_close
 
 # Imported from the module: `from novatune.ops import linear_cross_entropy` returns the submodule today (the lazy
@@ -503,3 +504,66 @@ def test_opcheck_with_token_stats(device):
     div = (y != -100).sum().float()
     torch.library.opcheck(torch.ops.novatune.linear_cross_entropy.default,
                           (h, w, y, div, None, -100, True, True, False, 0, "auto", 0, True))
+
+
+# ----------------------------------------------------------------------------------------------- audit fixes
+EDGE_PLANS = {"inplace": INPLACE, "auto": {}, "tokens": {"mode": "tokens", "chunk_tokens": 16}, "vocab": VOCAB}
+
+
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+@pytest.mark.parametrize("plan", sorted(EDGE_PLANS))
+def test_ignored_tokens_with_huge_logits_contribute_exactly_zero(plan, path, backend_env, monkeypatch):
+    """Ignored tokens (padding, prompt) whose logits exceed exp's fp32 range (~88) give exactly zero gradient rows
+    and no NaN anywhere, on the plain CPU path and the kernels' (mode "inplace"'s CPU path overflowed exp and made
+    every dh / dW entry NaN through inf * 0). Scratch memory poisoned with NaN: a row left unwritten would show."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    monkeypatch.setattr(L, "_POISON_SCRATCH", True)
+    gen = torch.Generator().manual_seed(31)
+    T, H, V = 37, 16, 1000  # T >= H: "auto" plans "inplace"
+    h = torch.randn(T, H, generator=gen)
+    w = 2 * torch.randn(V, H, generator=gen) / math.sqrt(H)
+    y = torch.randint(0, V, (T,), generator=gen)
+    big = torch.randperm(T, generator=gen)[:3]
+    h[big] *= 300  # logits of several hundred
+    y[big] = -100
+    y[torch.rand(T, generator=gen) < 0.2] = -100
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = linear_cross_entropy(h, w, y, **EDGE_PLANS[plan])
+    loss.backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    assert (h.grad[big] == 0).all(), "an ignored token's gradient row is exactly zero"
+    _check(h, w, loss, _ref_grads(h, w, y), torch.float32)
+
+
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+@pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=["T0", "2x0"])
+def test_zero_tokens_give_empty_gradients(lead, path, backend_env):
+    """No tokens (an empty micro-batch): loss 0 ("sum"), torch.autograd.grad returns a gradient of hidden's own
+    (empty) shape and a zero lm_head gradient, as F.cross_entropy does (it raised: dhidden came back as None)."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    h = torch.randn(*lead, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    y = torch.zeros(lead, dtype=torch.long)
+    loss = linear_cross_entropy(h, w, y, reduction="sum")
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert loss.item() == 0.0 and gh.shape == h.shape and gw.shape == w.shape and (gw == 0).all()
+
+
+def test_weight_on_another_device_raises():
+    """A meta (not materialised) lm_head or bias is refused by name; it returned a garbage loss."""
+    h, w, y = _inputs((9,), 8, 11, torch.float32, "cpu", seed=32)
+    with pytest.raises(ValueError, match="lm_weight is on meta"):
+        linear_cross_entropy(h, w.detach().to("meta"), y)
+    with pytest.raises(ValueError, match="bias is on meta"):
+        linear_cross_entropy(h, w, y, bias=torch.zeros(11, device="meta"))
+
+
+@pytest.mark.parametrize("kw", [{"chunk_tokens": -1}, {"chunk_tokens": 0}, {"mode": "vocab", "vocab_slice": 0},
+                                {"mode": "inplace", "vocab_slice": -3}], ids=str)
+def test_non_positive_split_sizes_raise(kw):
+    h, w, y = _inputs((9,), 8, 11, torch.float32, "cpu", seed=33)
+    with pytest.raises(ValueError, match="must be a positive int"):
+        linear_cross_entropy(h, w, y, **kw)
+    with pytest.raises(ValueError, match="must be positive"):  # the kernels' planner, for direct callers
+        K.plan_mode(9, 11, 8, torch.float32, True, kw.get("mode", "tokens"), kw.get("chunk_tokens"),
+                    kw.get("vocab_slice"))

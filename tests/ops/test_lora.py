@@ -157,3 +157,33 @@ def test_faster_than_peft_eager_on_gpu():
     ours = wall_us(step(lambda t: lora_linear(t, w, None, a, bb, 2.0)))
     theirs = wall_us(step(peft_expr))
     assert ours <= theirs, f"novatune {ours:.0f} µs vs PEFT eager {theirs:.0f} µs"
+
+
+def _second_order(fn, inputs):
+    """The backward of fn's gradients (create_graph=True; dy itself in a graph, so autograd records the backward):
+    what a gradient penalty computes. torch.autograd.grad(..., allow_unused=True) would return None instead."""
+    out = fn(*inputs)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    grads = torch.autograd.grad(out, inputs, dy, create_graph=True)
+    sum((g * g).sum() for g in grads).backward()
+
+
+def test_double_backward_raises_instead_of_being_wrong():
+    """The backward reads xa = x Aᵀ saved from the forward, so a second-order gradient through it would miss that
+    dependence (it came back silently wrong: 0.9 relative error in x, 1.0 in A). Both paths refuse it."""
+    x, w, _, a, bb, _ = _leaves((3,), 37, 29, 4, torch.float32, bias=False, seed=11)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        _second_order(lambda x, a, bb: lora_linear(x, w, None, a, bb, 0.5), [x, a, bb])
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        _second_order(lambda x, a, bb: torch.ops.novatune.lora_linear_fwd(x, w, None, a, bb, 0.5, None)[0],
+                      [x, a, bb])
+
+
+@pytest.mark.parametrize("which", ["weight", "bias", "lora_a", "lora_b", "x_lora"])
+def test_operand_on_another_device_raises(which):
+    """A meta (not materialised) base weight made the big GEMM a silent no-op; every operand is checked by name."""
+    x, w, b, a, bb, _ = _leaves((3,), 37, 29, 4, torch.float32, seed=12)
+    args = {"weight": w, "bias": b, "lora_a": a, "lora_b": bb, "x_lora": x.detach() * 2}
+    args[which] = args[which].detach().to("meta")
+    with pytest.raises(ValueError, match=f"{which} is on meta but x on cpu"):
+        lora_linear(x, args["weight"], args["bias"], args["lora_a"], args["lora_b"], 1.0, x_lora=args["x_lora"])

@@ -93,3 +93,15 @@ def test_group_rejects_mismatched_members():
         lora_linear_group(torch.randn(3, 16), ws, as_[:1], bs, 1.0)
     with pytest.raises(ValueError, match="A .* do not fit"):
         lora_linear_group(torch.randn(3, 16), ws, [as_[0], torch.randn(2, 15)], bs, 1.0)
+
+
+def test_double_backward_raises_instead_of_being_wrong():
+    """xa is saved from the forward: a second-order gradient would miss its dependence on x and A (it came back
+    None for both, silently); the backward is once-differentiable and says so."""
+    ws, as_, bs = _members((29, 7), (4, 2), 37, torch.float32, "cpu", seed=3)
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    ys = lora_linear_group(x, ws, as_, bs, 0.5)
+    dys = [torch.randn(y.shape).requires_grad_(True) for y in ys]
+    grads = torch.autograd.grad(ys, [x, *as_, *bs], dys, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()

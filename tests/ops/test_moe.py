@@ -328,6 +328,9 @@ def test_moe_block_host_work(monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **kw: opaque(self.__name__, run)(self, *a, **kw))
     monkeypatch.setattr(M, "grouped_mm", opaque("grouped_mm", M.grouped_mm))
     monkeypatch.setattr(M, "grouped_outer", opaque("grouped_outer", M.grouped_outer))
+    # the expert ids' range check reads them on the host here (a CPU tensor); its device branch queues an assert
+    # instead: test_expert_id_check_on_a_device_queues_an_assert counts that one
+    monkeypatch.setattr(M, "_check_ids", opaque("_check_ids", M._check_ids))
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -352,7 +355,8 @@ def test_moe_block_host_work(monkeypatch):
     with Ops():
         out.backward(dout)
     bwd_ops, bwd_launches = dict(state["ops"]), dict(state["launches"])
-    assert fwd_launches == {"_gather_rows_kernel": 1, "grouped_mm": 2, "_glu_fwd_kernel": 1, "_combine_kernel": 1}
+    assert fwd_launches == {"_gather_rows_kernel": 1, "grouped_mm": 2, "_glu_fwd_kernel": 1, "_combine_kernel": 1,
+                            "_check_ids": 1}
     assert bwd_launches == {"_gather_rows_kernel": 2, "grouped_mm": 2, "grouped_outer": 2, "_glu_routed_bwd_kernel": 1,
                             "_combine_kernel": 1, "_route_bwd_kernel": 1}
     # router: linear, softmax (on the CPU a cast first; CUDA's softmax casts in its kernel), top-k, sum, division,
@@ -363,3 +367,84 @@ def test_moe_block_host_work(monkeypatch):
     assert all(n <= {"mm": 2, "add": 1}.get(op, 0) for op, n in bwd_ops.items()), bwd_ops
     assert not _HOST_READS & (set(fwd_ops) | set(bwd_ops))
     assert x.grad is not None and block.gate.weight.grad is not None
+
+
+def test_expert_id_check_on_a_device_queues_an_assert():
+    """Off the host the range check never reads the ids (a sync per layer on a GPU): four elementwise / reduction
+    ops and torch._assert_async, queued with the kernels (meta tensors stand in for a device here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.empty(11, 3, dtype=torch.long, device="meta")
+    with Ops():
+        M._check_ids(ids, 7)
+    assert ops == ["ge", "lt", "bitwise_and", "all", "_assert_async"] and not _HOST_READS & set(ops)
+
+
+def _moe_args(seed, t=5, h=16, i=8, e=4, k=2):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen)
+    return x, ids, w, torch.randn(e, 2 * i, h, generator=gen) / 4, torch.randn(e, h, i, generator=gen) / 3
+
+
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+@pytest.mark.parametrize("bad", [4, -1, 300], ids=lambda b: f"id{b}")
+def test_expert_ids_outside_the_experts_raise(bad, path, backend_env):
+    """An id >= E or < 0 read and wrote out of bounds (and the one-byte sort keys wrapped 300 onto expert 44)
+    without an error; on the host it is a ValueError naming the range, for the LoRA variant too."""
+    from novatune.ops.moe_lora import moe_experts_lora
+
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    x, ids, w, gu, dn = _moe_args(41)
+    ids[2, 1] = bad
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        M.moe_experts(x, ids, w, gu, dn)
+    lora = (torch.randn(4, 2, 16), torch.randn(4, 16, 2), 0.5)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        moe_experts_lora(x, ids, w, gu, dn, gate_up_lora=lora)
+
+
+@pytest.mark.parametrize("what", ["down (E, H-1, I)", "down (E, H, I+1)", "gate_up 2-D", "gate_up odd 2I",
+                                  "gate_up_bias (E, 2I-1)", "down_bias (E, H+1)", "transposed down", "float ids"])
+def test_expert_weight_shapes_are_checked(what):
+    """Each mismatch names the expected shape (a down projection of H-1 rows silently returned (T, H-1); a 2-D
+    gate_up raised an IndexError)."""
+    x, ids, w, gu, dn = _moe_args(42)  # T 5, H 16, I 8, E 4
+    gb, db, kw = None, None, {}
+    if what == "down (E, H-1, I)":
+        dn, want = dn[:, :-1], r"down must be \(4, 16, 8\)"
+    elif what == "down (E, H, I+1)":
+        dn, want = torch.randn(4, 16, 9), r"down must be \(4, 16, 8\)"
+    elif what == "gate_up 2-D":
+        gu, want = gu[0], "must be 3-D"
+    elif what == "gate_up odd 2I":
+        gu, want = gu[:, :-1], "2I = 15 even"
+    elif what == "gate_up_bias (E, 2I-1)":
+        gb, want = torch.zeros(4, 15), r"gate_up_bias must be \(4, 16\)"
+    elif what == "down_bias (E, H+1)":
+        db, want = torch.zeros(4, 17), r"down_bias must be \(4, 16\)"
+    elif what == "transposed down":
+        gu, dn, kw, want = gu.transpose(1, 2), dn, {"transposed": True}, r"down must be \(4, 8, 16\)"
+    else:
+        ids, want = ids.float(), "ids must be integer"
+    with pytest.raises((ValueError, TypeError), match=want):
+        M.moe_experts(x, ids, w, gu, dn, gb, db, **kw)
+
+
+def test_double_backward_raises_instead_of_being_wrong():
+    """The backward recomputes from h saved in the forward, so a second-order gradient would miss its dependence
+    (x's came back 100% off, silently): the eager Function is once-differentiable."""
+    x, ids, w, gu, dn = _moe_args(43)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
+    out = M.moe_experts(leaves[0], ids, *leaves[1:])
+    grads = torch.autograd.grad(out, leaves, torch.randn(out.shape).requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()

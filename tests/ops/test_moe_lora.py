@@ -153,3 +153,19 @@ def test_factors_are_cast_and_laid_out_in_one_copy_each(factor_dtype):
     assert pa.is_contiguous() and pb.is_contiguous() and pa.dtype == pb.dtype == torch.bfloat16
     assert torch.equal(pa, a.to(torch.bfloat16)) and torch.equal(pb, b.to(torch.bfloat16))
     assert Copies.n == (2 if factor_dtype == torch.float32 else 1), "one copy per factor that needs one"
+
+
+def test_double_backward_raises_and_bad_ids_are_refused():
+    """h and u A^T are saved from the forward, so a second-order gradient would miss their dependence: the
+    Function is once-differentiable. Expert ids outside [0, E) raise before anything is read."""
+    ids, tensors, gu, dn, layout = _inputs(CASES["odd sizes E7 top3 r3"], torch.float32, seed=5)
+    x, w, ga, gb, da, db = tensors[:6]
+    out = L.moe_experts_lora(x, ids, w, gu, dn, gate_up_lora=(ga, gb, 0.5), down_lora=(da, db, 2.0), **layout)
+    leaves = [x, w, ga, gb, da, db]
+    grads = torch.autograd.grad(out, leaves, torch.randn(out.shape).requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()
+    bad = ids.clone()
+    bad[0, 0] = 7
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 7\)"):
+        L.moe_experts_lora(x, bad, w, gu, dn, gate_up_lora=(ga, gb, 0.5), **layout)

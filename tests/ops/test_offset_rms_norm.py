@@ -104,3 +104,24 @@ def test_spec_poisoned_kernel_call_writes_every_output(device):
     assert_close(out["out"], ref, 1e-5, "y")
     assert_close(out["x"], x.grad, 1e-5, "dx")
     assert_close(out["weight"], w.grad, 1e-5, "dw")
+
+
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+def test_refusals_on_every_path(path, backend_env):
+    """A second-order gradient raises (the CPU path's was 18% off: rstd is saved from the forward); a weight that
+    is not (N,) and integer inputs are refused the same on the CPU reference and the kernels."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(3, 37, generator=g).requires_grad_()
+    w = (0.5 * torch.randn(37, generator=g)).requires_grad_()
+    dy = torch.randn(3, 37, generator=g).requires_grad_()
+    dx, dw = torch.autograd.grad(offset_rms_norm(x, w, EPS), (x, w), dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ((dx * dx).sum() + (dw * dw).sum()).backward()
+    for bad in (w.detach()[:1], w.detach().view(1, 37)):
+        with pytest.raises(ValueError, match=r"offset_rms_norm: weight must have shape \(37,\)"):
+            offset_rms_norm(x, bad, EPS)
+        with pytest.raises(ValueError, match=r"weight must have shape \(37,\)"):
+            offset_rms_norm_fwd(x, bad, EPS, 1.0)
+    with pytest.raises(TypeError, match="floating point"):
+        offset_rms_norm(torch.arange(8).view(2, 4), torch.zeros(4), EPS)

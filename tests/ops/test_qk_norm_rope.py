@@ -260,6 +260,22 @@ def test_rejects_bad_args():
         qk_norm_rope(q, k, nq.weight, nk.weight, EPS, cos[..., :32], sin[..., :32])
 
 
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+def test_double_backward_raises_and_integers_are_refused(path, backend_env):
+    """rstd_q / rstd_k are saved from the forward: the CPU path's second-order gradients were silently wrong (48%
+    off in q); the eager Function is once-differentiable. Integer inputs raise a TypeError."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    (nq, nk), q, k, _, _, cos, sin = _setup(1, 5, 3, 1, 8, torch.float32, "cpu", seed=23)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    qo, ko = qk_norm_rope(q, k, nq.weight, nk.weight, EPS, cos, sin)
+    dq_out, dk_out = (torch.randn(t.shape).requires_grad_() for t in (qo, ko))
+    grads = torch.autograd.grad((qo, ko), (q, k, nq.weight, nk.weight), (dq_out, dk_out), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        sum((g * g).sum() for g in grads).backward()
+    with pytest.raises(TypeError, match="floating point"):
+        qk_norm_rope(q.detach().long(), k.detach(), nq.weight, nk.weight, EPS, cos, sin)
+
+
 # ----------------------------------------------------------------------------------------------- GPU, real shapes
 @pytest.mark.gpu
 def test_real_shape_vs_hf_and_composition_gpu():

@@ -157,6 +157,51 @@ def test_package_exports_the_function():
     assert novatune.ops.rms_norm is rms_norm and novatune.ops.NovaRMSNorm is NovaRMSNorm
 
 
+# ----------------------------------------------------------------------------------------------- refusals
+PATHS = ["cpu", "interpreter"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_double_backward_raises_instead_of_being_wrong(path, backend_env):
+    """The backward reads rstd saved from the forward: on the CPU path a second-order gradient missed its
+    dependence on x (23% off, silently). The eager Function is once-differentiable on every path."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 37, generator=g).requires_grad_()
+    w = (1.0 + 0.5 * torch.randn(37, generator=g)).requires_grad_()
+    dy = torch.randn(3, 37, generator=g).requires_grad_()  # in a graph: autograd records the backward
+    dx, dw = torch.autograd.grad(rms_norm(x, w, EPS), (x, w), dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ((dx * dx).sum() + (dw * dw).sum()).backward()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("w_shape", [(1,), (1, 37), (36,), (38,), ()], ids=str)
+def test_weight_shape_is_refused_on_every_path(w_shape, path, backend_env):
+    """Only an (N,) weight: the kernel refused others by `assert` only (gone under python -O, then it read past a
+    (1,) weight) and the CPU reference broadcast (1,) and (1, N) weights silently. Both paths and the registered op
+    raise the same ValueError."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    x = torch.randn(3, 37)
+    w = torch.full(w_shape, 2.0)
+    with pytest.raises(ValueError, match=r"weight must have shape \(37,\)"):
+        rms_norm(x, w, EPS)
+    with pytest.raises(ValueError, match=r"weight must have shape \(37,\)"):
+        rms_norm_fwd(x, w, EPS)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_integer_or_misplaced_inputs_are_refused(path, backend_env):
+    """Integer x was normalised and truncated to integers (values 0 / 1); a meta weight is on another device."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    with pytest.raises(TypeError, match="floating point"):
+        rms_norm(torch.tensor([[1, 2, 3, 4]]), torch.ones(4), EPS)
+    with pytest.raises(TypeError, match="floating point"):
+        rms_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.int32), EPS)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        rms_norm(torch.randn(2, 4), torch.ones(4, device="meta"), EPS)
+
+
 # ----------------------------------------------------------------------------------------------- GPU, real shapes
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 4096, 2560), (1, 4096, 32, 128)], ids=["hidden", "qk_norm"])

@@ -175,6 +175,19 @@ def test_bad_args():
         apply_rope(q, k, torch.ones(1, 4, 64), torch.ones(1, 4, 64), unsqueeze_dim=0)
 
 
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+def test_integer_inputs_are_refused(path, backend_env):
+    """Integer q / k were rotated and truncated; also after a float call of the same shapes (the argument check is
+    cached per shapes and dtypes)."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    q, k, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    apply_rope(q, k, cos, sin)
+    with pytest.raises(TypeError, match="apply_rope: q, k, cos and sin must be floating point"):
+        apply_rope(q.long(), k.long(), cos, sin)
+    with pytest.raises(TypeError, match="floating point"):
+        apply_rope(q, k, cos.long(), sin.long())
+
+
 # ---------------------------------------------------------------- eager fast path vs the registered op
 def _op_path(q, k, cos, sin, u):
     """The registered op with its registered autograd: what torch.compile traces."""

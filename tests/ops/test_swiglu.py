@@ -99,6 +99,20 @@ def test_argument_checks(device):
     assert_close(y, swiglu_ref(a, a.to(torch.bfloat16)), 1e-5, "mixed")
 
 
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+def test_integer_inputs_are_refused(path, backend_env):
+    """silu of integers was computed and truncated to int64 (swiglu([[1, 2]], [[3, 4]]) -> [[2, 7]]); an integer
+    gate with a float up would be promoted away. Both paths, both entry points."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
+    ints = torch.randint(-3, 4, (3, 6))
+    with pytest.raises(TypeError, match="swiglu: inputs must be floating point"):
+        swiglu(ints, ints)
+    with pytest.raises(TypeError, match="floating point"):
+        swiglu(ints, torch.randn(3, 6))
+    with pytest.raises(TypeError, match="swiglu_gate_up: inputs must be floating point"):
+        swiglu_gate_up(ints)
+
+
 # ---- eager fast path vs the registered op ----------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["default", "reference"])
