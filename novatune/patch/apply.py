@@ -7,8 +7,9 @@ PEFT and gradient checkpointing see the same model. `report.revert()` undoes eve
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
 
-ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs", "reference")
 
 
 @dataclass
@@ -64,6 +65,19 @@ def _unwrap(target) -> tuple[nn.Module, str, object]:
     return target, how, trainer
 
 
+class ModuleForward:
+    """`fn(module, ...)` as a module's instance-level forward, read like a bound method (`__func__`, `__self__`).
+    An object, not a types.MethodType: pickling a bound method stores it as getattr(module, fn.__name__), which
+    does not exist on the module, while this object pickles `fn` by its qualified name; a deep copy of the model
+    binds the copy's forwards to the copy's modules."""
+
+    def __init__(self, fn, module: nn.Module):
+        self.__func__, self.__self__ = fn, module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+
 def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
     """Give `module` an instance-level forward `fn`, keeping the stock one for fallback and for revert."""
     had_instance_forward = "forward" in module.__dict__
@@ -72,7 +86,7 @@ def _bind(module: nn.Module, fn, report: PatchReport, **attrs) -> None:
     # as a second child, changing named_modules() and the state_dict
     module.__dict__["_novatune_stock_forward"] = module.forward
     module.__dict__.update(attrs)
-    module.__dict__["forward"] = types.MethodType(fn, module)
+    module.__dict__["forward"] = ModuleForward(fn, module)
 
     def undo():
         if had_instance_forward:
@@ -131,8 +145,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than
     one chunk. Same values; an extra MLP forward per tiled batch.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
-    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "cudnn", "sdpa", "reference";
-    False keeps stock attention. strict=True raises instead of skipping anything the spec cannot patch.
+    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"
+    (one SDPA call per document: the CPU's packed-row path), "reference"; False keeps stock attention.
+    strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
     report (report.choices) and report.revert() removes them.
@@ -141,7 +156,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     check_transformers()
     model, how, trainer = _unwrap(target)
     existing = getattr(model, "_novatune_report", None)
+    options = {k: v for k, v in locals().items() if k in _PATCH_DEFAULTS}
     if existing is not None and not existing.reverted:
+        _check_same_options(existing, options)
+        _patch_late_adapters(model, existing, lora)
         if trainer is not None:
             _rebind_loss_over_trainer(model, existing, trainer)
             spec = spec_for(getattr(model.config, "model_type", "?"))
@@ -155,7 +173,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_BACKENDS} or False")
     model_type = getattr(model.config, "model_type", "?")
     spec = spec_for(model_type)
-    report = PatchReport(family=spec.name if spec else None, model_class=type(model).__name__)
+    report = PatchReport(family=spec.name if spec else None, model_class=type(model).__name__, options=options)
     if spec is None:
         msg = f"model_type {model_type!r} has no novatune spec (supported: {', '.join(supported_model_types())})"
         if strict:
@@ -200,6 +218,37 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     model._novatune_report = report
     report._undo.insert(0, lambda: model.__dict__.pop("_novatune_report", None))
     return report
+
+
+_PATCH_DEFAULTS = {name: p.default for name, p in inspect.signature(patch).parameters.items()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_same_options(report: PatchReport, options: dict) -> None:
+    """A second patch() of a patched model returns its report: an option it asks for that differs from the first
+    call's would silently not apply, so it raises instead."""
+    differ = {k: v for k, v in options.items()
+              if k != "selection" and v != _PATCH_DEFAULTS[k] and report.options.get(k, _PATCH_DEFAULTS[k]) != v}
+    if differ:
+        first = {k: report.options.get(k, _PATCH_DEFAULTS[k]) for k in differ}
+        raise ValueError(f"this model is already patched with {first}; this call asks for {differ}, which the "
+                         "existing patch does not change: call report.revert() (the report patch() returned) "
+                         "first, then patch with the new options")
+
+
+def _patch_late_adapters(model: nn.Module, report: PatchReport, lora: bool) -> None:
+    """PEFT adapters added after the model was patched (get_peft_model, or a trainer's peft_config, then
+    patch(trainer)): their LoRA layers get the fused forwards now, as a first patch would have given them."""
+    seen = {e.path for e in report.entries if e.kind in ("lora", "moe_lora")}
+    spec = spec_for(getattr(model.config, "model_type", "?"))
+    if spec is None:
+        return
+    before = len(report.entries)
+    apply_moe_lora(model, spec, report, _bind, enabled=lora, skip=seen)
+    apply_lora(model, spec, report, enabled=lora, bind=_bind, skip=seen)
+    if len(report.entries) > before:
+        report.add("", "note", "note", "LoRA adapters added after the first novatune.patch were patched by a later "
+                   "call (CUDA graphs were decided at the first call: patch after adding adapters to use them)")
 
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
@@ -398,8 +447,8 @@ def _bind_loss(model: nn.Module, stack: nn.Module, report: PatchReport, **attrs)
     model.__dict__.update(attrs)
     undo_forward = loss.bind(model, binding)
     model.__dict__["_novatune_loss_binding"] = binding
-    handle = stack.register_forward_pre_hook(lambda module, args: loss.check_bypass(
-        model.__dict__.get("_novatune_loss_binding"), module))
+    # a partial of a module-level function, not a closure: a copy of the model (deepcopy) checks its own binding
+    handle = stack.register_forward_pre_hook(functools.partial(loss.bypass_pre_hook, model))
 
     def undo():
         handle.remove()
@@ -438,11 +487,10 @@ def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) ->
     binding = model.__dict__.get("_novatune_loss_binding")
     if binding is None or not binding.active:
         return
-    on_top = model.__dict__.get("forward")
-    if getattr(getattr(on_top, "__func__", None), "__wrapped__", None) is loss.causal_lm_forward:
-        return  # still on top
     refusal = trainer_refusal(trainer, model)
     entries = [e for e in report.entries if e.kind == "cross_entropy"]
+    if not refusal and loss.is_loss_forward(model.__dict__.get("forward")):
+        return  # still on top, and the trainer trains on what it computes
     if refusal:
         binding.active = False
         for e in entries:

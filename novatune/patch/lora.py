@@ -119,13 +119,17 @@ def _projections(model: nn.Module, spec: FamilySpec) -> dict[int, str]:
     return slots
 
 
-def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabled: bool, bind) -> None:
-    """Bind the fused LoRA forward on every fusable LoRA projection; report the rest. `bind` is apply._bind."""
+def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabled: bool, bind,
+               skip: frozenset | set = frozenset()) -> None:
+    """Bind the fused LoRA forward on every fusable LoRA projection; report the rest. `bind` is apply._bind;
+    `skip`: module paths already reported (a later patch call adds only adapters that came since)."""
     names = spec.lora
     slots = None
     for path, module in model.named_modules():
         if not is_lora_layer(module, names) or type(module).__name__ in names.param_wrapper_classes:
             continue  # LoRA on a parameter (PEFT's target_parameters): patch/moe_lora.py reports it
+        if path in skip:
+            continue
         if slots is None:
             slots = _projections(model, spec)
         if not enabled:
@@ -148,6 +152,8 @@ def apply_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, *, enabl
         kind = "fused QLoRA linear (NF4 dequantised per GEMM, " if is_qlora_layer(module, names) else \
             "fused LoRA linear ("
         report.add(path, "lora", "replaced", f"{kind}{slots[id(module)]}, r={r}, {mode})")
+    if skip:
+        return  # the notes below were written by the first call, if they apply
     if report.replaced("lora"):
         report.add("", "note", "note", RUNTIME_NOTE)
     if any("QLoRA" in str(r) for r in report.replaced("lora")):

@@ -14,13 +14,16 @@ Two calling conventions are honoured, both computing exactly what the caller exp
   `log_probs`, `entropy` and `is_top1` come from the fused kernel's own pass over the logits (its per-token
   statistics: -log p, entropy, first argmax), so TRL's per-step metrics cost no second lm_head GEMM.
 
-The stock forward (whatever was on the model before: HF's, or a trainer's wrapper) is kept in a closure, so a
-second binding on top of a wrapper that calls the first one never recurses, and a binding that was reverted while
-a wrapper still holds it delegates to its stock forward.
+The stock forward (whatever was on the model before: HF's, or a trainer's wrapper) is kept in the binding, which
+the installed forward object holds, so a second binding on top of a wrapper that calls the first one never recurses,
+and a binding that was reverted while a wrapper still holds it delegates to its stock forward. The installed forward
+is an object holding (model, binding), not a closure: `copy.deepcopy(model)` (an EMA, a teacher, a DPO reference)
+gives the copy a forward that runs the copy's own weights, and `torch.save(model)` pickles it. It presents the stock
+forward's signature and binds positional arguments by it.
 """
 from __future__ import annotations
 
-import functools
+import inspect
 import types
 import warnings
 from collections import OrderedDict
@@ -36,37 +39,79 @@ from novatune.ops.linear_cross_entropy import linear_cross_entropy
 @dataclass
 class LossBinding:
     """What the loss forward needs besides the module's own attributes (ce mode, lm_head: set by apply.py and
-    rewritten by the tuner as `_novatune_ce_mode`)."""
+    rewritten by the tuner as `_novatune_ce_mode`).
+
+    `stock` is the forward that was on the model before: a function of the model's class called with the model
+    (HF's forward; kept unbound so that a copy of the model calls it with the copy), or any other callable (a
+    trainer's wrapper), called as is."""
 
     stock: Callable
     report: object  # PatchReport: counts the fused-loss calls
+    stock_takes_model: bool = False  # stock is the class's function: call it with the model first
     active: bool = True
     pending: bool = False  # a loss forward is running: the decoder's pre-hook consumes it (see `check_bypass`)
     noted: set = field(default_factory=set)  # report notes already written
+
+    def call_stock(self, model, *args, **kwargs):
+        return self.stock(model, *args, **kwargs) if self.stock_takes_model else self.stock(*args, **kwargs)
+
+
+class LossForward:
+    """The causal LM's instance-level forward while patched: the loss forward, or the stock one once reverted."""
+
+    def __init__(self, model: torch.nn.Module, binding: LossBinding, signature: inspect.Signature | None):
+        self.model, self.binding, self.__signature__ = model, binding, signature
+
+    def __call__(self, *args, **kwargs):
+        if args:
+            kwargs = self._keywords(args, kwargs)
+        if not self.binding.active:
+            return self.binding.call_stock(self.model, **kwargs)
+        return causal_lm_forward(self.model, self.binding, **kwargs)
+
+    def _keywords(self, args: tuple, kwargs: dict) -> dict:
+        """Positional arguments named by the stock forward's signature (input_ids, attention_mask, position_ids,
+        the cache, inputs_embeds, labels, ...), as the stock forward would bind them."""
+        if self.__signature__ is None:
+            raise TypeError("novatune's loss forward takes keyword arguments only here (the stock forward's "
+                            "signature is unknown): call model(input_ids=..., labels=...)")
+        bound = self.__signature__.bind_partial(*args, **kwargs).arguments
+        out = {}
+        for name, value in bound.items():
+            if self.__signature__.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
 
 
 def bind(model: torch.nn.Module, binding: LossBinding) -> Callable[[], None]:
     """Install the loss forward on `model` (instance level); returns the undo."""
     previous = model.__dict__.get("forward")
-
-    @functools.wraps(causal_lm_forward)
-    def forward(self, *args, **kwargs):
-        if not binding.active:
-            return binding.stock(*args, **kwargs)
-        return causal_lm_forward(self, binding, *args, **kwargs)
-
-    method = types.MethodType(forward, model)
-    model.__dict__["forward"] = method
+    stock = binding.stock
+    if isinstance(stock, types.MethodType) and stock.__self__ is model:
+        binding.stock, binding.stock_takes_model = stock.__func__, True
+    try:
+        signature = inspect.signature(stock)
+    except (TypeError, ValueError):
+        signature = None
+    forward = LossForward(model, binding, signature)
+    model.__dict__["forward"] = forward
 
     def undo():
         binding.active = False
-        if model.__dict__.get("forward") is method:  # something wrapped it since: leave theirs in place
+        if model.__dict__.get("forward") is forward:  # something wrapped it since: leave theirs in place
             if previous is None:
                 model.__dict__.pop("forward", None)
             else:
                 model.__dict__["forward"] = previous
 
     return undo
+
+
+def is_loss_forward(fn) -> bool:
+    """Whether `fn` (a model's instance-level forward) is novatune's loss forward."""
+    return isinstance(fn, LossForward)
 
 
 def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask=None, position_ids=None,
@@ -88,19 +133,20 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
                              "the router's load-balancing loss; drop one of them")
         _note_once(binding, "output_router_logits", "calls with output_router_logits=True run the stock loss "
                    "forward (it adds the router's load-balancing loss, which the fused loss does not compute)")
-        binding.pending = True  # a deliberate stock call, not a bypass (check_bypass)
-        try:
-            return binding.stock(**call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-        finally:
-            binding.pending = False
+        return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
     if fused_lm_head:
         if labels is None and kwargs.get("shift_labels") is None:
             raise ValueError("fused_lm_head=True needs labels (or shift_labels): the fused head scores labels")
         return _trl_fused_head(self, binding, call, labels, kwargs)
     if labels is None or not self.training:
-        return binding.stock(**call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        if labels is None and self.training and torch.is_grad_enabled():
+            _note_once(binding, "no_labels", "training forwards without labels return the logits (the caller "
+                       "computes its own loss from them; the fused loss runs only on calls with labels)")
+        return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    # the backbone's output is read as a ModelOutput; a caller asking for a tuple gets the loss output's tuple
+    return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.get("num_items_in_batch")
     router_loss = _wants_router_loss(self, kwargs)
@@ -115,9 +161,21 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
                                 shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
                                 normalizer=num_items, mode=_ce_mode(self, binding), softcap=self._novatune_softcap)
     if router_loss:
-        return _with_router_loss(self, loss, outputs, attention_mask)
-    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                  attentions=outputs.attentions)  # training: use_cache=False, no cache to return
+        out = _with_router_loss(self, loss, outputs, attention_mask)
+    else:  # training: use_cache=False, no cache to return
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions)
+    return out.to_tuple() if return_dict is False else out
+
+
+def _stock_call(self, binding: LossBinding, call: dict, labels, logits_to_keep, kwargs: dict):
+    """The stock forward, called by the loss forward on purpose (no labels, evaluation, a router loss it cannot
+    add): the decoder's pre-hook must not count it as a forward that bypassed the loss (check_bypass)."""
+    binding.pending = True
+    try:
+        return binding.call_stock(self, **call, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    finally:
+        binding.pending = False
 
 
 def _ce_mode(self, binding: LossBinding) -> str:
@@ -181,9 +239,7 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     """TRL's `fused_lm_head=True` contract (trl.trainer.utils.add_fused_lm_head), with novatune's fused loss."""
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
-    if _wants_router_loss(self, kwargs):
-        raise ValueError("novatune's fused LM head for TRL does not add an MoE router loss (output_router_logits is "
-                         "on): patch with cross_entropy=False, or turn output_router_logits off")
+    router_loss = _wants_router_loss(self, kwargs)
     call["use_cache"] = False
     outputs = _backbone(self, binding, call, kwargs)
     hidden = outputs.last_hidden_state
@@ -205,8 +261,16 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     if trim:
         log_probs, entropy, is_top1, mask = (t[:, :-1] for t in (log_probs, entropy, is_top1, mask))
     divisor = mask.sum().clamp(min=1) if num_items is None else num_items
-    return _FusedOutput(loss=-log_probs.sum() / divisor, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
-                        label_mask=mask)
+    loss = -log_probs.sum() / divisor
+    aux = None
+    if router_loss:
+        # as TRL's own fused head: the unweighted load-balancing loss in `aux_loss` (SFTTrainer adds
+        # router_aux_loss_coef x aux_loss to its loss), and the weighted one added to `loss`
+        aux = self._novatune_aux_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                      call["attention_mask"]).to(loss.device)
+        loss = loss + self.router_aux_loss_coef * aux
+    return _FusedOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask,
+                        aux_loss=aux)
 
 
 class _FusedOutput(OrderedDict):
@@ -216,7 +280,7 @@ class _FusedOutput(OrderedDict):
         try:
             return self[name]
         except KeyError:
-            if name in ("log_sum_sq_probs", "mean_logits", "aux_loss"):
+            if name in ("log_sum_sq_probs", "mean_logits"):
                 return None  # TRL's optional fields, not requested by SFTTrainer
             raise AttributeError(name) from None
 
@@ -271,6 +335,11 @@ def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
 
     leaf.register_post_accumulate_grad_hook(sink)
     return leaf
+
+
+def bypass_pre_hook(model: torch.nn.Module, stack: torch.nn.Module, args) -> None:
+    """The decoder stack's forward pre-hook (bound to its causal LM with functools.partial)."""
+    check_bypass(model.__dict__.get("_novatune_loss_binding"), stack)
 
 
 def check_bypass(binding: LossBinding | None, stack: torch.nn.Module) -> None:

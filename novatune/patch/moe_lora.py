@@ -101,9 +101,10 @@ def experts_lora_forward(self, hidden_states, top_k_index=None, top_k_weights=No
                             down_lora=lora.get(moe.down), **layout)
 
 
-def apply_moe_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool) -> None:
+def apply_moe_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool,
+                   skip: frozenset | set = frozenset()) -> None:
     """Bind experts_lora_forward on the outermost PEFT ParamWrapper of every adapted experts module, or report
-    why PEFT's forward stays."""
+    why PEFT's forward stays. `skip`: module paths already reported (by an earlier patch call)."""
     names = spec.lora
     inner = set()
     for path, module in model.named_modules():
@@ -111,6 +112,8 @@ def apply_moe_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, bind
             continue
         chain, experts = wrapper_chain(module, names)
         inner.update(id(w) for w in chain[1:])
+        if path in skip:
+            continue
         if not enabled:
             report.add(path, "moe_lora", "skipped", "lora=False")
             continue

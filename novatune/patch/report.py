@@ -27,6 +27,16 @@ class PatchReport:
     # what actually ran since the patch: "cross_entropy" counts fused-loss forwards, "bypassed_loss" training
     # forwards that reached the decoder without it (someone else computed the loss)
     calls: Counter = field(default_factory=Counter)
+    options: dict = field(default_factory=dict)  # the keyword options of the patch() call that made it
+    # a report that came with a copy of its model (copy.deepcopy, pickle): its undo steps stayed with the original
+    copied: bool = False
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) keeps what was patched but not the undo steps: they are closures over the
+        original model's modules, and running them from the copy would un-patch the original."""
+        state = dict(self.__dict__)
+        state["_undo"], state["copied"] = [], True
+        return state
 
     def add(self, path: str, kind: str, action: str, detail: str) -> None:
         self.entries.append(PatchEntry(path, kind, action, detail))
@@ -39,6 +49,10 @@ class PatchReport:
 
     def revert(self) -> None:
         """Restore every patched module and remove every hook, newest first. Safe to call twice."""
+        if self.copied and not self.reverted:
+            raise RuntimeError("this report came with a copy of a patched model (copy.deepcopy or pickle); its undo "
+                               "steps belong to the original model: revert the original before copying it, or "
+                               "patch a fresh (unpatched) model instead")
         while self._undo:
             self._undo.pop()()
         self.reverted = True

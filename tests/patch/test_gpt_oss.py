@@ -84,7 +84,8 @@ def test_sink_capable_backends_are_accepted():
 def test_router_aux_loss_is_added_as_stock_adds_it():
     """output_router_logits, in the config or in a call, adds the load-balancing loss: the fused loss forward adds
     the family's own load_balancing_loss_func on the patched router's logits, so loss and aux loss equal stock's.
-    TRL's fused head cannot add it and says so."""
+    TRL's fused head returns it as `aux_loss` (the trainer adds coef x aux_loss) and adds the weighted one to
+    `loss`, as TRL's own fused head does."""
     ids, pos, lab = packed_batch([[32]])  # one document per row: stock attention is exact here
     for where in ("config", "call"):
         model = tiny_gpt_oss().train()
@@ -99,8 +100,9 @@ def test_router_aux_loss_is_added_as_stock_adds_it():
         assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
         assert_close(out.aux_loss, ref.aux_loss, TOL, f"aux loss ({where})")
         assert_close(out.loss, ref.loss, TOL, f"loss with the router's aux loss ({where})")
-    with pytest.raises(ValueError, match="router loss"):
-        model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True, fused_lm_head=True)
+    fused = model(input_ids=ids, position_ids=pos, labels=lab, output_router_logits=True, fused_lm_head=True)
+    assert_close(fused.aux_loss, ref.aux_loss, TOL, "aux loss (TRL's fused head)")
+    assert_close(fused.loss, ref.loss, TOL, "loss with the router's aux loss (TRL's fused head)")
 
 
 def test_norm_rounds_once_in_the_input_dtype_with_fp32_weights():

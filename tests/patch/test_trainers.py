@@ -260,6 +260,62 @@ def test_plain_trainer_patched_matches_stock(tokenizer, dataset, tmp_path, fused
     assert len(fused_calls) == 4 and report.calls["cross_entropy"] == 4
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sft_trainer_on_moe_adds_the_router_loss_as_stock_does(family, tokenizer, dataset, tmp_path, fused_calls):
+    """TRL turns the MoE load-balancing loss on by default (router_aux_loss_coef != 0): its fused-head call then
+    asks for the router logits and adds coef x outputs.aux_loss itself. The fused head returns the family's own
+    aux loss, so the per-micro-step losses (with the router loss in them) equal the unpatched trainer's."""
+    from tiny_models import tiny_gpt_oss, tiny_model
+
+    def moe():
+        ids = dict(vocab_size=512, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        if family == "gpt_oss":
+            model = tiny_gpt_oss()
+            model.resize_token_embeddings(512)
+            model.config.update(ids)
+            return model
+        return tiny_model(family, **ids)
+
+    # GPT-OSS: padded rows, one document each (stock's eager attention would attend across packed documents)
+    mode = "padding" if family == "gpt_oss" else "packing"
+    stock_trainer = sft_trainer(mode, tokenizer, dataset, tmp_path, model=moe())
+    assert stock_trainer.aux_loss_enabled
+    stock = train_recording_losses(stock_trainer)
+    trainer = sft_trainer(mode, tokenizer, dataset, tmp_path, model=moe())
+    report = novatune.patch(trainer)
+    assert report.replaced("cross_entropy"), str(report)
+    patched = train_recording_losses(trainer)
+    assert_losses_match(patched, stock)
+    assert len(fused_calls) == 4
+    logged = [h["aux_loss"] for h in trainer.state.log_history if "aux_loss" in h]
+    stock_logged = [h["aux_loss"] for h in stock_trainer.state.log_history if "aux_loss" in h]
+    assert logged and len(logged) == len(stock_logged)
+    for a, b in zip(logged, stock_logged):
+        assert abs(a - b) <= 1e-4 * abs(b), (logged, stock_logged)
+
+
+def test_patching_the_model_then_a_label_smoothing_trainer_reports_the_refusal(tokenizer, dataset, tmp_path):
+    """patch(model), then a Trainer that computes its loss from the logits (label smoothing), then patch(trainer):
+    the report says why the fused loss is not used, and the trainer's forwards without labels raise no warning
+    about a bypassed loss (they are the trainer's own, deliberate)."""
+    import warnings
+
+    model = tiny_qwen3(tokenizer)
+    report = novatune.patch(model)
+    tokenized = dataset.map(lambda r: tokenizer(r["text"]), remove_columns=["text"])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "ls2"), label_smoothing_factor=0.1, max_steps=1,
+                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=tokenized,
+                                   data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    assert novatune.patch(trainer) is report
+    (entry,) = report.skipped("cross_entropy")
+    assert "label smoothing" in entry.detail
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer.train()
+    assert report.calls["bypassed_loss"] == 0 and report.calls["cross_entropy"] == 0
+
+
 def test_plain_trainer_with_label_smoothing_keeps_stock_loss(tokenizer, tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "ls"), label_smoothing_factor=0.1, report_to=[],
                                           use_cpu=True)

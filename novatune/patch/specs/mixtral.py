@@ -11,7 +11,7 @@ SPEC = FamilySpec(
     attention_classes=("MixtralAttention",),
     mlp_classes=(),
     attention=AttentionSpec(window_config="sliding_window"),
-    honours=("sliding_window",),
+    honours=("sliding_window", "output_router_logits"),
     moe=MoESpec(router_classes=("MixtralTopKRouter",), experts_classes=("MixtralExperts",),
                 router=RouterSpec(scoring="softmax_topk", renormalize=True, weights_dtype="float32")),
 )

@@ -10,7 +10,7 @@ SPEC = FamilySpec(
     norm_classes=("Qwen3MoeRMSNorm",),
     attention_classes=("Qwen3MoeAttention",),
     mlp_classes=("Qwen3MoeMLP",),
-    honours=("sliding_window",),
+    honours=("sliding_window", "output_router_logits"),
     attention=AttentionSpec(q_norm="q_norm", k_norm="k_norm", window_attr="sliding_window"),
     moe=MoESpec(router_classes=("Qwen3MoeTopKRouter",), experts_classes=("Qwen3MoeExperts",),
                 router=RouterSpec(scoring="softmax_topk", renormalize="norm_topk_prob", weights_dtype="logits")),
