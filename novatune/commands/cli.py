@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import math
 import sys
 
 EPILOG_MAIN = """examples:
@@ -144,10 +145,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from novatune.train.config import ConfigError
     from novatune.train.plan import plan, render
 
     cfg, base = load_config(args)
     check_nproc_positive(args.nproc)
+    if args.gpu_mem is not None and not (math.isfinite(args.gpu_mem) and args.gpu_mem > 0):
+        raise ConfigError("--gpu-mem", f"must be a positive number of GiB, got {args.gpu_mem}", "e.g. --gpu-mem 80")
     est = plan(cfg, base_dir=base, gpu_mem_gib=args.gpu_mem, nproc=args.nproc)
     print(render(est))
     return 1 if est.get("oom") else 0

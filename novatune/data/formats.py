@@ -83,7 +83,11 @@ def _normalise_messages(msgs) -> list[dict]:
             raise DataError(f"message {i} has role {m['role']!r}, which chat templates do not know; use one "
                             f"of {', '.join(CHAT_ROLES)} (ShareGPT 'from': human, gpt, system), or rename the role "
                             f"in the data")
-        out.append({"role": m["role"], "content": m.get("content", "")})
+        content = m.get("content", "")
+        if not isinstance(content, str):  # null (an OpenAI tool-call turn) or a parts list: templates need text
+            raise DataError(f"message {i} ({m['role']}) has content {content!r}; chat data needs text content in "
+                            f"every message: fill it in or drop that message from the data")
+        out.append({"role": m["role"], "content": content})
     return out
 
 
@@ -98,7 +102,15 @@ def _render_prefix(render, msgs: list[dict]) -> str:
 
 def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None) -> Doc:
     def render(ms, gen=False):
-        return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen, chat_template=template)
+        from jinja2 import TemplateError
+
+        try:
+            return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen, chat_template=template)
+        except TemplateError as e:  # a syntax error shows at the first render, not when the config is read
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise DataError(f"data.chat_template: the chat template fails to render: {type(e).__name__}{where}: "
+                            f"{e}; fix the template's jinja syntax, or unset data.chat_template to use the "
+                            f"tokenizer's") from None
 
     full = render(msgs)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -128,6 +140,13 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
         def f(r):
             ids = list(_get(r, "input_ids", fmt))
             labels = r.get("labels")
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+            if bad is not None:
+                raise DataError(f"a tokens record has input_ids entry {bad!r}; token ids are integers >= 0: fix "
+                                f"the data")
+            if labels is not None and len(labels) != len(ids):
+                raise DataError(f"a tokens record has {len(labels)} labels for {len(ids)} input_ids; labels need "
+                                f"one entry per token (-100: not trained): fix the data")
             return ids, ([lab != -100 for lab in labels] if labels is not None else [True] * len(ids))
         return f
     if tok is None:

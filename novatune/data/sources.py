@@ -48,9 +48,13 @@ def _files(path: Path, kind: str) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:  # bytes: a bad byte is reported with its line number
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                f"re-save the file as UTF-8 or fix that line") from None
             if not line:
                 continue
             try:
@@ -63,11 +67,12 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 def read_json(path: Path) -> Iterator[dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        if path.suffix == ".json":
-            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); if it holds one record per "
-                            f"line, name it .jsonl or set type: jsonl") from None
-        raise
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); re-save the "
+                        f"file as UTF-8") from None
+    except json.JSONDecodeError as e:  # type: json on JSON lines reads as one value with extra data
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); if it holds one record per line, "
+                        f"set type: jsonl (or type: auto) and name it .jsonl") from None
     if isinstance(data, dict):  # {"data": [...]} / {"train": [...]}: the one list inside
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
@@ -83,7 +88,13 @@ def read_parquet(path: Path) -> Iterator[dict]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError("reading Parquet needs pyarrow: pip install pyarrow (or novatune[data])") from None
-    table = pq.read_table(path)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:  # a truncated file, or JSON lines with type: parquet
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:160]}); re-create the "
+                        f"file, or set the source's type: to its real format (jsonl, json) or auto") from None
     yield from table.to_pylist()
 
 

@@ -365,10 +365,16 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     import yaml
     from safetensors.torch import load_file
 
+    from novatune.train.checkpoint import verify
     from novatune.train.config import from_dict
+    from novatune.train.nonfinite import nonfinite_names
     from novatune.train.session import build_patched_model
     from novatune.tune.patching import selection_for
 
+    problems = verify(ck)  # the checks a resume makes: sizes, checksums, the step across files
+    if problems:
+        raise EvalError(f"--model: checkpoint {ck} is damaged: {'; '.join(problems)}; give an intact checkpoint "
+                        f"(another checkpoints/step_N) or the run's export (final/)")
     state = json.loads((ck / "state.json").read_text())
     if "config" not in state:
         raise EvalError(f"--model: {ck}/state.json has no saved config; give the run's export (final/) instead")
@@ -380,6 +386,10 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
     model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd(), select=selection_for)
     weights = load_file(str(ck / "weights.safetensors"), device=str(device))
+    bad = nonfinite_names(weights)
+    if bad:
+        raise EvalError(f"--model: checkpoint {ck} is damaged: {len(bad)} tensor(s) hold NaN/inf ({bad[0]}, ...); "
+                        f"give an intact checkpoint or the run's export (final/)")
     params = dict(model.named_parameters())
     missing = sorted(set(weights) - set(params))
     if missing:

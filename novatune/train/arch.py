@@ -6,6 +6,7 @@ tokenizer's size.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any
 
@@ -121,7 +122,38 @@ def arch_config(name: str, overrides: dict | None = None, vocab_size: int | None
         if scaling is not None:
             spec["rope_scaling"] = scaling
     spec["use_cache"] = False  # training: HF's use_cache=True disables packed-sequence detection
-    return cls(**spec)
+    check_overrides(overrides, cls, extra=ARCHS[name])
+    config = cls(**spec)
+    check_heads(config)
+    return config
+
+
+def check_overrides(overrides: dict | None, cls, extra=(), built=None) -> None:
+    """ValueError for an override key the config class does not know: transformers configs keep unknown keyword
+    arguments as plain attributes, so a typo (num_hidden_layer) would otherwise train the default silently."""
+    known = set(inspect.signature(cls.__init__).parameters) | set(dir(cls)) | set(extra)
+    known |= set(vars(built) if built is not None else vars(cls()))
+    known -= {"self", "kwargs"}
+    for key in overrides or {}:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(k for k in known if not k.startswith("_")), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"override {key!r} is not a field of {cls.__name__}; {hint}use a field of the model's "
+                             f"config (its config.json keys)")
+
+
+def check_heads(config) -> None:
+    """ValueError for head counts the attention cannot split (HF would fail only at the first forward)."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
+    if not heads or heads < 1 or (kv is not None and kv < 1):
+        raise ValueError(f"num_attention_heads {heads} / num_key_value_heads {kv} must be >= 1")
+    if kv and heads % kv:
+        raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; choose head "
+                         f"counts where it is (e.g. num_key_value_heads={1 if heads % 2 else 2})")
+    if not head_dim and hidden and hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; choose a divisor "
+                         f"or set head_dim")
 
 
 def count_matmul_params(config) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,7 @@ def _describe(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
     if origin is list:
         return "a list of " + _describe(typing.get_args(tp)[0]).removeprefix("a ").removeprefix("an ") + "s"
@@ -218,7 +219,7 @@ def _coerce(value: Any, tp, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:  # Optional[int] and `int | None` alike
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
@@ -252,6 +253,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):  # YAML reads "1e3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise _bad(value, tp, key) from None
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise _bad(value, tp, key)
@@ -379,7 +385,11 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None, che
     if not p.is_file():
         raise ConfigError("", f"config file not found: {p}", "pass the path of a YAML file (see examples/*.yaml)")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError("", f"{p} is not UTF-8 text (byte {e.object[e.start]:#04x} on line {line})",
+                          "re-save the config as UTF-8 or fix that line") from None
     except yaml.YAMLError as e:
         raise ConfigError("", f"{p} is not valid YAML: {e}", "fix the YAML syntax at the line shown") from None
     data = apply_overrides(data, overrides or [])

@@ -178,6 +178,8 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     _positive(t.grad_accum, "train.grad_accum")
     if not t.lr > 0:
         raise ConfigError("train.lr", f"must be > 0, got {t.lr}", "set train.lr, e.g. 2e-5 (full) or 2e-4 (LoRA)")
+    if not t.eps > 0:  # AdamW divides by sqrt(v) + eps: zero or negative can divide by zero
+        raise ConfigError("train.eps", f"must be > 0, got {t.eps}", "set train.eps, e.g. 1e-8")
     if t.warmup < 0:
         raise ConfigError("train.warmup", f"must be >= 0, got {t.warmup}",
                           "set train.warmup to a step count (>= 1) or a fraction of the run (< 1)")

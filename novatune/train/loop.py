@@ -20,6 +20,7 @@ from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
 from novatune.train.nonfinite import StepGuard, as_json_number
+from novatune.train.resume_check import check_resume_config
 from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
 
@@ -75,15 +76,16 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     session = build(cfg, base_dir, console, model_hook=model_hook, dist=dist, select=select)
-    model, tokenizer, opt, sched, stream = (session.model, session.tokenizer, session.optimizer, session.scheduler,
-                                            session.stream)
-    device, dtype, report, total = session.device, session.dtype, session.patch_report, session.total_steps
+    model, opt, sched, stream = session.model, session.optimizer, session.scheduler, session.stream
+    device, report, total = session.device, session.patch_report, session.total_steps
 
     step, tokens_seen = 0, 0
     resume_from, state = ckpt.resume(cfg.checkpoint.resume, out_dir, model, opt, sched, device,
                                      warn=lambda msg: console.print(f"[bold red]{msg}[/]", highlight=False),
                                      dist=dist, load_sharded=sharded.load)
     if resume_from is not None:
+        check_resume_config(state, cfg, resume_from, note=lambda msg: console.print(msg, highlight=False),
+                            world=dist.world)
         stream.load_state_dict(state["data"])
         step, tokens_seen = state["step"], state.get("tokens", 0)
         console.print(f"resumed from {resume_from} at step {step}", highlight=False)
@@ -92,7 +94,6 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     result = RunResult(out_dir, step, total, resumed_from=resume_from, patch_report=report,
                        pack_stats=session.data.stats)
-    lora, qlora = session.lora, cfg.method.type == "qlora"
     peak = peak_tflops(device, cfg.logging.peak_tflops, cfg.logging.measure_peak)
     metrics = MetricsLog(out_dir, cfg.logging.tensorboard, console, resume_step=step) if dist.main else None
     if device.type == "cuda":
@@ -111,7 +112,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     progress = Progress(total, step, cfg.logging.progress, console)
     win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, bool]] = []
-    start_step, aborted = step, False
+    start_step, aborted, to_export = step, False, False
     guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
     signals = StopSignals()
     try:
@@ -176,10 +177,12 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
                 break
+        to_export = step >= total
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
         aborted = True
     finally:
-        signals.__exit__()
+        if not to_export:  # else the handlers stay for the export: a signal there must not lose the run
+            signals.__exit__()
         gc.unfreeze()  # frozen objects are never collected: hand them back once training is over
         progress.close()
         if metrics is not None:
@@ -200,23 +203,12 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
               f"command to resume"
         console.print(f"[yellow]{msg}[/]", highlight=False)
         raise RunInterrupted(signum, msg)
-    if step >= total:
-        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every:
-            save(step)  # the end state, so `resume: auto` on a finished run knows it is finished
-        if cfg.checkpoint.export:
-            if session.memory_plan is not None and session.memory_plan.streamer is not None:
-                session.release_optimizer_state()  # room for the streamed weights, which come back for the export
-                session.stop_streaming()
-            if report is not None:
-                report.revert()  # export a plain transformers model
-            if session.strategy != "none":  # gathered to rank 0, loaded into a plain model there
-                result.exported = sharded.export(model, cfg, tokenizer, out_dir, dtype, dist, base_dir)
-            else:  # QLoRA: merged/ is dense (NF4 dequantised + delta) in the run's compute dtype
-                result.exported = ckpt.export(model, tokenizer, out_dir, lora, cfg.checkpoint.export_merged,
-                                              qlora=qlora, merged_dtype=dtype)
-            console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
-        if dist.main:
-            run_dir.mark(out_dir, "finished", steps=step)
+    if to_export:
+        try:
+            _finish(cfg, session, result, out_dir, step, start_step, save, signals, stop_requested, console, dist,
+                    base_dir)
+        finally:
+            signals.__exit__()
     session.release_optimizer_state()  # the caller keeps the model (and the session), not the AdamW moments
     result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
@@ -230,6 +222,42 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def _finish(cfg: Config, session, result: RunResult, out_dir: Path, step: int, start_step: int, save, signals,
+            stop_requested, console, dist, base_dir) -> None:
+    """The end of a run that reached its last step: the final checkpoint, then the export, with SIGINT/SIGTERM
+    still caught. The checkpoint comes first whenever an export follows (save_every 0 included), so a signal or a
+    kill during the export never loses the run: the same command resumes at the last step and exports."""
+    last = ckpt.latest(out_dir)
+    saved_last = step == start_step or (last is not None and ckpt.step_of(last) == step)
+    if not saved_last and (cfg.checkpoint.export or cfg.checkpoint.save_every):
+        last = save(step)  # also tells `resume: auto` on a finished run that it is finished
+    if cfg.checkpoint.export and stop_requested():  # every rank skips the export together
+        signum = signals.requested or signal.SIGTERM
+        msg = (f"stopped by {signal_name(signum)} after the last step ({step}), before the export; checkpoint "
+               f"{last}; run the same command to export")
+        console.print(f"[yellow]{msg}[/]", highlight=False)
+        raise RunInterrupted(signum, msg)
+    model, tokenizer, report, dtype = session.model, session.tokenizer, session.patch_report, session.dtype
+    if cfg.checkpoint.export:
+        if session.memory_plan is not None and session.memory_plan.streamer is not None:
+            session.release_optimizer_state()  # room for the streamed weights, which come back for the export
+            session.stop_streaming()
+        if report is not None:
+            report.revert()  # export a plain transformers model
+        if session.strategy != "none":  # gathered to rank 0, loaded into a plain model there
+            result.exported = sharded.export(model, cfg, tokenizer, out_dir, dtype, dist, base_dir)
+        else:  # QLoRA: merged/ is dense (NF4 dequantised + delta) in the run's compute dtype
+            result.exported = ckpt.export(model, tokenizer, out_dir, session.lora, cfg.checkpoint.export_merged,
+                                          qlora=cfg.method.type == "qlora", merged_dtype=dtype)
+        console.print("exported: " + ", ".join(str(p) for p in result.exported), highlight=False)
+    if dist.main:
+        run_dir.mark(out_dir, "finished", steps=step)
+    if signals.requested is not None:  # arrived during the export, which completed: the run is finished
+        msg = f"{signal_name(signals.requested)} during the export; the export completed and the run is finished"
+        console.print(f"[yellow]{msg}[/]", highlight=False)
+        raise RunInterrupted(signals.requested, msg)
 
 
 def _memory_vs_plan(row: dict, memory_plan, console, first: bool) -> None:

@@ -84,8 +84,15 @@ def model_config(mcfg, tokenizer=None, base_dir: Path | None = None):
     except (OSError, ValueError) as e:
         raise SetupError(f"model.name: cannot load {mcfg.name!r} ({str(e).splitlines()[0]}); give a local model "
                          f"folder, an HF id that is cached, or use model.arch for random init") from None
-    for k, v in (mcfg.arch_overrides or {}).items():
-        setattr(cfg, k, v)
+    from novatune.train.arch import check_heads, check_overrides
+
+    try:
+        check_overrides(mcfg.arch_overrides, type(cfg), built=cfg)
+        for k, v in (mcfg.arch_overrides or {}).items():
+            setattr(cfg, k, v)
+        check_heads(cfg)
+    except ValueError as e:
+        raise SetupError(f"model.arch_overrides: {e}") from None
     return cfg
 
 

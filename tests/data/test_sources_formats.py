@@ -183,3 +183,40 @@ def test_build_data_mixes_sources_and_checks_vocab(tmp_path, tok):
     assert data.formats == ["text", "tokens"] and data.stats.docs == 12
     with pytest.raises(DataError, match="vocab_size"):
         build_data(DataConfig(sources=[SourceConfig(path=str(p))], max_length=64), tok, vocab_size=10)
+
+
+def test_non_utf8_jsonl_names_the_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        list(load_source(SourceConfig(path=str(p))))
+
+
+def test_null_chat_content_is_a_data_error(tok):
+    f = make_tokenize("messages", tok, "assistant", CHATML_TEMPLATE)
+    with pytest.raises(DataError, match="message 1 \\(assistant\\) has content None"):
+        f({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]})
+
+
+@pytest.mark.parametrize("record,match", [({"input_ids": [1, -2, 3]}, "entry -2"),
+                                          ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "2 labels for 3 input_ids")])
+def test_bad_token_records_fail_at_load(record, match):
+    with pytest.raises(DataError, match=match):
+        make_tokenize("tokens", None)(record)
+
+
+@pytest.mark.parametrize("name,kind,match", [("x.jsonl", "parquet", "not a readable Parquet file"),
+                                             ("x.parquet", "auto", "not a readable Parquet file"),
+                                             ("x.jsonl", "json", "set type: jsonl")])
+def test_wrong_or_corrupt_file_types_are_data_errors(tmp_path, name, kind, match):
+    pytest.importorskip("pyarrow")
+    p = tmp_path / name
+    p.write_text('{"text": "a"}\n{"text": "b"}\n')  # JSON lines, whatever the name says
+    with pytest.raises(DataError, match=match):
+        load_source(SourceConfig(path=str(p), type=kind))
+
+
+def test_broken_inline_chat_template_is_a_data_error(tok):
+    f = make_tokenize("messages", tok, "assistant", "{% for m in messages %}{{ m.content }")
+    with pytest.raises(DataError, match="data.chat_template: the chat template fails to render: TemplateSyntaxError"):
+        f({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})

@@ -208,3 +208,25 @@ def test_lora_checkpoint_of_a_patched_run_loads_through_the_run_builder(tmp_path
         name = prefix.replace("base_model.model.", "", 1) + ".weight"
         torch.testing.assert_close(params[name].detach(), w0 + delta, rtol=1e-5, atol=1e-6)
     assert model.config.use_cache and desc["kind"] == "checkpoint"
+
+
+def test_damaged_checkpoint_is_refused_like_a_resume(tmp_path, capsys):
+    """A checkpoint whose weights were changed after saving (a NaN written in) fails its checksum: eval exits 2
+    naming the damage instead of evaluating it."""
+    from safetensors.torch import load_file, save_file
+
+    from novatune.commands.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--set", "train.max_steps=1", "--set", "checkpoint.save_every=1",
+                 "--set", "checkpoint.export=false", "--set", "model.patch=false", "--set", "logging.tensorboard=false",
+                 "--set", "logging.progress=false", "--set", "data.sources.0.limit=40"]) == 0
+    folder, _ = resolve_model_dir(str(run))
+    weights = load_file(str(folder / "weights.safetensors"))
+    name = next(iter(weights))
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(folder / "weights.safetensors"), metadata={"step": "1"})
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "damaged" in err and str(folder) in err

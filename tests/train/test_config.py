@@ -149,3 +149,33 @@ def test_bad_override_and_file(tmp_path):
     bad.write_text("train: {lr: [1, 2\n")
     msg = _err(lambda: load(bad))
     assert "not valid YAML" in msg
+
+
+
+@pytest.mark.parametrize("section,field,value", [("train", "max_steps", 2.5), ("train", "max_steps", True),
+                                                 ("train", "max_steps", "x"), ("train", "fused_adamw", "false"),
+                                                 ("logging", "peak_tflops", True),
+                                                 ("method", "quantize_embeddings", 1)])
+def test_optional_fields_are_type_checked(section, field, value):
+    # `int | None` (types.UnionType) is checked like Optional[int]; a bool is not an integer
+    with pytest.raises(ConfigError, match=f"{section}.{field}: expected"):
+        from_dict({section: {field: value}})
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].limit: expected"):
+        from_dict({"data": {"sources": [{"path": "x.jsonl", "limit": 0.5}]}})
+
+def test_integral_float_strings_are_integers():
+    assert from_dict({"train": {"max_steps": "1e3"}}).train.max_steps == 1000  # YAML reads 1e3 as a string
+    assert from_dict({"train": {"max_steps": 1e3, "epochs": "2"}}).train.epochs == 2
+    assert from_dict({"train": {"max_steps": None}}).train.max_steps is None
+    with pytest.raises(ConfigError, match="train.max_steps: expected an integer, got 2.5"):
+        from_dict({"train": {"max_steps": "2.5e0"}})
+
+
+def test_non_utf8_config_and_bad_eps_name_the_fix(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_bytes(b"train:\n  max_steps: 2  # \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text \\(byte 0xff on line 2\\)"):
+        load(p, check=False)
+    with pytest.raises(ConfigError, match="train.eps: must be > 0"):
+        validate(from_dict({"model": {"arch": "qwen3-tiny", "tokenizer": "demo"}, "train": {"eps": -1},
+                            "data": {"sources": [{"type": "synthetic"}]}}))

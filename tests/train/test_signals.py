@@ -64,3 +64,42 @@ def test_cli_exits_with_the_signal_code(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_train", stopped)
     assert cli.main(["train"]) == 143
     assert "SIGTERM after step 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
+def test_signal_during_the_export_keeps_the_run(make_cfg, monkeypatch, signum, code):
+    cfg = make_cfg("exp", train={"max_steps": 2}, checkpoint={"save_every": 0})
+    real_export = ckpt.export
+
+    def export_signalled(*a, **k):  # the signal lands inside the export, which still completes
+        os.kill(os.getpid(), signum)
+        return real_export(*a, **k)
+
+    monkeypatch.setattr(ckpt, "export", export_signalled)
+    with pytest.raises(RunInterrupted) as info:
+        train(cfg, console=quiet())
+    assert info.value.exit_code == code and "export completed" in str(info.value)
+    out = Path(cfg.checkpoint.output_dir)
+    (cp,) = ckpt.list_checkpoints(out)  # saved before the export, although save_every is 0
+    assert cp.name == "step_00000002" and (out / "final" / "config.json").exists()
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the export
+
+
+def test_signal_before_the_export_leaves_a_checkpoint_that_resumes_to_it(make_cfg, monkeypatch):
+    cfg = make_cfg("pre", train={"max_steps": 2}, checkpoint={"save_every": 0})
+    real_save = ckpt.save
+
+    def save_signalled(*a, **k):  # SIGTERM while the final checkpoint is written
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(ckpt, "save", save_signalled)
+    with pytest.raises(RunInterrupted) as info:
+        train(cfg, console=quiet())
+    assert info.value.exit_code == 143 and "before the export" in str(info.value)
+    out = Path(cfg.checkpoint.output_dir)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000002"] and not (out / "final").exists()
+    monkeypatch.setattr(ckpt, "save", real_save)
+    again = train(cfg, console=quiet())  # resumes at the last step: nothing to train, only the export
+    assert again.steps == 2 and not again.losses and (out / "final" / "config.json").exists()
