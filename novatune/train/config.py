@@ -166,7 +166,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     output_dir: str = "runs/run"
-    save_every: int = 0  # optimizer steps between checkpoints; 0: only the final export
+    save_every: int = 0  # optimizer steps between checkpoints; 0: only the final one (saved before the export)
     keep: int = 2  # newest N checkpoints kept
     # auto: the newest intact checkpoint in output_dir (a damaged newer one is set aside, loudly) | never: a fresh
     # run (refused where output_dir holds checkpoints) | <path to a checkpoint>: that one, or an error if damaged
