@@ -60,6 +60,8 @@ from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
 from novatune.ops.clamped_swiglu import LIMIT as CLAMP_LIMIT
 from novatune.ops.clamped_swiglu import clamped_swiglu_bwd, clamped_swiglu_fwd
 from novatune.ops.contract import Candidate, OpSpec
+from novatune.ops.moe_checks import check_expert_ids as _check_ids
+from novatune.ops.moe_checks import check_experts_args as _check_args
 from novatune.reference import moe as _ref
 
 # torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel
@@ -496,63 +498,28 @@ class _ExpertsFunction(torch.autograd.Function):
 
 
 def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, transposed: bool,
-                       activation: str, gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None) -> None:
-    """ValueError / TypeError naming the mismatch when the expert MLP's arguments do not fit together (shapes,
-    dtypes, devices), and the expert ids checked to lie in [0, E) (_check_ids)."""
-    if x.dim() != 2 or ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts: x must be (T, H) and ids, weights (T, K); got {tuple(x.shape)}, "
-                         f"{tuple(ids.shape)}, {tuple(weights.shape)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe_experts: activation {activation!r} unknown; available: {sorted(ACTIVATIONS)}")
-    if gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(f"moe_experts: the expert weights do not match: gate_up and down must be 3-D, (E, 2I, H) "
-                         f"and (E, H, I) (transposed: (E, H, 2I), (E, I, H)); got {tuple(gate_up.shape)} / "
-                         f"{tuple(down.shape)}")
-    e, h, two_i = gate_up.shape[0], x.shape[1], gate_up.shape[2 if transposed else 1]
-    shapes = {"gate_up": (e, h, two_i) if transposed else (e, two_i, h),
-              "down": (e, two_i // 2, h) if transposed else (e, h, two_i // 2),
-              "gate_up_bias": (e, two_i), "down_bias": (e, h)}
-    layout = "(E, H, 2I) / (E, I, H)" if transposed else "(E, 2I, H) / (E, H, I)"
-    for name, t in zip((*shapes, "ids", "weights"), (gate_up, down, gate_up_bias, down_bias, ids, weights)):
-        if t is not None and name in shapes and (two_i % 2 or tuple(t.shape) != shapes[name]):
-            raise ValueError(f"moe_experts: the expert weights do not match x: {name} must be {shapes[name]} "
-                             f"(gate_up / down {layout}, biases (E, 2I) / (E, H); x (T, H = {h}), E = {e}, "
-                             f"2I = {two_i} even); got {tuple(t.shape)}")
-        if t is not None and t.device != x.device:
-            raise ValueError(f"moe_experts: {name} is on {t.device} but x on {x.device}: move them to one device")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"moe_experts: ids must be integer expert indices, got {ids.dtype}")
-    if gate_up.is_cuda and (gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16):
-        raise ValueError(f"moe_experts on CUDA runs torch's grouped_mm, which takes bf16 only; the expert weights "
-                         f"are {gate_up.dtype}/{down.dtype}: train in bf16, or patch with moe=False")
-    _check_ids(ids, e)
-
-
-def _check_ids(ids: Tensor, num_experts: int) -> None:
-    """Ids outside [0, E) would index out of bounds (the sort's narrow keys also wrap them onto other experts). On
-    the host: a ValueError. On a device: torch._assert_async, queued with the kernels (it fails the stream, as an
-    out-of-range index in PyTorch's CUDA ops does) instead of a host sync every layer."""
-    if ids.device.type == "cpu" and type(ids) is torch.Tensor and not torch.compiler.is_compiling():
-        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)
-        if int(lo) < 0 or int(hi) >= num_experts:
-            raise ValueError(f"moe_experts: expert ids must lie in [0, {num_experts}) (E = gate_up.shape[0]), got "
-                             f"ids in [{int(lo)}, {int(hi)}]")
-        return
-    torch._assert_async(((ids >= 0) & (ids < num_experts)).all(),
-                        f"moe_experts: an expert id is outside [0, {num_experts})")
+                       activation: str, gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *,
+                       ids_from_router: bool = False) -> None:
+    """The arguments checked (novatune.ops.moe_checks); the ids' range too unless `ids_from_router`."""
+    _check_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias, ACTIVATIONS)
+    if not ids_from_router:
+        _check_ids(ids, gate_up.shape[0])
 
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                 gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *, transposed: bool = False,
-                interleaved: bool = False, activation: str = "silu") -> Tensor:
+                interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False) -> Tensor:
     """The routed expert MLP: out[t] = sum_k weights[t, k] * down_e(act(gate_up_e(x[t]))), e = ids[t, k].
 
     x (T, H); ids (T, K) integer expert ids in [0, E) (others raise: a ValueError on the CPU, a device-side
-    assert on CUDA, without a host sync); weights (T, K) (any float dtype, differentiable);
+    assert on CUDA, without a host sync; `ids_from_router=True` skips that check for ids that are a top-k over E
+    router logits, in range by construction: novatune's patched MoE blocks, which spare 4 launches per layer);
+    weights (T, K) (any float dtype, differentiable);
     gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
     Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
     weights and biases."""
-    check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias)
+    check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
+                       ids_from_router=ids_from_router)
     if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)
         none = x.new_empty(0, dtype=gate_up.dtype)
         return torch.ops.novatune.moe_experts_fwd(x, weights, gate_up, down, none if gate_up_bias is None else

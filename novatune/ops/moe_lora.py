@@ -190,22 +190,23 @@ def _factors(name: str, lora: Factors | None, weight: Tensor, transposed: bool) 
 def moe_experts_lora(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                      gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *,
                      gate_up_lora: Factors | None = None, down_lora: Factors | None = None, transposed: bool = False,
-                     interleaved: bool = False, activation: str = "silu") -> Tensor:
+                     interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False) -> Tensor:
     """novatune.ops.moe.moe_experts with each expert weight W_e replaced by W_e + s * B_e A_e, computed without
     forming it (module docstring). gate_up_lora / down_lora: (A (E, r, in), B (E, out, r), scaling) or None, in
     the projection's own in/out (gate/up: in = H, out = 2I in the weight's gate/up column order; down: in = I,
     out = H), whatever `transposed` says about the base weights. Differentiable in x, the routing weights, the
-    factors, and the base weights and biases (frozen ones get no gradient)."""
+    factors, and the base weights and biases (frozen ones get no gradient). ids_from_router: as moe_experts'."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("moe_experts_lora runs eagerly only; keep the MoE block out of torch.compile "
                                   "(torch.compiler.disable) or let PEFT's forward run")
-    M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias)
+    if gate_up_lora is None and down_lora is None:  # checked there, once
+        return M.moe_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, transposed=transposed,
+                             interleaved=interleaved, activation=activation, ids_from_router=ids_from_router)
+    M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
+                         ids_from_router=ids_from_router)
     gu = _factors("gate_up", gate_up_lora, gate_up, transposed)
     dn = _factors("down", down_lora, down, transposed)
     layout = M.ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
-    if gu is None and dn is None:
-        return M.moe_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, transposed=transposed,
-                             interleaved=interleaved, activation=activation)
     none = (None, None)
     return _ExpertsLoRAFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout,
                                       (gu[2] if gu else 1.0, dn[2] if dn else 1.0), *(gu[:2] if gu else none),

@@ -50,7 +50,8 @@ def experts_arguments(self) -> tuple[tuple, dict]:
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     tensors, layout = experts_arguments(self)
-    return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout)
+    # the ids are the router's top-k over E logits: in range by construction, so the op's range check is spared
+    return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout, ids_from_router=True)
 
 
 def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None, str | None]:

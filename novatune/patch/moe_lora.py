@@ -98,7 +98,7 @@ def experts_lora_forward(self, hidden_states, top_k_index=None, top_k_weights=No
     moe = experts._novatune_moe
     tensors, layout = experts_arguments(experts)
     return moe_experts_lora(hidden_states, top_k_index, top_k_weights, *tensors, gate_up_lora=lora.get(moe.gate_up),
-                            down_lora=lora.get(moe.down), **layout)
+                            down_lora=lora.get(moe.down), **layout, ids_from_router=True)
 
 
 def apply_moe_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool,
