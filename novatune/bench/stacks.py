@@ -224,7 +224,7 @@ for _policy, _what in (("offload", "checkpointing with each layer's input offloa
     register(Stack(f"novatune_{_policy}", f"novatune, memory.policy {_policy}: {_what}",
                    NOVATUNE + ["memory.gradient_checkpointing=false",
                                f"memory.policy={'none' if _policy == 'keep' else _policy}"], patched=True))
-for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per decoder layer and the root)"),
+for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per unit of decoder layers, and the root)"),
                          ("ddp", "DistributedDataParallel (a replica per process)")):
     register(Stack(f"novatune_{_strategy}", f"novatune under {_what}", NOVATUNE + [f"parallel.strategy={_strategy}"],
                    unavailable=_parallel_refused_under_qlora(_strategy), patched=True, strategy=_strategy))

@@ -1,7 +1,8 @@
 """The model wrapped for its strategy, after novatune.patch and gradient checkpointing have been applied.
 
-FSDP2 (`fully_shard`): each decoder layer is one FSDP unit (its parameters gathered just before its forward, and
-before its backward), then the root takes what is left (embeddings, final norm, lm_head). The patched modules run
+FSDP2 (`fully_shard`): each decoder layer, or each run of `parallel.layers_per_unit` consecutive layers, is one FSDP
+unit (its parameters gathered just before its forward, and before its backward), then the root takes what is left
+(embeddings, final norm, lm_head). The patched modules run
 on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and back to
 plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
@@ -44,8 +45,21 @@ def reshards_after_forward(setting: bool | None, world: int) -> bool:
     return setting if setting is not None else world > 1
 
 
+def unit_size(setting: int | None, world: int, keep_gathered: bool) -> int:
+    """`parallel.layers_per_unit`: as set, else one layer per FSDP2 unit across 2+ ranks (each unit's gather and
+    reduction overlap the neighbouring layers' compute, and only two layers are gathered at a time), and 4 where the
+    gathered layers stay for the step: every unit costs host time in each forward and backward (its hooks, the
+    autograd node that fires its post-backward), and with nothing to free or overlap a unit of 4 layers spends a
+    quarter of it."""
+    if setting is not None:
+        if setting < 1:
+            raise ValueError(f"parallel.layers_per_unit must be >= 1 (got {setting})")
+        return setting
+    return 4 if keep_gathered and world == 1 else 1
+
+
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
-         world: int = 1):
+         world: int = 1, layers_per_unit: int = 1):
     """The model wrapped for `strategy` (fsdp2 | ddp); the returned module is what the trainer calls."""
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -53,8 +67,11 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
         reduce_dtype = torch.float32 if world > 1 else None  # None: the parameters' dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
             if dtype == torch.bfloat16 else MixedPrecisionPolicy()
-        for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        layers = decoder_layers(model)
+        for start in range(0, len(layers), layers_per_unit):
+            # a list makes one unit: gathered and reduced together, its hooks fire once per forward and backward
+            unit = layers[start:start + layers_per_unit]
+            fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)
         # the root's parameters are used again right after its forward (lm_head in the backward): keep them
         fully_shard(model, mp_policy=mp, reshard_after_forward=False)
         return model
@@ -89,19 +106,26 @@ def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
     return setting == "micro_batch"
 
 
-def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False):
+def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False,
+              memo: dict | None = None):
     """A context for one micro-batch's backward. Gradient communication on the last micro-batch of a step only
     (the others accumulate locally; the same result with one reduction per step instead of grad_accum), or on
     every micro-batch (`every_micro_batch`). `keep_gathered` (FSDP2 units that do not reshard after forward): the
     gathered parameters also stay after the backward of every micro-batch but the last, so the next micro-batch
-    gathers nothing; the last one reshards, before the optimizer updates the shards."""
+    gathers nothing; the last one reshards, before the optimizer updates the shards. `memo` (a dict kept by the
+    caller) remembers the FSDP2 flags last set: each setter walks every module of the model, so they are set only
+    when they change (twice per optimizer step instead of once per micro-batch)."""
     sync = last or every_micro_batch
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
-        model.set_requires_gradient_sync(sync)
-        if keep_gathered:
-            model.set_reshard_after_backward(last)
+        flags = (sync, keep_gathered and last)
+        if memo is None or memo.get("fsdp2_flags") != flags:
+            model.set_requires_gradient_sync(sync)
+            if keep_gathered:
+                model.set_reshard_after_backward(last)
+            if memo is not None:
+                memo["fsdp2_flags"] = flags
     return contextlib.nullcontext()
 
 

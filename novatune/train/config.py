@@ -161,6 +161,9 @@ class ParallelConfig:
     # micro_batch for fsdp2 across 2+ processes (what sharding is for), step otherwise (ddp keeps whole
     # gradients anyway)
     gradient_sync: Literal["auto", "step", "micro_batch"] = "auto"
+    # fsdp2: consecutive decoder layers per FSDP unit (gathered and reduced together). Unset: 1 across 2+
+    # processes; 4 with one process, where the layers stay gathered and each unit only costs host time
+    layers_per_unit: int | None = None
 
 
 @dataclass

@@ -166,6 +166,7 @@ class Session:
             self.cfg.parallel.reshard_after_forward, self.dist.world)
         self.sync_every_micro_batch = pwrap.syncs_every_micro_batch(self.cfg.parallel.gradient_sync, self.strategy,
                                                                     self.dist.world)
+        self._sync_flags: dict = {}  # the FSDP2 flags last set (pwrap.grad_sync)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -208,7 +209,7 @@ class Session:
         loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                 pwrap.loss_scale(self.strategy, self.dist.world),
                                 lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
-                                                             self.sync_every_micro_batch))
+                                                             self.sync_every_micro_batch, self._sync_flags))
         self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
 
@@ -356,8 +357,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
                       f"trainable), {str(dtype).replace('torch.', '')} on {device}", highlight=False)
 
     if dist.active:
-        model = pwrap.wrap(model, dist.strategy, dtype, device,
-                           pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world), dist.world)
+        reshard = pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world)
+        model = pwrap.wrap(model, dist.strategy, dtype, device, reshard, dist.world,
+                           pwrap.unit_size(cfg.parallel.layers_per_unit, dist.world, keep_gathered=not reshard))
     opt = build_optimizer(model, cfg.train, device)
     stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
                          rank=dist.rank, world=dist.world, pad_to=row_padding(cfg))

@@ -95,7 +95,7 @@ TINY = ["train.max_steps=3", "train.micro_batch=2", "train.grad_accum=2", "data.
         "data.sources.0.limit=40", "model.arch_overrides.num_hidden_layers=2"]
 
 
-def step_twice(strategy: str, method: str, device: str = "cpu"):
+def step_twice(strategy: str, method: str, device: str = "cpu", extra: list[str] = ()):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -103,7 +103,7 @@ def step_twice(strategy: str, method: str, device: str = "cpu"):
     from novatune.train.session import build
 
     cfg, base = load_with_base(None, TINY + [f"parallel.strategy={strategy}", f"method.type={method}",
-                                             f"model.device={device}"])
+                                             f"model.device={device}", *extra])
     session = build(cfg, base)
     try:
         losses = [float(session.step(session.next_micro_batches()).loss) for _ in range(2)]
@@ -117,11 +117,14 @@ def step_twice(strategy: str, method: str, device: str = "cpu"):
     return losses, state, sharded
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_fsdp2_in_one_process_steps_like_the_plain_model(method):
-    """FSDP2 over a one-member group: the patched model on gathered parameters, LoRA's frozen base sharded."""
-    ref_losses, ref_state, ref_sharded = step_twice("none", method)
-    losses, state, sharded = step_twice("fsdp2", method)
+@pytest.mark.parametrize("method,units", [("full", []), ("lora", []),
+                                          ("full", ["model.arch_overrides.num_hidden_layers=3",
+                                                    "parallel.layers_per_unit=2"])])
+def test_fsdp2_in_one_process_steps_like_the_plain_model(method, units):
+    """FSDP2 over a one-member group: the patched model on gathered parameters, LoRA's frozen base sharded; units
+    of several layers (the one-process default; 3 layers in units of 2: one unit of 2, one of 1) step alike."""
+    ref_losses, ref_state, ref_sharded = step_twice("none", method, extra=units)
+    losses, state, sharded = step_twice("fsdp2", method, extra=units)
     assert sharded and not ref_sharded
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert set(state) == set(ref_state)
@@ -167,13 +170,19 @@ def test_fsdp2_over_one_process_gathers_once_per_step_and_reduces_in_the_weights
 
     from torch.distributed.tensor import DTensor
 
-    kept, sharded, layers, reduce_dtypes = gathers_per_step([])
+    kept, sharded, layers, reduce_dtypes = gathers_per_step(["parallel.layers_per_unit=1"])
     assert reduce_dtypes == {None}, reduce_dtypes  # None: the parameters' dtype (bf16)
     assert sharded, "the step ends resharded: the optimizer updates the shards, the next gather copies them"
     assert kept == layers + 1, f"{kept} gathers for {layers} layers + the root over 2 micro-batches"
-    again, _, _, _ = gathers_per_step(["parallel.reshard_after_forward=true"])
+    grouped, _, _, _ = gathers_per_step([])  # the default over one process: the 2 layers in one unit
+    assert grouped == 2, f"{grouped} gathers for one unit of {layers} layers + the root"
+    again, _, _, _ = gathers_per_step(["parallel.reshard_after_forward=true", "parallel.layers_per_unit=1"])
     assert again > kept  # each layer again before each backward and on each micro-batch
     assert pwrap.reshards_after_forward(None, 2) and not pwrap.reshards_after_forward(None, 1)
+    assert pwrap.unit_size(None, 1, keep_gathered=True) == 4 and pwrap.unit_size(None, 2, keep_gathered=True) == 1
+    assert pwrap.unit_size(None, 1, keep_gathered=False) == 1 and pwrap.unit_size(3, 2, keep_gathered=False) == 3
+    with pytest.raises(ValueError, match="layers_per_unit must be >= 1"):
+        pwrap.unit_size(0, 1, keep_gathered=True)
 
 
 @pytest.mark.gpu
