@@ -256,3 +256,35 @@ def test_sharded_save_hashes_each_file_once_spread_over_the_ranks(tmp_path):
     assert merged == hash_share(tmp_path, pdist.Dist(), algo)             # the checksums of one rank hashing all
     loads = [sum(e["bytes"] for e in s.values()) for s in shares]
     assert max(loads) - min(loads) <= max(sizes.values())                 # spread, not all on rank 0
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])  # clipped, and left as they are
+def test_sharded_gradients_are_clipped_by_the_whole_models_norm(max_norm):
+    """FSDP2's gradients (DTensors sharded along dim 0) are clipped on their local tensors: the norm and the clipped
+    values equal torch's clip_grad_norm_ on the same gradients unsharded (one-member group here; the 2-process runs
+    in test_torchrun.py clip with the all-reduced norm)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from novatune.parallel import wrap as pwrap
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    sharded = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    sharded.load_state_dict(plain.state_dict())
+    d = pdist.setup("fsdp2", "cpu")
+    try:
+        fully_shard(sharded[0])
+        fully_shard(sharded)
+        x = torch.randn(4, 7)
+        for m in (plain, sharded):
+            m(x).square().sum().backward()
+        want = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), max_norm)
+        got = pwrap.clip_grad_norm(list(sharded.parameters()), max_norm)
+        assert not isinstance(got, torch.distributed.tensor.DTensor)
+        torch.testing.assert_close(got, want)
+        for p, q in zip(plain.parameters(), sharded.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad)
+    finally:
+        if d.active:
+            dist.destroy_process_group()
