@@ -140,7 +140,9 @@ def test_bf16_model_with_peft_fp32_adapters():
     """PEFT upcasts adapters to fp32 on a bf16 model; the fused op runs the LoRA GEMMs in bf16 and returns fp32
     adapter gradients. Both bf16 runs are judged against the same model in fp32: PEFT's own bf16 error there is
     2-6% on these tiny layers (bf16 activations through two layers and back), so novatune must be as close to
-    fp32 as PEFT is (within 1.5x + 5e-3), not bitwise equal to PEFT."""
+    fp32 as PEFT is, not bitwise equal to PEFT. One tensor's error is the bf16 noise of the whole small network and
+    moves with the CPU's bf16 GEMMs (measured on an AMX machine: 0.8-1.65x PEFT's per tensor, 1.0x on average), so
+    each tensor is held to 2x PEFT's + 5e-3 and the mean over all adapter tensors to 1.2x PEFT's mean."""
     import copy
 
     from novatune.measure.numerics import rel_err
@@ -155,10 +157,13 @@ def test_bf16_model_with_peft_fp32_adapters():
     loss, grads = _loss_and_grads(pm, batch)
     assert abs(loss - loss32) <= 1.5 * abs(loss_peft - loss32) + 5e-3 * abs(loss32)
     assert grads.keys() == grads_peft.keys()
+    errs, errs_peft = [], []
     for name in grads_peft:
         assert grads[name].dtype == grads_peft[name].dtype
         err, err_peft = rel_err(grads[name], grads32[name]), rel_err(grads_peft[name], grads32[name])
-        assert err <= 1.5 * err_peft + 5e-3, f"{name}: {err:.2e} vs PEFT's own {err_peft:.2e}"
+        assert err <= 2 * err_peft + 5e-3, f"{name}: {err:.2e} vs PEFT's own {err_peft:.2e}"
+        errs.append(err), errs_peft.append(err_peft)
+    assert sum(errs) <= 1.2 * sum(errs_peft), f"mean {sum(errs) / len(errs):.2e} vs {sum(errs_peft) / len(errs):.2e}"
 
 
 class _QuantisedLinear(nn.Linear):

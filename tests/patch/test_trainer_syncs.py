@@ -70,9 +70,68 @@ def test_a_non_finite_loss_adds_the_running_average_as_the_trainer_would(loss):
 def test_a_filter_that_is_off_or_a_loop_not_read_stays_as_it_is(tokenizer, dataset, tmp_path, monkeypatch):
     off = sft_trainer("padding_free", tokenizer, dataset, tmp_path, logging_nan_inf_filter=False)
     report = novatune.patch(off)
-    assert not report.replaced("trainer_nan_filter") and "training_step" not in off.__dict__
+    assert not report.replaced("trainer_nan_filter") and not off.training_step.nan_filter
     monkeypatch.setattr(trainer_syncs, "FILTER_SOURCE", ("a line no Trainer has",))
     other = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
     report = novatune.patch(other)
     assert not report.replaced("trainer_nan_filter") and other.args.logging_nan_inf_filter
     assert any("not the one novatune has read" in n for n in report.to_dict()["notes"]), report.to_dict()["notes"]
+
+
+def _counting(monkeypatch, cls, name: str) -> list:
+    calls, real = [], getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+def test_the_module_walks_run_once_per_step_with_the_same_logged_values(tokenizer, dataset, tmp_path, monkeypatch):
+    """model.train() and the FLOP count's parameter walk ran on every micro-batch; patched, on the first micro-batch
+    of each optimizer step, and the logged losses and total_flos are stock's."""
+    import transformers
+
+    walks = _counting(monkeypatch, transformers.PreTrainedModel, "train")
+    counts = _counting(monkeypatch, transformers.PreTrainedModel, "num_parameters")
+    stock = sft_trainer("padding_free", tokenizer, dataset, tmp_path, gradient_accumulation_steps=3)
+    stock_losses = _logged_losses(stock)
+    micro_batches = 3 * stock.state.global_step
+    assert len(walks) >= micro_batches and len(counts) >= micro_batches  # the yardstick
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path, gradient_accumulation_steps=3)
+    report = novatune.patch(trainer)
+    assert report.replaced("trainer_host_work"), str(report)
+    walks.clear(), counts.clear()
+    patched_losses = _logged_losses(trainer)
+    steps = trainer.state.global_step
+    assert steps == stock.state.global_step and len(walks) <= steps + 2 and len(counts) <= steps + 1, (walks, counts)
+    assert patched_losses == pytest.approx(stock_losses, rel=1e-4)
+    assert trainer.state.total_flos == stock.state.total_flos > 0
+    assert all(m.training for m in trainer.model.modules()) and "train" not in vars(trainer.model)
+    report.revert()
+    assert "training_step" not in trainer.__dict__ and "floating_point_ops" not in trainer.__dict__
+
+
+def test_a_model_set_to_eval_inside_a_step_is_walked_again():
+    """The walk is skipped only while the model is still in training mode; eval() inside the step is the real one."""
+    class Base:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            model.train()
+            return torch.tensor(1.0)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    trainer = Base()
+    trainer.state = types.SimpleNamespace(global_step=0)
+    step = trainer_syncs.TrainingStep(trainer, nan_filter=False)
+    step(model, {})
+    model[1].eval()  # a submodule, mid-step: the root still trains, so the walk stays skipped until the next step
+    step(model, {})
+    assert not model[1].training
+    trainer.state.global_step = 1
+    step(model, {})
+    assert model[1].training
+    model.eval()
+    step(model, {})
+    assert model[1].training and "train" not in vars(model)

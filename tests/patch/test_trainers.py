@@ -41,10 +41,10 @@ MODES = {
 def sft_trainer(mode, tokenizer, dataset, tmp_path, model=None, **extra):
     import peft
 
-    args = trl.SFTConfig(output_dir=str(tmp_path / mode), max_steps=2, per_device_train_batch_size=2,
-                         gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
-                         use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True,
-                         **MODES[mode], **extra)
+    settings = dict(output_dir=str(tmp_path / mode), max_steps=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
+                    use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True, **MODES[mode])
+    args = trl.SFTConfig(**{**settings, **extra})
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if mode == "peft_lora" else None
     return trl.SFTTrainer(model=model or tiny_qwen3(tokenizer), args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=lora)
