@@ -28,7 +28,7 @@ Run directory (schema, for `novatune report` and anyone reading the files):
   <run_dir>/config.yaml        the resolved config (user overrides applied, before the per-stack changes)
   <run_dir>/bench.jsonl        one JSON row per stack, written by measure/results.write_row (time, device,
                                capability, cuda, torch, triton, transformers, liger_kernel, peft, git_sha), also
-                               appended to --results (default bench/results/bench.jsonl). The worker's fields:
+                               appended to --results where given (e.g. bench/results/bench.jsonl). The worker's fields:
       bench: "novatune_bench", stack: str, status: "ok" | "absent" | "failed", reason: str | null,
       description: str, config: str, overrides: [str], stack_overrides: [str], warm: int, steps: int,
       tok_s: float, timed_s: float, timed_tokens: int, tokens_per_step: [int] (timed steps),

@@ -27,7 +27,9 @@ with the function named by its module, imported only in that stack's worker:
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
   trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
-  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): each decoder layer and the root fully_shard-ed;
+  novatune-train  `novatune train`'s whole loop (bench/train_stack.py): what the CLI runs, per-step loss read and
+                  metrics included; the yardstick of stacks that bring their own loop (trl-sft)
+  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): units of decoder layers and the root fully_shard-ed;
                   one process (a one-member group: what the sharding costs beside `novatune`), or `--nproc N`
                   processes through torchrun
   novatune_ddp    novatune under DistributedDataParallel (parallel.strategy=ddp): a whole replica per process, the
@@ -213,6 +215,8 @@ register(Stack("novatune_full", "novatune, full fine-tuning (beside a LoRA confi
 register(Stack("trl-sft", "TRL SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer",
                NOVATUNE, unavailable=_missing("trl", "trl"), run=run_from("novatune.bench.trl_stack:run"),
                patched=True))
+register(Stack("novatune-train", "novatune train: the trainer's own loop (logging, non-finite checks) timed",
+               NOVATUNE, run=run_from("novatune.bench.train_stack:run"), patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config

@@ -39,8 +39,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="timed optimizer steps (default: train.max_steps minus the warm-up)")
     p.add_argument("--run-dir", help="where the run's files go (default: runs/bench-<date-time>)")
-    p.add_argument("--results", default="bench/results/bench.jsonl",
-                   help="a .jsonl file the rows are appended to as well ('' for none)")
+    p.add_argument("--results", default="",
+                   help="a .jsonl file the rows are appended to as well, e.g. bench/results/bench.jsonl (the rows "
+                        "are always in the run directory's bench.jsonl)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds allowed per stack")
     p.add_argument("--profile", action="store_true",
                    help="one micro-step per stack under torch.profiler, after the timed steps (CUDA): "

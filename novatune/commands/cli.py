@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return getattr(e, "exit_code", 130)
     except RuntimeError as e:
-        from novatune.train.nonfinite import NonFiniteError
+        from novatune.train.nonfinite import UnhealthyTraining
 
-        if not isinstance(e, NonFiniteError):
+        if not isinstance(e, UnhealthyTraining):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 3

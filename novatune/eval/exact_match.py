@@ -115,6 +115,8 @@ def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, f
 def load_problems(path: str | Path, limit: int | None = None) -> list[dict]:
     """[{question, answer, gold}] from a GSM8K-format JSONL file."""
     p = Path(path)
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: evaluate at least 1 problem (leave --limit out for all of them)")
     if not p.is_file():
         raise EvalError(f"--data: {p} is not a file; give a GSM8K-format JSONL (question, answer ending '#### N')")
     out = []

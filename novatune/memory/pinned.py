@@ -11,12 +11,37 @@ it) for as long as they use the memory, as the offload engine's pool and the wei
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import weakref
 
 import torch
 
 PAGE = mmap.PAGESIZE
+
+
+def cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has loaded (torch's), for the calls torch's binding lacks; None where
+    none is loaded (no CUDA) or the process map cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def clear_cuda_error() -> None:
+    """Reset the runtime's last error after a failed call whose code was already handled here: torch's binding
+    returns the code and leaves the error set, and torch's next check would raise it from an unrelated call."""
+    lib = cuda_runtime()
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
 def page_rounded(nbytes: int) -> int:
@@ -44,6 +69,7 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     else:
         detail = f"CUDA error {err}"
     if err != 0:
+        clear_cuda_error()
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed ({detail}): the host could not "
                            f"page-lock the memory; lower the offloaded bytes (data.max_length, memory.policy) or "
                            f"free host memory")

@@ -12,6 +12,11 @@ weights. Nothing is checked per micro-batch.
                   and `skipped: true`. More than `train.max_skipped_steps` consecutive skips stop the run: a run
                   that only skips is not training.
 
+The same read also catches a run that trains nothing while staying finite: a gradient norm of exactly 0.0 on
+ZERO_GRADIENT_STEPS steps in a row (weights a huge learning rate has saturated, every target masked, nothing
+trainable) ends the run with ZeroGradientError instead of finishing, checkpointing and exporting a model that
+never learned.
+
 Checkpoints and exports check the weights themselves (`require_finite`), so a non-finite tensor never reaches
 disk whatever produced it.
 """
@@ -22,8 +27,19 @@ import math
 import torch
 
 
-class NonFiniteError(RuntimeError):
+class UnhealthyTraining(RuntimeError):
+    """The run stopped because it no longer trains (the CLI exits 3); the message names where and what to do."""
+
+
+class NonFiniteError(UnhealthyTraining):
     """Training produced (or was given) non-finite numbers; the message names where and what to do."""
+
+
+class ZeroGradientError(UnhealthyTraining):
+    """The gradients were exactly zero for ZERO_GRADIENT_STEPS optimizer steps in a row: nothing trains."""
+
+
+ZERO_GRADIENT_STEPS = 3  # consecutive steps whose whole-model gradient norm is exactly 0.0
 
 
 CHUNK = 1 << 26  # elements checked at once: the boolean temporary stays <= 64 MiB next to a multi-GB embedding
@@ -68,13 +84,19 @@ class StepGuard:
         self.mode, self.max_skipped = mode, max_skipped
         self.consecutive = 0
         self.skipped: list[int] = []
+        self.zero_since: int | None = None  # first step of the current run of exactly-zero gradient norms
 
     def allow(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """True: apply the update of `step` (1-based). False (skip mode): drop it. Raises NonFiniteError (stop)."""
-        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # the one sync of the check
+        """True: apply the update of `step` (1-based). False (skip mode): drop it. Raises NonFiniteError (stop), or
+        ZeroGradientError after ZERO_GRADIENT_STEPS steps in a row with a gradient norm of exactly zero."""
+        loss_v, norm_v = torch.stack([loss.detach().float().reshape(()),
+                                      torch.as_tensor(grad_norm).detach().float().reshape(()).to(loss.device)
+                                      ]).tolist()  # the one sync of the check
+        if math.isfinite(loss_v) and math.isfinite(norm_v):
             self.consecutive = 0
+            self._zero_check(step, loss_v, norm_v)
             return True
-        what = f"step {step}: loss {float(loss):.4g}, grad norm {float(grad_norm):.4g}"
+        what = f"step {step}: loss {loss_v:.4g}, grad norm {norm_v:.4g}"
         if self.mode != "skip":
             raise NonFiniteError(f"non-finite training at {what}. The update was not applied and no checkpoint "
                                  f"was written after it. Fix: lower train.lr, check the data and the starting "
@@ -86,3 +108,15 @@ class StepGuard:
                                  f"(train.max_skipped_steps={self.max_skipped}). Fix: lower train.lr or check the "
                                  f"data and the starting weights")
         return False
+
+    def _zero_check(self, step: int, loss: float, grad_norm: float) -> None:
+        if grad_norm != 0.0:
+            self.zero_since = None
+            return
+        self.zero_since = step if self.zero_since is None else self.zero_since
+        if step - self.zero_since + 1 >= ZERO_GRADIENT_STEPS:
+            raise ZeroGradientError(
+                f"the gradients were exactly zero on steps {self.zero_since}-{step} (loss {loss:.4g}): nothing "
+                f"trains, so the run stops before checkpointing or exporting it. Usual causes: a learning rate that "
+                f"saturated the weights (lower train.lr), every target token masked (data.loss_on, the labels), or "
+                f"no trainable parameters (method, LoRA targets)")

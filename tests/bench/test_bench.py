@@ -270,3 +270,30 @@ def test_bench_with_two_processes_trains_the_one_process_global_batch(spec, tmp_
     assert par["loss_max_rel_diff_vs_one_process"] < 1e-5 and par["scaling"] > 0
     assert s["nproc"] == 2
     assert (tmp_path / "run" / parallel / "worker.log").read_text().count("RESULT ") == 1  # rank 0's row only
+
+
+def test_the_train_stack_times_the_trainers_own_loop_with_the_sessions_losses(spec, tmp_path):
+    """`novatune bench --stacks novatune-train`: `novatune train`'s loop on the run; its per-step losses are the
+    bench worker's (the same session step, fp32 on the CPU: equal to 1e-6 relative) and it times the steps after
+    the warm-up."""
+    import gc
+    import json
+
+    from novatune.bench import worker
+    from novatune.bench.worker import load_stack_config, timed_steps
+    from novatune.train.session import build
+
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**spec, "stack": "novatune-train"}))
+    assert worker.main([str(path)]) == 0
+    row = json.loads((tmp_path / "stock" / "result.json").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    assert row["tok_s"] > 0 and len(row["losses"]) == spec["warm"] + spec["steps"]
+    assert len(row["tokens_per_step"]) == spec["steps"] and row["timed_tokens"] == sum(row["tokens_per_step"])
+    nova = {**spec, "stack": "novatune", "overrides": ["model.patch=true"]}
+    cfg, base = load_stack_config(nova)
+    try:
+        ref = timed_steps(build(cfg, base), nova)["losses"]
+    finally:
+        gc.unfreeze()
+    assert row["losses"] == pytest.approx(ref, rel=1e-6)

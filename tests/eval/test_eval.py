@@ -92,6 +92,9 @@ def test_load_problems_errors(tmp_path):
         load_problems(bad)
     with pytest.raises(EvalError, match="not a file"):
         load_problems(tmp_path / "missing.jsonl")
+    for limit in (0, -3):  # not "the first problem" nor "all but 3"
+        with pytest.raises(EvalError, match=f"--limit {limit}: evaluate at least 1 problem"):
+            load_problems(SAMPLE, limit)
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,32 @@ def test_nonfinite_names_checks_every_chunk(monkeypatch):
     tensors = {"ok": t, "nan": nan_last, "inf": inf_mid, "empty": torch.empty(0), "ints": torch.arange(3),
                "half": torch.full((3,), 6e4, dtype=torch.float16)}
     assert nonfinite.nonfinite_names(tensors) == ["nan", "inf"]
+
+
+def test_a_run_whose_gradients_are_all_zero_stops_instead_of_exporting(make_cfg):
+    """Finite but dead (every gradient exactly zero, as after a learning rate that saturated the weights): the run
+    ends with ZeroGradientError at the third such step and exports nothing."""
+    from novatune.train.nonfinite import ZERO_GRADIENT_STEPS, ZeroGradientError
+
+    cfg = make_cfg("dead", train={"max_steps": 6})
+
+    def zero_gradients(model):
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(torch.zeros_like)
+
+    with pytest.raises(ZeroGradientError, match=f"exactly zero on steps 1-{ZERO_GRADIENT_STEPS}.*train.lr"):
+        train(cfg, console=quiet(), model_hook=zero_gradients)
+    assert not (Path(cfg.checkpoint.output_dir) / "final").exists()
+
+
+def test_zero_gradient_steps_must_be_consecutive():
+    from novatune.train.nonfinite import StepGuard, ZeroGradientError
+
+    guard = StepGuard("stop", 0)
+    loss, zero, some = torch.tensor(2.0), torch.tensor(0.0), torch.tensor(0.5)
+    for step, norm in enumerate([zero, zero, some, zero, zero, some, zero], start=1):
+        assert guard.allow(step, loss, norm)
+    assert guard.allow(8, loss, zero)
+    with pytest.raises(ZeroGradientError, match="steps 7-9"):
+        guard.allow(9, loss, zero)
