@@ -16,8 +16,10 @@ def test_page_rounding():
 
 
 class _PointerAttributes(ctypes.Structure):
+    # cudaPointerAttributes begins with the memory type; newer CUDA releases append fields, so the runtime may
+    # write more than the four fields of CUDA 11/12: room for them keeps its write inside this buffer
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
-                ("hostPointer", ctypes.c_void_p)]
+                ("hostPointer", ctypes.c_void_p), ("room", ctypes.c_byte * 1024)]
 
 
 def _registered(ptr: int) -> bool:
