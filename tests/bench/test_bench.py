@@ -117,17 +117,29 @@ def test_the_worker_refuses_a_missing_spec(capsys):
     assert "SPEC.json" in capsys.readouterr().err
 
 
+def _session_losses(spec: dict) -> list[float]:
+    """The per-step losses of the bench worker's own loop (the novatune session's step) on the spec's run."""
+    import gc
+
+    from novatune.bench.worker import load_stack_config, timed_steps
+    from novatune.train.session import build
+
+    nova = {**spec, "stack": "novatune", "overrides": ["model.patch=true"]}
+    cfg, base = load_stack_config(nova)
+    try:
+        return timed_steps(build(cfg, base), nova)["losses"]
+    finally:
+        gc.unfreeze()
+
+
 def test_the_trl_stack_trains_like_the_session(spec, tmp_path):
     """`novatune bench --stacks trl-sft`: SFTTrainer + novatune.patch(trainer) on the session's model, rows and
     optimizer gives the novatune session's per-step losses (fp32 on the CPU: equal to 1e-5 relative; TRL sums the
     micro-batch losses of a step the way the session does, only the reduction order differs)."""
-    import gc
     import json
 
     pytest.importorskip("trl")
     from novatune.bench import worker
-    from novatune.bench.worker import load_stack_config, timed_steps
-    from novatune.train.session import build
 
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({**spec, "stack": "trl-sft"}))
@@ -135,12 +147,7 @@ def test_the_trl_stack_trains_like_the_session(spec, tmp_path):
     row = json.loads((tmp_path / "stock" / "result.json").read_text())
     assert row["status"] == "ok", row.get("reason")
     assert row["tok_s"] > 0 and "cross_entropy" in row["patch_report"] and len(row["losses"]) == 4
-    nova = {**spec, "stack": "novatune", "overrides": ["model.patch=true"]}
-    cfg, base = load_stack_config(nova)
-    try:
-        ref = timed_steps(build(cfg, base), nova)["losses"]
-    finally:
-        gc.unfreeze()
+    ref = _session_losses(spec)
     assert row["losses"] == pytest.approx(ref, rel=1e-5)
 
 
@@ -276,12 +283,9 @@ def test_the_train_stack_times_the_trainers_own_loop_with_the_sessions_losses(sp
     """`novatune bench --stacks novatune-train`: `novatune train`'s loop on the run; its per-step losses are the
     bench worker's (the same session step, fp32 on the CPU: equal to 1e-6 relative) and it times the steps after
     the warm-up."""
-    import gc
     import json
 
     from novatune.bench import worker
-    from novatune.bench.worker import load_stack_config, timed_steps
-    from novatune.train.session import build
 
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({**spec, "stack": "novatune-train"}))
@@ -290,10 +294,5 @@ def test_the_train_stack_times_the_trainers_own_loop_with_the_sessions_losses(sp
     assert row["status"] == "ok", row.get("reason")
     assert row["tok_s"] > 0 and len(row["losses"]) == spec["warm"] + spec["steps"]
     assert len(row["tokens_per_step"]) == spec["steps"] and row["timed_tokens"] == sum(row["tokens_per_step"])
-    nova = {**spec, "stack": "novatune", "overrides": ["model.patch=true"]}
-    cfg, base = load_stack_config(nova)
-    try:
-        ref = timed_steps(build(cfg, base), nova)["losses"]
-    finally:
-        gc.unfreeze()
+    ref = _session_losses(spec)
     assert row["losses"] == pytest.approx(ref, rel=1e-6)
