@@ -19,6 +19,7 @@ last step (constant: flat after warmup). Implemented as a LambdaLR so its state_
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -149,5 +150,9 @@ def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
 
 def build_scheduler(opt, tcfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     w = warmup_steps(tcfg.warmup, total_steps)
+    if w > total_steps:
+        warnings.warn(f"train.warmup is {w} steps but the run has {total_steps}: the learning rate never reaches "
+                      f"train.lr (its last step uses {total_steps / w:.0%} of it); shorten train.warmup or give it as "
+                      f"a fraction of the run (< 1)", stacklevel=2)
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, total_steps, w, tcfg.schedule, tcfg.min_lr_ratio))

@@ -195,3 +195,17 @@ def test_killed_run_resumes_on_the_same_curve(make_cfg, name):
     for s in (3, 4, 5):
         assert second.losses[s] == pytest.approx(full.losses[s], rel=1e-6, abs=1e-6), s
     assert full.losses[5] < full.losses[1]
+
+
+def test_a_warmup_longer_than_the_run_warns_that_the_lr_never_peaks():
+    import types
+    import warnings
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    tcfg = types.SimpleNamespace(warmup=20, schedule="cosine", min_lr_ratio=0.1)
+    with pytest.warns(UserWarning, match=r"train.warmup is 20 steps but the run has 10: .* 50% of it"):
+        optim.build_scheduler(opt, tcfg, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optim.build_scheduler(opt, types.SimpleNamespace(warmup=10, schedule="cosine", min_lr_ratio=0.1), 10)
+        optim.build_scheduler(opt, types.SimpleNamespace(warmup=0.5, schedule="cosine", min_lr_ratio=0.1), 10)
