@@ -16,6 +16,7 @@ import torch
 def run(spec: dict, cfg, base_dir) -> dict:
     """The bench worker's entry (novatune bench --stacks novatune-train): row fields in the bench schema."""
     from novatune.train.loop import train
+    from novatune.tune.patching import selection_for  # the tune cache's kernel choices, as the CLI applies them
 
     warm, steps = spec["warm"], spec["steps"]
     clock: dict[int, float] = {}
@@ -35,7 +36,7 @@ def run(spec: dict, cfg, base_dir) -> dict:
         elif cuda:
             peak.append(torch.cuda.max_memory_allocated() / 2**30)
 
-    result = train(cfg, base_dir, step_hook=meter)
+    result = train(cfg, base_dir, step_hook=meter, select=selection_for)
     if warm + steps not in clock or warm not in clock:
         raise RuntimeError(f"the trainer stopped at step {result.steps} of {warm + steps}: nothing to time")
     timed_s = clock[warm + steps] - clock[warm]

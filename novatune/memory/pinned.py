@@ -28,7 +28,9 @@ def cuda_runtime() -> ctypes.CDLL | None:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    major = (torch.version.cuda or "").split(".")[0]
+    # torch's own runtime first (another package may have loaded a runtime of another major version)
+    for path in sorted(paths, key=lambda p: (f"libcudart.so.{major}" not in p, p)):
         try:
             return ctypes.CDLL(path)
         except OSError:

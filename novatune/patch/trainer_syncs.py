@@ -72,14 +72,19 @@ def _filtered(trainer, loss: torch.Tensor) -> torch.Tensor:
 
 
 class _StillTraining:
-    """Stands in for `model.train` during a training_step whose model is already in training mode: train(True)
-    returns the model without the walk; train(False) (eval) runs the real one."""
+    """Stands in for `model.train` during a training_step whose model is already in training mode: train(True) on
+    a model still in training mode returns it without the walk. Any other call (eval(), or train() after an eval()
+    inside the step, as generation in an RL trainer does) removes the stand-in and runs the real walk, so every
+    later call in the step is the real one too."""
 
     def __init__(self, model):
         self.model = model
 
     def __call__(self, mode: bool = True):
-        return self.model if mode else type(self.model).train(self.model, mode)
+        if mode and self.model.training:
+            return self.model
+        vars(self.model).pop("train", None)
+        return type(self.model).train(self.model, mode)
 
 
 class TrainingStep:

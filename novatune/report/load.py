@@ -203,10 +203,12 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
             _read_json(p, inp)
         if len(inp.evals) == n:
             inp.ignored.append(f"--eval {p}: not a `novatune eval --output` JSON")
+    named: set[Path] = set()
     for t in traces:
         p = Path(t)
         if p.is_file():
             inp.traces.append(TraceInfo(p, _trace_name(p)))
+            named.add(p)
         else:
             inp.ignored.append(f"--trace {p}: does not exist")
     for t in inp.traces:
@@ -216,7 +218,8 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
             inp.read.append(f"{t.path}: trace ({t.result['kernels']} {events})")
         except (ValueError, OSError, KeyError, TypeError) as e:
             t.error = f"{type(e).__name__}: {e}"
-            inp.ignored.append(f"{t.path}: unreadable trace ({t.error})")
+            flag = "--trace " if t.path in named else ""  # a file named on --trace, not one found in a run folder
+            inp.ignored.append(f"{flag}{t.path}: unreadable trace ({t.error})")
     return inp
 
 

@@ -199,6 +199,10 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
                           "bitsandbytes NF4 base weights (Params4bit with their quantisation state) cannot be "
                           "sharded by fully_shard, nor broadcast as plain parameters by DDP",
                           "use method.type: lora (frozen bf16 base, sharded) or parallel.strategy: none")
+    units = cfg.parallel.layers_per_unit
+    if units is not None and units < 1:
+        raise ConfigError("parallel.layers_per_unit", f"must be >= 1, got {units}",
+                          "e.g. 4 (decoder layers per FSDP2 unit), or leave it unset for the default")
     _check_memory(cfg)
     if cfg.memory.tiled_mlp is True and not m.patch:
         raise ConfigError("memory.tiled_mlp", "the tiled MLP is part of novatune's patch, and model.patch is false",

@@ -262,7 +262,8 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
     * gathered weights: the whole model when the layers stay gathered for the step (parallel.reshard_after_forward
       false; over one rank the gathered copy is a second copy); else the root unit (embeddings, lm_head), which is
       never resharded, its other ranks' part, and with units of several layers (parallel.layers_per_unit) the
-      layers a unit and its prefetched neighbour gather beyond one layer each;
+      layers a unit and its prefetched neighbour gather beyond one layer each, and the unit's whole gradients
+      and their fp32 reduce-scatter input beyond one layer's;
     * across 2+ ranks, gradients in the fp32 reduce dtype before their reduce-scatter: the whole model's, summed
       over the micro-batches, with one reduction per step (parallel.gradient_sync step, grad_accum > 1), less the
       sharded gradients that come only after it, plus the root's fp32 reduce-scatter output; else the root's (its
@@ -276,9 +277,14 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
         return int(est["weights"]) if keep else 0
     gathered = est["weights"] if keep else root * per_param * (1 - 1 / shards)
     unit = pwrap.unit_size(cfg.parallel.layers_per_unit, shards, keep)
-    if not keep and unit > 1:  # a unit and the next one prefetched are gathered at once: 2 x (unit - 1) more layers
+    if not keep and unit > 1:
+        # a unit and the next one prefetched are gathered at once: 2 x (unit - 1) more layers; and a unit's
+        # gradients are whole, with their fp32 reduce-scatter input, until the unit's reduction: (unit - 1) more
         layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
         gathered += 2 * (unit - 1) * layer * (1 - 1 / shards)
+        layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
+        grad_elem = est["gradients"] / max(1, est["trainable"])
+        gathered += (unit - 1) * layer_trained * (grad_elem + 4)
     step_sync = cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2",
                                                                                shards)
     root_trained = root if est["trainable"] >= root and cfg.method.type == "full" else 0

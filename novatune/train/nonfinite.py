@@ -96,6 +96,7 @@ class StepGuard:
             self.consecutive = 0
             self._zero_check(step, loss_v, norm_v)
             return True
+        self.zero_since = None  # a non-finite step is not a zero-gradient one: the run of zeros starts again
         what = f"step {step}: loss {loss_v:.4g}, grad norm {norm_v:.4g}"
         if self.mode != "skip":
             raise NonFiniteError(f"non-finite training at {what}. The update was not applied and no checkpoint "

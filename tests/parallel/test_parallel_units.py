@@ -75,6 +75,8 @@ def test_config_parallel_section_and_qlora_refused():
         load(None, ["parallel.strategy=fsdp"])
     with pytest.raises(ConfigError, match="qlora is not supported"):
         load(None, ["parallel.strategy=fsdp2", "method.type=qlora"])
+    with pytest.raises(ConfigError, match="parallel.layers_per_unit.*must be >= 1"):  # before any model is built
+        load(None, ["parallel.strategy=fsdp2", "parallel.layers_per_unit=0"])
 
 
 def test_nproc_without_a_strategy_names_the_fix(capsys):

@@ -135,3 +135,25 @@ def test_a_model_set_to_eval_inside_a_step_is_walked_again():
     model.eval()
     step(model, {})
     assert model[1].training and "train" not in vars(model)
+
+
+def test_eval_then_train_inside_a_skipped_step_is_the_real_walk():
+    """An RL trainer generates inside training_step: model.eval(), then model.train(). On a micro-batch whose walk
+    is skipped, both are the real walks (the model trains in training mode afterwards)."""
+    class Generating:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            model.train()
+            model.eval()
+            seen.append((model.training, model[1].training))
+            model.train()
+            seen.append((model.training, model[1].training))
+            return torch.tensor(1.0)
+
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    trainer = Generating()
+    trainer.state = types.SimpleNamespace(global_step=0)
+    step = trainer_syncs.TrainingStep(trainer, nan_filter=False)
+    step(model, {})
+    step(model, {})  # the second micro-batch of step 0: its first train() is skipped
+    assert seen == [(False, False), (True, True)] * 2 and "train" not in vars(model)

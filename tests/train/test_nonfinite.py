@@ -145,3 +145,7 @@ def test_zero_gradient_steps_must_be_consecutive():
     assert guard.allow(8, loss, zero)
     with pytest.raises(ZeroGradientError, match="steps 7-9"):
         guard.allow(9, loss, zero)
+    skipping = StepGuard("skip", 5)  # a skipped non-finite step breaks a run of zero-gradient steps
+    assert skipping.allow(1, loss, zero) and skipping.allow(2, loss, zero)
+    assert not skipping.allow(3, loss, torch.tensor(float("nan")))
+    assert skipping.allow(4, loss, zero) and skipping.allow(5, loss, zero)
