@@ -43,7 +43,8 @@
 #   bench` on the headline config twice, novatune with attention auto (varlen) and with attention=cudnn; < 7 min
 #   (timeouts 120 + 150 + 2 x 170 s).
 # Full logs and JSONL rows go under $OUT (or ./gpu_out); the short table is printed last.
-# Carried wheels (.whl/, e.g. liger-kernel) are installed into /tmp/site first.
+# Carried wheels (.whl/, e.g. liger-kernel; scripts/fetch_wheels.sh downloads the set) are installed into /tmp/site
+# first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
