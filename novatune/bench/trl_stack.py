@@ -14,12 +14,11 @@ Pure bf16 weights without autocast, as the trainer trains (SFTConfig bf16=False:
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import torch
 import transformers
 
+from novatune.bench.worker import WarmClock
 from novatune.data.dataset import BatchStream
 from novatune.train.demo import load_demo_tokenizer
 
@@ -74,17 +73,17 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
                              processing_class=session.tokenizer or load_demo_tokenizer(),
                              optimizers=(session.optimizer, session.scheduler))
     report = novatune_patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
-    meter = _Meter(device, warmup)
+    meter = _Meter(WarmClock(device, warmup, steps))
     trainer.add_callback(meter)
     micro_losses = _record_losses(trainer)
     trainer.train()
     micro = [float(x) for x in micro_losses]  # read once, after training: no sync per micro-batch
     losses = [sum(micro[i:i + ga]) for i in range(0, len(micro), ga)]
     timed_tokens = sum(tokens[warmup * ga:])
-    timed_s = (meter.t1 - meter.t0) if meter.t1 else None
+    timed_s = meter.clock.timed_s
     return {"stack": "trl_sft" + ("+novatune" if patch else ""), "losses": losses,
             "tokens_per_s": timed_tokens / timed_s if timed_s else None, "timed_s": timed_s,
-            "timed_tokens": timed_tokens, "peak_gib": meter.peak_gib, "steps": steps, "warmup": warmup,
+            "timed_tokens": timed_tokens, "peak_gib": meter.clock.peak_gib, "steps": steps, "warmup": warmup,
             "patch_report": str(report) if report is not None else None,
             "trl": trl.__version__, "flops_per_token": session.flops_per_token(0.0)}
 
@@ -116,24 +115,10 @@ def _record_losses(trainer) -> list[float]:
 
 
 class _Meter(transformers.TrainerCallback):
-    """Wall time of the optimizer steps after the warm-up ones (synchronised), peak memory over them."""
+    """The warm-up clock (bench/worker.py: WarmClock) read at the Trainer's step ends."""
 
-    def __init__(self, device: torch.device, warmup: int):
-        self.device, self.warmup = device, warmup
-        self.t0 = self.t1 = self.peak_gib = None
+    def __init__(self, clock):
+        self.clock = clock
 
     def on_step_end(self, args, state, control, **kwargs):
-        # a clock is read only after the warm-up and after the last step: no sync inside the timed steps, as in
-        # the bench worker's own loop
-        if state.global_step not in (self.warmup, state.max_steps):
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if state.global_step == self.warmup:
-            self.t0 = time.perf_counter()
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-        elif state.global_step > self.warmup:
-            self.t1 = time.perf_counter()
-            if self.device.type == "cuda":
-                self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.clock.step_end(state.global_step)

@@ -55,6 +55,35 @@ def load_stack_config(spec: dict):
     return cfg, base
 
 
+class WarmClock:
+    """For a stack with its own training loop (TRL's, the trainer's): the wall time from the end of the warm-up
+    step `warm` to the end of step `last`, synchronised at both ends only (no sync inside the timed steps, as in
+    the worker's own loop), and the allocator's peak over them. Call `step_end(step)` after every step."""
+
+    def __init__(self, device: torch.device, warm: int, last: int):
+        self.cuda = device.type == "cuda"
+        self.device, self.warm, self.last = device, warm, last
+        self.t0 = self.t1 = self.peak_gib = None
+
+    def step_end(self, step: int) -> None:
+        if step not in (self.warm, self.last):
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if step == self.warm:
+            self.t0 = time.perf_counter()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        elif step > self.warm:
+            self.t1 = time.perf_counter()
+            if self.cuda:
+                self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    @property
+    def timed_s(self) -> float | None:
+        return self.t1 - self.t0 if self.t0 is not None and self.t1 is not None else None
+
+
 class Clock:
     """Wall time of the timed steps (synchronised at both ends) and each step's GPU time from CUDA events."""
 

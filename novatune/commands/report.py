@@ -97,9 +97,8 @@ def run(args) -> int:
     inp = load_inputs(args.runs, args.eval, args.trace)
     # a file named on its own flag and not usable fails the command (a file inside a run folder that is not a
     # result stays a "not used" line: folders hold other files too)
-    named = [line for line in inp.ignored if line.startswith(("--eval ", "--trace "))]
-    if named:
-        print("error: " + "; ".join(named) + "; check the path(s)", file=sys.stderr)
+    if inp.named_unusable:
+        print("error: " + "; ".join(inp.named_unusable) + "; check the path(s)", file=sys.stderr)
         return 2
     opt = Options(title=args.title, baseline=args.baseline, candidate=args.candidate, gpu=args.gpu,
                   gpu_price=args.gpu_price, token_budget=args.token_budget, monthly=spends, plots=not args.no_plots)

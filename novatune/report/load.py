@@ -71,6 +71,8 @@ class Inputs:
     traces: list[TraceInfo] = field(default_factory=list)
     read: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    # the ignored lines about files named on --eval / --trace themselves (the command refuses to run without them)
+    named_unusable: list[str] = field(default_factory=list)
 
 
 def _workload_key(r: dict) -> tuple:
@@ -202,7 +204,7 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
         if p.is_file():
             _read_json(p, inp)
         if len(inp.evals) == n:
-            inp.ignored.append(f"--eval {p}: not a `novatune eval --output` JSON")
+            inp.named_unusable.append(f"--eval {p}: not a `novatune eval --output` JSON")
     named: set[Path] = set()
     for t in traces:
         p = Path(t)
@@ -210,7 +212,7 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
             inp.traces.append(TraceInfo(p, _trace_name(p)))
             named.add(p)
         else:
-            inp.ignored.append(f"--trace {p}: does not exist")
+            inp.named_unusable.append(f"--trace {p}: does not exist")
     for t in inp.traces:
         try:
             t.result = breakdown(t.path)
@@ -218,8 +220,11 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
             inp.read.append(f"{t.path}: trace ({t.result['kernels']} {events})")
         except (ValueError, OSError, KeyError, TypeError) as e:
             t.error = f"{type(e).__name__}: {e}"
-            flag = "--trace " if t.path in named else ""  # a file named on --trace, not one found in a run folder
-            inp.ignored.append(f"{flag}{t.path}: unreadable trace ({t.error})")
+            if t.path in named:  # a file named on --trace, not one found in a run folder
+                inp.named_unusable.append(f"--trace {t.path}: unreadable trace ({t.error})")
+            else:
+                inp.ignored.append(f"{t.path}: unreadable trace ({t.error})")
+    inp.ignored.extend(inp.named_unusable)
     return inp
 
 

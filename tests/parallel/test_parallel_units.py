@@ -290,3 +290,36 @@ def test_sharded_gradients_are_clipped_by_the_whole_models_norm(max_norm):
     finally:
         if d.active:
             dist.destroy_process_group()
+
+
+def test_replicated_gradients_take_dtensors_own_norm():
+    """Gradients that are not sharded along one mesh dimension (a replicated DTensor) are clipped through DTensor's
+    own norm: the same norm and clipped values as the plain tensors'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from novatune.parallel import wrap as pwrap
+
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(4)]
+    d = pdist.setup("fsdp2", "cpu")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = []
+        for g in grads:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Replicate()]))
+            p.grad = distribute_tensor(g.clone(), mesh, [Replicate()])
+            params.append(p)
+        plain = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(plain, grads):
+            p.grad = g.clone()
+        want = torch.nn.utils.clip_grad_norm_(plain, 0.5)
+        got = pwrap.clip_grad_norm(params, 0.5)
+        assert not isinstance(got, DTensor)
+        torch.testing.assert_close(got, want)
+        for p, q in zip(plain, params):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad)
+    finally:
+        if d.active:
+            dist.destroy_process_group()
