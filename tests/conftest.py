@@ -13,6 +13,12 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
+    # a test that takes the `device` fixture runs its kernels on CUDA where there is one (compiled Triton, not the
+    # interpreter): the GPU suite selects them with `-m "gpu or on_device"` (scripts/gpu_check.sh tests)
+    on_device = pytest.mark.on_device
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(on_device)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device machine)")
