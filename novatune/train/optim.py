@@ -3,6 +3,7 @@
     adamw             torch.optim.AdamW (fused on CUDA); moments in the parameter's dtype, as stock trainers run it.
                       With bf16 weights an update below half a bf16 spacing rounds away: at lr 1e-5 most weights
                       never move (tests/train/test_optim.py measures it).
+                      Over FSDP2's DTensor parameters, the same update runs on the local shards (ShardLocalAdamW).
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16
                       parameter instead of a 4-byte master copy. fp32 parameters (LoRA adapters) need no buffer.
@@ -23,7 +24,9 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from novatune.parallel.optim import ShardLocalAdamW
 from novatune.train.errors import SetupError
 
 OPTIMIZERS = ("adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
@@ -145,7 +148,9 @@ def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
         return _bnb_class(name)(groups, **hyper)
     fused = tcfg.fused_adamw if tcfg.fused_adamw is not None else device.type == "cuda"
     kw = {"fused": True} if fused else {}  # else torch's default (foreach on CUDA)
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **kw)
+    # FSDP2's parameters are DTensors: the same AdamW, its update run on the local shards (parallel/optim.py)
+    cls = ShardLocalAdamW if any(isinstance(p, DTensor) for g in groups for p in g["params"]) else torch.optim.AdamW
+    return cls(groups, lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **kw)
 
 
 def build_scheduler(opt, tcfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

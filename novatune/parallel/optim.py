@@ -1,0 +1,63 @@
+"""AdamW over FSDP2's sharded (DTensor) parameters, with its update run on each rank's local shards.
+
+torch.optim.AdamW over DTensors sends its fused kernel through DTensor's dispatch, whose sharding propagation over
+lists of a few hundred tensors costs host time on every step: 7.7 ms against 2.0 ms for the same step over plain
+tensors (398 parameters, CPU probe). The trainer's GPU idles for that time, because the non-finite check has just
+synchronised before the update.
+
+AdamW is elementwise, so a rank's update of its own shard is the whole tensor's update restricted to that shard.
+`ShardLocalAdamW.step` therefore runs torch's functional AdamW, with the same kernels and arithmetic as
+torch.optim.AdamW, on the local tensors of the parameters, gradients and moments. Everything else stays
+torch.optim.AdamW's: the moments are DTensors created as torch creates them and keyed by the DTensor parameters,
+so state_dict, load_state_dict and torch.distributed.checkpoint's get/set_state_dict (resharding on a resume with
+another number of processes) work unchanged.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose step runs on the local shards of DTensor parameters (module docstring). The variants
+    that keep more state or change the update (amsgrad, maximize, capturable, differentiable) are refused rather
+    than run on an untested path."""
+
+    def __init__(self, params, **kwargs):
+        unsupported = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if kwargs.get(k)]
+        if unsupported:
+            raise ValueError(f"ShardLocalAdamW does not support {', '.join(unsupported)}; use torch.optim.AdamW")
+        super().__init__(params, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardLocalAdamW.step takes no closure")
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # torch.optim.Adam's own initial state: a float32 step (on the device when fused)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"] \
+                        else torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(_local(p))
+                grads.append(_local(p.grad))
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], fused=group["fused"],
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
+        return None
