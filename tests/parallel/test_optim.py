@@ -43,7 +43,7 @@ def test_same_weights_and_state_as_torch_adamw_over_dtensors(group, fused, dtype
         rest = [p for p in m.parameters() if p.requires_grad and p.ndim < 2]
         opts.append(cls([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                         lr=3e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused))
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 7, dtype=dtype)  # fresh inputs each step
         for m, opt in zip(models, opts):
             m(x).square().sum().backward()
