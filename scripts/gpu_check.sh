@@ -2,7 +2,7 @@
 # Everything the GPU must show, in one run on the device machine (see docs/CONTRIBUTING.md):
 #   scripts/gpu_check.sh [tests] [ops] [attention] [e2e] [parity] [proof]   (default: all but proof)
 #   tests: every test marked gpu or taking the `device` fixture (the kernel and op tests, compiled on CUDA), < 10 min:
-#   the speed- and memory-measuring files alone (< 220 s), then the rest in TEST_WORKERS (8) xdist workers (< 340 s).
+#   the tests marked timing one at a time (< 220 s), then the rest in TEST_WORKERS (8) xdist workers (< 340 s).
 #   proof: `novatune bench` + `novatune validate` + `novatune report` on the headline config (issue 4), ~6 min
 #   (timeouts 280 + 210 + 60 s). e2e: `novatune bench` on the headline config, E2E_STACKS (default
 #   stock,liger-peer,unsloth,novatune), rows in $OUT/e2e.jsonl.
@@ -64,18 +64,15 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,no
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 if has tests; then
-  # every test that needs CUDA or runs its kernels on it (-m "gpu or on_device"), at one sha in one call. The files
-  # whose tests assert a speed ratio or a peak memory run first, one test at a time on an otherwise idle GPU; the
-  # rest run in TEST_WORKERS xdist processes (a test that crashes takes its worker down, not the run). SIGINT at
-  # the time limit lets pytest print its summary.
-  alone=(tests/patch/test_trainers.py tests/bench/test_bench_gpu.py tests/memory tests/ops/test_lora.py
-         tests/attention/test_cudnn.py tests/train/test_load.py)
-  others=(); for f in "${alone[@]}"; do others+=(--ignore "$f"); done
-  timeout -s INT ${TESTS_ALONE_TIMEOUT:-220} python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or on_device" \
-    "${alone[@]}" 2>&1 | tee "$OUT/gpu_tests_alone.log" | tail -n 15
-  summary+=("gpu tests, one at a time: $(tail -n 1 "$OUT/gpu_tests_alone.log")")
+  # every test that needs CUDA or runs its kernels on it (-m "gpu or on_device"), at one sha in one call. The tests
+  # that assert a speed or a time (marker `timing`) run first, one at a time on an otherwise idle GPU; the rest run
+  # in TEST_WORKERS xdist processes (a test that crashes takes its worker down, not the run). SIGINT at the time
+  # limit lets pytest print its summary.
+  timeout -s INT ${TESTS_ALONE_TIMEOUT:-220} python3 -m pytest -q -rfEs -p no:cacheprovider -m timing tests 2>&1 \
+    | tee "$OUT/gpu_tests_alone.log" | tail -n 15
+  summary+=("gpu tests that time, one at a time: $(tail -n 1 "$OUT/gpu_tests_alone.log")")
   timeout -s INT ${TESTS_TIMEOUT:-340} python3 -m pytest -q -rfEs -p no:cacheprovider -n ${TEST_WORKERS:-8} \
-    -m "gpu or on_device" --durations 12 tests "${others[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+    -m "(gpu or on_device) and not timing" --durations 12 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   summary+=("gpu tests, ${TEST_WORKERS:-8} workers: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 if has ops; then

@@ -29,17 +29,20 @@ def _to_bf16_rne(x):
 
 
 @triton.jit
-def _adamw_kahan_kernel(w_ptr, c_ptr, w_bits_ptr, c_bits_ptr, m_ptr, v_ptr, g_ptr, n, lr, beta1, beta2, eps,
-                        weight_decay, bc1, bc2_sqrt, HAS_C: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kahan_kernel(w_ptr, c_ptr, w_bits_ptr, c_bits_ptr, m_ptr, v_ptr, g_ptr, n, lr, beta1, one_minus_beta1,
+                        beta2, one_minus_beta2, eps, lr_weight_decay, bc1, bc2_sqrt, HAS_C: tl.constexpr,
+                        BF16: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    u = -lr * (m / bc1) / (tl.sqrt(v) / bc2_sqrt + eps) - lr * weight_decay * w
+    # 1 - beta and lr * weight_decay come from the host in fp64, rounded once: 1 - beta2 computed here from an fp32
+    # beta2 = 0.999 would be off by 1.3e-5 relative. Division and square root round to nearest, as torch's do.
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    u = tl.div_rn(-lr * tl.div_rn(m, bc1), tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) - lr_weight_decay * w
     if HAS_C:
         y = u + tl.load(c_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if BF16:
@@ -74,5 +77,6 @@ def adamw_kahan_step(w: Tensor, c: Tensor | None, m: Tensor, v: Tensor, g: Tenso
     if c is not None and w.dtype == torch.bfloat16:
         bits = (w.view(torch.int16), c.view(torch.int16))  # int16 views: where the rounded bits are stored
     _adamw_kahan_kernel[(triton.cdiv(n, BLOCK),)](
-        w, c if c is not None else w, *bits, m, v, g, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt,
+        w, c if c is not None else w, *bits, m, v, g, n, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+        lr * weight_decay, bc1, bc2_sqrt,
         HAS_C=c is not None, BF16=bits[0] is not w, BLOCK=BLOCK, enable_fp_fusion=False)

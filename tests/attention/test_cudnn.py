@@ -432,6 +432,7 @@ def test_gpu_auto_takes_cudnn_when_the_order_names_it(monkeypatch):
     assert_close(out, varlen_attention(q.float(), k.float(), v.float(), pb, backend="reference"), 1e-2)
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["frontend", "aten"])
 def test_gpu_gradient_self_check(monkeypatch, impl):

@@ -13,6 +13,7 @@ from novatune.commands.cli import main
 SEED = Path(__file__).resolve().parents[2] / "examples" / "qwen3-4b-seed.yaml"
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 def test_bench_on_the_gpu(tmp_path, capsys):
     out = tmp_path / "bench"

@@ -208,6 +208,7 @@ def test_persistent_grid_from_measured_residency_gpu():
     assert cfg["num_programs"] >= torch.cuda.get_device_properties(0).multi_processor_count // 2
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n", [(4096, 2560), (131072, 128)])
 def test_real_shapes_speed_sanity_gpu(rows, n):

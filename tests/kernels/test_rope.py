@@ -203,6 +203,7 @@ def test_real_shapes_gpu(u):
     _check(q, k, cos, sin, u, torch.bfloat16)
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 def test_speed_sanity_gpu():
     """fwd+bwd at the real shape moves >= 50% of the copy rate (target 70%, measured by bench/bench_rope.py)."""

@@ -165,6 +165,7 @@ def test_gpu_real_shape_values_and_rounding():
     assert_close(du, rdu, 4e-3, "dup")
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 def test_gpu_speed_fraction_of_hbm_floor():
     """fwd+bwd kernel time within the target: >= 70% of the HBM floor (8 * N elements * 2 bytes)."""

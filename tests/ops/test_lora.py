@@ -126,15 +126,21 @@ def test_opcheck(device):
     for dtype, ad in ((torch.float32, None), (torch.bfloat16, torch.float32)):
         x, w, b, a, bb, dy = _leaves((2, 5), 16, 12, 4, dtype, adapter_dtype=ad, train_bias=True, device=device)
         xl = (x.detach().float() * 2).requires_grad_(True)
+        # eager against AOT-compiled: the same op on the same values, but the compiled graph may hand the GEMMs
+        # other strides, and the BLAS another kernel with another summation order (seen on the GPU). With bf16
+        # activations the fp32 adapters' gradients come out of bf16 GEMMs: two bf16 spacings (2^-7 relative)
+        tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2 ** -7 * 2}
         for bias, x_lora in ((b, None), (None, None), (b, xl)):
-            opcheck(torch.ops.novatune.lora_linear_fwd.default, (x, w, bias, a, bb, 2.0, x_lora))
+            opcheck(torch.ops.novatune.lora_linear_fwd.default, (x, w, bias, a, bb, 2.0, x_lora), **tol)
         y, xa = torch.ops.novatune.lora_linear_fwd(x, w, b, a, bb, 2.0, None)
         for x_lora in (None, xl.detach()):
             for flags in ((True, False, True, True, True), (False, True, False, True, False)):
                 opcheck(torch.ops.novatune.lora_linear_bwd.default,
-                        (dy, x.detach(), w, b.detach(), a.detach(), bb.detach(), xa.detach(), 2.0, x_lora, *flags))
+                        (dy, x.detach(), w, b.detach(), a.detach(), bb.detach(), xa.detach(), 2.0, x_lora, *flags),
+                        **tol)
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 def test_faster_than_peft_eager_on_gpu():
     """Speed sanity at Qwen3-4B's gate_proj (4096 x 2560 -> 9728, r 16, PEFT's fp32 adapters): the fused op's

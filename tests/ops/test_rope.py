@@ -99,7 +99,7 @@ def test_unused_output_grad(device):
     oq, _ = apply_rope(q, k, cos, sin)
     oq.sum().backward()
     _, _, rdq, _ = _grads(rope_ref, q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_(),
-                          cos, sin, 1, torch.ones_like(oq), torch.zeros(k.shape))
+                          cos, sin, 1, torch.ones_like(oq), torch.zeros_like(k))
     assert_close(q.grad, rdq, TOL_REF[torch.float32])
     assert k.grad is None or not k.grad.any()
 

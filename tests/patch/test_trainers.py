@@ -351,6 +351,7 @@ def test_trl_stack_matches_novatune_train_on_cpu(tmp_path):
     assert "cross_entropy" in stack["patch_report"] and "ran 6 times" in stack["patch_report"]
 
 
+@pytest.mark.timing
 @pytest.mark.gpu
 def test_trl_stack_headline_within_bf16_noise_and_97_percent_speed(tmp_path):
     """Acceptance on the GPU: SFTTrainer + novatune.patch(trainer) on the headline config (Qwen3-4B architecture,
@@ -365,7 +366,8 @@ def test_trl_stack_headline_within_bf16_noise_and_97_percent_speed(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     seed_cfg = Path(__file__).resolve().parents[2] / "examples" / "qwen3-4b-seed.yaml"
-    steps = ["train.max_steps=8", f"checkpoint.output_dir={tmp_path / 'run'}", "checkpoint.save_every=0"]
+    # 2 warm-up steps, then 10 timed on each side: a longer window than bench's 8 steps, for a ratio on a noisy host
+    steps = ["train.max_steps=12", f"checkpoint.output_dir={tmp_path / 'run'}", "checkpoint.save_every=0"]
     times, tokens = {}, {}
 
     def meter(step, micro_batches):
@@ -373,12 +375,12 @@ def test_trl_stack_headline_within_bf16_noise_and_97_percent_speed(tmp_path):
         times[step], tokens[step] = time.perf_counter(), sum(mb["num_tokens"] for mb in micro_batches)
 
     ours = train(load(seed_cfg, steps), step_hook=meter)
-    ours_tps = sum(tokens[s] for s in range(3, 9)) / (times[8] - times[2])
-    stack = run_trl_stack(load(seed_cfg, steps), steps=8, warmup=2, output_dir=tmp_path / "trl")
+    ours_tps = sum(tokens[s] for s in range(3, 13)) / (times[12] - times[2])
+    stack = run_trl_stack(load(seed_cfg, steps), steps=12, warmup=2, output_dir=tmp_path / "trl")
     expected = [ours.losses[s] for s in sorted(ours.losses)]
     print({"novatune_train": {"losses": expected, "tokens_per_s": ours_tps}, "trl_stack": stack})
     for got, want in zip(stack["losses"], expected):
-        assert abs(got - want) <= 2e-2 * abs(want), (stack["losses"], expected)  # bf16 noise over 8 steps
+        assert abs(got - want) <= 2e-2 * abs(want), (stack["losses"], expected)  # bf16 noise over 12 steps
     assert stack["tokens_per_s"] >= 0.97 * ours_tps
 
 
