@@ -604,12 +604,12 @@ def test_token_stats_match_the_logits_they_come_from(mode, kw, dtype, use_triton
     T, H, V = 37, 16, 1000  # inplace needs T >= H; 1000 columns: 3 vocab slices, 4 row splits in the sweep
     h, w, y = _inputs(T, H, V, dtype, device)
     # exact ties at each token's largest logit: token 5's max at columns 12 and 731 (other slices / row splits),
-    # token 6's at 399 and 400 (one block); the first index is the argmax. Rows 5 and 6 hold eighths: the tied
-    # logits are sums of exact dyadic products, equal in every dtype and summation order, so the ties stay exact
+    # token 6's at 399 and 400 (one block); the first index is the argmax. The hidden states are eighths: a logit
+    # of a duplicated column is then a sum of exact dyadic products, equal in every dtype and summation order, so
+    # the ties stay exact (in rows 5 and 6 and in any other row whose largest logit falls on a duplicated column)
     # where the plan computes each vocab slice in its own GEMM (on the GPU each may reduce in its own order)
     gen = torch.Generator().manual_seed(1)
-    for t in (5, 6):
-        h[t] = (torch.randint(-8, 9, (H,), generator=gen) / 8).to(dtype).to(device)
+    h = (torch.randint(-8, 9, (T, H), generator=gen) / 8).to(dtype).to(device)
     w[12] = w[731] = 2 * h[5]
     w[399] = w[400] = 2 * h[6]
     stats = tuple(poison_(torch.empty(T, device=device, dtype=d)) for d in (torch.float32, torch.float32, torch.int64))
