@@ -22,9 +22,19 @@ millisecond of host time per micro-batch shows in the step time:
 - `floating_point_ops(inputs)` (the logged `total_flos`) counts the model's parameters on every micro-batch
   (`num_parameters(exclude_embeddings=True)` walks every module and parameter, ~4 ms). The count is read once per
   optimizer step and the same 6 x tokens x parameters is returned.
+
+And Python's garbage collector: its full collections walk every object of transformers, the model and autograd
+(170-195 ms on the GPU machine) and land at random inside training steps. As `novatune train` does, the objects
+alive once the first optimizer step of a train() call has ended (the model, the optimizer, the data pipeline:
+they live for the whole run) are frozen out of its walks (`gc.collect(); gc.freeze()`), and handed back
+(`gc.unfreeze()`) when that train() call ends. Freezing frees nothing less: an object still goes when its last
+reference does; only a reference cycle among the frozen objects waits for the unfreeze. A freeze that something
+else made before stays as it was (nothing is unfrozen then). CPU probe (36 layers of width 64, GA 4): SFTTrainer
+797-850 ms per step, 760-808 with the freeze, `novatune train` 747-798.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 
 import torch
@@ -126,6 +136,65 @@ class FlopCount:
         if self.counted is None or self.counted[0] != step:
             self.counted = (step, model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main_input].numel() * self.counted[1]
+
+
+class GcFreeze:
+    """A TrainerCallback (duck-typed: the handler calls every event by name; the ones not here do nothing): the
+    objects alive after the first optimizer step of each train() call are frozen out of the garbage collector's
+    walks, and unfrozen when the call ends or the patch is reverted (module docstring)."""
+
+    def __init__(self):
+        self.pending = False  # freeze at the next step's end
+        self.ours = False  # this callback froze, and unfreezes
+
+    def __getattr__(self, event: str):
+        if event.startswith("on_"):
+            return _nothing
+        raise AttributeError(event)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.release()  # a train() that raised left its freeze: hand it back before freezing again
+        self.pending = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending:
+            self.pending = False
+            self.ours = gc.get_freeze_count() == 0  # a freeze made by someone else is theirs to undo
+            gc.collect()
+            gc.freeze()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.pending = False
+        self.release()
+
+    def release(self) -> None:
+        if self.ours:
+            self.ours = False
+            gc.unfreeze()
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+def freeze_after_first_step(trainer, report: PatchReport) -> None:
+    """Add GcFreeze to the trainer's callbacks (once), with its removal on revert."""
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is None or not hasattr(trainer, "add_callback"):
+        return
+    if any(isinstance(c, GcFreeze) for c in handler.callbacks):
+        return  # patched before
+    callback = GcFreeze()
+    trainer.add_callback(callback)
+
+    def undo():
+        trainer.remove_callback(callback)
+        callback.release()
+
+    report._undo.append(undo)
+    report.add("trainer.callbacks", "trainer_host_work", "replaced",
+               "objects alive after the first optimizer step are frozen out of the garbage collector's full walks "
+               "(gc.freeze, as novatune train does; unfrozen when train() ends)")
 
 
 def filter_on_device(trainer, report: PatchReport) -> None:

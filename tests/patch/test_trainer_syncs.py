@@ -157,3 +157,64 @@ def test_eval_then_train_inside_a_skipped_step_is_the_real_walk():
     step(model, {})
     step(model, {})  # the second micro-batch of step 0: its first train() is skipped
     assert seen == [(False, False), (True, True)] * 2 and "train" not in vars(model)
+
+
+def test_objects_alive_after_the_first_step_are_frozen_until_train_ends(tokenizer, dataset, tmp_path):
+    """The garbage collector's full walks skip what lives for the whole run: frozen at the end of the first optimizer
+    step (not before: the first step creates the optimizer state), unfrozen when train() ends; the logged losses
+    are the same; revert removes the callback."""
+    import gc
+
+    import transformers
+
+    seen = []
+
+    class Watch(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append((state.global_step, gc.get_freeze_count()))
+
+    stock = _logged_losses(sft_trainer("padding_free", tokenizer, dataset, tmp_path))
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    report = novatune.patch(trainer)
+    assert "trainer_host_work: objects alive after the first optimizer step are frozen" in str(
+        report.to_dict()["implementations"]), str(report)
+    trainer.add_callback(Watch())  # after novatune's: sees the freeze of the step it observes
+    assert gc.get_freeze_count() == 0
+    patched = _logged_losses(trainer)
+    assert patched == pytest.approx(stock, rel=1e-4)
+    assert len(seen) >= 2 and seen[0][1] > 0 and all(count > 0 for _, count in seen), seen
+    assert gc.get_freeze_count() == 0  # handed back at the end of train()
+    novatune.patch(trainer)  # a second patch adds no second callback
+    assert sum(type(c).__name__ == "GcFreeze" for c in trainer.callback_handler.callbacks) == 1
+    report.revert()
+    assert not any(type(c).__name__ == "GcFreeze" for c in trainer.callback_handler.callbacks)
+
+
+def test_a_freeze_made_before_training_is_left_as_it_was():
+    import gc
+
+    callback = trainer_syncs.GcFreeze()
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        callback.on_train_begin(None, None, None)
+        callback.on_step_end(None, None, None)
+        callback.on_train_end(None, None, None)
+        assert gc.get_freeze_count() >= before > 0
+        assert callback.on_evaluate(None, None, None) is None  # every other event does nothing
+    finally:
+        gc.unfreeze()
+
+
+def test_a_train_that_raised_leaves_no_freeze_behind_the_next_one():
+    import gc
+
+    callback = trainer_syncs.GcFreeze()
+    callback.on_train_begin(None, None, None)
+    callback.on_step_end(None, None, None)
+    assert gc.get_freeze_count() > 0  # ... and train() raised: no on_train_end
+    callback.on_train_begin(None, None, None)
+    assert gc.get_freeze_count() == 0
+    callback.on_step_end(None, None, None)
+    callback.on_train_end(None, None, None)
+    assert gc.get_freeze_count() == 0
