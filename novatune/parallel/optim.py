@@ -25,28 +25,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class ShardLocalAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step runs on the local shards of DTensor parameters (module docstring). The variants
-    that keep more state or change the update (amsgrad, maximize, capturable, differentiable) are refused rather
-    than run on an untested path."""
+    that keep more state or change the update (amsgrad, maximize, capturable, differentiable), set for the whole
+    optimizer, in a parameter group or by a loaded state dict, are refused rather than run on an untested path."""
 
-    def __init__(self, params, **kwargs):
-        unsupported = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if kwargs.get(k)]
-        if unsupported:
-            raise ValueError(f"ShardLocalAdamW does not support {', '.join(unsupported)}; use torch.optim.AdamW")
-        super().__init__(params, **kwargs)
+    UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self._refuse_unsupported()
+
+    def _refuse_unsupported(self) -> None:
+        found = sorted({k for g in self.param_groups for k in self.UNSUPPORTED if g.get(k)})
+        if found:
+            raise ValueError(f"ShardLocalAdamW does not support {', '.join(found)}; use torch.optim.AdamW")
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
         if closure is not None:
-            raise ValueError("ShardLocalAdamW.step takes no closure")
+            with torch.enable_grad():
+                loss = closure()
+        self._refuse_unsupported()  # a group added or a state dict loaded since
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:  # torch.optim.Adam's own initial state: a float32 step (on the device when fused)
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"] \
-                        else torch.tensor(0.0, dtype=torch.float32)
+                if not state:  # torch.optim.Adam's own initial state: its step dtype, on the device when fused
+                    scalar = torch.float32 if group["fused"] or torch.get_default_dtype() != torch.float64 \
+                        else torch.float64
+                    state["step"] = torch.zeros((), dtype=scalar, device=p.device) if group["fused"] \
+                        else torch.tensor(0.0, dtype=scalar)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 params.append(_local(p))
@@ -57,7 +67,10 @@ class ShardLocalAdamW(torch.optim.AdamW):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
+            # grad_scale / found_inf: a GradScaler hands them to a fused optimizer instead of unscaling (as
+            # torch.optim.Adam.step reads them)
             adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], fused=group["fused"],
+                  grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
-        return None
+        return loss

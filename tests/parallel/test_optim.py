@@ -91,11 +91,54 @@ def test_state_round_trips_through_dcp_state_dicts(group):
 
 
 def test_variants_it_does_not_run_are_refused():
-    p = torch.nn.Parameter(torch.zeros(3))
+    p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="amsgrad"):
         ShardLocalAdamW([p], amsgrad=True)
-    with pytest.raises(ValueError, match="closure"):
-        ShardLocalAdamW([p]).step(lambda: 0.0)
+    with pytest.raises(ValueError, match="maximize"):  # in a parameter group
+        ShardLocalAdamW([{"params": [p]}, {"params": [q], "maximize": True}])
+    saved = torch.optim.AdamW([p], amsgrad=True).state_dict()  # a state dict of an amsgrad run
+    opt = ShardLocalAdamW([p])
+    opt.load_state_dict(saved)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+
+
+def test_a_closure_runs_with_gradients_and_its_loss_comes_back():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = ShardLocalAdamW([p], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p * 2).sum()
+        loss.backward()
+        return loss
+
+    assert float(opt.step(closure).detach()) == 6.0 and bool((p < 1).all())
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_grad_scaler_unscales_and_skips_as_with_torch_adamw(group, bad):
+    """Fused AdamW takes GradScaler's scale and inf flag instead of being unscaled first (torch's contract for
+    fused optimizers): the same weights as torch.optim.AdamW, and a step with an inf gradient skipped."""
+    from torch.distributed.fsdp import fully_shard
+
+    models = [_model(torch.float32) for _ in range(2)]
+    opts, scalers = [], []
+    for m, cls in zip(models, (torch.optim.AdamW, ShardLocalAdamW)):
+        fully_shard(m)
+        opts.append(cls([p for p in m.parameters() if p.requires_grad], lr=1e-2, fused=True))
+        scalers.append(torch.amp.GradScaler("cpu", init_scale=2.0 ** 16))
+    start = [p.full_tensor().clone() for p in models[1].parameters()]
+    x = torch.randn(4, 7)
+    for m, opt, scaler in zip(models, opts, scalers):
+        loss = m(x).sum() * (float("inf") if bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    for p, q, s in zip(models[0].parameters(), models[1].parameters(), start):
+        assert torch.equal(p.full_tensor(), q.full_tensor())
+        assert torch.equal(q.full_tensor(), s) == (bad or not q.requires_grad)
 
 
 def test_the_trainer_picks_it_for_sharded_parameters_only(group):

@@ -180,10 +180,14 @@ def test_objects_alive_after_the_first_step_are_frozen_until_train_ends(tokenize
         report.to_dict()["implementations"]), str(report)
     trainer.add_callback(Watch())  # after novatune's: sees the freeze of the step it observes
     assert gc.get_freeze_count() == 0
-    patched = _logged_losses(trainer)
+    try:
+        patched = _logged_losses(trainer)
+    finally:
+        frozen_after = gc.get_freeze_count()
+        gc.unfreeze()  # a failure must not leave the freeze to the later tests of this process
     assert patched == pytest.approx(stock, rel=1e-4)
     assert len(seen) >= 2 and seen[0][1] > 0 and all(count > 0 for _, count in seen), seen
-    assert gc.get_freeze_count() == 0  # handed back at the end of train()
+    assert frozen_after == 0  # handed back at the end of train()
     novatune.patch(trainer)  # a second patch adds no second callback
     assert sum(type(c).__name__ == "GcFreeze" for c in trainer.callback_handler.callbacks) == 1
     report.revert()
@@ -206,15 +210,46 @@ def test_a_freeze_made_before_training_is_left_as_it_was():
         gc.unfreeze()
 
 
+def test_a_train_that_raises_after_the_freeze_hands_it_back(tokenizer, dataset, tmp_path):
+    """on_train_end never fires when train() raises (out of memory, Ctrl-C): the wrapped train() unfreezes anyway,
+    so the dead trainer's reference cycles can still be collected; revert restores train() even after the user
+    removed the callback."""
+    import gc
+
+    import transformers
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                assert gc.get_freeze_count() > 0  # frozen at the end of step 1
+                raise RuntimeError("boom")
+
+    trainer = sft_trainer("padding_free", tokenizer, dataset, tmp_path)
+    report = novatune.patch(trainer)
+    trainer.add_callback(Boom())
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train()
+        assert gc.get_freeze_count() == 0
+        trainer.pop_callback(trainer_syncs.GcFreeze)  # the user took it out
+        report.revert()
+        assert "train" not in vars(trainer)
+    finally:
+        gc.unfreeze()
+
+
 def test_a_train_that_raised_leaves_no_freeze_behind_the_next_one():
     import gc
 
     callback = trainer_syncs.GcFreeze()
-    callback.on_train_begin(None, None, None)
-    callback.on_step_end(None, None, None)
-    assert gc.get_freeze_count() > 0  # ... and train() raised: no on_train_end
-    callback.on_train_begin(None, None, None)
-    assert gc.get_freeze_count() == 0
-    callback.on_step_end(None, None, None)
-    callback.on_train_end(None, None, None)
-    assert gc.get_freeze_count() == 0
+    try:
+        callback.on_train_begin(None, None, None)
+        callback.on_step_end(None, None, None)
+        assert gc.get_freeze_count() > 0  # ... and train() raised outside the wrapper: no on_train_end
+        callback.on_train_begin(None, None, None)
+        assert gc.get_freeze_count() == 0
+        callback.on_step_end(None, None, None)
+        callback.on_train_end(None, None, None)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
