@@ -30,8 +30,8 @@ they live for the whole run) are frozen out of its walks (`gc.collect(); gc.free
 (`gc.unfreeze()`) when that train() call ends, however it ends (an exception included: train() is wrapped).
 Freezing frees nothing less: an object still goes when its last reference does; only a reference cycle among the
 frozen objects waits for the unfreeze. Where something else had frozen objects before, nothing is unfrozen: its
-freeze stays as it was, and what this one added stays frozen with it until that owner unfreezes. CPU probe (36 layers of width 64, GA 4): SFTTrainer
-797-850 ms per step, 760-808 with the freeze, `novatune train` 747-798.
+freeze stays as it was, and what this one added stays frozen with it until that owner unfreezes. CPU probe (36
+layers of width 64, GA 4): SFTTrainer 797-850 ms per step, 760-808 with the freeze, `novatune train` 747-798.
 """
 from __future__ import annotations
 
