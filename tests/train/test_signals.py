@@ -40,6 +40,8 @@ def test_signal_mid_step_saves_that_step_and_resumes_exactly(make_cfg, signum, c
     steps = {"max_steps": 7, "micro_batch": 2, "grad_accum": 2}
     full = train(make_cfg("full", train=steps), console=quiet())
     cfg = make_cfg("sig", train=steps, checkpoint={"save_every": 0}, logging={"every": 3})
+    # the process's own handler, whatever its launcher left (a background job of a shell starts with SIGINT ignored)
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(RunInterrupted) as info:
         train(cfg, console=quiet(), model_hook=signal_during_step(signum, 5, 2))
     assert info.value.exit_code == code
@@ -47,7 +49,7 @@ def test_signal_mid_step_saves_that_step_and_resumes_exactly(make_cfg, signum, c
     state = json.loads((cp / "state.json").read_text())
     assert cp.name == "step_00000005" and state["step"] == 5
     assert state["data"]["index"] == 5 * 2 * 2  # rows consumed by 5 steps of 2 x 2: none skipped
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     metrics = Path(cfg.checkpoint.output_dir) / "metrics.jsonl"
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [3, 5]  # the stop step is logged
     second = train(cfg, console=quiet())
@@ -76,6 +78,7 @@ def test_signal_during_the_export_keeps_the_run(make_cfg, monkeypatch, signum, c
         return real_export(*a, **k)
 
     monkeypatch.setattr(ckpt, "export", export_signalled)
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(RunInterrupted) as info:
         train(cfg, console=quiet())
     assert info.value.exit_code == code and "export completed" in str(info.value)
@@ -83,7 +86,7 @@ def test_signal_during_the_export_keeps_the_run(make_cfg, monkeypatch, signum, c
     (cp,) = ckpt.list_checkpoints(out)  # saved before the export, although save_every is 0
     assert cp.name == "step_00000002" and (out / "final" / "config.json").exists()
     assert json.loads((out / "run.json").read_text())["status"] == "finished"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the export
+    assert signal.getsignal(signal.SIGINT) is before  # restored after the export
 
 
 def test_signal_before_the_export_leaves_a_checkpoint_that_resumes_to_it(make_cfg, monkeypatch):
