@@ -23,6 +23,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def closure_loss(closure):
+    """An optimizer step's closure run as torch's optimizers run it (with gradients on), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class ShardLocalAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step runs on the local shards of DTensor parameters (module docstring). The variants
     that keep more state or change the update (amsgrad, maximize, capturable, differentiable), set for the whole
@@ -41,10 +49,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._refuse_unsupported()  # a group added or a state dict loaded since
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from novatune.parallel.optim import ShardLocalAdamW
+from novatune.parallel.optim import ShardLocalAdamW, closure_loss
 from novatune.train.errors import SetupError
 
 OPTIMIZERS = ("adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
@@ -89,10 +89,7 @@ class AdamWKahan(torch.optim.Optimizer):
     def step(self, closure=None):
         from novatune.ops.adamw_kahan import adamw_kahan_step
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
