@@ -32,7 +32,7 @@ def run(spec: dict, cfg, base_dir) -> dict:
     timed_tokens = sum(tokens[s] for s in timed)
     session = result.session
     return {"warm": warm, "steps": steps, "tok_s": round(timed_tokens / timed_s, 1), "timed_s": round(timed_s, 6),
-            "timed_tokens": timed_tokens, "tokens_per_step": [tokens[s] for s in timed],
+            "timed_tokens": timed_tokens, "tokens_per_step": [tokens[s] for s in timed], "step_ms": clock.step_ms(),
             "losses": [result.losses[s] for s in sorted(result.losses)],
             "peak_gib": round(clock.peak_gib, 3) if clock.peak_gib is not None else None, "method": cfg.method.type,
             "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum, "micro_batch": cfg.train.micro_batch,

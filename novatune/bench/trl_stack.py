@@ -80,10 +80,12 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
     micro = [float(x) for x in micro_losses]  # read once, after training: no sync per micro-batch
     losses = [sum(micro[i:i + ga]) for i in range(0, len(micro), ga)]
     timed_tokens = sum(tokens[warmup * ga:])
+    per_step = [sum(tokens[i:i + ga]) for i in range(warmup * ga, len(tokens), ga)]
     timed_s = meter.clock.timed_s
     return {"stack": "trl_sft" + ("+novatune" if patch else ""), "losses": losses,
             "tokens_per_s": timed_tokens / timed_s if timed_s else None, "timed_s": timed_s,
             "timed_tokens": timed_tokens, "peak_gib": meter.clock.peak_gib, "steps": steps, "warmup": warmup,
+            "tokens_per_step": per_step, "step_ms": meter.clock.step_ms(),
             "patch_report": str(report) if report is not None else None,
             "trl": trl.__version__, "flops_per_token": session.flops_per_token(0.0)}
 
@@ -97,6 +99,7 @@ def run(spec: dict, cfg, base_dir) -> dict:
         raise RuntimeError("the TRL stack timed no step after the warm-up: give more steps than warm-up steps")
     return {"warm": spec["warm"], "steps": spec["steps"], "tok_s": round(tps, 1) if tps else None,
             "timed_s": res["timed_s"], "timed_tokens": res["timed_tokens"], "peak_gib": res["peak_gib"],
+            "tokens_per_step": res["tokens_per_step"], "step_ms": res["step_ms"],
             "losses": res["losses"], "trl": res["trl"], "patch_report": res["patch_report"],
             "method": cfg.method.type, "seq": cfg.data.max_length, "grad_accum": cfg.train.grad_accum,
             "micro_batch": cfg.train.micro_batch}

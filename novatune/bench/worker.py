@@ -58,14 +58,20 @@ def load_stack_config(spec: dict):
 class WarmClock:
     """For a stack with its own training loop (TRL's, the trainer's): the wall time from the end of the warm-up
     step `warm` to the end of step `last`, synchronised at both ends only (no sync inside the timed steps, as in
-    the worker's own loop), and the allocator's peak over them. Call `step_end(step)` after every step."""
+    the worker's own loop), and the allocator's peak over them. Call `step_end(step)` after every step. On CUDA
+    each timed step's time also comes from events recorded at the step ends (`step_ms`, read after the run, as
+    the worker's own loop reads its steps): a step the host held up (a garbage collection, a sync) stands out."""
 
     def __init__(self, device: torch.device, warm: int, last: int):
         self.cuda = device.type == "cuda"
         self.device, self.warm, self.last = device, warm, last
         self.t0 = self.t1 = self.peak_gib = None
+        self.events: list = []
 
     def step_end(self, step: int) -> None:
+        if self.cuda and self.warm <= step <= self.last:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
         if step not in (self.warm, self.last):
             return
         if self.cuda:
@@ -82,6 +88,10 @@ class WarmClock:
     @property
     def timed_s(self) -> float | None:
         return self.t1 - self.t0 if self.t0 is not None and self.t1 is not None else None
+
+    def step_ms(self) -> list[float]:
+        """Each timed step's milliseconds between the events at its ends (empty without CUDA)."""
+        return Clock.between(self.events)
 
 
 class Clock:
@@ -101,7 +111,12 @@ class Clock:
             self.events[-1].record()
 
     def step_ms(self) -> list[float]:
-        return [round(a.elapsed_time(b), 1) for a, b in zip(self.events, self.events[1:])]
+        return self.between(self.events)
+
+    @staticmethod
+    def between(events: list) -> list[float]:
+        """Milliseconds between consecutive recorded CUDA events (call once the last one has completed)."""
+        return [round(a.elapsed_time(b), 1) for a, b in zip(events, events[1:])]
 
 
 def micro_batch_kwargs(session, mb: dict) -> dict:

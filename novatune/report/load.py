@@ -255,13 +255,17 @@ def headline(groups: list[BenchGroup], baseline: str | None = None, candidate: s
 
 
 def step_tok_s(row: dict) -> tuple[list[int], list[float]]:
-    """Tokens/s of each timed step: bench/runner.py rows (tokens_per_step / step_s) or bench/e2e.py rows
-    (step_ms, steps 2.. of the timed ones, each seq x ga tokens). ([], []) when the row has neither."""
+    """Tokens/s of each timed step: bench/runner.py rows (tokens_per_step / step_s, or / step_ms for the stacks
+    with their own loop) or bench/e2e.py rows (step_ms, steps 2.. of the timed ones, each seq x ga tokens).
+    ([], []) when the row has neither."""
     warm = int(row.get("warm") or 0)
     if row.get("tokens_per_step") and row.get("step_s"):
         secs = row["step_s"][warm:warm + len(row["tokens_per_step"])]
         return ([warm + 1 + i for i in range(len(secs))],
                 [t / s for t, s in zip(row["tokens_per_step"], secs) if s > 0])
+    if row.get("tokens_per_step") and row.get("step_ms"):  # the stacks with their own loop (trl-sft, novatune-train)
+        pairs = list(zip(row["tokens_per_step"], row["step_ms"]))
+        return ([warm + 1 + i for i in range(len(pairs))], [t * 1e3 / ms for t, ms in pairs if ms > 0])
     if row.get("step_ms"):
         tokens = int(row["seq"]) * int(row["ga"])
         return ([warm + 2 + i for i in range(len(row["step_ms"]))], [tokens * 1e3 / ms for ms in row["step_ms"]])

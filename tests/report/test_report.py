@@ -103,6 +103,10 @@ def test_group_rows_and_step_tok_s():
     assert x == [4, 5] and y == pytest.approx([16384.0, 32768.0])
     x, y = step_tok_s({"warm": 1, "tokens_per_step": [100, 200], "step_s": [9.0, 1.0, 2.0]})
     assert x == [2, 3] and y == pytest.approx([100.0, 100.0])
+    # the stacks with their own loop (trl-sft, novatune-train): tokens per timed step over its event time
+    x, y = step_tok_s({"stack": "trl-sft", "warm": 2, "seq": 4096, "grad_accum": 4,
+                       "tokens_per_step": [16384, 16000], "step_ms": [1000.0, 800.0]})
+    assert x == [3, 4] and y == pytest.approx([16384.0, 20000.0])
 
 
 def test_report_tables(built_report):
