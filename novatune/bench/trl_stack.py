@@ -79,8 +79,8 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
     trainer.train()
     micro = [float(x) for x in micro_losses]  # read once, after training: no sync per micro-batch
     losses = [sum(micro[i:i + ga]) for i in range(0, len(micro), ga)]
-    timed_tokens = sum(tokens[warmup * ga:])
     per_step = [sum(tokens[i:i + ga]) for i in range(warmup * ga, len(tokens), ga)]
+    timed_tokens = sum(per_step)
     timed_s = meter.clock.timed_s
     return {"stack": "trl_sft" + ("+novatune" if patch else ""), "losses": losses,
             "tokens_per_s": timed_tokens / timed_s if timed_s else None, "timed_s": timed_s,

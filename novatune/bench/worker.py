@@ -22,7 +22,6 @@ row says why), 1 when it failed (the row holds the error, worker.log the traceba
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -31,6 +30,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from novatune.measure.gc_freeze import LongLivedFreeze
 
 RUN_OVERRIDES = ["checkpoint.resume=never", "checkpoint.save_every=0", "checkpoint.export=false",
                  "logging.progress=false", "logging.tensorboard=false"]
@@ -144,8 +145,7 @@ def timed_steps(session, spec: dict, log=print) -> dict:
             log(f"DIAG warm step {k}: {1e3 * step_s[-1]:.1f} ms")
     clock.sync()
     if spec.get("gc_freeze", True):
-        gc.collect()
-        gc.freeze()
+        LongLivedFreeze().freeze()  # the worker process ends with the run: nothing to release
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
     timed, ends = [], []

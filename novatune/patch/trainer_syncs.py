@@ -23,23 +23,19 @@ millisecond of host time per micro-batch shows in the step time:
   (`num_parameters(exclude_embeddings=True)` walks every module and parameter, ~4 ms). The count is read once per
   optimizer step and the same 6 x tokens x parameters is returned.
 
-And Python's garbage collector: its full collections walk every object of transformers, the model and autograd
-(170-195 ms on the GPU machine) and land at random inside training steps. As `novatune train` does, the objects
-alive once the first optimizer step of a train() call has ended (the model, the optimizer, the data pipeline:
-they live for the whole run) are frozen out of its walks (`gc.collect(); gc.freeze()`), and handed back
-(`gc.unfreeze()`) when that train() call ends, however it ends (an exception included: train() is wrapped).
-Freezing frees nothing less: an object still goes when its last reference does; only a reference cycle among the
-frozen objects waits for the unfreeze. Where something else had frozen objects before, nothing is unfrozen: its
-freeze stays as it was, and what this one added stays frozen with it until that owner unfreezes. CPU probe (36
-layers of width 64, GA 4): SFTTrainer 797-850 ms per step, 760-808 with the freeze, `novatune train` 747-798.
+And Python's garbage collector, whose full collections land at random inside training steps: as `novatune train`
+does, the objects alive once the first optimizer step of a train() call has ended are frozen out of its walks
+(novatune/measure/gc_freeze.py), and handed back when that train() call ends, however it ends (an exception
+included: train() is wrapped). On a CPU probe this was most of what TRL's loop spent beyond the trainer's (LOG.md,
+session 13).
 """
 from __future__ import annotations
 
-import gc
 import inspect
 
 import torch
 
+from novatune.measure.gc_freeze import LongLivedFreeze
 from novatune.patch.report import PatchReport
 
 # the lines of transformers' Trainer loop this module reproduces (transformers 5.17 - 5.24: in _run_epoch)
@@ -146,7 +142,7 @@ class GcFreeze:
 
     def __init__(self):
         self.pending = False  # freeze at the next step's end
-        self.ours = False  # this callback froze, and unfreezes
+        self.long_lived = LongLivedFreeze()
 
     def __getattr__(self, event: str):
         if event.startswith("on_"):
@@ -160,18 +156,14 @@ class GcFreeze:
     def on_step_end(self, args, state, control, **kwargs):
         if self.pending:
             self.pending = False
-            self.ours = gc.get_freeze_count() == 0  # a freeze made by someone else is theirs to undo
-            gc.collect()
-            gc.freeze()
+            self.long_lived.freeze()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.pending = False
         self.release()
 
     def release(self) -> None:
-        if self.ours:
-            self.ours = False
-            gc.unfreeze()
+        self.long_lived.release()
 
 
 def _nothing(*args, **kwargs):

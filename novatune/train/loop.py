@@ -4,7 +4,6 @@ normalisation under gradient accumulation).
 """
 from __future__ import annotations
 
-import gc
 import json
 import signal
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from novatune.measure.gc_freeze import LongLivedFreeze
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
 from novatune.train import sharded_checkpoint as sharded
@@ -115,6 +115,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     start_step, aborted, to_export = step, False, False
     guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
     signals = StopSignals()
+    long_lived = LongLivedFreeze()
     try:
         signals.__enter__()
         stopping = stop_requested()
@@ -167,12 +168,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save(step)
             if step == start_step + 1:
-                # A full garbage collection walks every Python object of transformers, the model and autograd:
-                # 170-195 ms on the GPU machine, landing at random inside training steps (`novatune bench --diag`,
-                # LOG.md run 15). What exists after the first step lives for the whole run: freeze it, so later
-                # collections only walk new objects. (torchtitan disables the GC instead.)
-                gc.collect()
-                gc.freeze()
+                long_lived.freeze()  # what exists after the first step lives for the run (measure/gc_freeze.py)
             if step_hook is not None:
                 step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
@@ -183,7 +179,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     finally:
         if not to_export:  # else the handlers stay for the export: a signal there must not lose the run
             signals.__exit__()
-        gc.unfreeze()  # frozen objects are never collected: hand them back once training is over
+        long_lived.release()  # frozen objects are never collected: hand them back once training is over
         progress.close()
         if metrics is not None:
             metrics.close()

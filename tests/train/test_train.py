@@ -2,6 +2,7 @@
 curve, atomic keep-last-N checkpoints, exports that load with from_pretrained, schedules and MFU arithmetic."""
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -163,3 +164,16 @@ def test_resume_from_mismatched_checkpoint_says_what_to_do(make_cfg):
                                                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}})
     with pytest.raises(ckpt.CheckpointError, match="does not match this model"):
         train(other, console=quiet())
+
+
+def test_train_leaves_a_callers_freeze_as_it_was(make_cfg):
+    """`novatune train` called from a script that froze its own objects first (say, before forking data workers):
+    the trainer's release at the end does not undo the caller's freeze."""
+    gc.freeze()
+    try:
+        train(make_cfg(train={"max_steps": 2}), console=quiet())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    train(make_cfg("again", train={"max_steps": 2}), console=quiet())
+    assert gc.get_freeze_count() == 0  # its own freeze, handed back
