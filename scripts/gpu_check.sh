@@ -2,8 +2,8 @@
 # Everything the GPU must show, in one run on the device machine (see docs/CONTRIBUTING.md):
 #   scripts/gpu_check.sh [tests] [ops] [attention] [e2e] [parity] [proof]   (default: all but proof)
 #   tests: every test marked gpu or taking the `device` fixture (the kernel and op tests, compiled on CUDA), < 10 min:
-#   the tests marked timing one at a time (< 220 s), then the rest in TEST_WORKERS (8) pytest-xdist workers where
-#   pytest-xdist is installed (< 340 s; the device image has it).
+#   the tests marked timing one at a time (< 250 s), then the rest in TEST_WORKERS (8) pytest-xdist workers where
+#   pytest-xdist is installed (< 330 s; the device image has it).
 #   proof: `novatune bench` + `novatune validate` + `novatune report` on the headline config (issue 4), ~6 min
 #   (timeouts 280 + 210 + 60 s). e2e: `novatune bench` on the headline config, E2E_STACKS (default
 #   stock,liger-peer,unsloth,novatune), rows in $OUT/e2e.jsonl.
@@ -69,11 +69,11 @@ if has tests; then
   # that assert a speed or a time (marker `timing`) run first, one at a time on an otherwise idle GPU; the rest run
   # in TEST_WORKERS xdist processes (a test that crashes takes its worker down, not the run). SIGINT at the time
   # limit lets pytest print its summary.
-  timeout -s INT ${TESTS_ALONE_TIMEOUT:-220} python3 -m pytest -q -rfEs -p no:cacheprovider -m timing tests 2>&1 \
+  timeout -s INT ${TESTS_ALONE_TIMEOUT:-250} python3 -m pytest -q -rfEs -p no:cacheprovider -m timing tests 2>&1 \
     | tee "$OUT/gpu_tests_alone.log" | tail -n 15
   summary+=("gpu tests that time, one at a time: $(tail -n 1 "$OUT/gpu_tests_alone.log")")
   workers=(-n "${TEST_WORKERS:-8}"); python3 -c "import xdist" 2>/dev/null || workers=()  # pytest-xdist, if present
-  timeout -s INT ${TESTS_TIMEOUT:-340} python3 -m pytest -q -rfEs -p no:cacheprovider "${workers[@]}" \
+  timeout -s INT ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfEs -p no:cacheprovider "${workers[@]}" \
     -m "(gpu or on_device) and not timing" --durations 12 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   summary+=("gpu tests, ${workers[*]:-one process}: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi

@@ -56,15 +56,23 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       nproc: int (processes that trained the stack; tok_s, timed_tokens and tokens_per_step are their total, mfu
       and peak_gib per process: peak_gib the largest rank's), tok_s_per_proc: float, peak_gib_per_rank: [float],
       x_one_process: float | null (tok_s / the one-process novatune row's, same global batch), scaling: float |
-      null (x_one_process / nproc), loss_max_rel_diff_vs_one_process: float | null
-  <run_dir>/summary.json       {"config", "overrides", "stacks": [names in run order], "warm", "steps", "nproc",
+      null (x_one_process / nproc), loss_max_rel_diff_vs_one_process: float | null,
+      with --rounds N > 1 (combine_rounds: the row is the median round's, the ratios are between medians):
+      rounds: int, round_tok_s: [float] (each round, in run order), round_spread: float (max / min - 1),
+      peak_gib: the largest of any round, loss_max_rel_diff_across_rounds: float | null
+  <run_dir>/summary.json       {"config", "overrides", "stacks": [names as given], "warm", "steps", "nproc", "rounds",
                                "peak_tflops", "peak_tflops_source", "rows": [the bench.jsonl rows],
                                "speedup": {"novatune_vs_stock", "novatune_vs_peer", "peer_vs_stock"} (null when a
                                side did not run), "env": results.environment(), "exit_code": int}
   <run_dir>/traces/<stack>.json|.txt   with --profile: one micro-step under torch.profiler after the timed steps
   <run_dir>/memory/<stack>.txt  with --memory: the allocation replay to the peak of one micro-step
   <run_dir>/<stack>/           spec.json (what the worker was asked), result.json (its row, without the
-                               environment) and worker.log (its stdout and stderr)
+                               environment) and worker.log (its stdout and stderr); with --rounds N > 1 each
+                               round's under <run_dir>/round<k>/ (<stack>/, traces/, memory/)
+
+Rounds (--rounds N): a host that drifts during a call (seen: 30% between machines, +20% step time within one
+call) skews a ratio of stacks run once each in a fixed order. N rounds run the stacks in alternating order (A B,
+B A, ...) and every stack's row is its median round's, with each round's figure beside it.
 """
 from __future__ import annotations
 
@@ -216,33 +224,70 @@ def stack_procs(stack: str, nproc: int) -> tuple[int, int]:
     return 1, nproc
 
 
-def _run_stacks(rows: list, cfg, spec: dict, stacks: list[str], run_dir: Path, timeout, log) -> None:
-    for stack in stacks:
-        why = STACKS[stack].unavailable(cfg) if STACKS[stack].unavailable is not None else None
-        procs, times = stack_procs(stack, spec.get("nproc", 1))
-        if why is not None:
-            row = _absent_row(stack, why)
-        else:
-            on = f" on {procs} processes" if procs > 1 else (f" in one process, grad_accum x {times} (the same "
-                                                              f"global batch)" if times > 1 else "")
-            log(f"[{stack}] running {spec['warm']} warm-up + {spec['steps']} timed steps{on} (log: "
-                f"{run_dir / stack / 'worker.log'})")
-            row = run_worker({**spec, "stack": stack, "stack_dir": str(run_dir / stack), "nproc": procs,
-                              "grad_accum_times": times}, timeout)
-        row.setdefault("config", spec["config"] or "<demo>")
-        row.setdefault("nproc", procs)
-        log(f"[{stack}] {row['status']}" + (f": {row['tok_s']:,.0f} tok/s, peak {row.get('peak_gib')} GiB, step ms "
-                                             f"{row.get('step_ms')}" if row["status"] == "ok" else
-                                             f": {row.get('reason', '')[:400]}"))
-        rows.append(row)
+def round_order(stacks: list[str], round_index: int) -> list[str]:
+    """The stacks' order in round `round_index` (0-based) of --rounds: as given, then reversed, and so on (A B, B A,
+    A B, ...), so every stack runs as often early as late in the call while the host drifts."""
+    return list(stacks) if round_index % 2 == 0 else list(reversed(stacks))
+
+
+def combine_rounds(runs: list[dict]) -> dict:
+    """One stack's row from its rounds (run order): the median round's row (the lower middle one for an even count,
+    so tok_s, timed_s and step_ms stay one run's figures), with every round's tokens/s (round_tok_s), their spread
+    (max / min - 1), the largest peak of any round, and how far the rounds' losses are apart. A round that did not
+    run ok makes the stack's row that round's."""
+    if len(runs) == 1:
+        return runs[0]
+    bad = next((r for r in runs if r.get("status") != "ok"), None)
+    ok = [r for r in runs if r.get("status") == "ok"]
+    tok = [r["tok_s"] for r in ok]
+    if bad is not None:
+        return {**bad, "rounds": len(runs), "round_tok_s": tok}
+    median = sorted(ok, key=lambda r: r["tok_s"])[(len(ok) - 1) // 2]
+    peaks = [r["peak_gib"] for r in ok if r.get("peak_gib") is not None]
+    diffs = [_max_rel_diff(r["losses"], median["losses"]) for r in ok if r is not median]
+    return {**median, "rounds": len(runs), "round_tok_s": tok, "round_spread": round(max(tok) / min(tok) - 1, 4),
+            "peak_gib": max(peaks) if peaks else median.get("peak_gib"),
+            "loss_max_rel_diff_across_rounds": max((d for d in diffs if d is not None), default=None)}
+
+
+def _run_stacks(runs: dict[str, list[dict]], cfg, spec: dict, stacks: list[str], run_dir: Path, timeout, log,
+                rounds: int = 1) -> None:
+    """Each stack once per round, in round_order; each run's row is appended to runs[stack]."""
+    for index in range(rounds):
+        for stack in round_order(stacks, index):
+            if runs[stack] and runs[stack][-1]["status"] == "absent":
+                continue  # what makes a stack absent (a package, the config) does not change between rounds
+            runs[stack].append(_run_one(stack, cfg, spec, run_dir if rounds == 1 else run_dir / f"round{index + 1}",
+                                        timeout, log, f" (round {index + 1} of {rounds})" if rounds > 1 else ""))
+
+
+def _run_one(stack: str, cfg, spec: dict, stack_root: Path, timeout, log, what: str) -> dict:
+    why = STACKS[stack].unavailable(cfg) if STACKS[stack].unavailable is not None else None
+    procs, times = stack_procs(stack, spec.get("nproc", 1))
+    if why is not None:
+        row = _absent_row(stack, why)
+    else:
+        on = f" on {procs} processes" if procs > 1 else (f" in one process, grad_accum x {times} (the same "
+                                                          f"global batch)" if times > 1 else "")
+        log(f"[{stack}] running {spec['warm']} warm-up + {spec['steps']} timed steps{on}{what} (log: "
+            f"{stack_root / stack / 'worker.log'})")
+        row = run_worker({**spec, "stack": stack, "stack_dir": str(stack_root / stack), "nproc": procs,
+                          "grad_accum_times": times}, timeout)
+    row.setdefault("config", spec["config"] or "<demo>")
+    row.setdefault("nproc", procs)
+    log(f"[{stack}] {row['status']}" + (f": {row['tok_s']:,.0f} tok/s, peak {row.get('peak_gib')} GiB, step ms "
+                                         f"{row.get('step_ms')}" if row["status"] == "ok" else
+                                         f": {row.get('reason', '')[:400]}"))
+    return row
 
 
 def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_dir: Path, warm: int, steps: int,
               timeout: float | None = None, profile: bool = False, log=print, results: str | None = None,
-              memory: bool = False, gc_freeze: bool = True, diag: bool = False, nproc: int = 1) -> dict:
-    """Run every stack (one process each; a parallel stack on `nproc` under torchrun) and write the run directory
-    described above; returns the summary. `results`: a .jsonl file the rows are appended to as well (the
-    repository's bench/results/)."""
+              memory: bool = False, gc_freeze: bool = True, diag: bool = False, nproc: int = 1,
+              rounds: int = 1) -> dict:
+    """Run every stack (one process each; a parallel stack on `nproc` under torchrun) `rounds` times, in
+    round_order, and write the run directory described above; returns the summary. `results`: a .jsonl file the
+    rows are appended to as well (the repository's bench/results/)."""
     from novatune.measure.results import environment, write_row
     from novatune.train.config import load_with_base, to_yaml
 
@@ -263,16 +308,17 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
     # SIGTERM (e.g. `timeout` around the bench) becomes SystemExit, so the running worker is stopped
     # instead of leaving it on the GPU behind the dead driver
     prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rows: list[dict] = []
+    runs: dict[str, list[dict]] = {s: [] for s in stacks}
     stopped = None
     try:
-        _run_stacks(rows, cfg, spec, stacks, run_dir, timeout, log)
-    except (SystemExit, KeyboardInterrupt) as e:  # keep what ran; the stacks that did not say so
+        _run_stacks(runs, cfg, spec, stacks, run_dir, timeout, log, rounds)
+    except (SystemExit, KeyboardInterrupt) as e:  # keep what ran; a stack that has no finished run says so
         stopped = e
-        rows += [{"stack": s, "status": "failed", "reason": "bench interrupted (SIGTERM / Ctrl-C) before this stack "
-                  "finished", "description": STACKS[s].description} for s in stacks[len(rows):]]
     finally:
         signal.signal(signal.SIGTERM, prev)
+    rows = [combine_rounds(runs[s]) if runs[s] else
+            {"stack": s, "status": "failed", "reason": "bench interrupted (SIGTERM / Ctrl-C) before this stack "
+             "finished", "description": STACKS[s].description} for s in stacks]
     speedup = add_ratios(rows)
     written = [write_row(run_dir / "bench.jsonl", {"bench": "novatune_bench", **r}) for r in rows]
     if results:
@@ -280,7 +326,8 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
             write_row(results, {k: v for k, v in r.items() if k != "time"})
     failed = [r["stack"] for r in rows if r["status"] == "failed"]
     summary = {"config": str(config) if config else "<demo>", "overrides": list(overrides), "stacks": stacks,
-               "warm": warm, "steps": steps, "nproc": nproc, "peak_tflops": peak, "peak_tflops_source": source,
+               "warm": warm, "steps": steps, "nproc": nproc, "rounds": rounds, "peak_tflops": peak,
+               "peak_tflops_source": source,
                "rows": written,
                "speedup": speedup, "env": environment(), "exit_code": 1 if failed else 0}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -319,6 +366,12 @@ def render_table(summary: dict) -> str:
                          f"{_fmt(r.get('scaling'), '.3f')}), losses within "
                          f"{_fmt(r.get('loss_max_rel_diff_vs_one_process'), '.2e')} of one process's, peak GiB "
                          f"per rank {r.get('peak_gib_per_rank')}")
+    if summary.get("rounds", 1) > 1:
+        lines.append(f"{summary['rounds']} rounds in alternating order; each row is its stack's median round. "
+                     "tok/s per round (run order):")
+        for r in ok:
+            lines.append(f"  {r['stack']:14s} " + " ".join(f"{x:,.0f}" for x in r.get("round_tok_s", [])) +
+                         f"  (spread {100 * r.get('round_spread', 0.0):.1f}%)")
     sp = summary["speedup"]
     lines.append("speedup: novatune/stock " + _fmt(sp["novatune_vs_stock"], ".3f") + ", novatune/peer "
                  + _fmt(sp["novatune_vs_peer"], ".3f") + ", peer/stock " + _fmt(sp["peer_vs_stock"], ".3f"))

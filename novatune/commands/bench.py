@@ -19,6 +19,8 @@ EPILOG = """examples:
   novatune bench examples/qlora.yaml --stacks stock,novatune,novatune_eager --profile --memory
   novatune bench examples/qwen3-4b-seed.yaml --nproc 2 --stacks novatune,novatune_ddp,novatune_fsdp2
                                       # the parallel stacks on 2 GPUs beside one GPU at the same global batch
+  novatune bench examples/qwen3-4b-seed.yaml --stacks trl-sft,novatune-train --rounds 3
+                                      # A B, B A, A B: each row its stack's median round (a drifting host)
   novatune report /tmp/bench                                       # the report from the run directory
 """
 
@@ -42,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--results", default="",
                    help="a .jsonl file the rows are appended to as well, e.g. bench/results/bench.jsonl (the rows "
                         "are always in the run directory's bench.jsonl)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run the stacks N times in alternating order (A B, B A, ...); each row is its stack's "
+                        "median round, with every round's tokens/s (ratios robust to a host that drifts)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds allowed per stack")
     p.add_argument("--profile", action="store_true",
                    help="one micro-step per stack under torch.profiler, after the timed steps (CUDA): "
@@ -69,6 +74,8 @@ def run(args) -> int:
         raise ConfigError("--stacks", str(e)) from None
     if args.warm < 1:
         raise ConfigError("--warm", f"must be >= 1, got {args.warm}", "docs/BENCHMARKS.md asks for >= 2 warm-up steps")
+    if args.rounds < 1:
+        raise ConfigError("--rounds", f"must be >= 1, got {args.rounds}", "pass --rounds 1 (once) or more")
     cfg, _ = load_config(args)  # config errors surface here, before any process starts
     check_nproc(args.nproc, cfg, stacks)
     steps = args.steps if args.steps is not None else (cfg.train.max_steps or 0) - args.warm
@@ -78,7 +85,8 @@ def run(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("bench")
     summary = run_bench(args.config, list(args.overrides), stacks, run_dir, args.warm, steps, args.timeout,
                         args.profile, results=args.results or None, memory=args.memory,
-                        gc_freeze=not args.no_gc_freeze, diag=args.diag, nproc=args.nproc)
+                        gc_freeze=not args.no_gc_freeze, diag=args.diag, nproc=args.nproc,
+                        rounds=args.rounds)
     print()
     print(render_table(summary))
     print(f"run directory: {run_dir}")

@@ -33,6 +33,58 @@ def test_ratios_and_table_with_an_absent_peer():
     assert "16,000" in table and "2.000" in table and "60.0%" in table
 
 
+def test_rounds_alternate_the_order_and_each_row_is_its_median_round(spec, tmp_path, monkeypatch):
+    """--rounds 3: A B, B A, A B; a stack's row is its median round's (tok_s, step times and losses of one run),
+    with every round's figure, their spread and the largest peak; the ratios compare medians; an absent stack
+    runs once; a round that failed makes the stack's row that failure."""
+    import dataclasses
+
+    from novatune.bench import runner
+
+    order, figures = [], {"stock": [100.0, 90.0, 120.0], "novatune": [210.0, 190.0, 200.0],
+                          "liger-peer": [80.0, 81.0, 82.0]}
+
+    def fake_worker(wspec, timeout):
+        stack = wspec["stack"]
+        order.append((stack, wspec["stack_dir"]))
+        tok = figures[stack][sum(1 for s, _ in order if s == stack) - 1]
+        if tok is None:
+            return {"stack": stack, "status": "failed", "reason": "boom"}
+        return {"stack": stack, "status": "ok", "tok_s": tok, "losses": [tok / 100, 1.0], "peak_gib": tok / 10,
+                "step_ms": [1000.0 / tok]}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
+    monkeypatch.setitem(STACKS, "liger-peer", dataclasses.replace(STACKS["liger-peer"],
+                                                                  unavailable=lambda cfg: "not installed here"))
+    summary = runner.run_bench(spec["config"], [], ["stock", "novatune", "liger-peer"], tmp_path / "run", 1, 1,
+                               log=lambda *_: None, rounds=3)
+    assert [s for s, _ in order] == ["stock", "novatune", "novatune", "stock", "stock", "novatune"]
+    assert order[2][1] == str(tmp_path / "run" / "round2" / "novatune")
+    rows = {r["stack"]: r for r in summary["rows"]}
+    assert rows["stock"]["tok_s"] == 100.0 and rows["stock"]["step_ms"] == [10.0]  # the median run's own figures
+    assert rows["stock"]["round_tok_s"] == [100.0, 90.0, 120.0] and rows["stock"]["peak_gib"] == 12.0
+    assert rows["stock"]["round_spread"] == pytest.approx(120 / 90 - 1, abs=1e-4)
+    assert rows["stock"]["loss_max_rel_diff_across_rounds"] == pytest.approx(0.2)
+    assert rows["novatune"]["tok_s"] == 200.0 and rows["novatune"]["x_stock"] == 2.0
+    assert rows["liger-peer"]["status"] == "absent" and "rounds" not in rows["liger-peer"]
+    assert summary["rounds"] == 3 and summary["speedup"]["novatune_vs_stock"] == 2.0
+
+    order.clear()
+    figures["novatune"] = [210.0, None, 200.0]
+    summary = runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run2", 1, 1,
+                               log=lambda *_: None, rounds=3)
+    failed = {r["stack"]: r for r in summary["rows"]}["novatune"]
+    assert failed["status"] == "failed" and failed["reason"] == "boom" and failed["round_tok_s"] == [210.0, 200.0]
+    assert summary["exit_code"] == 1
+
+
+def test_round_order_alternates():
+    from novatune.bench.runner import round_order
+
+    assert [round_order(["a", "b", "c"], i) for i in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
 TINY = """
 model:
   arch: qwen3-tiny
