@@ -149,9 +149,17 @@ def stack_lines(call: list[dict]) -> list[tuple[dict, list]]:
         if not ok:
             stack += f" ({row.get('status')}: {fmt(row.get('reason'))})"
         diff_text = "-" if diff is None else f"{diff:.1e}"
-        lines.append((row, [stack, workload(row), fmt(tok_s, 0), fmt(x_stock, 3), fmt(x_peer, 3),
+        lines.append((row, [stack, workload(row), _tok_s_cell(row), fmt(x_stock, 3), fmt(x_peer, 3),
                             fmt(row.get("mfu"), 3), fmt(row.get("peak_gib")), diff_text, *provenance(row)]))
     return lines
+
+
+def _tok_s_cell(row: dict) -> str:
+    """tok/s, and for a row of `novatune bench --rounds N` the N rounds' figures it is the median of."""
+    text = fmt(row.get("tok_s"), 0)
+    if (row.get("rounds") or 1) > 1 and row.get("round_tok_s"):
+        text += " (median of " + " / ".join(fmt(x, 0) for x in row["round_tok_s"]) + ")"
+    return text
 
 
 STACK_HEADER = ["stack", "workload", "tok/s", "x stock", "x peer", "MFU", "peak GiB", "loss diff vs stock",

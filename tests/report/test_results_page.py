@@ -168,3 +168,18 @@ def test_rows_of_several_processes_get_their_own_table_with_their_one_process_re
     assert table_line(several, "novatune", "1", "8", "16,000")  # the one-process reference, beside it
     single = page[:page.index("## Several GPUs")]
     assert "| 15,000 |" in single and "| 16,000 |" not in single and "29,600" not in single
+
+
+def test_a_row_of_several_rounds_shows_the_rounds_it_is_the_median_of(tmp_path: Path) -> None:
+    """`novatune bench --rounds 3` rows: tok/s is the median round's, with the three rounds beside it; the stack
+    rows of that call still compare with its stock row."""
+    t0 = "2026-11-29T04:42:00+00:00"
+    row = {**ENV, "time": t0, "git_sha": "eee5555", "bench": "novatune_bench", "config": "examples/x.yaml",
+           "overrides": [], "status": "ok", "rounds": 3}
+    write(tmp_path, "bench.jsonl", [
+        {**row, "stack": "stock", "tok_s": 1000.0, "round_tok_s": [1000.0, 990.0, 1010.0], "losses": [1.0]},
+        {**row, "stack": "novatune", "tok_s": 2000.0, "round_tok_s": [2100.0, 1900.0, 2000.0], "losses": [1.0]},
+    ])
+    page = render_results_page(tmp_path)
+    line = table_line(page, "novatune", "examples/x.yaml")
+    assert "| 2,000 (median of 2,100 / 1,900 / 2,000) | 2.000 |" in line
