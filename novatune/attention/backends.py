@@ -16,6 +16,8 @@ strided view; reshape it). All backends are differentiable through torch autogra
 Backends:
   varlen     torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch; CUDA, fp16/bf16, d % 8 == 0,
              d <= 256)
+  flash      the same FlashAttention-2 kernels as varlen through aten's ops from a plain autograd.Function (flash.py):
+             no torch.library wrapper per call (host time); not in AUTO_ORDER until a training step measures it
   cudnn      cuDNN's fused attention with ragged offsets through torch's aten ops (cudnn.py; CUDA sm80+, cuDNN 9,
              fp16/bf16, d % 8 == 0, d <= 128, no sliding window); not in AUTO_ORDER: the tune engine chooses it
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
@@ -42,17 +44,18 @@ import torch
 import torch.nn.functional as F
 
 from novatune.attention.cudnn import cudnn_attention, cudnn_detail, cudnn_why_not
+from novatune.attention.flash import flash2_inputs_why_not, flash_attention, flash_why_not
 from novatune.attention.packed import PackedBatch
-from novatune.attention.sinks import flash2_inputs_why_not, flash_why_not, sink_attention
+from novatune.attention.sinks import sink_attention
 
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
            "SINK_BACKENDS", "SOFTCAP_BACKENDS", "why_unavailable"]
 
-BACKENDS = ("varlen", "cudnn", "flex", "sdpa", "sdpa_docs", "reference")
+BACKENDS = ("varlen", "flash", "cudnn", "flex", "sdpa", "sdpa_docs", "reference")
 # Backends that can add attention sinks (novatune/attention/sinks.py): they expose the softmax's log-sum-exp and
 # a backward that takes the sunk output. The others refuse a call with sinks (never drop them).
-SINK_BACKENDS = ("varlen", "reference")
-_SINK_IMPL = {"varlen": "flash", "reference": "reference"}
+SINK_BACKENDS = ("varlen", "flash", "reference")
+_SINK_IMPL = {"varlen": "flash", "flash": "flash", "reference": "reference"}
 # Backends that can soft-cap the scores (cap * tanh(s / cap)): flex as a score_mod, reference in its own math.
 # torch's varlen_attn (FlashAttention-2 inside torch) and SDPA expose no soft-cap argument.
 SOFTCAP_BACKENDS = ("flex", "reference")
@@ -62,6 +65,8 @@ SOFTCAP_BACKENDS = ("flex", "reference")
 # varlen before flex: in the headline training step (H200, torch 2.11) varlen gave 15,893 tok/s vs flex 14,767
 # (bench/results/e2e.jsonl); flex's backward is slower there and its BlockMask costs host time per batch.
 # "cudnn" stays out until a training step measures it ahead of varlen; `novatune tune` times it beside the others.
+# "flash" (the same FlashAttention-2 kernels as varlen, without torch's custom-op wrapper: less host time per call)
+# stays out until a training step on a GPU measures it; `novatune tune` validates and times it as a candidate.
 AUTO_ORDER: dict[str, list[str]] = {
     "cuda": ["sdpa", "varlen", "flex", "sdpa_docs"],
     "cpu": ["sdpa", "sdpa_docs"],
@@ -285,8 +290,9 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     return torch.cat(outs, 0).to(q.dtype)
 
 
-_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "cudnn": cudnn_attention, "flex": _flex,
-                                                   "sdpa": _sdpa, "sdpa_docs": _sdpa_docs, "reference": _reference}
+_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "flash": flash_attention, "cudnn": cudnn_attention,
+                                                   "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_docs,
+                                                   "reference": _reference}
 
 
 def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
@@ -312,6 +318,8 @@ def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, w
         return _sinks_why_not(name, q, k, window)
     if name == "varlen":
         return _varlen_why_not(q, k, packed, window)
+    if name == "flash":
+        return flash_why_not(q, k, window)
     if name == "flex":
         return _flex_why_not(q, k, packed)
     if name == "cudnn":
@@ -327,7 +335,7 @@ def _sinks_why_not(name: str, q, k, window: int | None) -> str | None:
     if name not in SINK_BACKENDS:
         return (f"the {name} backend cannot add attention sinks (it exposes no softmax log-sum-exp); use one of "
                 f"{SINK_BACKENDS}")
-    return flash_why_not(q, k, window) if name == "varlen" else None
+    return flash_why_not(q, k, window) if _SINK_IMPL[name] == "flash" else None
 
 
 def _effective_window(window: int | None, packed: PackedBatch) -> int | None:
@@ -452,6 +460,8 @@ def _detail(name: str, with_sinks: bool = False, with_cap: bool = False) -> str:
     if name == "varlen":
         sig = "is_causal" if "is_causal" in _VARLEN_PARAMS else "window_size=(-1, 0)"
         return f"torch {torch.__version__}: causal via {sig}; GQA {_VARLEN_GQA}"
+    if name == "flash":
+        return f"torch {torch.__version__}: aten FlashAttention-2 ops from an autograd.Function, GQA native"
     if name == "flex":
         return "compiled flex_attention, document-causal BlockMask cached per batch, enable_gqa"
     if name == "cudnn":

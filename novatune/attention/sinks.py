@@ -18,20 +18,20 @@ checks all four gradients against autograd through the appended-column formula i
 
 Two implementations of the plain (out, L) forward and its backward, selected by name:
   flash      aten._flash_attention_forward / _backward (FlashAttention-2 inside torch: CUDA, fp16/bf16), varlen
-             over cu_seqlens, GQA native, HF's sliding window as window_size_left = window - 1
+             over cu_seqlens, GQA native, HF's sliding window as window_size_left = window - 1 (flash.py)
   reference  the same math in fp32, one document at a time (CPU tests, and anywhere as the slow exact path)
 """
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from novatune.attention.flash import flash_bwd, flash_fwd
 from novatune.attention.packed import PackedBatch
 
-__all__ = ["sink_attention", "flash_why_not", "SINK_IMPLS"]
+__all__ = ["sink_attention", "SINK_IMPLS"]
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -90,81 +90,7 @@ def _reference_bwd(dout, q, k, v, out, lse, packed: PackedBatch, scale: float, w
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# ------------------------------------------------------------------------------------------------ flash (CUDA)
-_aten = torch.ops.aten  # one name for the two FlashAttention ops (a CPU test stands in for them here)
-
-
-@functools.cache
-def _flash_kwargs() -> frozenset:
-    """Keyword arguments of aten._flash_attention_forward in this torch build (the window arrived in 2.5)."""
-    try:
-        schema = torch.ops.aten._flash_attention_forward.default._schema
-    except (AttributeError, RuntimeError):
-        return frozenset()
-    return frozenset(a.name for a in schema.arguments)
-
-
-def _flash_window(window: int | None) -> tuple[bool, int, int]:
-    """(is_causal, left, right) as torch's varlen_attn passes them: causal, or keys [i - window + 1, i]."""
-    return (True, -1, 0) if window is None else (False, window - 1, 0)
-
-
-def _flash_fwd(q, k, v, packed: PackedBatch, scale: float, window: int | None):
-    causal, left, right = _flash_window(window)
-    cu, mx = packed.cu_seqlens, packed.max_seqlen
-    out, lse = _aten._flash_attention_forward(
-        q, k, v, cu, cu, mx, mx, 0.0, causal, False, scale=scale, window_size_left=left,
-        window_size_right=right)[:2]
-    if lse.shape == (q.shape[1], q.shape[0]):   # FlashAttention-2's varlen layout (hq, tokens): a view, no copy
-        return out, lse.transpose(0, 1)
-    raise RuntimeError(f"aten._flash_attention_forward returned a log-sum-exp of shape {tuple(lse.shape)} for "
-                       f"{q.shape[0]} tokens x {q.shape[1]} heads; this build's layout is not supported")
-
-
-def _flash_bwd(dout, q, k, v, out, lse, packed: PackedBatch, scale: float, window: int | None):
-    causal, left, right = _flash_window(window)
-    cu, mx = packed.cu_seqlens, packed.max_seqlen
-    raw = lse.transpose(0, 1).contiguous()  # back to (hq, tokens): the forward's own tensor, no copy
-    # dropout 0: the random state is never read (torch's varlen_attn passes the same placeholders)
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-    unused = torch.empty(0, device=q.device)
-    dq, dk, dv = _aten._flash_attention_backward(
-        dout, q, k, v, out, raw, cu, cu, mx, mx, 0.0, causal, rng, unused, scale=scale, window_size_left=left,
-        window_size_right=right)
-    return dq, dk, dv
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def flash_why_not(q: torch.Tensor, k: torch.Tensor, window: int | None) -> str | None:
-    """None when the flash implementation can run these inputs, else why not (the sink-capable varlen backend)."""
-    if "window_size_left" not in _flash_kwargs():
-        return (f"torch {torch.__version__}'s aten._flash_attention_forward takes no window_size_left; "
-                "upgrade torch or use backend='reference'")
-    if q.device.type != "cuda":
-        return "FlashAttention is CUDA-only; use backend='reference' on the CPU"
-    if torch.version.hip:
-        return "ROCm's flash attention returns a padded log-sum-exp layout; use backend='reference'"
-    return flash2_inputs_why_not(q, "FlashAttention")
-
-
-def flash2_inputs_why_not(q: torch.Tensor, name: str) -> str | None:
-    """Why FlashAttention-2 (`name`: torch's varlen_attn, or aten's flash ops) cannot take q's dtype, head size
-    or GPU, or None."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"{name} needs fp16/bf16 inputs, got {q.dtype}"
-    d = q.shape[-1]
-    if d % 8 or d > 256:
-        return f"{name} needs head_dim % 8 == 0 and <= 256, got {d}"
-    if _capability(q.device) < (8, 0):
-        return f"{name} (FlashAttention-2) needs sm80 or newer"
-    return None
-
-
-SINK_IMPLS = {"flash": SimpleNamespace(fwd=_flash_fwd, bwd=_flash_bwd),
+SINK_IMPLS = {"flash": SimpleNamespace(fwd=flash_fwd, bwd=flash_bwd),
               "reference": SimpleNamespace(fwd=_reference_fwd, bwd=_reference_bwd)}
 
 

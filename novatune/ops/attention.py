@@ -19,8 +19,10 @@ from novatune.attention.packed import PackedBatch
 from novatune.ops.contract import Candidate, OpSpec, doc_lengths
 from novatune.reference.attention import attention_ref, hf_attention
 
-BACKENDS = ("reference", "sdpa_docs", "varlen", "cudnn", "flex")  # multi-document rows: plain "sdpa" cannot run
-_FAMILY = {"reference": "eager", "sdpa_docs": "native", "varlen": "native", "cudnn": "native", "flex": "compile"}
+# multi-document rows: plain "sdpa" cannot run
+BACKENDS = ("reference", "sdpa_docs", "varlen", "flash", "cudnn", "flex")
+_FAMILY = {"reference": "eager", "sdpa_docs": "native", "varlen": "native", "flash": "native", "cudnn": "native",
+           "flex": "compile"}
 
 
 def _make_inputs(shape, dtype, device, gen) -> dict:

@@ -31,7 +31,7 @@ from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
 
-ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "sdpa_docs", "reference")
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "flash", "cudnn", "sdpa", "sdpa_docs", "reference")
 
 
 @dataclass

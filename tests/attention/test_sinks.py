@@ -133,32 +133,15 @@ def test_sinks_flash_cuda_vs_fp32_reference(hq, hk, d, window):
 
 def test_flash_glue_with_a_cpu_stand_in_for_the_aten_ops(monkeypatch):
     """The CUDA path's plumbing on the CPU: aten's FlashAttention ops replaced by a stand-in with their contract
-    (varlen over cu_seqlens, log-sum-exp laid out (hq, tokens), causal or a (left, right) window, the backward
-    taking out and the log-sum-exp back), built from the reference math. What is checked is the glue: the window
-    translation, the log-sum-exp layout both ways, and that the backward receives the sunk output."""
-    from types import SimpleNamespace
+    (tests/attention/test_flash.py: varlen over cu_seqlens, log-sum-exp laid out (hq, tokens), causal or a
+    (left, right) window, the backward taking out and the log-sum-exp back), built from the reference math. What is
+    checked is the glue: the window translation, the log-sum-exp layout both ways, and that the backward receives
+    the sunk output."""
+    from novatune.attention import flash as F
+    from tests.attention.test_flash import flash_stand_in
 
-    from novatune.attention import sinks as S
-
-    def window_of(is_causal, left, right):
-        assert right == 0 and (is_causal == (left == -1)), (is_causal, left, right)
-        return None if is_causal else left + 1
-
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout, is_causal, debug, *, scale, window_size_left,
-            window_size_right):
-        assert cu_q is cu_k and dropout == 0.0 and not debug and max_q == pb.max_seqlen
-        out, lse = S._reference_fwd(q, k, v, pb, scale, window_of(is_causal, window_size_left, window_size_right))
-        return out, lse.t().contiguous(), torch.zeros(2), torch.empty(0), torch.empty(0)
-
-    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, is_causal, rng, unused, *, scale,
-            window_size_left, window_size_right):
-        assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
-        seen["out"] = out
-        return S._reference_bwd(dout, q, k, v, out, lse.t(), pb, scale,
-                                window_of(is_causal, window_size_left, window_size_right))
-
-    pb, seen = packed_of(ROWS), {}
-    monkeypatch.setattr(S, "_aten", SimpleNamespace(_flash_attention_forward=fwd, _flash_attention_backward=bwd))
+    seen = {}
+    monkeypatch.setattr(F, "_aten", flash_stand_in(seen))
     for window in (None, 6):
         out = check(lambda q, k, v, s, pb_, w: sink_attention(q, k, v, s, pb_, 16 ** -0.5, w, impl="flash"),
                     ROWS, 4, 2, 16, torch.float32, window=window)
