@@ -62,6 +62,7 @@ from novatune.ops.clamped_swiglu import clamped_swiglu_bwd, clamped_swiglu_fwd
 from novatune.ops.contract import Candidate, OpSpec
 from novatune.ops.moe_checks import check_expert_ids as _check_ids
 from novatune.ops.moe_checks import check_experts_args as _check_args
+from novatune.ops.moe_wgrad import accumulates_into_grad, add_into_grad
 from novatune.reference import moe as _ref
 
 # torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel
@@ -268,6 +269,15 @@ def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tens
     return grouped_outer(x, dy, r.ends) if transposed else grouped_outer(dy, x, r.ends)
 
 
+def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor | None) -> Tensor | None:
+    """The weight's gradient, or None once added into `into.grad` by column slices (novatune.ops.moe_wgrad)."""
+    if into is None:
+        return _linear_dweight(x, dy, r, transposed)
+    out_dim = 2 if transposed else 1
+    add_into_grad(into, lambda lo, hi: _linear_dweight(x, dy[:, lo:hi], r, transposed), dy.shape[1], out_dim)
+    return None
+
+
 def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
     """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
@@ -366,9 +376,10 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
 
 def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
                  dn_bias: Tensor | None, h: Tensor, r: Routing, layout: ExpertLayout, needs: tuple[bool, ...],
-                 lora=None) -> tuple:
+                 lora=None, into: tuple[Tensor | None, Tensor | None] = (None, None)) -> tuple:
     """(dx, dweights, d_gate_up, d_down, d_gate_up_bias, d_down_bias); None where `needs` (x, weights, gate_up,
-    down, gate_up_bias, down_bias) is False or the input is None. Recomputes the permuted x and the activation.
+    down, gate_up_bias, down_bias) is False or the input is None, and for a weight in `into` (gate_up's, down's
+    parameter or None), whose gradient is added into its .grad instead. Recomputes the permuted x and the activation.
     `lora` (the forward's ExpertsLoRA): its path joins dx and the routing weights' gradient, and the adapters'
     gradients are left on it."""
     _, act_bwd = ACTIVATIONS[layout.activation]
@@ -383,7 +394,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
         lora.down_dinput_(da_u, dout_s, r)
     dh, aw, dw_row = act_bwd(da_u, h, w_pairs, r.order, layout.interleaved)
     del da_u
-    d_down = _linear_dweight(aw, dout_s, r, layout.transposed) if needs[3] else None
+    d_down = _dweight(aw, dout_s, r, layout.transposed, into[1]) if needs[3] else None
     if lora is not None:
         lora.down_grads(aw, dout_s, w_row, r)
     del aw
@@ -398,7 +409,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     lora_gu = lora is not None and lora.gate_up is not None
     if needs[2] or lora_gu:
         xs = permute(x.to(gate_up.dtype), r)  # recomputed: a gather is cheaper than keeping S x H
-        d_gate_up = _linear_dweight(xs, dh, r, layout.transposed) if needs[2] else None
+        d_gate_up = _dweight(xs, dh, r, layout.transposed, into[0]) if needs[2] else None
         if lora_gu:
             lora.gate_up_grads(xs, dh, r)
         del xs
@@ -481,20 +492,24 @@ class _ExpertsFunction(torch.autograd.Function):
     """The eager path: the same implementations without the custom-op dispatch (optional biases as None)."""
 
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout: ExpertLayout):
+    def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout: ExpertLayout,
+                wgrad_in_place: bool = False):
         out, h, r = _experts_fwd(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
         ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, h, r.order, r.pos, r.ends,
                               r.expert)
-        ctx.layout = layout
+        # the parameters themselves: under non-reentrant checkpointing the saved tensors unpack as detached copies
+        ctx.layout, ctx.wgrad_params = layout, (gate_up, down) if wgrad_in_place else (None, None)
         return out
 
     @staticmethod
     @once_differentiable  # h is a saved forward output: a second-order gradient would miss its dependence
     def backward(ctx, dout):
         x, weights, gate_up, down, gu_bias, dn_bias, h, order, pos, ends, expert = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:6]
+        into = tuple(w if need and accumulates_into_grad(w) else None for w, need in zip(ctx.wgrad_params, needs[2:4]))
         grads = _experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h, Routing(order, pos, ends, expert),
-                             ctx.layout, ctx.needs_input_grad[:6])
-        return (*grads, None, None)
+                             ctx.layout, needs, into=into)
+        return (*grads, None, None, None)
 
 
 def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, transposed: bool,
@@ -508,7 +523,8 @@ def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
 
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                 gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *, transposed: bool = False,
-                interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False) -> Tensor:
+                interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False,
+                wgrad_in_place: bool = False) -> Tensor:
     """The routed expert MLP: out[t] = sum_k weights[t, k] * down_e(act(gate_up_e(x[t]))), e = ids[t, k].
 
     x (T, H); ids (T, K) integer expert ids in [0, E) (others raise: a ValueError on the CPU, a device-side
@@ -517,7 +533,7 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     weights (T, K) (any float dtype, differentiable);
     gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
     Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
-    weights and biases."""
+    weights and biases. `wgrad_in_place`: expert weight gradients added into .grad by slices (ops/moe_wgrad.py)."""
     check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
                        ids_from_router=ids_from_router)
     if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)
@@ -526,7 +542,7 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
                                                   gate_up_bias, none if down_bias is None else down_bias, ids,
                                                   transposed, interleaved, activation)[0]
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
-    return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
+    return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout, wgrad_in_place)
 
 
 # ----------------------------------------------------------------------------------------------- the contract

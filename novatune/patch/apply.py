@@ -117,7 +117,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
-          selection=None, moe: bool = True) -> PatchReport:
+          selection=None, moe: bool = True, moe_wgrad_in_place: bool = False) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
     Gemma 3 text, Phi-3 / Phi-4-mini, OLMo 2), a PEFT model wrapping one, or a Trainer.
 
@@ -147,6 +147,11 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"
     (one SDPA call per document: the CPU's packed-row path), "reference"; False keeps stock attention.
+    moe: the routed experts and their router run novatune's MoE op (novatune/patch/moe.py).
+    moe_wgrad_in_place: the experts' weight gradients are added into their existing .grad a column slice at a time
+    where autograd would add them there itself (one process, no hooks on them: novatune/ops/moe_wgrad.py): a
+    quarter of the largest backward transient of accumulated micro-batches (1.1 GiB per Qwen3-30B-A3B layer). Off
+    by default until a GPU run measures it.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
@@ -195,7 +200,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
                 trainer_refusal=trainer_refusal(trainer, model))
-    apply_moe(model, spec, report, _bind, enabled=moe)
+    apply_moe(model, spec, report, _bind, enabled=moe, wgrad_in_place=moe_wgrad_in_place)
     apply_moe_lora(model, spec, report, _bind, enabled=lora)
     apply_lora(model, spec, report, enabled=lora, bind=_bind)
     _defer_trainer_metrics(trainer, report, spec)

@@ -51,7 +51,8 @@ def experts_arguments(self) -> tuple[tuple, dict]:
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     tensors, layout = experts_arguments(self)
     # the ids are the router's top-k over E logits: in range by construction, so the op's range check is spared
-    return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout, ids_from_router=True)
+    return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout, ids_from_router=True,
+                       wgrad_in_place=self._novatune_wgrad_in_place)
 
 
 def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None, str | None]:
@@ -84,8 +85,10 @@ def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None
     return None, "silu"
 
 
-def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool) -> None:
-    """Bind the router and experts forwards on every MoE block of `model` (spec.moe), or record why not."""
+def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool,
+              wgrad_in_place: bool = False) -> None:
+    """Bind the router and experts forwards on every MoE block of `model` (spec.moe), or record why not.
+    `wgrad_in_place`: patch(moe_wgrad_in_place=...)."""
     moe = spec.moe
     if moe is None:
         return
@@ -103,7 +106,9 @@ def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, 
             if why or activation not in ACTIVATIONS:
                 report.add(path, "moe_experts", "skipped", why or f"activation {activation!r} is not implemented")
                 continue
-            bind(module, experts_forward, report, _novatune_moe=moe, _novatune_activation=activation)
+            bind(module, experts_forward, report, _novatune_moe=moe, _novatune_activation=activation,
+                 _novatune_wgrad_in_place=wgrad_in_place)
             report.add(path, "moe_experts", "replaced",
                        "novatune expert MLP: one sort per layer, Triton dispatch/combine, grouped GEMMs, "
-                       f"{activation} GLU (no host sync)")
+                       f"{activation} GLU (no host sync)" + ("; weight gradients added into .grad by column slices "
+                                                            "where autograd would add them" if wgrad_in_place else ""))

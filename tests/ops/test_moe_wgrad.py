@@ -1,0 +1,244 @@
+"""novatune.ops.moe_wgrad: the experts' weight gradients added into .grad by column slices (moe_experts(...,
+wgrad_in_place=True)) give the .grad that autograd's own accumulation gives, and only where autograd would have
+accumulated there; anywhere else the gradient is returned as without the option.
+
+Equality: each sliced element is the same dot product over the expert's rows as the whole gradient's (fp32 on the
+CPU: exactly the same numbers or summation order only, 1e-6 relative), added once to the same accumulated .grad.
+"""
+import functools
+
+import pytest
+import torch
+
+from novatune.measure.numerics import assert_close
+from novatune.ops import moe as M
+from novatune.ops.moe_wgrad import SLICES, accumulates_into_grad, column_slices
+from tests.ops.test_moe import CASES, _experts_inputs
+
+
+def _params(tensors):
+    """The inputs with the expert weights as nn.Parameters (what a model holds)."""
+    out = list(tensors)
+    out[2], out[3] = (torch.nn.Parameter(t.detach().clone()) for t in tensors[2:4])
+    return out
+
+
+def _accumulate(case, micro_batches, wgrad_in_place, seed=0):
+    """Gradient accumulation over `micro_batches` of fresh inputs for the same expert weights; the weights' .grad."""
+    ids, tensors, layout = _experts_inputs(case, torch.float32, seed)
+    params = _params(tensors)
+    for mb in range(micro_batches):
+        ids, inputs, _ = _experts_inputs(case, torch.float32, seed + 100 + mb)
+        inputs[2:4] = params[2:4]
+        out = M.moe_experts(inputs[0], ids, *inputs[1:], **layout, wgrad_in_place=wgrad_in_place)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))).sum().backward()
+    return params[2].grad, params[3].grad, inputs
+
+
+@pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5", "odd hidden E7 top3"])
+def test_in_place_accumulation_equals_autograds(name):
+    want = _accumulate(CASES[name], 3, wgrad_in_place=False)
+    got = _accumulate(CASES[name], 3, wgrad_in_place=True)
+    for what, a, b in (("gate_up", got[0], want[0]), ("down", got[1], want[1])):
+        assert_close(a, b, 1e-6, what)
+    # the other inputs' gradients are returned as usual
+    assert got[2][0].grad is not None and got[2][1].grad is not None
+
+
+def test_the_first_micro_batch_is_returned_and_later_ones_are_added_in_place(monkeypatch):
+    """Micro-batch 1 has no .grad to add into (autograd keeps the returned tensor); from micro-batch 2 on the
+    backward adds by slices and returns None for the weights."""
+    from novatune.ops import moe_wgrad as W
+
+    calls = []
+    real = W.add_into_grad
+    monkeypatch.setattr(M, "add_into_grad", lambda *a: calls.append(a[3]) or real(*a))
+    case = CASES["qwen3-layout E5"]
+    ids, tensors, layout = _experts_inputs(case, torch.float32)
+    params = _params(tensors)
+    for mb in range(2):
+        out = M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True)
+        out.sum().backward()
+        assert len(calls) == 2 * mb, calls  # gate_up (out dim 1) and down, both from the second micro-batch
+    assert calls == [1, 1]
+
+
+def test_hooks_keep_the_gradient_returned():
+    """A tensor hook or a post-accumulate hook on the weight sees the whole gradient, as without the option."""
+    case = CASES["qwen3-layout E5"]
+    ids, tensors, layout = _experts_inputs(case, torch.float32)
+    params = _params(tensors)
+    got = {}
+    params[2].register_hook(lambda g: got.setdefault("gate_up", g.clone()))
+    params[3].register_post_accumulate_grad_hook(lambda p: got.update(down=p.grad.clone()))
+    for p in params[2:4]:
+        p.grad = torch.zeros_like(p)
+    M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True).sum().backward()
+    assert "gate_up" in got and torch.equal(got["gate_up"], params[2].grad)
+    assert "down" in got and torch.equal(got["down"], params[3].grad)
+
+
+def test_autograd_grad_and_backward_inputs_leave_grad_alone():
+    case = CASES["qwen3-layout E5"]
+    ids, tensors, layout = _experts_inputs(case, torch.float32)
+    params = _params(tensors)
+    for p in params[2:4]:
+        p.grad = torch.full_like(p, 7.0)
+    out = M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True)
+    dgu, ddn = torch.autograd.grad(out.sum(), params[2:4])
+    assert torch.all(params[2].grad == 7.0) and torch.all(params[3].grad == 7.0)
+    ref = M.moe_experts(params[0], ids, *params[1:], **layout)
+    rgu, rdn = torch.autograd.grad(ref.sum(), params[2:4])
+    assert torch.equal(dgu, rgu) and torch.equal(ddn, rdn)
+    out = M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True)
+    out.sum().backward(inputs=[params[0]])
+    assert torch.all(params[2].grad == 7.0) and params[0].grad is not None
+
+
+def test_accumulates_into_grad_conditions():
+    p = torch.nn.Parameter(torch.randn(3, 8, 4))
+    node_free = accumulates_into_grad  # outside a backward: the engine check refuses
+    assert not node_free(p)
+    decided = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            decided["in_place"] = accumulates_into_grad(p)
+            return g
+
+    def decide(setup) -> bool:
+        p.grad = torch.zeros_like(p)
+        setup()
+        Probe.apply(p).sum().backward()
+        return decided["in_place"]
+
+    assert decide(lambda: None)
+    assert not decide(lambda: setattr(p, "grad", None))                                   # nothing to add into
+    assert not decide(lambda: setattr(p, "grad", torch.zeros(3, 8, 4).to_sparse()))        # not dense
+    handle = p.register_hook(lambda g: g)
+    assert not decide(lambda: None)
+    handle.remove()
+    assert decide(lambda: None)
+    p.grad = torch.zeros_like(p)
+    Probe.apply(p).sum().backward(create_graph=True)  # the backward runs in grad mode: autograd adds out of place
+    assert not decided["in_place"]
+    p.grad = None
+    assert not accumulates_into_grad(torch.randn(3, requires_grad=True))                  # not a Parameter
+    assert not accumulates_into_grad(None)
+
+
+@pytest.mark.parametrize("width,elem", [(1536, 2), (2048, 2), (37, 4), (8, 2), (3, 4)])
+def test_column_slices_cover_the_width_at_aligned_offsets(width, elem):
+    sl = column_slices(width, elem)
+    assert sl[0][0] == 0 and sl[-1][1] == width and len(sl) <= SLICES
+    assert all(a[1] == b[0] for a, b in zip(sl, sl[1:]))
+    assert all((lo * elem) % 16 == 0 for lo, _ in sl)
+
+
+def test_the_patch_option_reaches_the_experts():
+    import novatune
+    from tests.patch.tiny_models import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    report = novatune.patch(model, moe_wgrad_in_place=True)
+    experts = [m for m in model.modules() if getattr(m, "_novatune_wgrad_in_place", None) is not None]
+    assert experts and all(m._novatune_wgrad_in_place for m in experts)
+    assert any("by column slices" in e.detail for e in report.entries if e.kind == "moe_experts")
+
+
+def test_an_initialised_process_group_keeps_the_gradient_returned(tmp_path):
+    """DDP's and FSDP's hooks on the gradient accumulators are invisible from Python: with a process group up,
+    the gradient goes back to autograd."""
+    import torch.distributed as dist
+
+    p = torch.nn.Parameter(torch.randn(2, 8, 4))
+    decided = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            decided["in_place"] = accumulates_into_grad(p)
+            return g
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        p.grad = torch.zeros_like(p)
+        Probe.apply(p).sum().backward()
+        assert decided["in_place"] is False
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_at_qwen3_moe_layer_shapes_same_grad_and_a_lower_peak():
+    """One Qwen3-30B-A3B expert layer (H 2048, I 768, E 128, top-8, 4096 tokens), bf16, two accumulated
+    micro-batches: the .grad equals autograd's within bf16 rounding (a column slice's GEMM may round like another
+    kernel), and the second backward's peak drops by most of the gate/up gradient (0.75 GiB -> a quarter)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t, h, i, e, k = 4096, 2048, 768, 128, 8
+    gen = torch.Generator().manual_seed(0)
+    gu0 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to("cuda", torch.bfloat16)
+    dn0 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to("cuda", torch.bfloat16)
+    batches = []
+    for mb in range(2):
+        g = torch.Generator().manual_seed(10 + mb)
+        logits = torch.randn(t, e, generator=g)
+        w, ids = M.route(logits, k, renormalize=True)
+        batches.append((torch.randn(t, h, generator=g).to("cuda", torch.bfloat16), ids.cuda(), w.cuda()))
+    grads, peaks = {}, {}
+    for in_place in (False, True):
+        gu, dn = torch.nn.Parameter(gu0.clone()), torch.nn.Parameter(dn0.clone())
+        for mb, (x, ids, w) in enumerate(batches):
+            out = M.moe_experts(x, ids, w, gu, dn, wgrad_in_place=in_place)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out.float().square().mean().backward()
+            torch.cuda.synchronize()
+            if mb == 1:
+                peaks[in_place] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            del out
+        grads[in_place] = (gu.grad.float(), dn.grad.float())
+    for a, b, name in zip(grads[True], grads[False], ("gate_up", "down")):
+        assert_close(a, b, 1e-2, name)
+    assert peaks[False] - peaks[True] > 0.4, peaks
+
+
+def _experts_call(x, w, *, gu, dn, ids, layout, in_place):
+    return M.moe_experts(x, ids, w, gu, dn, **layout, wgrad_in_place=in_place)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_under_activation_checkpointing_the_parameters_grad_is_written(monkeypatch, reentrant):
+    """Checkpointed layers recompute the forward in the backward, and non-reentrant checkpointing hands the saved
+    weights back as detached copies: the gradient still reaches the parameters' .grad, equal to autograd's."""
+    from torch.utils.checkpoint import checkpoint
+
+    added = []
+    real = M.add_into_grad
+    monkeypatch.setattr(M, "add_into_grad", lambda *a: added.append(a[3]) or real(*a))
+    case = CASES["qwen3-layout E5"]
+    result = {}
+    for in_place in (False, True):
+        ids, tensors, layout = _experts_inputs(case, torch.float32)
+        params = _params(tensors)
+        # the weights reach the function as a module's parameters do: not through checkpoint's inputs, which
+        # reentrant checkpointing detaches
+        run = functools.partial(_experts_call, gu=params[2], dn=params[3], ids=ids, layout=layout, in_place=in_place)
+        for mb in range(2):
+            out = checkpoint(run, params[0], params[1], use_reentrant=reentrant)
+            (out * (mb + 1)).sum().backward()
+        result[in_place] = (params[2].grad, params[3].grad)
+    assert added == [1, 1]  # the second micro-batch, both weights
+    for a, b, name in zip(result[True], result[False], ("gate_up", "down")):
+        assert_close(a, b, 1e-6, name)
