@@ -95,27 +95,35 @@ def test_autograd_grad_and_backward_inputs_leave_grad_alone():
     assert torch.all(params[2].grad == 7.0) and params[0].grad is not None
 
 
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records accumulates_into_grad's decision for its input parameter."""
+    decided: dict = {}
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.param = w
+        return w * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        _Probe.decided["in_place"] = accumulates_into_grad(ctx.param)
+        return g
+
+
+def _decision(p: torch.nn.Parameter, **backward_kwargs) -> bool:
+    _Probe.decided.clear()
+    _Probe.apply(p).sum().backward(**backward_kwargs)
+    return _Probe.decided["in_place"]
+
+
 def test_accumulates_into_grad_conditions():
     p = torch.nn.Parameter(torch.randn(3, 8, 4))
-    node_free = accumulates_into_grad  # outside a backward: the engine check refuses
-    assert not node_free(p)
-    decided = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, w):
-            return w * 1.0
-
-        @staticmethod
-        def backward(ctx, g):
-            decided["in_place"] = accumulates_into_grad(p)
-            return g
+    assert not accumulates_into_grad(p)  # outside a backward: the engine check refuses
 
     def decide(setup) -> bool:
         p.grad = torch.zeros_like(p)
         setup()
-        Probe.apply(p).sum().backward()
-        return decided["in_place"]
+        return _decision(p)
 
     assert decide(lambda: None)
     assert not decide(lambda: setattr(p, "grad", None))                                   # nothing to add into
@@ -125,8 +133,7 @@ def test_accumulates_into_grad_conditions():
     handle.remove()
     assert decide(lambda: None)
     p.grad = torch.zeros_like(p)
-    Probe.apply(p).sum().backward(create_graph=True)  # the backward runs in grad mode: autograd adds out of place
-    assert not decided["in_place"]
+    assert not _decision(p, create_graph=True)  # the backward runs in grad mode: autograd adds out of place
     p.grad = None
     assert not accumulates_into_grad(torch.randn(3, requires_grad=True))                  # not a Parameter
     assert not accumulates_into_grad(None)
@@ -157,23 +164,10 @@ def test_an_initialised_process_group_keeps_the_gradient_returned(tmp_path):
     import torch.distributed as dist
 
     p = torch.nn.Parameter(torch.randn(2, 8, 4))
-    decided = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, w):
-            return w * 1.0
-
-        @staticmethod
-        def backward(ctx, g):
-            decided["in_place"] = accumulates_into_grad(p)
-            return g
-
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         p.grad = torch.zeros_like(p)
-        Probe.apply(p).sum().backward()
-        assert decided["in_place"] is False
+        assert _decision(p) is False
     finally:
         dist.destroy_process_group()
 
