@@ -52,6 +52,8 @@ class _StepWindow:
 
 
 def main(config: str, out_dir: str, step: int = 4) -> None:
+    if step < 2:
+        raise SystemExit("PROFILED_STEP must be >= 2: the window opens at the end of the step before it")
     os.makedirs(out_dir, exist_ok=True)
     sets = [f"train.max_steps={step + 1}", "checkpoint.output_dir=/tmp/exp_trl_step", "checkpoint.save_every=0"]
     rows = []
@@ -72,8 +74,10 @@ def main(config: str, out_dir: str, step: int = 4) -> None:
         real_init(self, *a, **kw)
         self.add_callback(Cb())
     transformers.Trainer.__init__ = init_with_callback
-    run_trl_stack(load(config, sets), steps=step + 1, warmup=1, output_dir="/tmp/exp_trl_step/trl")
-    transformers.Trainer.__init__ = real_init
+    try:
+        run_trl_stack(load(config, sets), steps=step + 1, warmup=1, output_dir="/tmp/exp_trl_step/trl")
+    finally:
+        transformers.Trainer.__init__ = real_init
     rows.append({"exp": "trl_step_profile", "stack": "trl_sft+novatune", **(window.result or {})})
     for r in rows:
         print(json.dumps(r))

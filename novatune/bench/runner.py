@@ -57,7 +57,8 @@ Run directory (schema, for `novatune report` and anyone reading the files):
       and peak_gib per process: peak_gib the largest rank's), tok_s_per_proc: float, peak_gib_per_rank: [float],
       x_one_process: float | null (tok_s / the one-process novatune row's, same global batch), scaling: float |
       null (x_one_process / nproc), loss_max_rel_diff_vs_one_process: float | null,
-      with --rounds N > 1 (combine_rounds: the row is the median round's, the ratios are between medians):
+      with --rounds N > 1 (combine_rounds: the row is the median round's, the ratios are between medians; a stack
+      with fewer finished rounds than the others, in an interrupted bench, is failed):
       rounds: int, round_tok_s: [float] (each round, in run order), round_spread: float (max / min - 1),
       peak_gib: the largest of any round, loss_max_rel_diff_across_rounds: float | null
   <run_dir>/summary.json       {"config", "overrides", "stacks": [names as given], "warm", "steps", "nproc", "rounds",
@@ -230,18 +231,22 @@ def round_order(stacks: list[str], round_index: int) -> list[str]:
     return list(stacks) if round_index % 2 == 0 else list(reversed(stacks))
 
 
-def combine_rounds(runs: list[dict]) -> dict:
-    """One stack's row from its rounds (run order): the median round's row (the lower middle one for an even count,
+def combine_rounds(runs: list[dict], rounds: int | None = None) -> dict:
+    """One stack's row from its rounds (run order): the median round's row (the slower middle one for an even count,
     so tok_s, timed_s and step_ms stay one run's figures), with every round's tokens/s (round_tok_s), their spread
     (max / min - 1), the largest peak of any round, and how far the rounds' losses are apart. A round that did not
-    run ok makes the stack's row that round's."""
-    if len(runs) == 1:
+    run ok makes the stack's row that round's; fewer runs than `rounds` (an interrupted bench) make it failed: a
+    median of fewer rounds than the other stacks had is not the comparison asked for."""
+    if len(runs) == 1 and (rounds or 1) == 1:
         return runs[0]
     bad = next((r for r in runs if r.get("status") != "ok"), None)
     ok = [r for r in runs if r.get("status") == "ok"]
     tok = [r["tok_s"] for r in ok]
     if bad is not None:
         return {**bad, "rounds": len(runs), "round_tok_s": tok}
+    if rounds is not None and len(runs) < rounds:
+        return {**runs[-1], "status": "failed", "rounds": len(runs), "round_tok_s": tok,
+                "reason": f"bench interrupted after {len(runs)} of {rounds} rounds (tok/s per round: {tok})"}
     median = sorted(ok, key=lambda r: r["tok_s"])[(len(ok) - 1) // 2]
     peaks = [r["peak_gib"] for r in ok if r.get("peak_gib") is not None]
     diffs = [_max_rel_diff(r["losses"], median["losses"]) for r in ok if r is not median]
@@ -252,13 +257,20 @@ def combine_rounds(runs: list[dict]) -> dict:
 
 def _run_stacks(runs: dict[str, list[dict]], cfg, spec: dict, stacks: list[str], run_dir: Path, timeout, log,
                 rounds: int = 1) -> None:
-    """Each stack once per round, in round_order; each run's row is appended to runs[stack]."""
+    """Each stack once per round, in round_order; each run's row is appended to runs[stack]. An absent or failed
+    stack is not run again (its row is that run's). --profile and --memory run in the last round only, into
+    run_dir's traces/ and memory/ (where `novatune report` reads them)."""
     for index in range(rounds):
+        last = index == rounds - 1
+        round_spec = spec if rounds == 1 else {**spec, "diag_dir": str(run_dir),
+                                               "profile": spec.get("profile") and last,
+                                               "memory": spec.get("memory") and last}
         for stack in round_order(stacks, index):
-            if runs[stack] and runs[stack][-1]["status"] == "absent":
-                continue  # what makes a stack absent (a package, the config) does not change between rounds
-            runs[stack].append(_run_one(stack, cfg, spec, run_dir if rounds == 1 else run_dir / f"round{index + 1}",
-                                        timeout, log, f" (round {index + 1} of {rounds})" if rounds > 1 else ""))
+            if runs[stack] and runs[stack][-1]["status"] != "ok":
+                continue  # what made it absent (a package, the config) or fail does not change between rounds
+            runs[stack].append(_run_one(stack, cfg, round_spec,
+                                        run_dir if rounds == 1 else run_dir / f"round{index + 1}", timeout, log,
+                                        f" (round {index + 1} of {rounds})" if rounds > 1 else ""))
 
 
 def _run_one(stack: str, cfg, spec: dict, stack_root: Path, timeout, log, what: str) -> dict:
@@ -316,7 +328,7 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
         stopped = e
     finally:
         signal.signal(signal.SIGTERM, prev)
-    rows = [combine_rounds(runs[s]) if runs[s] else
+    rows = [combine_rounds(runs[s], rounds if stopped is not None else None) if runs[s] else
             {"stack": s, "status": "failed", "reason": "bench interrupted (SIGTERM / Ctrl-C) before this stack "
              "finished", "description": STACKS[s].description} for s in stacks]
     speedup = add_ratios(rows)
@@ -367,7 +379,8 @@ def render_table(summary: dict) -> str:
                          f"{_fmt(r.get('loss_max_rel_diff_vs_one_process'), '.2e')} of one process's, peak GiB "
                          f"per rank {r.get('peak_gib_per_rank')}")
     if summary.get("rounds", 1) > 1:
-        lines.append(f"{summary['rounds']} rounds in alternating order; each row is its stack's median round. "
+        even = " (of an even count, the slower middle one)" if summary["rounds"] % 2 == 0 else ""
+        lines.append(f"{summary['rounds']} rounds in alternating order; each row is its stack's median round{even}. "
                      "tok/s per round (run order):")
         for r in ok:
             lines.append(f"  {r['stack']:14s} " + " ".join(f"{x:,.0f}" for x in r.get("round_tok_s", [])) +

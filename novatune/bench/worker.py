@@ -196,7 +196,7 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
     if not (spec.get("memory") or spec.get("profile")):
         return extra
     batch = micro_batch_kwargs(session, session.stream.next())
-    out = Path(spec["stack_dir"]).parent
+    out = Path(spec.get("diag_dir") or Path(spec["stack_dir"]).parent)  # diag_dir: the bench's, under --rounds
     name = stack if session.dist.main else f"{stack}.rank{session.dist.rank}"  # every rank runs the micro-step
     if spec.get("memory") and session.device.type == "cuda":
         try:

@@ -62,7 +62,7 @@ from novatune.ops.clamped_swiglu import clamped_swiglu_bwd, clamped_swiglu_fwd
 from novatune.ops.contract import Candidate, OpSpec
 from novatune.ops.moe_checks import check_expert_ids as _check_ids
 from novatune.ops.moe_checks import check_experts_args as _check_args
-from novatune.ops.moe_wgrad import accumulates_into_grad, add_into_grad
+from novatune.ops.moe_wgrad import accumulates_into_grad, weight_grad
 from novatune.reference import moe as _ref
 
 # torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel
@@ -269,15 +269,6 @@ def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tens
     return grouped_outer(x, dy, r.ends) if transposed else grouped_outer(dy, x, r.ends)
 
 
-def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor | None) -> Tensor | None:
-    """The weight's gradient, or None once added into `into.grad` by column slices (novatune.ops.moe_wgrad)."""
-    if into is None:
-        return _linear_dweight(x, dy, r, transposed)
-    out_dim = 2 if transposed else 1
-    add_into_grad(into, lambda lo, hi: _linear_dweight(x, dy[:, lo:hi], r, transposed), dy.shape[1], out_dim)
-    return None
-
-
 def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
     """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
@@ -394,7 +385,9 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
         lora.down_dinput_(da_u, dout_s, r)
     dh, aw, dw_row = act_bwd(da_u, h, w_pairs, r.order, layout.interleaved)
     del da_u
-    d_down = _dweight(aw, dout_s, r, layout.transposed, into[1]) if needs[3] else None
+    out_dim = 2 if layout.transposed else 1  # the weights' output-feature dim: dY's columns
+    d_down = weight_grad(functools.partial(_linear_dweight, aw, r=r, transposed=layout.transposed), dout_s, into[1],
+                         out_dim) if needs[3] else None
     if lora is not None:
         lora.down_grads(aw, dout_s, w_row, r)
     del aw
@@ -409,7 +402,8 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     lora_gu = lora is not None and lora.gate_up is not None
     if needs[2] or lora_gu:
         xs = permute(x.to(gate_up.dtype), r)  # recomputed: a gather is cheaper than keeping S x H
-        d_gate_up = _dweight(xs, dh, r, layout.transposed, into[0]) if needs[2] else None
+        d_gate_up = weight_grad(functools.partial(_linear_dweight, xs, r=r, transposed=layout.transposed), dh,
+                                into[0], out_dim) if needs[2] else None
         if lora_gu:
             lora.gate_up_grads(xs, dh, r)
         del xs
@@ -502,13 +496,18 @@ class _ExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # h is a saved forward output: a second-order gradient would miss its dependence
     def backward(ctx, dout):
+        # decided before once_differentiable's no_grad: a create_graph backward must get its gradient returned
+        into = tuple(w if need and accumulates_into_grad(w) else None
+                     for w, need in zip(ctx.wgrad_params, ctx.needs_input_grad[2:4]))
+        return _ExpertsFunction._grads(ctx, dout, into)
+
+    @staticmethod
+    @once_differentiable  # h is a saved forward output: a second-order gradient would miss its dependence
+    def _grads(ctx, dout, into):
         x, weights, gate_up, down, gu_bias, dn_bias, h, order, pos, ends, expert = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:6]
-        into = tuple(w if need and accumulates_into_grad(w) else None for w, need in zip(ctx.wgrad_params, needs[2:4]))
         grads = _experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h, Routing(order, pos, ends, expert),
-                             ctx.layout, needs, into=into)
+                             ctx.layout, ctx.needs_input_grad[:6], into=into)
         return (*grads, None, None, None)
 
 

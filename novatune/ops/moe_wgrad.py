@@ -7,11 +7,13 @@ Why: under gradient accumulation, every micro-batch after the first computes the
 then adds them into `.grad`. They are the largest transient of the backward: the memory replay of the MoE cut's
 micro-step (LOG.md, session 14) has both alive at the step's peak. Computing the gradient in SLICES slices of its
 output columns (the columns of dY in dW = dY^T X per expert) and adding each into its slice of `.grad` at once
-keeps a quarter of it alive. The arithmetic is the same: each element is the same dot product over the expert's
-rows, added once to the accumulated gradient, as autograd's AccumulateGrad adds it.
+keeps a quarter of it alive. Each element is the same dot product over the expert's rows, added once to the
+accumulated gradient as autograd's AccumulateGrad adds it; on a GPU the GEMM of a column slice may run another
+kernel than the whole one's, so a bf16 gradient may round differently (tests/ops/test_moe_wgrad.py).
 
 When: only where autograd would have put that gradient into `.grad` itself, by the same addition:
-  - the backward runs without grad mode (no create_graph) and outside torch.compile;
+  - the backward runs without grad mode (no create_graph; read before once_differentiable turns grad mode off),
+    outside torch.compile and outside compiled autograd;
   - the weight is a plain dense nn.Parameter (not a tensor subclass such as FSDP2's DTensor), and its `.grad`
     already exists as a plain dense tensor of its shape, dtype and device (on the first micro-batch autograd keeps
     the returned gradient as `.grad`, with nothing to add);
@@ -36,7 +38,7 @@ ALIGN_BYTES = 16  # grouped_mm wants 16-byte aligned operand pointers: each slic
 
 def accumulates_into_grad(param: Tensor | None) -> bool:
     """Whether this backward may add `param`'s gradient into `param.grad` itself (the module docstring's rules)."""
-    if param is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if param is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd():
         return False
     if type(param) is not torch.nn.Parameter or param.layout != torch.strided or not param.requires_grad:
         return False
@@ -55,6 +57,15 @@ def accumulates_into_grad(param: Tensor | None) -> bool:
         return False
 
 
+def _compiled_autograd() -> bool:
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # a torch build without dynamo has no compiled autograd either
+        return False
+    return bool(getattr(compiled_autograd, "compiled_autograd_enabled", False)
+                or getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
 def column_slices(width: int, element_size: int, slices: int = SLICES) -> list[tuple[int, int]]:
     """[lo, hi) column ranges covering `width` in about `slices` pieces, each starting at a 16-byte offset."""
     step = -(-width // slices)
@@ -63,10 +74,14 @@ def column_slices(width: int, element_size: int, slices: int = SLICES) -> list[t
     return [(lo, min(lo + step, width)) for lo in range(0, width, step)]
 
 
-def add_into_grad(param: Tensor, dweight_of: Callable[[int, int], Tensor], width: int, out_dim: int) -> None:
-    """param.grad += the weight gradient, slice by slice: dweight_of(lo, hi) is the gradient's columns lo:hi along
-    `out_dim` of the weight (the columns lo:hi of dY). Returns None (the gradient autograd then receives)."""
-    grad = param.grad
+def weight_grad(dweight_of: Callable[[Tensor], Tensor], dy: Tensor, into: Tensor | None, out_dim: int) -> Tensor | None:
+    """dweight_of(dy), the weight's gradient from the output gradient dy (rows x output features); or, with `into`
+    (a parameter accumulates_into_grad accepted), that gradient added into `into.grad` slice by slice along its
+    `out_dim` (dweight_of(dy[:, lo:hi]) is the gradient's output features lo:hi) and None returned."""
+    if into is None:
+        return dweight_of(dy)
+    grad = into.grad
     assert grad is not None  # accumulates_into_grad checked it
-    for lo, hi in column_slices(width, grad.element_size()):
-        grad.narrow(out_dim, lo, hi - lo).add_(dweight_of(lo, hi))
+    for lo, hi in column_slices(dy.shape[1], grad.element_size()):
+        grad.narrow(out_dim, lo, hi - lo).add_(dweight_of(dy[:, lo:hi]))
+    return None

@@ -145,7 +145,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than
     one chunk. Same values; an extra MLP forward per tiled batch.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
-    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "cudnn", "sdpa", "sdpa_docs"
+    backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "flash" (varlen's kernels through
+    aten's ops), "cudnn", "sdpa", "sdpa_docs"
     (one SDPA call per document: the CPU's packed-row path), "reference"; False keeps stock attention.
     moe: the routed experts and their router run novatune's MoE op (novatune/patch/moe.py).
     moe_wgrad_in_place: the experts' weight gradients are added into their existing .grad a column slice at a time

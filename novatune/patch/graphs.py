@@ -52,6 +52,9 @@ MIN_SLOTS = 16
 MAX_TRAINABLE_FRACTION = 0.25
 # "thread_local" lets other threads (a data loader's pin-memory thread) make CUDA calls during a capture
 CAPTURE_MODE = os.environ.get("NOVATUNE_GRAPH_CAPTURE_MODE", "thread_local")
+# the attention backends a capture may hold: FlashAttention-2's varlen kernels (torch's varlen_attn, or the same
+# kernels through aten's ops), which read the document offsets from the static buffers the graphs refill per batch
+GRAPH_BACKENDS = frozenset({"varlen", "flash"})
 # keywords HF hands every layer that novatune's layers never read on the GPU (the PackedBatch holds them)
 HOST_KWARGS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
@@ -444,9 +447,10 @@ class LayerGraphRunner:
                     raise _Unsupported(f"capturing layer {i} ({stage}) raised {type(e).__name__}: "
                                        f"{str(e).splitlines()[0][:200] if str(e) else ''}") from e
         ran = {c.backend for c in seen}
-        if ran != {"varlen"}:
-            raise _Unsupported(f"the captured attention ran {sorted(ran) or 'nothing'}, not the varlen kernels "
-                               "(only they read the padded static document offsets)")
+        if not ran or not ran <= GRAPH_BACKENDS:
+            raise _Unsupported(f"the captured attention ran {sorted(ran) or 'nothing'}, not FlashAttention-2's "
+                               f"varlen kernels ({sorted(GRAPH_BACKENDS)}: only they read the padded static "
+                               "document offsets)")
         return _LayerGraphs(fwd, bwd, out, gout, gx, x_grad, [statics[j] for j in index], index, len(params))
 
     def _release_cache(self) -> None:

@@ -157,7 +157,7 @@ def stack_lines(call: list[dict]) -> list[tuple[dict, list]]:
 def _tok_s_cell(row: dict) -> str:
     """tok/s, and for a row of `novatune bench --rounds N` the N rounds' figures it is the median of."""
     text = fmt(row.get("tok_s"), 0)
-    if (row.get("rounds") or 1) > 1 and row.get("round_tok_s"):
+    if (row.get("rounds") or 1) > 1 and row.get("round_tok_s") and row.get("status", "ok") == "ok":
         text += " (median of " + " / ".join(fmt(x, 0) for x in row["round_tok_s"]) + ")"
     return text
 

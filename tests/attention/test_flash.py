@@ -130,12 +130,19 @@ def test_flash_equals_torch_varlen_bit_for_bit_on_cuda(window, hq, hk, d):
         pytest.skip("needs CUDA")
     pb = packed_of([[5, 1, 1, 200, 33, 60], [300], [2, 270, 1, 27]], device="cuda")
     results = {}
-    for backend in ("varlen", "flash"):
-        q, k, v = _inputs(pb, hq, hk, d, torch.bfloat16, "cuda", seed=11)
-        out = varlen_attention(q, k, v, pb, backend=backend, window=window)
-        assert last_choice().backend == backend
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to("cuda", out.dtype))
-        results[backend] = (out.detach(), q.grad, k.grad, v.grad)
+    # FlashAttention-2's backward adds dq up with atomics unless deterministic algorithms are on (aten hands the
+    # flag to the kernel): with it, two calls of the same kernels are bit for bit repeatable
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for backend in ("varlen", "flash"):
+            q, k, v = _inputs(pb, hq, hk, d, torch.bfloat16, "cuda", seed=11)
+            out = varlen_attention(q, k, v, pb, backend=backend, window=window)
+            assert last_choice().backend == backend
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to("cuda", out.dtype))
+            results[backend] = (out.detach(), q.grad, k.grad, v.grad)
+    finally:
+        torch.use_deterministic_algorithms(before)
     for name, a, b in zip(("out", "dq", "dk", "dv"), results["varlen"], results["flash"], strict=True):
         assert torch.equal(a, b), name
     ref_q, ref_k, ref_v = (t.detach().float() for t in _inputs(pb, hq, hk, d, torch.bfloat16, "cuda", seed=11))

@@ -75,8 +75,48 @@ def test_rounds_alternate_the_order_and_each_row_is_its_median_round(spec, tmp_p
     summary = runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run2", 1, 1,
                                log=lambda *_: None, rounds=3)
     failed = {r["stack"]: r for r in summary["rows"]}["novatune"]
-    assert failed["status"] == "failed" and failed["reason"] == "boom" and failed["round_tok_s"] == [210.0, 200.0]
+    assert failed["status"] == "failed" and failed["reason"] == "boom" and failed["round_tok_s"] == [210.0]
+    assert [s for s, _ in order].count("novatune") == 2, "a stack that failed is not run again"
     assert summary["exit_code"] == 1
+
+
+def test_an_interrupted_bench_of_rounds_fails_the_stacks_short_of_rounds(spec, tmp_path, monkeypatch):
+    """Ctrl-C in round 2 of 3: no stack has all its rounds, so no row claims a median the others did not get."""
+    from novatune.bench import runner
+
+    runs = []
+
+    def fake_worker(wspec, timeout):
+        runs.append(wspec["stack"])
+        if len(runs) == 3:
+            raise KeyboardInterrupt
+        return {"stack": wspec["stack"], "status": "ok", "tok_s": 100.0 * len(runs), "losses": [1.0]}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run", 1, 1, log=lambda *_: None,
+                         rounds=3)
+    import json
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = {r["stack"]: r for r in summary["rows"]}
+    assert rows["stock"]["status"] == rows["novatune"]["status"] == "failed" and summary["exit_code"] == 1
+    assert "interrupted after 1 of 3 rounds" in rows["stock"]["reason"]
+    assert "interrupted after 1 of 3 rounds" in rows["novatune"]["reason"]
+
+
+def test_profile_and_memory_run_in_the_last_round_into_the_run_directory(spec, tmp_path, monkeypatch):
+    from novatune.bench import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_worker", lambda wspec, timeout: seen.append(wspec) or
+                        {"stack": wspec["stack"], "status": "ok", "tok_s": 1.0, "losses": [1.0]})
+    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
+    runner.run_bench(spec["config"], [], ["stock"], tmp_path / "run", 1, 1, log=lambda *_: None, rounds=2,
+                     profile=True, memory=True)
+    assert [(w["profile"], w["memory"]) for w in seen] == [(False, False), (True, True)]
+    assert all(w["diag_dir"] == str(tmp_path / "run") for w in seen)
 
 
 def test_round_order_alternates():

@@ -16,6 +16,20 @@ from novatune.ops.moe_wgrad import SLICES, accumulates_into_grad, column_slices
 from tests.ops.test_moe import CASES, _experts_inputs
 
 
+def _record_in_place(monkeypatch) -> list:
+    """The out dims of every weight gradient the op adds into .grad itself, in call order."""
+    seen = []
+    real = M.weight_grad
+
+    def recording(dweight_of, dy, into, out_dim):
+        if into is not None:
+            seen.append(out_dim)
+        return real(dweight_of, dy, into, out_dim)
+
+    monkeypatch.setattr(M, "weight_grad", recording)
+    return seen
+
+
 def _params(tensors):
     """The inputs with the expert weights as nn.Parameters (what a model holds)."""
     out = list(tensors)
@@ -36,9 +50,12 @@ def _accumulate(case, micro_batches, wgrad_in_place, seed=0):
 
 
 @pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5", "odd hidden E7 top3"])
-def test_in_place_accumulation_equals_autograds(name):
+def test_in_place_accumulation_equals_autograds(name, monkeypatch):
     want = _accumulate(CASES[name], 3, wgrad_in_place=False)
+    added = _record_in_place(monkeypatch)
     got = _accumulate(CASES[name], 3, wgrad_in_place=True)
+    out_dim = 2 if CASES[name][5] else 1
+    assert added == [out_dim] * 4  # micro-batches 2 and 3, both weights
     for what, a, b in (("gate_up", got[0], want[0]), ("down", got[1], want[1])):
         assert_close(a, b, 1e-6, what)
     # the other inputs' gradients are returned as usual
@@ -48,11 +65,7 @@ def test_in_place_accumulation_equals_autograds(name):
 def test_the_first_micro_batch_is_returned_and_later_ones_are_added_in_place(monkeypatch):
     """Micro-batch 1 has no .grad to add into (autograd keeps the returned tensor); from micro-batch 2 on the
     backward adds by slices and returns None for the weights."""
-    from novatune.ops import moe_wgrad as W
-
-    calls = []
-    real = W.add_into_grad
-    monkeypatch.setattr(M, "add_into_grad", lambda *a: calls.append(a[3]) or real(*a))
+    calls = _record_in_place(monkeypatch)
     case = CASES["qwen3-layout E5"]
     ids, tensors, layout = _experts_inputs(case, torch.float32)
     params = _params(tensors)
@@ -76,6 +89,25 @@ def test_hooks_keep_the_gradient_returned():
     M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True).sum().backward()
     assert "gate_up" in got and torch.equal(got["gate_up"], params[2].grad)
     assert "down" in got and torch.equal(got["down"], params[3].grad)
+
+
+def test_a_create_graph_backward_gets_the_gradient_returned(monkeypatch):
+    """Under create_graph autograd replaces .grad by .grad + g (a graph of its own) instead of adding in place:
+    the op returns the gradient there, whatever its own backward's no_grad says."""
+    added = _record_in_place(monkeypatch)
+    case = CASES["qwen3-layout E5"]
+    ids, tensors, layout = _experts_inputs(case, torch.float32)
+    params = _params(tensors)
+    start = [torch.full_like(p, 0.5) for p in params[2:4]]
+    for p, g in zip(params[2:4], start):
+        p.grad = g
+    M.moe_experts(params[0], ids, *params[1:], **layout, wgrad_in_place=True).sum().backward(create_graph=True)
+    assert added == []
+    assert all(torch.all(g == 0.5) for g in start), "the earlier .grad tensors were not written"
+    ref = M.moe_experts(params[0], ids, *params[1:], **layout)
+    want = torch.autograd.grad(ref.sum(), params[2:4])
+    for p, w in zip(params[2:4], want):
+        assert_close(p.grad.detach(), w + 0.5, 1e-6, "grad")
 
 
 def test_autograd_grad_and_backward_inputs_leave_grad_alone():
@@ -218,9 +250,7 @@ def test_under_activation_checkpointing_the_parameters_grad_is_written(monkeypat
     weights back as detached copies: the gradient still reaches the parameters' .grad, equal to autograd's."""
     from torch.utils.checkpoint import checkpoint
 
-    added = []
-    real = M.add_into_grad
-    monkeypatch.setattr(M, "add_into_grad", lambda *a: added.append(a[3]) or real(*a))
+    added = _record_in_place(monkeypatch)
     case = CASES["qwen3-layout E5"]
     result = {}
     for in_place in (False, True):

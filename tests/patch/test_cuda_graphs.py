@@ -102,10 +102,12 @@ def _max_err(a: list[dict], b: list[dict]) -> float:
 
 
 @pytest.mark.gpu
-def test_graphed_layers_match_eager_exactly(padded_eager_attention):
+@pytest.mark.parametrize("attention", ["auto", "flash"])
+def test_graphed_layers_match_eager_exactly(padded_eager_attention, attention):
     """Deterministic algorithms, eager attending over the graphs' padded offsets: the same kernels on the same
-    inputs, so any difference is the graphs' (stale static buffers, a missed gradient, a wrong replay)."""
-    _compare_graphed_with_eager(True, tol=1e-6)
+    inputs, so any difference is the graphs' (stale static buffers, a missed gradient, a wrong replay). Both
+    FlashAttention-2 routes: torch's varlen_attn (auto) and aten's ops (flash)."""
+    _compare_graphed_with_eager(True, tol=1e-6, attention=attention)
 
 
 @pytest.mark.gpu
@@ -116,14 +118,14 @@ def test_graphed_layers_train_like_eager():
     _compare_graphed_with_eager(False, tol=None)
 
 
-def _compare_graphed_with_eager(deterministic: bool, tol):
+def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto"):
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
         eager = _model("cuda")
         eager2, graphed = copy.deepcopy(eager), copy.deepcopy(eager)
-        rep_e = novatune.patch(eager, cuda_graphs=False, tune=False)
-        novatune.patch(eager2, cuda_graphs=False, tune=False)
-        rep_g = novatune.patch(graphed, tune=False)
+        rep_e = novatune.patch(eager, cuda_graphs=False, tune=False, attention=attention)
+        novatune.patch(eager2, cuda_graphs=False, tune=False, attention=attention)
+        rep_g = novatune.patch(graphed, tune=False, attention=attention)
         assert rep_g.replaced("cuda_graphs") and not rep_e.replaced("cuda_graphs")
         layouts = LAYOUTS * 2  # the second pass replays every bucket's graphs
         le, ge = _train(eager, layouts)
