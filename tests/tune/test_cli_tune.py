@@ -84,8 +84,8 @@ def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
                      "swiglu": {"hf_eager", "novatune_default"},
                      "linear_cross_entropy": {"hf_eager", "novatune_default"},
                      "attention": {"hf_eager", "novatune_default", "backend_reference", "backend_sdpa_docs",
-                                   "backend_varlen", "backend_cudnn"},  # varlen, cudnn: skipped on the CPU, with
-                     # their reasons
+                                   "backend_varlen", "backend_flash", "backend_cudnn"},  # varlen, flash, cudnn:
+                     # skipped on the CPU, with their reasons
                      "qk_norm_rope": {"hf_eager", "novatune_default"}}
     attn = next(e for e in cache.values() if e["op"] == "attention")
     cudnn = next(c for c in attn["candidates"] if c["name"] == "backend_cudnn")

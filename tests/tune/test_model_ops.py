@@ -155,7 +155,7 @@ def test_attention_backends_are_accepted(name):
 
 def test_cuda_backends_are_skipped_on_the_cpu_with_a_reason():
     cs = {c.name: c for c in candidates("attention", ATTN_SHAPE, torch.float32, "cpu")}
-    for name in ("backend_varlen", "backend_flex"):
+    for name in ("backend_varlen", "backend_flash", "backend_flex"):
         assert cs[name].unavailable and "CUDA" in cs[name].unavailable
         v = check(ATTN, cs[name], ATTN_STOCK, ATTN_SHAPE)
         assert not v.ok and v.check == "available"
