@@ -69,11 +69,13 @@ Run directory (schema, for `novatune report` and anyone reading the files):
   <run_dir>/memory/<stack>.txt  with --memory: the allocation replay to the peak of one micro-step
   <run_dir>/<stack>/           spec.json (what the worker was asked), result.json (its row, without the
                                environment) and worker.log (its stdout and stderr); with --rounds N > 1 each
-                               round's under <run_dir>/round<k>/ (<stack>/, traces/, memory/)
+                               round's under <run_dir>/round<k>/<stack>/ (--profile and --memory: the last
+                               round's, in <run_dir>/traces/ and memory/)
 
 Rounds (--rounds N): a host that drifts during a call (seen: 30% between machines, +20% step time within one
 call) skews a ratio of stacks run once each in a fixed order. N rounds run the stacks in alternating order (A B,
-B A, ...) and every stack's row is its median round's, with each round's figure beside it.
+B A, ...) and every stack's row is its median round's (of an even count, the slower middle one), with each
+round's figure beside it.
 """
 from __future__ import annotations
 
