@@ -92,6 +92,7 @@ from novatune.bench.stacks import STACKS, load_plugins
 from novatune.parallel.launch import torchrun_command
 
 PEERS = ("liger-peer", "unsloth", "hf-varlen")  # the stacks x_peer compares with (the fastest that ran)
+DIAGNOSTICS = ("profile", "trace", "memory")  # a worker row's --profile / --memory fields (bench/worker.py)
 
 
 def default_run_dir(kind: str) -> Path:
@@ -252,7 +253,9 @@ def combine_rounds(runs: list[dict], rounds: int | None = None) -> dict:
     median = sorted(ok, key=lambda r: r["tok_s"])[(len(ok) - 1) // 2]
     peaks = [r["peak_gib"] for r in ok if r.get("peak_gib") is not None]
     diffs = [_max_rel_diff(r["losses"], median["losses"]) for r in ok if r is not median]
-    return {**median, "rounds": len(runs), "round_tok_s": tok, "round_spread": round(max(tok) / min(tok) - 1, 4),
+    diagnosed = {k: runs[-1][k] for k in DIAGNOSTICS if k in runs[-1]}  # --profile / --memory ran in the last round
+    return {**median, **diagnosed, "rounds": len(runs), "round_tok_s": tok,
+            "round_spread": round(max(tok) / min(tok) - 1, 4),
             "peak_gib": max(peaks) if peaks else median.get("peak_gib"),
             "loss_max_rel_diff_across_rounds": max((d for d in diffs if d is not None), default=None)}
 

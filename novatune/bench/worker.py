@@ -204,8 +204,11 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if spec.get("profile"):
-        extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name))
-        extra["trace"] = str(out / "traces" / f"{name}.json")
+        try:
+            extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name))
+            extra["trace"] = str(out / "traces" / f"{name}.json")
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
+            extra["profile"] = f"failed: {type(e).__name__}: {e}"
     return extra
 
 

@@ -26,6 +26,7 @@ itself from Python (rare; torch offers no way to list those) would not see the g
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -58,12 +59,10 @@ def accumulates_into_grad(param: Tensor | None) -> bool:
 
 
 def _compiled_autograd() -> bool:
-    try:
-        from torch._dynamo import compiled_autograd
-    except ImportError:  # a torch build without dynamo has no compiled autograd either
-        return False
-    return bool(getattr(compiled_autograd, "compiled_autograd_enabled", False)
-                or getattr(compiled_autograd, "in_compiled_autograd_region", False))
+    # never imported, never on (importing torch._dynamo here would cost a second on the first backward)
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is not None and bool(getattr(compiled_autograd, "compiled_autograd_enabled", False)
+                                                  or getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
 def column_slices(width: int, element_size: int, slices: int = SLICES) -> list[tuple[int, int]]:

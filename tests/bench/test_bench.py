@@ -106,17 +106,52 @@ def test_an_interrupted_bench_of_rounds_fails_the_stacks_short_of_rounds(spec, t
     assert "interrupted after 1 of 3 rounds" in rows["novatune"]["reason"]
 
 
+def test_an_interrupt_in_the_last_round_keeps_the_stacks_that_finished(spec, tmp_path, monkeypatch):
+    """--rounds 2 (A B, B A), Ctrl-C in A's second run: B has both rounds and keeps its median row."""
+    from novatune.bench import runner
+
+    runs = []
+
+    def fake_worker(wspec, timeout):
+        runs.append(wspec["stack"])
+        if len(runs) == 4:
+            raise KeyboardInterrupt
+        return {"stack": wspec["stack"], "status": "ok", "tok_s": 100.0 * len(runs), "losses": [1.0]}
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
+    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run", 1, 1, log=lambda *_: None,
+                         rounds=2)
+    import json
+
+    rows = {r["stack"]: r for r in json.loads((tmp_path / "run" / "summary.json").read_text())["rows"]}
+    assert rows["novatune"]["status"] == "ok" and rows["novatune"]["round_tok_s"] == [200.0, 300.0]
+    assert rows["novatune"]["tok_s"] == 200.0  # of an even count, the slower middle round
+    assert rows["stock"]["status"] == "failed" and "after 1 of 2 rounds" in rows["stock"]["reason"]
+
+
 def test_profile_and_memory_run_in_the_last_round_into_the_run_directory(spec, tmp_path, monkeypatch):
+    """The last round's diagnostics stay on the row even when another round is the median."""
     from novatune.bench import runner
 
     seen = []
-    monkeypatch.setattr(runner, "run_worker", lambda wspec, timeout: seen.append(wspec) or
-                        {"stack": wspec["stack"], "status": "ok", "tok_s": 1.0, "losses": [1.0]})
+
+    def fake_worker(wspec, timeout):
+        seen.append(wspec)
+        row = {"stack": wspec["stack"], "status": "ok", "tok_s": 400.0 - 100 * len(seen), "losses": [1.0]}
+        if wspec["profile"]:
+            row.update(profile={"wall_ms": 1.0}, trace="traces/stock.json", memory={"peak": 2.0})
+        return row
+
+    monkeypatch.setattr(runner, "run_worker", fake_worker)
     monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
-    runner.run_bench(spec["config"], [], ["stock"], tmp_path / "run", 1, 1, log=lambda *_: None, rounds=2,
-                     profile=True, memory=True)
-    assert [(w["profile"], w["memory"]) for w in seen] == [(False, False), (True, True)]
+    summary = runner.run_bench(spec["config"], [], ["stock"], tmp_path / "run", 1, 1, log=lambda *_: None,
+                               rounds=3, profile=True, memory=True)
+    assert [(w["profile"], w["memory"]) for w in seen] == [(False, False), (False, False), (True, True)]
     assert all(w["diag_dir"] == str(tmp_path / "run") for w in seen)
+    row = summary["rows"][0]
+    assert row["tok_s"] == 200.0 and row["trace"] == "traces/stock.json" and row["memory"] == {"peak": 2.0}
 
 
 def test_round_order_alternates():
