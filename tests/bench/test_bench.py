@@ -80,27 +80,33 @@ def test_rounds_alternate_the_order_and_each_row_is_its_median_round(spec, tmp_p
     assert summary["exit_code"] == 1
 
 
-def test_an_interrupted_bench_of_rounds_fails_the_stacks_short_of_rounds(spec, tmp_path, monkeypatch):
-    """Ctrl-C in round 2 of 3: no stack has all its rounds, so no row claims a median the others did not get."""
+def _interrupted_rounds(spec, run_dir, monkeypatch, rounds: int, interrupt_at: int) -> tuple[dict, dict]:
+    """run_bench over stock and novatune with `rounds`, Ctrl-C arriving in the `interrupt_at`-th worker run
+    (run k reports 100 k tok/s); (rows by stack, summary) as summary.json holds them."""
+    import json
+
     from novatune.bench import runner
 
     runs = []
 
     def fake_worker(wspec, timeout):
         runs.append(wspec["stack"])
-        if len(runs) == 3:
+        if len(runs) == interrupt_at:
             raise KeyboardInterrupt
         return {"stack": wspec["stack"], "status": "ok", "tok_s": 100.0 * len(runs), "losses": [1.0]}
 
     monkeypatch.setattr(runner, "run_worker", fake_worker)
     monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
     with pytest.raises(KeyboardInterrupt):
-        runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run", 1, 1, log=lambda *_: None,
-                         rounds=3)
-    import json
+        runner.run_bench(spec["config"], [], ["stock", "novatune"], run_dir, 1, 1, log=lambda *_: None,
+                         rounds=rounds)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {r["stack"]: r for r in summary["rows"]}, summary
 
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    rows = {r["stack"]: r for r in summary["rows"]}
+
+def test_an_interrupted_bench_of_rounds_fails_the_stacks_short_of_rounds(spec, tmp_path, monkeypatch):
+    """Ctrl-C in round 2 of 3: no stack has all its rounds, so no row claims a median the others did not get."""
+    rows, summary = _interrupted_rounds(spec, tmp_path / "run", monkeypatch, rounds=3, interrupt_at=3)
     assert rows["stock"]["status"] == rows["novatune"]["status"] == "failed" and summary["exit_code"] == 1
     assert "interrupted after 1 of 3 rounds" in rows["stock"]["reason"]
     assert "interrupted after 1 of 3 rounds" in rows["novatune"]["reason"]
@@ -108,24 +114,7 @@ def test_an_interrupted_bench_of_rounds_fails_the_stacks_short_of_rounds(spec, t
 
 def test_an_interrupt_in_the_last_round_keeps_the_stacks_that_finished(spec, tmp_path, monkeypatch):
     """--rounds 2 (A B, B A), Ctrl-C in A's second run: B has both rounds and keeps its median row."""
-    from novatune.bench import runner
-
-    runs = []
-
-    def fake_worker(wspec, timeout):
-        runs.append(wspec["stack"])
-        if len(runs) == 4:
-            raise KeyboardInterrupt
-        return {"stack": wspec["stack"], "status": "ok", "tok_s": 100.0 * len(runs), "losses": [1.0]}
-
-    monkeypatch.setattr(runner, "run_worker", fake_worker)
-    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
-    with pytest.raises(KeyboardInterrupt):
-        runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run", 1, 1, log=lambda *_: None,
-                         rounds=2)
-    import json
-
-    rows = {r["stack"]: r for r in json.loads((tmp_path / "run" / "summary.json").read_text())["rows"]}
+    rows, _ = _interrupted_rounds(spec, tmp_path / "run", monkeypatch, rounds=2, interrupt_at=4)
     assert rows["novatune"]["status"] == "ok" and rows["novatune"]["round_tok_s"] == [200.0, 300.0]
     assert rows["novatune"]["tok_s"] == 200.0  # of an even count, the slower middle round
     assert rows["stock"]["status"] == "failed" and "after 1 of 2 rounds" in rows["stock"]["reason"]
