@@ -65,7 +65,7 @@ def oracle(q, k, v, pb, scale, window):
         qd = q[a:a + n].transpose(0, 1)
         kd = k[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)
         vd = v[a:a + n].transpose(0, 1).repeat_interleave(hq // hk, 0)
-        i = torch.arange(n)
+        i = torch.arange(n, device=q.device)
         seen = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
         s = (qd @ kd.transpose(1, 2) * scale).masked_fill(~seen, float("-inf"))
         outs.append((torch.softmax(s, -1) @ vd).transpose(0, 1))
