@@ -47,7 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # hf_default: sdpa, or eager where sdpa cannot compute the family's attention (GPT-OSS, Gemma 2)
-STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false"]
+# stock and the peers train with torch's AdamW whatever the config chose (novatune's kernel is novatune's)
+STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false",
+         "train.adamw_kernel=torch"]
 NOVATUNE = ["model.patch=true"]
 
 # modules that register more stacks when imported (a stack defined outside this file)
@@ -219,6 +221,8 @@ register(Stack("novatune-train", "novatune train: the trainer's own loop (loggin
                NOVATUNE, run=run_from("novatune.bench.train_stack:run"), patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
+register(Stack("novatune_adamw", "novatune with train.adamw_kernel novatune (AdamW through novatune's kernel, the "
+               "clipping scale inside it)", NOVATUNE + ["train.adamw_kernel=novatune"], patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),

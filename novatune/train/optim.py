@@ -4,6 +4,9 @@
                       With bf16 weights an update below half a bf16 spacing rounds away: at lr 1e-5 most weights
                       never move (tests/train/test_optim.py measures it).
                       Over FSDP2's DTensor parameters, the same update runs on the local shards (ShardLocalAdamW).
+                      `train.adamw_kernel: novatune` runs the same update through novatune's kernel instead
+                      (FusedClipAdamW: one pass per parameter, the gradient-clipping scale applied inside it, so the
+                      separate pass that scales every gradient goes away); its state_dict is torch.optim.AdamW's.
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16
                       parameter instead of a 4-byte master copy. fp32 parameters (LoRA adapters) need no buffer.
@@ -122,6 +125,46 @@ class AdamWKahan(torch.optim.Optimizer):
                         self.state[p][key] = saved[pid][key].to(device=p.device, dtype=torch.float32)
 
 
+class FusedClipAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (moments in the parameter's dtype) whose update runs through novatune.ops.adamw, with the
+    gradient-clipping scale applied inside the update: set `grad_scale` (a one-element fp32 tensor on the
+    parameters' device, min(1, max_norm / (norm + 1e-6))) before step() instead of scaling the gradients; step()
+    uses it once. The gradients themselves are left unscaled. Checkpoints are interchangeable with
+    torch.optim.AdamW's (same state keys; the step count stays a host tensor, so no update reads the device)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False)
+        self.grad_scale: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from novatune.ops.adamw import adamw_step
+
+        loss = closure_loss(closure)
+        scale, self.grad_scale = self.grad_scale, None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or p.dtype not in (torch.bfloat16, torch.float32):
+                    raise RuntimeError(f"train.adamw_kernel novatune: dense bf16 or fp32 parameters only, got "
+                                       f"{p.dtype}{' (sparse gradient)' if p.grad.is_sparse else ''}; set "
+                                       "train.adamw_kernel: torch")
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                # a new host tensor each step: a loaded state_dict's step tensor may be shared with its source (and
+                # a fused torch.optim.AdamW's lives on the GPU, where reading it would wait for the device)
+                st["step"] = st["step"].detach().to("cpu", torch.float32) + 1
+                adamw_step(p.data, st["exp_avg"], st["exp_avg_sq"], p.grad.contiguous(), scale,
+                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=int(st["step"]))
+        return loss
+
+
 def _bnb_class(name: str):
     try:
         import bitsandbytes as bnb
@@ -139,6 +182,12 @@ def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
     groups = [g for g in groups if g["params"]]
     hyper = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, weight_decay=tcfg.weight_decay)
     name = getattr(tcfg, "optimizer", "adamw")
+    sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
+    if getattr(tcfg, "adamw_kernel", "torch") == "novatune":
+        if name != "adamw" or sharded:
+            raise SetupError(f"train.adamw_kernel novatune runs train.optimizer adamw on unsharded parameters "
+                             f"(here: {name}{', FSDP2 parameters' if sharded else ''}); set train.adamw_kernel: torch")
+        return FusedClipAdamW(groups, **hyper)
     if name == "adamw_kahan":
         return AdamWKahan(groups, **hyper)
     if name in BNB_OPTIMIZERS:
@@ -146,7 +195,7 @@ def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
     fused = tcfg.fused_adamw if tcfg.fused_adamw is not None else device.type == "cuda"
     kw = {"fused": True} if fused else {}  # else torch's default (foreach on CUDA)
     # FSDP2's parameters are DTensors: the same AdamW, its update run on the local shards (parallel/optim.py)
-    cls = ShardLocalAdamW if any(isinstance(p, DTensor) for g in groups for p in g["params"]) else torch.optim.AdamW
+    cls = ShardLocalAdamW if sharded else torch.optim.AdamW
     return cls(groups, lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, **kw)
 
 

@@ -18,9 +18,9 @@ from novatune.train.config import Config, ConfigError, to_yaml
 __all__ = ["changed_settings", "check_resume_config"]
 
 # keys (or whole sections) that a resumed run may change; every other key must match the checkpoint's config
-ALLOWED = ("train.max_steps", "train.epochs", "train.max_grad_norm", "train.fused_adamw", "train.on_nonfinite",
-           "train.max_skipped_steps", "model.patch", "model.patch_options", "model.attention", "model.device",
-           "model.low_memory_load", "memory", "parallel", "checkpoint", "logging")
+ALLOWED = ("train.max_steps", "train.epochs", "train.max_grad_norm", "train.fused_adamw", "train.adamw_kernel",
+           "train.on_nonfinite", "train.max_skipped_steps", "model.patch", "model.patch_options", "model.attention",
+           "model.device", "model.low_memory_load", "memory", "parallel", "checkpoint", "logging")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
