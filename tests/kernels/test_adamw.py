@@ -72,24 +72,28 @@ def test_bad_inputs_raise(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cuda_kernel_tracks_torch_fused_adamw(dtype):
-    """Five steps on a 3M-element parameter, torch.optim.AdamW(fused=True) beside the kernel on the same gradients:
-    every stored value within one spacing of its dtype of torch's, and nearly all of them equal (torch's double
-    hyperparameters and fused multiply-adds round a few values differently)."""
+    """One step from the same state, torch.optim.AdamW(fused=True) beside the kernel, on a 3M-element parameter
+    whose state comes from four earlier torch steps: every stored value within one spacing of its dtype of torch's,
+    and nearly all of them equal. (Over several steps the moments' last-bit differences feed later updates, so the
+    two runs drift apart by a few spacings: the same bound applies per step, measured here.)"""
     n = 3 * 2**20 + 5
     gen = torch.Generator().manual_seed(1)
-    w0 = (0.02 * torch.randn(n, generator=gen)).to(dtype).cuda()
-    ref = torch.nn.Parameter(w0.clone())
+    ref = torch.nn.Parameter((0.02 * torch.randn(n, generator=gen)).to(dtype).cuda())
     opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1, fused=True)
-    p, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
-    for step in range(1, 6):
+    for _ in range(5):
         g = (1e-3 * torch.randn(n, generator=gen)).to(dtype).cuda()
+        st = opt.state[ref]
+        before = (ref.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()) if st else None
         ref.grad = g.clone()
         opt.step()
-        K.adamw_step(p, m, v, g, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step)
+    p, m, v = before
+    K.adamw_step(p, m, v, g, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=5)
     st = opt.state[ref]
+    stats = {}
     for name, ours, theirs in (("p", p, ref.detach()), ("m", m, st["exp_avg"]), ("v", v, st["exp_avg_sq"])):
         big = torch.nextafter(theirs.abs(), torch.full_like(theirs, math.inf))
         spacing = (big.float() - theirs.abs().float()).clamp_min(torch.finfo(dtype).tiny)
         diff = (ours.float() - theirs.float()).abs()
-        assert (diff <= spacing).all(), (name, diff.max())
-        assert (diff == 0).float().mean() >= 0.99, (name, (diff == 0).float().mean())
+        stats[name] = (float((diff / spacing).max()), float((diff == 0).float().mean()))
+    assert all(worst <= 1 and equal >= 0.99 for worst, equal in stats.values()), \
+        f"(largest difference in spacings, fraction equal) per tensor: {stats}"
