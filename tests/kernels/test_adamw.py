@@ -69,31 +69,66 @@ def test_bad_inputs_raise(device):
         K.adamw_step(*(t.half() for t in (p, m, v, g)), **HYPER, weight_decay=0.0, step=1)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_kernel_tracks_torch_fused_adamw(dtype):
-    """One step from the same state, torch.optim.AdamW(fused=True) beside the kernel, on a 3M-element parameter
-    whose state comes from four earlier torch steps: every stored value within one spacing of its dtype of torch's,
-    and nearly all of them equal. (Over several steps the moments' last-bit differences feed later updates, so the
-    two runs drift apart by a few spacings: the same bound applies per step, measured here.)"""
+def spacing(t: torch.Tensor) -> torch.Tensor:
+    """The distance from |t| to the next larger value of t's dtype (as fp64)."""
+    big = torch.nextafter(t.abs(), torch.full_like(t, math.inf))
+    return (big.double() - t.abs().double()).clamp_min(torch.finfo(t.dtype).tiny)
+
+
+def step_difference(before, g, ours, theirs, arith: torch.dtype, *, lr, beta1, beta2, eps, weight_decay, step) -> dict:
+    """How far two implementations' results of one AdamW step from the same state are apart, in units of what
+    their roundings allow: per tensor (largest |ours - theirs| / bound, fraction of values equal). The bound is one
+    spacing of the stored result (the last rounding may go either way) plus a few fp32 roundings of the operands'
+    magnitudes: b1 m + (1 - b1) g can cancel (m's own spacing is then far below its operands'), and an update
+    carries m's error, scaled by step_size / denom, into p. `arith`: the dtype the compared implementation
+    computes in (torch's fused kernel: fp32, some products fp64; its single-tensor path: the parameter's dtype,
+    every op rounded to it)."""
+    p0, m0, v0 = (t.double() for t in before)
+    g = g.double()
+    tiny = 4 * torch.finfo(arith).eps
+    scale_m = beta1 * m0.abs() + (1 - beta1) * g.abs()
+    scale_v = beta2 * v0 + (1 - beta2) * g * g
+    denom = scale_v.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    scale_p = p0.abs() * (1 + lr * weight_decay) + 2 * lr / (1 - beta1 ** step) * scale_m / denom
+    out = {}
+    for name, a, b, scale in (("p", ours[0], theirs[0], scale_p), ("m", ours[1], theirs[1], scale_m),
+                              ("v", ours[2], theirs[2], scale_v)):
+        diff = (a.double() - b.double()).abs()
+        out[name] = (float((diff / (spacing(b) + tiny * scale)).max()), float((diff == 0).double().mean()))
+    return out
+
+
+def _torch_step_beside_kernel(dtype, device, arith, **adamw_kw):
+    """Five torch.optim.AdamW steps on a 3M-element parameter; the kernel takes the fifth from the same state."""
     n = 3 * 2**20 + 5
     gen = torch.Generator().manual_seed(1)
-    ref = torch.nn.Parameter((0.02 * torch.randn(n, generator=gen)).to(dtype).cuda())
-    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1, fused=True)
+    ref = torch.nn.Parameter((0.02 * torch.randn(n, generator=gen)).to(dtype).to(device))
+    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.1, **adamw_kw)
     for _ in range(5):
-        g = (1e-3 * torch.randn(n, generator=gen)).to(dtype).cuda()
+        g = (1e-3 * torch.randn(n, generator=gen)).to(dtype).to(device)
         st = opt.state[ref]
         before = (ref.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()) if st else None
         ref.grad = g.clone()
         opt.step()
-    p, m, v = before
-    K.adamw_step(p, m, v, g, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=5)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=5)
+    ours = tuple(t.clone() for t in before)
+    K.adamw_step(*ours, g, **hyper)
     st = opt.state[ref]
-    stats = {}
-    for name, ours, theirs in (("p", p, ref.detach()), ("m", m, st["exp_avg"]), ("v", v, st["exp_avg_sq"])):
-        big = torch.nextafter(theirs.abs(), torch.full_like(theirs, math.inf))
-        spacing = (big.float() - theirs.abs().float()).clamp_min(torch.finfo(dtype).tiny)
-        diff = (ours.float() - theirs.float()).abs()
-        stats[name] = (float((diff / spacing).max()), float((diff == 0).float().mean()))
-    assert all(worst <= 1 and equal >= 0.99 for worst, equal in stats.values()), \
-        f"(largest difference in spacings, fraction equal) per tensor: {stats}"
+    return step_difference(before, g, ours, (ref.detach(), st["exp_avg"], st["exp_avg_sq"]), arith, **hyper)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernel_step_within_rounding_of_torch_single_tensor_adamw(dtype, device):
+    """torch's single-tensor AdamW (lerp for m, addcdiv for p): another rounding order of the same step."""
+    stats = _torch_step_beside_kernel(dtype, device, dtype, foreach=False)
+    assert all(worst <= 1 for worst, _ in stats.values()), f"(largest difference / bound, fraction equal): {stats}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_kernel_step_within_rounding_of_torch_fused_adamw(dtype):
+    """torch's fused AdamW (what stock trainers run on CUDA; some of its products in fp64), one step from the same
+    state: within the same bound. (Over several steps the two runs drift apart: each step's last-bit differences
+    in m and v feed the next updates.)"""
+    stats = _torch_step_beside_kernel(dtype, "cuda", torch.float32, fused=True)
+    assert all(worst <= 1 for worst, _ in stats.values()), f"(largest difference / bound, fraction equal): {stats}"
