@@ -221,8 +221,9 @@ register(Stack("novatune-train", "novatune train: the trainer's own loop (loggin
                NOVATUNE, run=run_from("novatune.bench.train_stack:run"), patched=True))
 register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["model.patch_options.cuda_graphs=false"],
                patched=True))
-register(Stack("novatune_adamw", "novatune with train.adamw_kernel novatune (AdamW through novatune's kernel, the "
-               "clipping scale inside it)", NOVATUNE + ["train.adamw_kernel=novatune"], patched=True))
+# novatune's AdamW kernel is the default (train.adamw_kernel auto); this stack is the A/B against torch's
+register(Stack("novatune_torch_adamw", "novatune with torch's fused AdamW (train.adamw_kernel torch)",
+               NOVATUNE + ["train.adamw_kernel=torch"], patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),

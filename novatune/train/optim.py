@@ -7,6 +7,7 @@
                       `train.adamw_kernel: novatune` runs the same update through novatune's kernel instead
                       (FusedClipAdamW: one pass per parameter, the gradient-clipping scale applied inside it, so the
                       separate pass that scales every gradient goes away); its state_dict is torch.optim.AdamW's.
+                      `auto` (the default) takes it for a patched model on CUDA in one process, torch's otherwise.
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16
                       parameter instead of a 4-byte master copy. fp32 parameters (LoRA adapters) need no buffer.
@@ -173,7 +174,20 @@ def _bnb_class(name: str):
     return getattr(bnb.optim, BNB_OPTIMIZERS[name])
 
 
-def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
+def adamw_kernel(tcfg, device: torch.device, patched: bool, sharded: bool) -> str:
+    """train.adamw_kernel resolved: "novatune" or "torch". auto takes novatune's kernel for a patched model's adamw
+    on CUDA in one process (torch's fused AdamW stays where the user asked for foreach, under DDP / FSDP2, on the
+    CPU, and for stock models)."""
+    choice = getattr(tcfg, "adamw_kernel", "torch")
+    if choice != "auto":
+        return choice
+    usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched and not sharded
+              and tcfg.fused_adamw is not False and not (torch.distributed.is_available()
+                                                         and torch.distributed.is_initialized()))
+    return "novatune" if usable else "torch"
+
+
+def build_optimizer(model, tcfg, device: torch.device, patched: bool = False) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -183,7 +197,7 @@ def build_optimizer(model, tcfg, device: torch.device) -> torch.optim.Optimizer:
     hyper = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, weight_decay=tcfg.weight_decay)
     name = getattr(tcfg, "optimizer", "adamw")
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    if getattr(tcfg, "adamw_kernel", "torch") == "novatune":
+    if adamw_kernel(tcfg, device, patched, sharded) == "novatune":
         if name != "adamw" or sharded:
             raise SetupError(f"train.adamw_kernel novatune runs train.optimizer adamw on unsharded parameters "
                              f"(here: {name}{', FSDP2 parameters' if sharded else ''}); set train.adamw_kernel: torch")

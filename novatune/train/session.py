@@ -373,7 +373,10 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
         reshard = pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world)
         model = pwrap.wrap(model, dist.strategy, dtype, device, reshard, dist.world,
                            pwrap.unit_size(cfg.parallel.layers_per_unit, dist.world, keep_gathered=not reshard))
-    opt = build_optimizer(model, cfg.train, device)
+    opt = build_optimizer(model, cfg.train, device, patched=cfg.model.patch)
+    if console is not None and isinstance(opt, FusedClipAdamW):
+        console.print("optimizer: AdamW through novatune's kernel, the clipping scale applied inside it "
+                      "(train.adamw_kernel: torch for torch's fused AdamW)", highlight=False)
     stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
                          rank=dist.rank, world=dist.world, pad_to=row_padding(cfg))
     if total_steps is None:
