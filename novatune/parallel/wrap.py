@@ -129,29 +129,50 @@ def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, eve
     return contextlib.nullcontext()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The total gradient norm over all ranks' shards (pre-clip), and the gradients clipped to `max_norm`.
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The total gradient norm over all ranks (pre-clip).
 
     With sharded (DTensor) gradients the norm of the local shards is not the model's norm. FSDP2 shards every
     gradient along dim 0 over one mesh dimension, so the squared norms of the local shards add up to the model's:
-    the norm and the clip run on the local tensors (plain foreach kernels, none of DTensor's per-tensor dispatch,
-    which costs host time on every step) with one all-reduce of the squared sum across 2+ ranks. Over one rank
-    this is the plain path's computation on the same tensors. Other placements take DTensor's own path."""
+    the norm runs on the local tensors (plain foreach kernels, none of DTensor's per-tensor dispatch, which costs
+    host time on every step) with one all-reduce of the squared sum across 2+ ranks. Over one rank this is the
+    plain path's computation on the same tensors. Other placements take DTensor's own path."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not isinstance(grads[0], DTensor):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if not all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements[0].is_shard() for g in grads):
+    if not grads:
+        return torch.zeros(())
+    if not isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+    if not _local_shards(grads):
         total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
-        return total
-    local = [g.to_local() for g in grads]
-    total = torch.nn.utils.get_total_norm(local, 2.0, error_if_nonfinite=False, foreach=None)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+    total = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0, error_if_nonfinite=False, foreach=None)
     mesh = grads[0].device_mesh
     if mesh.size() > 1:
         squared = total.float().square()
         torch.distributed.all_reduce(squared, group=mesh.get_group())
         total = squared.sqrt().to(total.dtype)
-    # clip_grads_with_norm_'s arithmetic, on the gradients themselves (it takes parameters and reads their .grad)
-    torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def clip_scale(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """clip_grads_with_norm_'s coefficient: min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total gradient norm over all ranks' shards (pre-clip, grad_norm), and the gradients clipped to
+    `max_norm`: clip_grads_with_norm_'s arithmetic, on the local shards where grad_norm summed them."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not isinstance(grads[0], DTensor):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = grad_norm(params)
+    if not _local_shards(grads):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+        return total
+    torch._foreach_mul_([g.to_local() for g in grads], clip_scale(total, max_norm))
+    return total
+
+
+def _local_shards(grads: list) -> bool:
+    """Every gradient a DTensor sharded along one mesh dimension: its local shards' squared norms add up."""
+    return all(isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements[0].is_shard() for g in grads)

@@ -90,9 +90,6 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError("train.adamw_kernel", f"novatune's kernel runs train.optimizer adamw (here {t.optimizer}"
                           f"{', fused_adamw false' if t.fused_adamw is False else ''})",
                           "set train.adamw_kernel: torch, or train.optimizer: adamw")
-    if t.adamw_kernel == "novatune" and cfg.parallel.strategy != "none":
-        raise ConfigError("train.adamw_kernel", f"novatune's kernel updates unsharded parameters in one process, not "
-                          f"under parallel.strategy {cfg.parallel.strategy}", "set train.adamw_kernel: torch")
     if t.optimizer != "adamw" and cfg.parallel.strategy == "fsdp2":
         raise ConfigError("train.optimizer", f"{t.optimizer} does not take FSDP2's sharded (DTensor) parameters",
                           "set train.optimizer: adamw with parallel.strategy: fsdp2, or parallel.strategy: ddp")

@@ -7,7 +7,8 @@
                       `train.adamw_kernel: novatune` runs the same update through novatune's kernel instead
                       (FusedClipAdamW: one pass per parameter, the gradient-clipping scale applied inside it, so the
                       separate pass that scales every gradient goes away); its state_dict is torch.optim.AdamW's.
-                      `auto` (the default) takes it for a patched model on CUDA in one process, torch's otherwise.
+                      `auto` (the default) takes it for a patched model on CUDA, torch's otherwise. Over FSDP2's
+                      DTensor parameters it updates each rank's local shards, as ShardLocalAdamW does.
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16
                       parameter instead of a 4-byte master copy. fp32 parameters (LoRA adapters) need no buffer.
@@ -30,7 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from novatune.parallel.optim import ShardLocalAdamW, closure_loss
+from novatune.parallel.optim import ShardLocalAdamW, closure_loss, local_tensor
 from novatune.train.errors import SetupError
 
 OPTIMIZERS = ("adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
@@ -153,14 +154,16 @@ class FusedClipAdamW(torch.optim.AdamW):
                                        f"{p.dtype}{' (sparse gradient)' if p.grad.is_sparse else ''}; set "
                                        "train.adamw_kernel: torch")
                 st = self.state[p]
-                if not st:
+                if not st:  # torch.optim.AdamW's state; moments shaped and sharded as the parameter (DTensors)
                     st["step"] = torch.tensor(0.0)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 # a new host tensor each step: a loaded state_dict's step tensor may be shared with its source (and
                 # a fused torch.optim.AdamW's lives on the GPU, where reading it would wait for the device)
                 st["step"] = st["step"].detach().to("cpu", torch.float32) + 1
-                adamw_step(p.data, st["exp_avg"], st["exp_avg_sq"], p.grad.contiguous(), scale,
+                # elementwise: over FSDP2's DTensors each rank updates its local shards (parallel/optim.py)
+                adamw_step(local_tensor(p.data), local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]),
+                           local_tensor(p.grad).contiguous(), scale,
                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=int(st["step"]))
         return loss
@@ -174,16 +177,14 @@ def _bnb_class(name: str):
     return getattr(bnb.optim, BNB_OPTIMIZERS[name])
 
 
-def adamw_kernel(tcfg, device: torch.device, patched: bool, sharded: bool) -> str:
+def adamw_kernel(tcfg, device: torch.device, patched: bool) -> str:
     """train.adamw_kernel resolved: "novatune" or "torch". auto takes novatune's kernel for a patched model's adamw
-    on CUDA in one process (torch's fused AdamW stays where the user asked for foreach, under DDP / FSDP2, on the
-    CPU, and for stock models)."""
+    on CUDA (torch's fused AdamW stays where the user asked for foreach, on the CPU, and for stock models)."""
     choice = getattr(tcfg, "adamw_kernel", "torch")
     if choice != "auto":
         return choice
-    usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched and not sharded
-              and tcfg.fused_adamw is not False and not (torch.distributed.is_available()
-                                                         and torch.distributed.is_initialized()))
+    usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched
+              and tcfg.fused_adamw is not False)
     return "novatune" if usable else "torch"
 
 
@@ -197,10 +198,10 @@ def build_optimizer(model, tcfg, device: torch.device, patched: bool = False) ->
     hyper = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, weight_decay=tcfg.weight_decay)
     name = getattr(tcfg, "optimizer", "adamw")
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    if adamw_kernel(tcfg, device, patched, sharded) == "novatune":
-        if name != "adamw" or sharded:
-            raise SetupError(f"train.adamw_kernel novatune runs train.optimizer adamw on unsharded parameters "
-                             f"(here: {name}{', FSDP2 parameters' if sharded else ''}); set train.adamw_kernel: torch")
+    if adamw_kernel(tcfg, device, patched) == "novatune":
+        if name != "adamw":
+            raise SetupError(f"train.adamw_kernel novatune runs train.optimizer adamw, not {name}; set "
+                             "train.adamw_kernel: torch")
         return FusedClipAdamW(groups, **hyper)
     if name == "adamw_kahan":
         return AdamWKahan(groups, **hyper)

@@ -205,24 +205,20 @@ class Session:
         """Gradients of one optimizer step, accumulated over the micro-batches and clipped; nothing synced."""
         if self.strategy == "none":
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
-            if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
-                return StepOutput(loss, self._norm_and_clip_scale())
+        else:
+            loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
+                                    pwrap.loss_scale(self.strategy, self.dist.world),
+                                    lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
+                                                                 self.sync_every_micro_batch, self._sync_flags))
+            self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
+        if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
+            norm = pwrap.grad_norm(self.params)
+            if self.clip != float("inf"):
+                self.optimizer.grad_scale = pwrap.clip_scale(norm, self.clip).float()
+            return StepOutput(loss, norm)
+        if self.strategy == "none":
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
-        loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
-                                pwrap.loss_scale(self.strategy, self.dist.world),
-                                lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
-                                                             self.sync_every_micro_batch, self._sync_flags))
-        self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
-
-    def _norm_and_clip_scale(self) -> torch.Tensor:
-        """The gradients' total norm, and the optimizer's grad_scale: clip_grad_norm_'s coefficient
-        min(1, max_norm / (norm + 1e-6)), applied inside the update instead of a pass over every gradient."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if self.clip != float("inf"):
-            self.optimizer.grad_scale = (self.clip / (norm + 1e-6)).clamp(max=1.0).float()
-        return norm
 
     def apply_update(self) -> None:
         """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped."""

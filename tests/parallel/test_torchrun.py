@@ -107,6 +107,18 @@ def test_fsdp2_two_processes_equal_one(one_proc, fsdp_two):
     assert row["world_size"] == 2 and row["tokens_per_s_per_proc"] == pytest.approx(row["tokens_per_s"] / 2)
 
 
+def test_fsdp2_with_novatunes_adamw_kernel_equals_one_process(one_proc, tmp_path):
+    """train.adamw_kernel novatune under FSDP2 (on the CPU its fp32 reference): each rank updates its local shards,
+    the clipping scale (from the norm summed over both ranks' shards) applied inside the update; against one
+    process stepping torch's AdamW after clip_grad_norm_. The two AdamW implementations round differently
+    (~1e-7 relative per step): inside the module's tolerances. The sharded checkpoints hold its state."""
+    out = tmp_path / "run"
+    torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2", "--set", "train.adamw_kernel=novatune")
+    assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))
+    assert_same_weights(one_proc / "final", out / "final")
+    assert json.loads((out / "checkpoints" / "step_00000004" / "manifest.json").read_text())["layout"] == "dcp"
+
+
 @pytest.mark.slow  # two torchrun launches: ~50-95 s on a busy 2-core machine
 def test_fsdp2_with_offloaded_and_selective_layers_equals_one_process(one_proc, tmp_path):
     """The memory policies run inside FSDP2's gathered layers (its hooks sit outside the checkpoint function):

@@ -113,22 +113,19 @@ def test_config_refuses_what_the_kernel_does_not_run(make_cfg):
 
     with pytest.raises(ConfigError, match="(?s)adamw_kernel.*adamw_kahan.*train.adamw_kernel: torch"):
         make_cfg(train={"adamw_kernel": "novatune", "optimizer": "adamw_kahan"})
-    with pytest.raises(ConfigError, match="(?s)adamw_kernel.*fsdp2.*train.adamw_kernel: torch"):
-        make_cfg(train={"adamw_kernel": "novatune"}, parallel={"strategy": "fsdp2"})
 
 
-@pytest.mark.parametrize("device,patched,sharded,changes,want", [
-    ("cuda", True, False, {}, "novatune"),
-    ("cuda", False, False, {}, "torch"),  # a stock model keeps stock's optimizer
-    ("cpu", True, False, {}, "torch"),
-    ("cuda", True, True, {}, "torch"),  # FSDP2's DTensors: ShardLocalAdamW
-    ("cuda", True, False, {"fused_adamw": False}, "torch"),  # the user asked for torch's foreach AdamW
-    ("cuda", True, False, {"optimizer": "adamw_kahan"}, "torch"),
-    ("cpu", False, False, {"adamw_kernel": "novatune"}, "novatune"),  # asked for: the CPU runs its fp32 reference
-    ("cuda", True, False, {"adamw_kernel": "torch"}, "torch"),
+@pytest.mark.parametrize("device,patched,changes,want", [
+    ("cuda", True, {}, "novatune"),
+    ("cuda", False, {}, "torch"),  # a stock model keeps stock's optimizer
+    ("cpu", True, {}, "torch"),
+    ("cuda", True, {"fused_adamw": False}, "torch"),  # the user asked for torch's foreach AdamW
+    ("cuda", True, {"optimizer": "adamw_kahan"}, "torch"),
+    ("cpu", False, {"adamw_kernel": "novatune"}, "novatune"),  # asked for: the CPU runs its fp32 reference
+    ("cuda", True, {"adamw_kernel": "torch"}, "torch"),
 ])
-def test_auto_takes_the_kernel_for_patched_models_on_cuda_in_one_process(device, patched, sharded, changes, want):
+def test_auto_takes_the_kernel_for_patched_models_on_cuda(device, patched, changes, want):
     tcfg = T(adamw_kernel="auto")
     for key, value in changes.items():
         setattr(tcfg, key, value)
-    assert optim.adamw_kernel(tcfg, torch.device(device), patched, sharded) == want
+    assert optim.adamw_kernel(tcfg, torch.device(device), patched) == want
