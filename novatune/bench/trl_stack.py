@@ -43,7 +43,9 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
     """Train `steps` optimizer steps with SFTTrainer; tokens/s and peak memory over the steps after `warmup`.
 
     The model, rows, optimizer and schedule come from the one run builder (train.session.build) with the patch
-    off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model.
+    off: SFTTrainer receives them as they are and `novatune.patch(trainer)` patches the trainer's model. With the
+    patch, the optimizer is the one `novatune train` builds for a patched model (train.adamw_kernel), whose
+    clipping the patch folds into its update as the trainer's loop does.
     dataloader_workers: SFTConfig's dataloader_num_workers; 2 collates ahead in worker processes, as the patch
     report advises (with 0 the GPU waits for each step's collation: bench/experiments/exp_trl_gap.py).
     sft_args: more SFTConfig fields (experiments)."""
@@ -53,6 +55,7 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
     import trl
 
     from novatune.patch.apply import patch as novatune_patch
+    from novatune.train.optim import build_optimizer, build_scheduler
     from novatune.train.session import build
 
     stock_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, patch=False))
@@ -69,9 +72,13 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
                          **(sft_args or {}))
     # synthetic token rows come without a tokenizer; TRL wants one for its pad token only, and padding-free rows
     # (one flattened row per micro-batch) are never padded: the bundled demo tokenizer stands in
+    optimizer, scheduler = session.optimizer, session.scheduler
+    if patch:  # the optimizer `novatune train` steps: train.adamw_kernel resolved for a patched model
+        optimizer = build_optimizer(session.model, cfg.train, device, patched=True)
+        scheduler = build_scheduler(optimizer, cfg.train, steps)
     trainer = trl.SFTTrainer(model=session.model, args=args, train_dataset=dataset,
                              processing_class=session.tokenizer or load_demo_tokenizer(),
-                             optimizers=(session.optimizer, session.scheduler))
+                             optimizers=(optimizer, scheduler))
     report = novatune_patch(trainer, **dict(cfg.model.patch_options or {})) if patch else None
     meter = _Meter(WarmClock(device, warmup, steps))
     trainer.add_callback(meter)

@@ -55,8 +55,8 @@ def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None 
                beta2: float, eps: float, weight_decay: float, step: int) -> None:
     """One in-place step (the reference's contract): p, m, v, g contiguous, of one shape, dtype and device; scale a
     0-dim fp32 tensor on that device or None."""
-    if any(not t.is_contiguous() or t.shape != p.shape or t.device != p.device or t.dtype != p.dtype
-           for t in (m, v, g)):
+    if not p.is_contiguous() or any(not t.is_contiguous() or t.shape != p.shape or t.device != p.device
+                                    or t.dtype != p.dtype for t in (m, v, g)):
         raise ValueError("adamw_step: p, m, v and g must be contiguous tensors of one shape, dtype and device")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != p.device):
         raise ValueError("adamw_step: scale is a one-element fp32 tensor on the parameter's device")

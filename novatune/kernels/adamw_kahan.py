@@ -25,6 +25,7 @@ def _to_bf16_rne(x):
     a whole spacing each step and the stored c then loses up to 2^-7 of it, every step, in one direction."""
     bits = x.to(tl.int32, bitcast=True)
     hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    hi = tl.where(x != x, 0x7FC0, hi)  # NaN stays NaN (its bits + 0x7FFF would carry into the sign: +-0)
     return (hi << 16).to(tl.float32, bitcast=True), hi
 
 

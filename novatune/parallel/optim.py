@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; a plain tensor as it is."""
+def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -65,10 +64,10 @@ class ShardLocalAdamW(torch.optim.AdamW):
                         else torch.tensor(0.0, dtype=scalar)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(local_tensor(p))
-                grads.append(local_tensor(p.grad))
-                exp_avgs.append(local_tensor(state["exp_avg"]))
-                exp_avg_sqs.append(local_tensor(state["exp_avg_sq"]))
+                params.append(_local(p))
+                grads.append(_local(p.grad))
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue

@@ -26,6 +26,7 @@ from novatune.patch.spec import FamilySpec
 from novatune.patch.specs import spec_for, supported_model_types
 from novatune.patch.tiled import AUTO_MIN_BYTES, MLPTiling
 from novatune.patch.tiled import check_mode as check_tiled_mlp
+from novatune.patch.trainer_optim import fused_adamw
 from novatune.patch.trainer_syncs import filter_on_device, freeze_after_first_step
 from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
@@ -481,11 +482,13 @@ def _host_offsets(trainer, report: PatchReport) -> None:
 
 
 def _trainer_syncs(trainer, report: PatchReport) -> None:
-    """A Trainer's per-micro-batch logging filter runs on the device, and the objects alive after its first step
-    are frozen out of the garbage collector's walks (patch/trainer_syncs.py)."""
+    """A Trainer's per-micro-batch logging filter runs on the device, the objects alive after its first step are
+    frozen out of the garbage collector's walks (patch/trainer_syncs.py), and its AdamW steps through novatune's
+    kernel with the clipping folded in (patch/trainer_optim.py)."""
     if trainer is not None:
         filter_on_device(trainer, report)
         freeze_after_first_step(trainer, report)
+        fused_adamw(trainer, report)
 
 
 def _rebind_loss_over_trainer(model: nn.Module, report: PatchReport, trainer) -> None:

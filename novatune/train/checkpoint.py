@@ -45,6 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from novatune.train.nonfinite import nonfinite_names, require_finite
+from novatune.train.optim import live_group_flags
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 FILES = ("weights.safetensors", "optimizer.pt", "rng.pt", "state.json")
@@ -323,7 +324,7 @@ def load(path: str | Path, model, optimizer, scheduler, device: torch.device, di
     with torch.no_grad():
         for name, t in weights.items():
             params[name].copy_(t)
-    optimizer.load_state_dict(opt_state)
+    optimizer.load_state_dict(live_group_flags(optimizer, opt_state))
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(rng)
     return state

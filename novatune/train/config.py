@@ -112,8 +112,8 @@ class TrainConfig:
     optimizer: Literal["adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = "adamw"
     fused_adamw: bool | None = None  # adamw only; null: fused on CUDA, foreach on CPU
     # adamw only: torch (torch.optim.AdamW) | novatune (the same update through novatune's kernel, with the clipping
-    # scale applied inside it: one pass over the gradients fewer) | auto (novatune for a patched model on CUDA in
-    # one process, else torch); novatune/train/optim.py
+    # scale applied inside it: one pass over the gradients fewer) | auto (novatune for a patched model's full
+    # fine-tuning on CUDA, DDP and FSDP2 included; else torch); novatune/train/optim.py
     adamw_kernel: Literal["auto", "torch", "novatune"] = "auto"
     seed: int = 42
     # a step whose loss or grad norm is NaN/inf: stop the run (default) or skip its update (train/nonfinite.py)

@@ -7,8 +7,9 @@
                       `train.adamw_kernel: novatune` runs the same update through novatune's kernel instead
                       (FusedClipAdamW: one pass per parameter, the gradient-clipping scale applied inside it, so the
                       separate pass that scales every gradient goes away); its state_dict is torch.optim.AdamW's.
-                      `auto` (the default) takes it for a patched model on CUDA, torch's otherwise. Over FSDP2's
-                      DTensor parameters it updates each rank's local shards, as ShardLocalAdamW does.
+                      `auto` (the default) takes it for a patched model's full fine-tuning on CUDA, torch's
+                      otherwise (LoRA, stock models, the CPU, or fused_adamw set). Over FSDP2's DTensor parameters
+                      it updates each rank's local shards, as ShardLocalAdamW does; DDP's are plain tensors.
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16
                       parameter instead of a 4-byte master copy. fp32 parameters (LoRA adapters) need no buffer.
@@ -31,7 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from novatune.parallel.optim import ShardLocalAdamW, closure_loss, local_tensor
+from novatune.ops.adamw import FusedClipAdamW
+from novatune.parallel.optim import ShardLocalAdamW, closure_loss
 from novatune.train.errors import SetupError
 
 OPTIMIZERS = ("adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit")
@@ -127,46 +129,18 @@ class AdamWKahan(torch.optim.Optimizer):
                         self.state[p][key] = saved[pid][key].to(device=p.device, dtype=torch.float32)
 
 
-class FusedClipAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (moments in the parameter's dtype) whose update runs through novatune.ops.adamw, with the
-    gradient-clipping scale applied inside the update: set `grad_scale` (a one-element fp32 tensor on the
-    parameters' device, min(1, max_norm / (norm + 1e-6))) before step() instead of scaling the gradients; step()
-    uses it once. The gradients themselves are left unscaled. Checkpoints are interchangeable with
-    torch.optim.AdamW's (same state keys; the step count stays a host tensor, so no update reads the device)."""
+GROUP_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False)
-        self.grad_scale: torch.Tensor | None = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        from novatune.ops.adamw import adamw_step
-
-        loss = closure_loss(closure)
-        scale, self.grad_scale = self.grad_scale, None
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse or p.dtype not in (torch.bfloat16, torch.float32):
-                    raise RuntimeError(f"train.adamw_kernel novatune: dense bf16 or fp32 parameters only, got "
-                                       f"{p.dtype}{' (sparse gradient)' if p.grad.is_sparse else ''}; set "
-                                       "train.adamw_kernel: torch")
-                st = self.state[p]
-                if not st:  # torch.optim.AdamW's state; moments shaped and sharded as the parameter (DTensors)
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                # a new host tensor each step: a loaded state_dict's step tensor may be shared with its source (and
-                # a fused torch.optim.AdamW's lives on the GPU, where reading it would wait for the device)
-                st["step"] = st["step"].detach().to("cpu", torch.float32) + 1
-                # elementwise: over FSDP2's DTensors each rank updates its local shards (parallel/optim.py)
-                adamw_step(local_tensor(p.data), local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]),
-                           local_tensor(p.grad).contiguous(), scale,
-                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=int(st["step"]))
-        return loss
+def live_group_flags(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """`state_dict` with each saved param group's implementation flags replaced by the live optimizer's.
+    Optimizer.load_state_dict takes a group's settings from the file, so a checkpoint of novatune's AdamW kernel
+    (foreach off, fused unset) would turn a torch.optim.AdamW(fused=True) that resumes it into torch's
+    one-tensor-at-a-time path (and leave its step counts where the file put them). How this process steps is the
+    live optimizer's choice; the hyperparameters (lr, betas, eps, weight decay) stay the checkpoint's."""
+    groups = [{**saved, **{k: live[k] for k in GROUP_FLAGS if k in live}}
+              for saved, live in zip(state_dict["param_groups"], optimizer.param_groups, strict=True)]
+    return {**state_dict, "param_groups": groups}
 
 
 def _bnb_class(name: str):
@@ -177,15 +151,27 @@ def _bnb_class(name: str):
     return getattr(bnb.optim, BNB_OPTIMIZERS[name])
 
 
-def adamw_kernel(tcfg, device: torch.device, patched: bool) -> str:
+def adamw_kernel(tcfg, device: torch.device, patched: bool, full: bool) -> str:
     """train.adamw_kernel resolved: "novatune" or "torch". auto takes novatune's kernel for a patched model's adamw
-    on CUDA (torch's fused AdamW stays where the user asked for foreach, on the CPU, and for stock models)."""
+    on CUDA when most of its weights train (`full`: full fine-tuning, where the update is one long pass over large
+    tensors; LoRA's many small adapters suit torch's multi-tensor launches and have not been measured with it).
+    torch's stays where the user set fused_adamw (a request for torch's fused or foreach AdamW), on the CPU, and for
+    stock models."""
     choice = getattr(tcfg, "adamw_kernel", "torch")
     if choice != "auto":
         return choice
-    usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched
-              and tcfg.fused_adamw is not False)
+    usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched and full
+              and tcfg.fused_adamw is None)
     return "novatune" if usable else "torch"
+
+
+def trains_most_weights(model) -> bool:
+    """Whether at least half of the model's parameters (by count) train: full fine-tuning, not adapters."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total > 0 and 2 * trainable >= total
 
 
 def build_optimizer(model, tcfg, device: torch.device, patched: bool = False) -> torch.optim.Optimizer:
@@ -198,7 +184,7 @@ def build_optimizer(model, tcfg, device: torch.device, patched: bool = False) ->
     hyper = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), eps=tcfg.eps, weight_decay=tcfg.weight_decay)
     name = getattr(tcfg, "optimizer", "adamw")
     sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    if adamw_kernel(tcfg, device, patched) == "novatune":
+    if adamw_kernel(tcfg, device, patched, trains_most_weights(model)) == "novatune":
         if name != "adamw":
             raise SetupError(f"train.adamw_kernel novatune runs train.optimizer adamw, not {name}; set "
                              "train.adamw_kernel: torch")

@@ -11,11 +11,12 @@ attention implementation, a `before_model` hook (Liger patches HF's classes befo
 
 One optimizer step = `grad_accum` micro-batches, in two calls so a caller can look at the loss before the weights
 change:
-  out = session.forward_backward(micro_batches)   # gradients accumulated and clipped; out.loss, out.grad_norm
+  out = session.forward_backward(micro_batches)   # gradients accumulated and clipped*; out.loss, out.grad_norm
   session.apply_update()                          # optimizer + scheduler step, gradients zeroed
   (or session.skip_update(): gradients dropped, weights unchanged, the schedule advances)
 `session.step(micro_batches)` does both. Neither synchronises with the GPU: the loss and the norm stay on the
-device until the caller reads them.
+device until the caller reads them. *With novatune's AdamW kernel (train.adamw_kernel) the clipping coefficient
+goes to the optimizer, which applies it inside its update; the gradients themselves stay unscaled.
 
 The loss is normalised by the number of target tokens in the whole accumulated batch: every micro-batch forward
 gets `num_items_in_batch = N` (HF's loss, and the patched fused cross-entropy, then compute sum(CE) / N), so the
@@ -202,7 +203,9 @@ class Session:
         return out
 
     def forward_backward(self, micro_batches: list[dict]) -> StepOutput:
-        """Gradients of one optimizer step, accumulated over the micro-batches and clipped; nothing synced."""
+        """Gradients of one optimizer step, accumulated over the micro-batches and clipped; nothing synced. With
+        novatune's AdamW kernel (FusedClipAdamW) the gradients stay unscaled and the optimizer takes the clipping
+        coefficient, which it applies inside its update: what apply_update() computes is the same."""
         if self.strategy == "none":
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
         else:
@@ -214,7 +217,7 @@ class Session:
         if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
             norm = pwrap.grad_norm(self.params)
             if self.clip != float("inf"):
-                self.optimizer.grad_scale = pwrap.clip_scale(norm, self.clip).float()
+                self.optimizer.clip_coef = pwrap.clip_scale(norm, self.clip).float()
             return StepOutput(loss, norm)
         if self.strategy == "none":
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
@@ -232,7 +235,7 @@ class Session:
         step keeps the rest of the run on the schedule it was configured with."""
         self.optimizer.zero_grad(set_to_none=True)
         if isinstance(self.optimizer, FusedClipAdamW):
-            self.optimizer.grad_scale = None
+            self.optimizer.clip_coef = None
         with warnings.catch_warnings():  # torch warns when the scheduler steps without an optimizer step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             self.scheduler.step()

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from novatune.parallel.dist import Dist
 from novatune.train import checkpoint as ckpt
 from novatune.train.nonfinite import NonFiniteError, nonfinite_names
+from novatune.train.optim import live_group_flags
 
 
 def _local(sd: dict) -> dict[str, torch.Tensor]:
@@ -166,7 +167,8 @@ def load(path: Path, model, optimizer, scheduler, dist: Dist | None = None) -> d
     if steps and max(steps) > state["step"]:
         raise ckpt.CheckpointError(f"checkpoint {path} is damaged: the optimizer has taken {max(steps):.0f} steps, "
                                    f"state.json says {state['step']}")
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=live_group_flags(optimizer, sd["optim"]))
     scheduler.load_state_dict(state["scheduler"])
     rng = path / f"rng_{dist.rank}.pt"
     ckpt.set_rng_state(torch.load(rng if rng.exists() else path / "rng_0.pt", weights_only=False))

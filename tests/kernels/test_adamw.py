@@ -132,3 +132,14 @@ def test_cuda_kernel_step_within_rounding_of_torch_fused_adamw(dtype):
     in m and v feed the next updates.)"""
     stats = _torch_step_beside_kernel(dtype, "cuda", torch.float32, fused=True)
     assert all(worst <= 1 for worst, _ in stats.values()), f"(largest difference / bound, fraction equal): {stats}"
+
+
+def test_a_nan_gradient_gives_nan_not_zero(device):
+    """A NaN reaching the update must stay visible (the non-finite checks read the weights and checkpoints): the
+    bf16 rounding on the bits would carry a NaN's payload into the sign bit and store +-0 without its own case."""
+    for dtype in (torch.bfloat16, torch.float32):
+        p, m, v, g = _state(257, dtype, device, seed=5, step=2)
+        g[3] = float("nan")
+        K.adamw_step(p, m, v, g, **HYPER, weight_decay=0.0, step=2)
+        assert torch.isnan(p[3]) and torch.isnan(m[3]) and torch.isnan(v[3]), dtype
+        assert torch.isfinite(p[:3]).all() and torch.isfinite(p[4:]).all()

@@ -111,7 +111,8 @@ def test_fsdp2_with_novatunes_adamw_kernel_equals_one_process(one_proc, tmp_path
     """train.adamw_kernel novatune under FSDP2 (on the CPU its fp32 reference): each rank updates its local shards,
     the clipping scale (from the norm summed over both ranks' shards) applied inside the update; against one
     process stepping torch's AdamW after clip_grad_norm_. The two AdamW implementations round differently
-    (~1e-7 relative per step): inside the module's tolerances. The sharded checkpoints hold its state."""
+    (~1e-7 relative per step): inside the module's tolerances. Its checkpoints are written in the sharded (DCP)
+    layout; resuming one is not exercised here."""
     out = tmp_path / "run"
     torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2", "--set", "train.adamw_kernel=novatune")
     assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))

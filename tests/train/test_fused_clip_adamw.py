@@ -9,6 +9,7 @@ weights agree to 1e-5 relative and the losses to 1e-5.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,9 +47,9 @@ def test_steps_match_clip_grad_norm_then_torch_adamw():
         _grads(stock, step)
         grads_before = [p.grad.clone() for p in ours.parameters()]
         norm = torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()], 2.0)
-        opt.grad_scale = (0.5 / (norm + 1e-6)).clamp(max=1.0).float()  # what the session sets (max_norm 0.5)
+        opt.clip_coef = (0.5 / (norm + 1e-6)).clamp(max=1.0).float()  # what the session sets (max_norm 0.5)
         opt.step()
-        assert opt.grad_scale is None  # used once
+        assert opt.clip_coef is None  # used once
         assert all(torch.equal(p.grad, g) for p, g in zip(ours.parameters(), grads_before, strict=True))
         assert torch.nn.utils.clip_grad_norm_(list(stock.parameters()), 0.5) == pytest.approx(float(norm))
         ref.step()
@@ -88,17 +89,36 @@ def test_refusals_name_the_fix():
         opt.step()
 
 
-def test_training_with_the_kernel_follows_stock_and_the_gradients_stay_unscaled(make_cfg):
+def test_training_with_the_kernel_follows_stock_and_logs_the_unclipped_norm(make_cfg, monkeypatch):
     """`novatune train` with train.adamw_kernel novatune and clipping that bites (max_grad_norm 0.05): per-step
-    losses equal to the torch optimizer's run to fp32 rounding; the logged norms are the unclipped norms."""
+    losses equal to the torch optimizer's run to fp32 rounding; the logged norms are the same pre-clip norms (above
+    0.05), and each step's clipping coefficient reached the kernel's optimizer."""
+    import json
+
+    from novatune.ops.adamw import FusedClipAdamW
+
+    coefs = []
+    real_step = FusedClipAdamW.step
+
+    def recording_step(self, closure=None):
+        coefs.append(None if self.clip_coef is None else float(self.clip_coef))
+        return real_step(self, closure)
+
+    monkeypatch.setattr(FusedClipAdamW, "step", recording_step)
     quiet = Console(quiet=True)
-    runs = {}
+    runs, norms = {}, {}
     for kernel in ("torch", "novatune"):
         cfg = make_cfg(kernel, train={"max_steps": 4, "max_grad_norm": 0.05, "adamw_kernel": kernel})
         runs[kernel] = train(cfg, console=quiet)
+        metrics = Path(cfg.checkpoint.output_dir) / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        norms[kernel] = [r["grad_norm"] for r in rows if "grad_norm" in r]
     for s, loss in runs["torch"].losses.items():
         assert runs["novatune"].losses[s] == pytest.approx(loss, rel=1e-5, abs=1e-6), s
     assert runs["novatune"].losses[4] != runs["novatune"].losses[1]
+    assert len(norms["novatune"]) == 4 and norms["novatune"] == pytest.approx(norms["torch"], rel=1e-5)
+    assert min(norms["novatune"]) > 0.05
+    assert len(coefs) == 4 and all(c is not None and 0 < c < 1 for c in coefs), coefs
 
 
 def test_the_stock_stacks_keep_torch_adamw():
@@ -113,19 +133,56 @@ def test_config_refuses_what_the_kernel_does_not_run(make_cfg):
 
     with pytest.raises(ConfigError, match="(?s)adamw_kernel.*adamw_kahan.*train.adamw_kernel: torch"):
         make_cfg(train={"adamw_kernel": "novatune", "optimizer": "adamw_kahan"})
+    with pytest.raises(ConfigError, match="(?s)adamw_kernel.*fused_adamw True.*drop train.fused_adamw"):
+        make_cfg(train={"adamw_kernel": "novatune", "fused_adamw": True})
 
 
-@pytest.mark.parametrize("device,patched,changes,want", [
-    ("cuda", True, {}, "novatune"),
-    ("cuda", False, {}, "torch"),  # a stock model keeps stock's optimizer
-    ("cpu", True, {}, "torch"),
-    ("cuda", True, {"fused_adamw": False}, "torch"),  # the user asked for torch's foreach AdamW
-    ("cuda", True, {"optimizer": "adamw_kahan"}, "torch"),
-    ("cpu", False, {"adamw_kernel": "novatune"}, "novatune"),  # asked for: the CPU runs its fp32 reference
-    ("cuda", True, {"adamw_kernel": "torch"}, "torch"),
+@pytest.mark.parametrize("device,patched,full,changes,want", [
+    ("cuda", True, True, {}, "novatune"),
+    ("cuda", True, False, {}, "torch"),  # LoRA: many small adapters, torch's multi-tensor launches
+    ("cuda", False, True, {}, "torch"),  # a stock model keeps stock's optimizer
+    ("cpu", True, True, {}, "torch"),
+    ("cuda", True, True, {"fused_adamw": False}, "torch"),  # the user asked for torch's foreach AdamW
+    ("cuda", True, True, {"fused_adamw": True}, "torch"),  # ... or for torch's fused one
+    ("cuda", True, True, {"optimizer": "adamw_kahan"}, "torch"),
+    ("cpu", False, False, {"adamw_kernel": "novatune"}, "novatune"),  # asked for: the CPU runs its fp32 reference
+    ("cuda", True, True, {"adamw_kernel": "torch"}, "torch"),
 ])
-def test_auto_takes_the_kernel_for_patched_models_on_cuda(device, patched, changes, want):
+def test_auto_takes_the_kernel_for_patched_full_fine_tuning_on_cuda(device, patched, full, changes, want):
     tcfg = T(adamw_kernel="auto")
     for key, value in changes.items():
         setattr(tcfg, key, value)
-    assert optim.adamw_kernel(tcfg, torch.device(device), patched) == want
+    assert optim.adamw_kernel(tcfg, torch.device(device), patched, full) == want
+
+
+def test_trains_most_weights_tells_full_fine_tuning_from_adapters():
+    model = _model()
+    assert optim.trains_most_weights(model)
+    model[0].weight.requires_grad_(False)  # 33 x 47 of the model's 1,551 + 287 elements
+    assert not optim.trains_most_weights(model)
+
+
+def test_a_checkpoint_keeps_the_resuming_optimizers_own_flags():
+    """Optimizer.load_state_dict takes group settings from the file: the kernel's checkpoint (foreach off) must not
+    turn torch's AdamW that resumes it into its one-tensor-at-a-time path. live_group_flags keeps the live ones."""
+    model = _model()
+    ours = optim.build_optimizer(model, T(), torch.device("cpu"))
+    _grads(model, 0)
+    ours.step()
+    saved = copy.deepcopy(ours.state_dict())
+    assert all(g["foreach"] is False for g in saved["param_groups"])
+
+    def resuming():
+        opt = optim.build_optimizer(_model(), T(adamw_kernel="torch"), torch.device("cpu"))
+        for g in opt.param_groups:
+            g["foreach"] = True  # torch's multi-tensor path, as CUDA's default picks it
+        return opt
+
+    plain = resuming()
+    plain.load_state_dict(copy.deepcopy(saved))
+    assert all(g["foreach"] is False for g in plain.param_groups)  # the trap
+    kept = resuming()
+    kept.load_state_dict(optim.live_group_flags(kept, copy.deepcopy(saved)))
+    assert all(g["foreach"] is True for g in kept.param_groups)
+    assert [g["weight_decay"] for g in kept.param_groups] == [g["weight_decay"] for g in saved["param_groups"]]
+    assert float(kept.state[kept.param_groups[0]["params"][0]]["step"]) == 1

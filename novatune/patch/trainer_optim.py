@@ -1,0 +1,107 @@
+"""A transformers Trainer's AdamW through novatune's kernel, with the gradient clipping folded into the update
+(`novatune.patch(trainer)`), as `novatune train` steps it (train.adamw_kernel auto).
+
+The Trainer builds torch.optim.AdamW (`optim="adamw_torch"` / `"adamw_torch_fused"`, the defaults) when train()
+starts, and before each optimizer step clips the gradients with `accelerator.clip_grad_norm_`: one pass that reads
+every gradient for the norm and one that scales every gradient, then AdamW's own pass. Patched:
+- the optimizer it builds is novatune.ops.adamw.FusedClipAdamW, the same update (the same parameter groups,
+  learning rate, betas, eps and weight decay; torch.optim.AdamW's state_dict, so its checkpoints resume either way);
+- `accelerator.clip_grad_norm_` computes the same norm (returned and logged as before) and hands the clipping
+  coefficient to the optimizer, which applies it inside its update instead of a pass over every gradient.
+Where the Trainer's optimizer is already a FusedClipAdamW (passed in `optimizers=`), only the clipping is folded.
+
+Left to torch, with the reason in the report: another `optim`, an optimizer or optimizer class the user gave,
+adapters (LoRA: most weights frozen; many small tensors, which torch's multi-tensor launches suit), fp16 (its
+GradScaler unscales the gradients inside clip_grad_norm_), DeepSpeed / FSDP / other accelerate back ends whose
+clipping is their own, and devices other than CUDA (the kernel's speed is the point; the CPU runs its fp32
+reference). report.revert() restores both.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from novatune.ops.adamw import FusedClipAdamW
+from novatune.patch.report import PatchReport
+
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
+ON_DEVICES = ("cuda",)  # where the Trainer's optimizer is swapped (tests add "cpu")
+
+
+def _inner_optimizer(trainer):
+    opt = getattr(trainer, "optimizer", None)
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the real one
+
+
+def _why_not(trainer) -> str | None:
+    args = trainer.args
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)))
+    if getattr(trainer, "optimizer", None) is not None and not isinstance(_inner_optimizer(trainer), FusedClipAdamW):
+        return "the trainer was given its optimizer"
+    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        return "the trainer was given an optimizer class"
+    if getattr(trainer, "optimizer", None) is None and optim not in TORCH_ADAMW:
+        return f"optim={optim!r} is not torch's AdamW"
+    if getattr(trainer, "optimizer", None) is None and not _trains_most_weights(trainer.model):
+        return "adapters train (LoRA): torch's multi-tensor AdamW suits many small tensors"
+    if getattr(args, "fp16", False):
+        return "fp16: the GradScaler unscales the gradients inside clip_grad_norm_"
+    accelerator = getattr(trainer, "accelerator", None)
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "NO"))
+    if kind not in ("NO", "MULTI_GPU"):
+        return f"accelerate's {kind} back end clips the gradients its own way"
+    if getattr(args, "device", torch.device("cpu")).type not in ON_DEVICES:
+        return f"the trainer runs on {args.device.type}, not CUDA"
+    return None
+
+
+def _trains_most_weights(model) -> bool:
+    """At least half of the model's parameters (by count) train: full fine-tuning, whose AdamW is a long pass over
+    large tensors (the kernel's case), not adapters."""
+    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    return 2 * sum(n for n, trains in counts if trains) >= sum(n for n, _ in counts) > 0
+
+
+class FoldedClip:
+    """accelerator.clip_grad_norm_ for a FusedClipAdamW: the norm of the gradients (as torch computes it), and the
+    clipping coefficient handed to the optimizer instead of scaling the gradients. Any other optimizer, or a
+    norm other than 2, takes accelerate's own path."""
+
+    def __init__(self, trainer, inner):
+        self.trainer, self.inner = trainer, inner
+
+    def __call__(self, parameters, max_norm, norm_type=2):
+        opt = _inner_optimizer(self.trainer)
+        if not isinstance(opt, FusedClipAdamW) or float(norm_type) != 2.0:
+            return self.inner(parameters, max_norm, norm_type)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        if not math.isinf(float(max_norm)):
+            opt.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
+        return norm
+
+
+def fused_adamw(trainer, report: PatchReport) -> None:
+    """Swap the Trainer's torch AdamW for FusedClipAdamW and fold its clipping (module docstring), or say why not."""
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is None or not hasattr(trainer, "args") or not hasattr(accelerator, "clip_grad_norm_"):
+        return
+    if isinstance(accelerator.__dict__.get("clip_grad_norm_"), FoldedClip):
+        return  # patched before
+    why = _why_not(trainer)
+    if why is not None:
+        report.add("trainer.optimizer", "trainer_adamw", "note", f"the trainer's optimizer stays torch's: {why}")
+        return
+    undo = []
+    if getattr(trainer, "optimizer", None) is None:
+        args = trainer.args
+        trainer.optimizer_cls_and_kwargs = (FusedClipAdamW, dict(lr=args.learning_rate, eps=args.adam_epsilon,
+                                                                 betas=(args.adam_beta1, args.adam_beta2)))
+        undo.append(lambda: setattr(trainer, "optimizer_cls_and_kwargs", None))
+    accelerator.clip_grad_norm_ = FoldedClip(trainer, accelerator.clip_grad_norm_)
+    undo.append(lambda: accelerator.__dict__.pop("clip_grad_norm_", None))
+    report._undo.extend(undo)
+    report.add("trainer.optimizer", "trainer_adamw", "replaced",
+               "AdamW through novatune's kernel, the gradient clipping applied inside its update (the same update "
+               "and logged norm; torch.optim.AdamW's state_dict)")
