@@ -19,7 +19,7 @@ from novatune.kernels import adamw as K
 from novatune.ops._backend import use_triton
 from novatune.reference.adamw import adamw_step_ref
 
-__all__ = ["adamw_step", "FusedClipAdamW"]
+__all__ = ["adamw_step", "FusedClipAdamW", "trains_most_weights"]
 
 
 def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None = None, **hyper) -> None:
@@ -44,7 +44,9 @@ class FusedClipAdamW(torch.optim.AdamW):
     keeps each optimizer's own implementation flags on a load)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False)
+        # foreach / fused left unset: step() reads neither, and a checkpoint of this optimizer then lets
+        # torch.optim.AdamW resume it on torch's own default path
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.clip_coef: Tensor | None = None
 
     @torch.no_grad()
@@ -54,7 +56,11 @@ class FusedClipAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self.clip_coef = self.clip_coef, None
+        scales = {} if scale is None else {scale.device: scale}  # a model spread over GPUs: one copy per device
         for group in self.param_groups:  # every parameter checked before any is updated
+            if group.get("amsgrad") or group.get("maximize"):
+                raise RuntimeError("novatune's AdamW kernel runs AdamW without amsgrad or maximize; set "
+                                   "train.adamw_kernel: torch (or leave the trainer's optimizer to torch)")
             for p in group["params"]:
                 if p.grad is not None and (p.grad.is_sparse or p.dtype not in (torch.bfloat16, torch.float32)):
                     raise RuntimeError(f"novatune's AdamW kernel takes dense bf16 or fp32 parameters, got {p.dtype}"
@@ -75,9 +81,21 @@ class FusedClipAdamW(torch.optim.AdamW):
                 st["step"] = st["step"].detach().to("cpu", torch.float32) + 1
                 weight = _local(p.data)
                 dense = weight if weight.is_contiguous() else weight.contiguous()  # the kernel reads flat memory
+                if scale is not None and dense.device not in scales:
+                    scales[dense.device] = scale.to(dense.device, non_blocking=True)
                 adamw_step(dense, _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(p.grad).contiguous(),
-                           scale, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           scales.get(dense.device), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=int(st["step"]))
                 if dense is not weight:
                     weight.copy_(dense)
         return loss
+
+
+def trains_most_weights(model) -> bool:
+    """At least half of the model's parameters (by count) train: full fine-tuning, whose AdamW is a long pass over
+    large tensors (the kernel's case), not adapters (many small tensors, which torch's multi-tensor launches suit)."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total > 0 and 2 * trainable >= total

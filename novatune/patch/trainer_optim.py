@@ -7,7 +7,8 @@ every gradient for the norm and one that scales every gradient, then AdamW's own
 - the optimizer it builds is novatune.ops.adamw.FusedClipAdamW, the same update (the same parameter groups,
   learning rate, betas, eps and weight decay; torch.optim.AdamW's state_dict, so its checkpoints resume either way);
 - `accelerator.clip_grad_norm_` computes the same norm (returned and logged as before) and hands the clipping
-  coefficient to the optimizer, which applies it inside its update instead of a pass over every gradient.
+  coefficient to the optimizer, which applies it inside its update instead of a pass over every gradient (so a
+  callback's on_pre_optimizer_step / on_optimizer_step sees the gradients unclipped).
 Where the Trainer's optimizer is already a FusedClipAdamW (passed in `optimizers=`), only the clipping is folded.
 
 Left to torch, with the reason in the report: another `optim`, an optimizer or optimizer class the user gave,
@@ -21,8 +22,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from novatune.ops.adamw import FusedClipAdamW
+from novatune.ops.adamw import FusedClipAdamW, trains_most_weights
 from novatune.patch.report import PatchReport
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
@@ -37,30 +39,27 @@ def _inner_optimizer(trainer):
 def _why_not(trainer) -> str | None:
     args = trainer.args
     optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)))
-    if getattr(trainer, "optimizer", None) is not None and not isinstance(_inner_optimizer(trainer), FusedClipAdamW):
-        return "the trainer was given its optimizer"
+    existing = getattr(trainer, "optimizer", None)
+    if existing is not None and not isinstance(_inner_optimizer(trainer), FusedClipAdamW):
+        return "the trainer's optimizer already exists (given, or built before the patch)"
     if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
         return "the trainer was given an optimizer class"
-    if getattr(trainer, "optimizer", None) is None and optim not in TORCH_ADAMW:
+    if existing is None and optim not in TORCH_ADAMW:
         return f"optim={optim!r} is not torch's AdamW"
-    if getattr(trainer, "optimizer", None) is None and not _trains_most_weights(trainer.model):
+    if existing is None and not trains_most_weights(trainer.model):
         return "adapters train (LoRA): torch's multi-tensor AdamW suits many small tensors"
-    if getattr(args, "fp16", False):
-        return "fp16: the GradScaler unscales the gradients inside clip_grad_norm_"
-    accelerator = getattr(trainer, "accelerator", None)
+    accelerator = trainer.accelerator
+    if getattr(args, "fp16", False) or getattr(accelerator, "scaler", None) is not None \
+            or str(getattr(accelerator, "mixed_precision", "no")) == "fp16":
+        return "fp16: the GradScaler unscales the gradients inside clip_grad_norm_ and may skip a step"
     kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "NO"))
     if kind not in ("NO", "MULTI_GPU"):
         return f"accelerate's {kind} back end clips the gradients its own way"
+    if any(isinstance(p, DTensor) for p in trainer.model.parameters() if p.requires_grad):
+        return "the weights are DTensors (sharded or tensor-parallel): their norm needs the ranks' shards"
     if getattr(args, "device", torch.device("cpu")).type not in ON_DEVICES:
         return f"the trainer runs on {args.device.type}, not CUDA"
     return None
-
-
-def _trains_most_weights(model) -> bool:
-    """At least half of the model's parameters (by count) train: full fine-tuning, whose AdamW is a long pass over
-    large tensors (the kernel's case), not adapters."""
-    counts = [(p.numel(), p.requires_grad) for p in model.parameters()]
-    return 2 * sum(n for n, trains in counts if trains) >= sum(n for n, _ in counts) > 0
 
 
 class FoldedClip:
@@ -73,13 +72,31 @@ class FoldedClip:
 
     def __call__(self, parameters, max_norm, norm_type=2):
         opt = _inner_optimizer(self.trainer)
-        if not isinstance(opt, FusedClipAdamW) or float(norm_type) != 2.0:
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
+        if not isinstance(opt, FusedClipAdamW) or float(norm_type) != 2.0 or scaler is not None:
             return self.inner(parameters, max_norm, norm_type)
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
         grads = [p.grad for p in parameters if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
         if not math.isinf(float(max_norm)):
             opt.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
         return norm
+
+
+class _KernelAdamWChoice:
+    """The Trainer's get_optimizer_cls_and_kwargs with torch's AdamW answered by FusedClipAdamW: asked when the
+    optimizer is built, so it reads the arguments of that moment (a hyperparameter search's trial included) and
+    keeps the Trainer's own choice of learning rate, betas and eps; any other optimizer passes through."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, args, model=None):
+        cls, kwargs = self.inner(args, model)
+        if cls is not torch.optim.AdamW:
+            return cls, kwargs
+        return FusedClipAdamW, {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
 
 
 def fused_adamw(trainer, report: PatchReport) -> None:
@@ -94,11 +111,9 @@ def fused_adamw(trainer, report: PatchReport) -> None:
         report.add("trainer.optimizer", "trainer_adamw", "note", f"the trainer's optimizer stays torch's: {why}")
         return
     undo = []
-    if getattr(trainer, "optimizer", None) is None:
-        args = trainer.args
-        trainer.optimizer_cls_and_kwargs = (FusedClipAdamW, dict(lr=args.learning_rate, eps=args.adam_epsilon,
-                                                                 betas=(args.adam_beta1, args.adam_beta2)))
-        undo.append(lambda: setattr(trainer, "optimizer_cls_and_kwargs", None))
+    if getattr(trainer, "optimizer", None) is None and hasattr(trainer, "get_optimizer_cls_and_kwargs"):
+        trainer.get_optimizer_cls_and_kwargs = _KernelAdamWChoice(trainer.get_optimizer_cls_and_kwargs)
+        undo.append(lambda: vars(trainer).pop("get_optimizer_cls_and_kwargs", None))
     accelerator.clip_grad_norm_ = FoldedClip(trainer, accelerator.clip_grad_norm_)
     undo.append(lambda: accelerator.__dict__.pop("clip_grad_norm_", None))
     report._undo.extend(undo)

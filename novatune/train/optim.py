@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from novatune.ops.adamw import FusedClipAdamW
+from novatune.ops.adamw import FusedClipAdamW, trains_most_weights
 from novatune.parallel.optim import ShardLocalAdamW, closure_loss
 from novatune.train.errors import SetupError
 
@@ -138,6 +138,9 @@ def live_group_flags(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict
     (foreach off, fused unset) would turn a torch.optim.AdamW(fused=True) that resumes it into torch's
     one-tensor-at-a-time path (and leave its step counts where the file put them). How this process steps is the
     live optimizer's choice; the hyperparameters (lr, betas, eps, weight decay) stay the checkpoint's."""
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(state_dict['param_groups'])} parameter groups, this "
+                         f"run's {len(optimizer.param_groups)}: it was written for other trainable weights")
     groups = [{**saved, **{k: live[k] for k in GROUP_FLAGS if k in live}}
               for saved, live in zip(state_dict["param_groups"], optimizer.param_groups, strict=True)]
     return {**state_dict, "param_groups": groups}
@@ -163,15 +166,6 @@ def adamw_kernel(tcfg, device: torch.device, patched: bool, full: bool) -> str:
     usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched and full
               and tcfg.fused_adamw is None)
     return "novatune" if usable else "torch"
-
-
-def trains_most_weights(model) -> bool:
-    """Whether at least half of the model's parameters (by count) train: full fine-tuning, not adapters."""
-    total = trainable = 0
-    for p in model.parameters():
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return total > 0 and 2 * trainable >= total
 
 
 def build_optimizer(model, tcfg, device: torch.device, patched: bool = False) -> torch.optim.Optimizer:

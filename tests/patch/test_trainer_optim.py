@@ -26,10 +26,13 @@ def _norms(trainer):
 
 
 def test_trainer_adamw_swapped_and_clipping_folded(tokenizer, dataset, tmp_path, on_cpu, monkeypatch):
-    # max_grad_norm far below the tiny model's gradient norms: every step clips
-    stock = sft_trainer("packing", tokenizer, dataset, tmp_path, max_grad_norm=0.05)
+    # max_grad_norm far below the tiny model's gradient norms: every step clips. adam_epsilon 1e-4, near the clipped
+    # gradients' size, makes the update depend on the clipping (m / sqrt(v) alone hardly does): a coefficient that
+    # never reached the update would show in the second step's losses
+    clipped = dict(max_grad_norm=0.05, adam_epsilon=1e-4)
+    stock = sft_trainer("packing", tokenizer, dataset, tmp_path, **clipped)
     stock_losses = train_recording_losses(stock)
-    trainer = sft_trainer("packing", tokenizer, dataset, tmp_path, max_grad_norm=0.05)
+    trainer = sft_trainer("packing", tokenizer, dataset, tmp_path, **clipped)
     report = novatune.patch(trainer)
     assert report.replaced("trainer_adamw"), str(report)
     scales = []
@@ -48,7 +51,7 @@ def test_trainer_adamw_swapped_and_clipping_folded(tokenizer, dataset, tmp_path,
     groups = trainer.optimizer.optimizer.param_groups
     assert len(groups) == 2  # the Trainer's own decay / no-decay groups
     report.revert()
-    assert trainer.optimizer_cls_and_kwargs is None and "clip_grad_norm_" not in vars(trainer.accelerator)
+    assert "get_optimizer_cls_and_kwargs" not in vars(trainer) and "clip_grad_norm_" not in vars(trainer.accelerator)
 
 
 def test_what_stays_with_torch_is_said(tokenizer, dataset, tmp_path, on_cpu):
@@ -56,7 +59,7 @@ def test_what_stays_with_torch_is_said(tokenizer, dataset, tmp_path, on_cpu):
     assert "optim='sgd' is not torch's AdamW" in str(novatune.patch(sgd))
     given = sft_trainer("packing", tokenizer, dataset, tmp_path)
     given.optimizer = torch.optim.SGD(given.model.parameters(), lr=0.1)
-    assert "the trainer was given its optimizer" in str(novatune.patch(given))
+    assert "the trainer's optimizer already exists" in str(novatune.patch(given))
     assert "clip_grad_norm_" not in vars(given.accelerator)
 
 
@@ -64,4 +67,21 @@ def test_on_the_cpu_the_trainer_keeps_torchs_adamw(tokenizer, dataset, tmp_path)
     trainer = sft_trainer("packing", tokenizer, dataset, tmp_path)
     report = novatune.patch(trainer)
     assert "runs on cpu, not CUDA" in str(report) and not report.replaced("trainer_adamw")
-    assert trainer.optimizer_cls_and_kwargs is None
+    assert "get_optimizer_cls_and_kwargs" not in vars(trainer)
+
+
+def test_adapters_keep_torchs_adamw(tokenizer, dataset, tmp_path, on_cpu):
+    """LoRA: most weights frozen, many small adapter tensors (torch's multi-tensor launches suit them)."""
+    trainer = sft_trainer("peft_lora", tokenizer, dataset, tmp_path)
+    report = novatune.patch(trainer)
+    assert "adapters train (LoRA)" in str(report) and not report.replaced("trainer_adamw")
+
+
+def test_the_choice_is_made_when_the_optimizer_is_built(tokenizer, dataset, tmp_path, on_cpu):
+    """The Trainer's own get_optimizer_cls_and_kwargs answers at create_optimizer time: the arguments of that
+    moment (a hyperparameter-search trial's learning rate) reach FusedClipAdamW."""
+    trainer = sft_trainer("packing", tokenizer, dataset, tmp_path)
+    novatune.patch(trainer)
+    trainer.args.learning_rate = 0.0123
+    trainer.create_optimizer()
+    assert isinstance(trainer.optimizer, FusedClipAdamW) and trainer.optimizer.param_groups[0]["lr"] == 0.0123

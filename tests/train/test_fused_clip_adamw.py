@@ -163,14 +163,15 @@ def test_trains_most_weights_tells_full_fine_tuning_from_adapters():
 
 
 def test_a_checkpoint_keeps_the_resuming_optimizers_own_flags():
-    """Optimizer.load_state_dict takes group settings from the file: the kernel's checkpoint (foreach off) must not
-    turn torch's AdamW that resumes it into its one-tensor-at-a-time path. live_group_flags keeps the live ones."""
+    """Optimizer.load_state_dict takes group settings from the file: the kernel's checkpoint (foreach and fused
+    unset) must not decide how torch's AdamW that resumes it steps (a fused one would lose `fused`, and its step
+    counts would stay where the file put them). live_group_flags keeps the live optimizer's flags."""
     model = _model()
     ours = optim.build_optimizer(model, T(), torch.device("cpu"))
     _grads(model, 0)
     ours.step()
     saved = copy.deepcopy(ours.state_dict())
-    assert all(g["foreach"] is False for g in saved["param_groups"])
+    assert all(g["foreach"] is None and g["fused"] is None for g in saved["param_groups"])
 
     def resuming():
         opt = optim.build_optimizer(_model(), T(adamw_kernel="torch"), torch.device("cpu"))
@@ -180,7 +181,7 @@ def test_a_checkpoint_keeps_the_resuming_optimizers_own_flags():
 
     plain = resuming()
     plain.load_state_dict(copy.deepcopy(saved))
-    assert all(g["foreach"] is False for g in plain.param_groups)  # the trap
+    assert all(g["foreach"] is None for g in plain.param_groups)  # the file's flag, not this optimizer's
     kept = resuming()
     kept.load_state_dict(optim.live_group_flags(kept, copy.deepcopy(saved)))
     assert all(g["foreach"] is True for g in kept.param_groups)
