@@ -41,6 +41,9 @@
 #   MULTI_VARIANT ("key=value ..."): novatune_fsdp2 on 2 GPUs once more with those settings; then Qwen3-8B full
 #   fine-tuning on 8192-token rows under FSDP2 on MULTI_8B GPUs (default 2; empty: not run); MULTI_TESTS=0 skips
 #   the tests; rows in $OUT/multigpu.jsonl; < 10 min on 4 GPUs.
+#   optim: novatune's AdamW kernel (train.adamw_kernel; not in the default list): its GPU tests (bit-equal to the fp32
+#   reference, one step beside torch's fused AdamW), then `novatune bench --rounds 2` of novatune beside
+#   novatune_torch_adamw on the seed and on the MoE cut (memory.policy auto); < 9 min (timeouts 90 + 2 x 230 s).
 #   cudnn: issue 19's cuDNN attention backend (not in the default list; its fast path is the nvidia-cudnn-frontend
 #   wheel in .whl/): its GPU tests (values vs the fp32 reference, document isolation, frontend and aten paths),
 #   bench/bench_attention.py with varlen / cudnn / cudnn_aten / cudnn_exact at the headline shapes, then `novatune
@@ -105,6 +108,17 @@ if has cudnn; then
       --set model.patch_options.attention=$attn --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/cudnn_$attn" 2>&1 \
       | tee "$OUT/e2e_attention_$attn.log" | tail -n 6
     summary+=("novatune bench attention=$attn: exit ${PIPESTATUS[0]}")
+  done
+fi
+if has optim; then
+  timeout 90 python3 -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_adamw.py 2>&1 | tee "$OUT/optim_tests.log" \
+    | tail -n 6
+  summary+=("adamw kernel tests: $(tail -n 1 "$OUT/optim_tests.log")")
+  for cfg in "examples/qwen3-4b-seed.yaml" "examples/qwen3-30b-a3b-moe.yaml --set memory.policy=auto"; do
+    name=$(basename ${cfg%% *} .yaml)
+    timeout 230 python3 -m novatune bench $cfg --stacks novatune,novatune_torch_adamw --rounds 2 --timeout 110 \
+      --results "$OUT/optim.jsonl" --run-dir "$OUT/runs/optim_$name" 2>&1 | tee "$OUT/optim_$name.log" | tail -n 6
+    summary+=("novatune bench $name kernel vs torch AdamW: exit ${PIPESTATUS[0]}")
   done
 fi
 if has parity; then

@@ -107,17 +107,23 @@ def test_fsdp2_two_processes_equal_one(one_proc, fsdp_two):
     assert row["world_size"] == 2 and row["tokens_per_s_per_proc"] == pytest.approx(row["tokens_per_s"] / 2)
 
 
-def test_fsdp2_with_novatunes_adamw_kernel_equals_one_process(one_proc, tmp_path):
+@pytest.mark.slow  # two torchrun launches: ~50-95 s on a busy 2-core machine
+def test_fsdp2_with_novatunes_adamw_kernel_resumes_on_torchs_and_equals_one_process(one_proc, tmp_path):
     """train.adamw_kernel novatune under FSDP2 (on the CPU its fp32 reference): each rank updates its local shards,
-    the clipping scale (from the norm summed over both ranks' shards) applied inside the update; against one
-    process stepping torch's AdamW after clip_grad_norm_. The two AdamW implementations round differently
-    (~1e-7 relative per step): inside the module's tolerances. Its checkpoints are written in the sharded (DCP)
-    layout; resuming one is not exercised here."""
+    the clipping scale (from the norm summed over both ranks' shards) applied inside the update. Killed after step
+    3, its sharded checkpoint of step 2 resumes with torch's AdamW (train.adamw_kernel may change on a resume: the
+    state is torch.optim.AdamW's, loaded with the resuming optimizer's own flags). Against one process stepping
+    torch's AdamW after clip_grad_norm_: the two AdamW implementations round differently (~1e-7 relative per
+    step), inside the module's tolerances."""
     out = tmp_path / "run"
-    torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2", "--set", "train.adamw_kernel=novatune")
+    fsdp2 = ("--set", "parallel.strategy=fsdp2")
+    torchrun(out, *TWO, *fsdp2, "--set", "train.adamw_kernel=novatune",
+             script=["tests/parallel/stop_after.py", "3"])
+    assert not (out / "final").exists() and max(losses(out)) == 3
+    assert json.loads((out / "checkpoints" / "step_00000002" / "manifest.json").read_text())["layout"] == "dcp"
+    torchrun(out, *TWO, *fsdp2, "--set", "train.adamw_kernel=torch")
     assert_same_losses(losses(out), losses(one_proc), range(1, STEPS + 1))
     assert_same_weights(one_proc / "final", out / "final")
-    assert json.loads((out / "checkpoints" / "step_00000004" / "manifest.json").read_text())["layout"] == "dcp"
 
 
 @pytest.mark.slow  # two torchrun launches: ~50-95 s on a busy 2-core machine
