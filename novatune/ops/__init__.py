@@ -11,8 +11,9 @@ from novatune.ops.clamped_swiglu import clamped_swiglu
 from novatune.ops.geglu import geglu, geglu_mlp
 from novatune.ops.linear_cross_entropy import linear_cross_entropy
 from novatune.ops.lora import lora_linear
-from novatune.ops.moe import moe_experts, route
+from novatune.ops.moe import moe_experts
 from novatune.ops.moe_lora import moe_experts_lora
+from novatune.ops.moe_routing import route
 from novatune.ops.offset_rms_norm import offset_rms_norm
 from novatune.ops.qk_norm_rope import qk_norm_rope
 from novatune.ops.rms_norm import NovaRMSNorm, rms_norm

@@ -5,7 +5,7 @@ family names them), so what it does around them (jitter, shared experts, reshape
 output recorder still sees the router's logits (its hook sits on the router module): `output_router_logits` and
 the load-balancing loss work as in stock.
 
-    router forward    logits = x @ W^T (+ b) in the input dtype, then novatune.ops.moe.route with the family's
+    router forward    logits = x @ W^T (+ b) in the input dtype, then novatune.ops.moe_routing.route with the family's
                       recipe (RouterSpec) -> (logits, weights, expert ids), the stock router's return value
     experts forward   novatune.ops.moe.moe_experts(x, ids, weights, gate_up, down, biases) with the layout read
                       from the module (transformers' use_experts_implementation attributes)
@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from novatune.ops.moe import ACTIVATIONS, moe_experts, route
+from novatune.ops.moe import ACTIVATIONS, moe_experts
+from novatune.ops.moe_routing import route
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec, MoESpec, RouterSpec
 

@@ -58,7 +58,7 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """A top-k router module: logits = x @ weight^T (+ bias), then the family's recipe (novatune.ops.moe.route).
+    """A top-k router module: logits = x @ weight^T (+ bias), then the family's recipe (novatune.ops.moe_routing.route).
 
     scoring "softmax_topk" (softmax over experts, top-k, optional renormalisation: Qwen3-MoE, Mixtral) or
     "topk_softmax" (top-k of the logits, softmax over the k: GPT-OSS). `renormalize` is a bool, or the router

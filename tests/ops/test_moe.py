@@ -14,6 +14,7 @@ import transformers
 from novatune.measure.numerics import assert_close
 from novatune.ops import moe as M
 from novatune.ops._backend import interpreter_on
+from novatune.ops.moe_routing import route
 from novatune.reference import moe as R
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -52,7 +53,7 @@ def test_route_equals_hf_routers_bit_for_bit_with_ties(family, dtype):
             router.bias.zero_()
     router, x = router.to(dtype), x.to(dtype)
     logits, ref_w, ref_ids = router(x)
-    got_w, got_ids = M.route(logits, k, **kw)
+    got_w, got_ids = route(logits, k, **kw)
     assert torch.equal(got_ids, ref_ids) and got_w.dtype == ref_w.dtype and torch.equal(got_w, ref_w)
     oracle_w, oracle_ids = R.route_ref(logits, k, **kw)
     assert torch.equal(got_ids, oracle_ids) and torch.equal(got_w, oracle_w)
@@ -74,7 +75,7 @@ def test_route_trains_through_its_one_kernel_backward(t, e, k, dtype, recipe, de
     kw = ROUTE_RECIPES[recipe]
     gen = torch.Generator().manual_seed(t * e)
     logits = (2 * torch.randn(t, e, generator=gen)).to(dtype).to(device).requires_grad_()
-    w, ids = M.route(logits, k, **kw)
+    w, ids = route(logits, k, **kw)
     assert "RouteFunction" in type(w.grad_fn).__name__, "the one-kernel backward is the path under test"
     plain_w, plain_ids = R.route_ref(logits.detach(), k, **kw)
     assert torch.equal(ids, plain_ids) and torch.equal(w, plain_w)
@@ -186,7 +187,7 @@ def test_moe_experts_equals_hf_grouped_mm_module():
         experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) / 6)
         experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) / 4)
     x = torch.randn(10, 32, generator=gen)
-    w, ids = M.route(torch.randn(10, 5, generator=gen), 2, renormalize=True)
+    w, ids = route(torch.randn(10, 5, generator=gen), 2, renormalize=True)
     ref = experts(x, ids, w)
     assert_close(M.moe_experts(x, ids, w, experts.gate_up_proj, experts.down_proj), ref, 1e-5, "vs HF module")
     assert_close(R.hf_grouped_mm_experts(x, ids, w, experts.gate_up_proj, experts.down_proj), ref, 1e-5, "stock")
