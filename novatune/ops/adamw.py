@@ -19,7 +19,7 @@ from novatune.kernels import adamw as K
 from novatune.ops._backend import use_triton
 from novatune.reference.adamw import adamw_step_ref
 
-__all__ = ["adamw_step", "FusedClipAdamW", "trains_most_weights"]
+__all__ = ["adamw_step", "clip_coefficient", "local_shard", "FusedClipAdamW", "trains_most_weights"]
 
 
 def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None = None, **hyper) -> None:
@@ -29,9 +29,14 @@ def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None 
         adamw_step_ref(p, m, v, g, scale, **hyper)
 
 
-def _local(t: Tensor) -> Tensor:
+def local_shard(t: Tensor) -> Tensor:
     """A DTensor's local shard (AdamW is elementwise: each rank updates its own shards); a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """clip_grad_norm_'s coefficient for a total gradient norm: min(1, max_norm / (norm + 1e-6))."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 class FusedClipAdamW(torch.optim.AdamW):
@@ -79,13 +84,14 @@ class FusedClipAdamW(torch.optim.AdamW):
                 # a new host tensor each step: a loaded state_dict's step tensor may be shared with its source (and
                 # a fused torch.optim.AdamW's lives on the GPU, where reading it would wait for the device)
                 st["step"] = st["step"].detach().to("cpu", torch.float32) + 1
-                weight = _local(p.data)
+                weight = local_shard(p.data)
                 dense = weight if weight.is_contiguous() else weight.contiguous()  # the kernel reads flat memory
                 if scale is not None and dense.device not in scales:
                     scales[dense.device] = scale.to(dense.device, non_blocking=True)
-                adamw_step(dense, _local(st["exp_avg"]), _local(st["exp_avg_sq"]), _local(p.grad).contiguous(),
-                           scales.get(dense.device), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=int(st["step"]))
+                adamw_step(dense, local_shard(st["exp_avg"]), local_shard(st["exp_avg_sq"]),
+                           local_shard(p.grad).contiguous(), scales.get(dense.device), lr=float(group["lr"]),
+                           beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                           step=int(st["step"]))
                 if dense is not weight:
                     weight.copy_(dense)
         return loss

@@ -15,12 +15,9 @@ another number of processes) work unchanged.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from novatune.ops.adamw import local_shard
 
 
 def closure_loss(closure):
@@ -64,10 +61,10 @@ class ShardLocalAdamW(torch.optim.AdamW):
                         else torch.tensor(0.0, dtype=scalar)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(_local(p))
-                grads.append(_local(p.grad))
-                exp_avgs.append(_local(state["exp_avg"]))
-                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                params.append(local_shard(p))
+                grads.append(local_shard(p.grad))
+                exp_avgs.append(local_shard(state["exp_avg"]))
+                exp_avg_sqs.append(local_shard(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue

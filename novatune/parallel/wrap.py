@@ -28,6 +28,8 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from novatune.ops.adamw import clip_coefficient
+
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated transformer blocks of an HF causal LM (under a PEFT wrapper too)."""
@@ -154,11 +156,6 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return total
 
 
-def clip_scale(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """clip_grads_with_norm_'s coefficient: min(1, max_norm / (norm + 1e-6))."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The total gradient norm over all ranks' shards (pre-clip, grad_norm), and the gradients clipped to
     `max_norm`: clip_grads_with_norm_'s arithmetic, on the local shards where grad_norm summed them."""
@@ -169,7 +166,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     if not _local_shards(grads):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
         return total
-    torch._foreach_mul_([g.to_local() for g in grads], clip_scale(total, max_norm))
+    torch._foreach_mul_([g.to_local() for g in grads], clip_coefficient(total, max_norm))
     return total
 
 

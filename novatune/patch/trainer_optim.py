@@ -24,7 +24,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from novatune.ops.adamw import FusedClipAdamW, trains_most_weights
+from novatune.ops.adamw import FusedClipAdamW, clip_coefficient, trains_most_weights
 from novatune.patch.report import PatchReport
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
@@ -80,7 +80,7 @@ class FoldedClip:
         grads = [p.grad for p in parameters if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
         if not math.isinf(float(max_norm)):
-            opt.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
+            opt.clip_coef = clip_coefficient(norm, max_norm).float()
         return norm
 
 

@@ -41,6 +41,7 @@ import torch
 
 from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
+from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
@@ -217,7 +218,7 @@ class Session:
         if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
             norm = pwrap.grad_norm(self.params)
             if self.clip != float("inf"):
-                self.optimizer.clip_coef = pwrap.clip_scale(norm, self.clip).float()
+                self.optimizer.clip_coef = clip_coefficient(norm, self.clip).float()
             return StepOutput(loss, norm)
         if self.strategy == "none":
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
