@@ -5,8 +5,8 @@ Tolerance against the reference: none. Both evaluate the same fp32 operations in
 nearest (the kernel with fused multiply-adds off, division and square root correctly rounded; the reference as
 separate torch ops, its square root taken in fp64 and rounded once), and both round the results to the storage
 dtype to nearest even. So p, m and v must be equal bit for bit, on odd sizes, with and without the scale and decay.
-Against torch's fused AdamW (GPU only): torch evaluates some products in fp64 and may fuse multiply-adds, so a stored
-value may differ in its last bit; measured, not assumed.
+Against torch's fused AdamW (GPU only): both are measured against the step in fp64, and the kernel must be within the
+rounding bound and no further than torch's fused step (whose fp32 coefficients put it further off than the bound).
 """
 import math
 
@@ -98,8 +98,9 @@ def step_difference(before, g, ours, theirs, arith: torch.dtype, *, lr, beta1, b
     return out
 
 
-def _torch_step_beside_kernel(dtype, device, arith, **adamw_kw):
-    """Five torch.optim.AdamW steps on a 3M-element parameter; the kernel takes the fifth from the same state."""
+def _torch_step_beside_kernel(dtype, device, **adamw_kw):
+    """Five torch.optim.AdamW steps on a 3M-element parameter; the kernel takes the fifth from the same state.
+    Returns (state before the fifth step, its gradient, the kernel's result, torch's result, the hyperparameters)."""
     n = 3 * 2**20 + 5
     gen = torch.Generator().manual_seed(1)
     ref = torch.nn.Parameter((0.02 * torch.randn(n, generator=gen)).to(dtype).to(device))
@@ -114,24 +115,61 @@ def _torch_step_beside_kernel(dtype, device, arith, **adamw_kw):
     ours = tuple(t.clone() for t in before)
     K.adamw_step(*ours, g, **hyper)
     st = opt.state[ref]
-    return step_difference(before, g, ours, (ref.detach(), st["exp_avg"], st["exp_avg_sq"]), arith, **hyper)
+    return before, g, ours, (ref.detach(), st["exp_avg"], st["exp_avg_sq"]), hyper
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kernel_step_within_rounding_of_torch_single_tensor_adamw(dtype, device):
     """torch's single-tensor AdamW (lerp for m, addcdiv for p): another rounding order of the same step."""
-    stats = _torch_step_beside_kernel(dtype, device, dtype, foreach=False)
+    before, g, ours, theirs, hyper = _torch_step_beside_kernel(dtype, device, foreach=False)
+    stats = step_difference(before, g, ours, theirs, dtype, **hyper)
     assert all(worst <= 1 for worst, _ in stats.values()), f"(largest difference / bound, fraction equal): {stats}"
+
+
+def error_against_fp64(before, g, result, *, lr, beta1, beta2, eps, weight_decay, step) -> dict:
+    """Per tensor, the largest |result - the step in fp64| in units of the stored truth's spacing plus four fp32
+    roundings of the operands' magnitudes (step_difference's bound, with the exact step in place of the other
+    implementation)."""
+    p0, m0, v0 = (t.double() for t in before)
+    g = g.double()
+    m = beta1 * m0 + (1 - beta1) * g
+    v = beta2 * v0 + (1 - beta2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    p = p0 * (1 - lr * weight_decay) - lr / (1 - beta1 ** step) * m / denom
+    tiny = 4 * torch.finfo(torch.float32).eps
+    scale_m = beta1 * m0.abs() + (1 - beta1) * g.abs()
+    scale_p = p0.abs() * (1 + lr * weight_decay) + 2 * lr / (1 - beta1 ** step) * scale_m / denom
+    out = {}
+    for name, got, truth, scale in (("p", result[0], p, scale_p), ("m", result[1], m, scale_m), ("v", result[2], v, v)):
+        bound = spacing(truth.to(got.dtype)) + tiny * scale
+        out[name] = float(((got.double() - truth).abs() / bound).max())
+    return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_kernel_step_within_rounding_of_torch_fused_adamw(dtype):
-    """torch's fused AdamW (what stock trainers run on CUDA; some of its products in fp64), one step from the same
-    state: within the same bound. (Over several steps the two runs drift apart: each step's last-bit differences
-    in m and v feed the next updates.)"""
-    stats = _torch_step_beside_kernel(dtype, "cuda", torch.float32, fused=True)
-    assert all(worst <= 1 for worst, _ in stats.values()), f"(largest difference / bound, fraction equal): {stats}"
+def test_cuda_kernel_step_as_close_to_fp64_as_torch_fused_adamw(dtype):
+    """torch's fused AdamW (what stock trainers run on CUDA) is the yardstick, not the truth: measured in sessions 15
+    and 16, its fp32 v sits up to ~24 of step_difference's bounds away from the kernel's, which is the size of a
+    (1 - beta2) taken after beta2 is rounded to fp32 (relative 1.3e-5 on the g^2 term). So both are measured against
+    the step in fp64: the kernel within the rounding bound, and never further than torch's fused step is."""
+    before, g, ours, theirs, hyper = _torch_step_beside_kernel(dtype, "cuda", fused=True)
+    ours_err, torch_err = error_against_fp64(before, g, ours, **hyper), error_against_fp64(before, g, theirs, **hyper)
+    print(f"{dtype} worst error / bound: kernel {ours_err}, torch fused {torch_err}")
+    assert all(ours_err[k] <= max(1.0, torch_err[k]) for k in ours_err), (ours_err, torch_err)
+    assert all(e <= 1 for e in ours_err.values()), (ours_err, torch_err)
+
+
+def test_kernel_within_rounding_of_the_step_in_fp64(device):
+    """The kernel's own accuracy, on every device: within the rounding bound of the exact step."""
+    for dtype in (torch.bfloat16, torch.float32):
+        before = _state(4099, dtype, device, seed=11, step=5)
+        g = before[3]
+        ours = tuple(t.clone() for t in before[:3])
+        hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=5)
+        K.adamw_step(*ours, g, **hyper)
+        err = error_against_fp64(before[:3], g, ours, **hyper)
+        assert all(e <= 1 for e in err.values()), (dtype, err)
 
 
 def test_a_nan_gradient_gives_nan_not_zero(device):
