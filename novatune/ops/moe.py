@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from novatune.kernels import moe as K
+from novatune.kernels.moe_wgrad import grouped_outer_accumulate
 from novatune.ops._backend import use_triton
 from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
 from novatune.ops.clamped_swiglu import LIMIT as CLAMP_LIMIT
@@ -207,6 +208,19 @@ def _linear_dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool) -> Tens
     return grouped_outer(x, dy, r.ends) if transposed else grouped_outer(dy, x, r.ends)
 
 
+def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor | None) -> Tensor | None:
+    """The weight gradient of y = x W^T per group, returned; or, for a parameter in `into` (accumulates_into_grad
+    accepted it), added into its .grad and None returned: inside the grouped GEMM on the Triton path
+    (novatune.kernels.moe_wgrad: one pass, no fresh tensor), by column slices elsewhere (novatune.ops.moe_wgrad)."""
+    if (into is not None and use_triton(dy) and dy.dtype in (torch.bfloat16, torch.float32)
+            and into.grad is not None and into.grad.is_contiguous()):
+        a, b = (x, dy) if transposed else (dy, x)
+        grouped_outer_accumulate(a, b, r.ends, into.grad)
+        return None
+    return weight_grad(functools.partial(_linear_dweight, x, r=r, transposed=transposed), dy, into,
+                       2 if transposed else 1)  # the weights' output-feature dim: dY's columns
+
+
 def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
     """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
@@ -323,9 +337,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
         lora.down_dinput_(da_u, dout_s, r)
     dh, aw, dw_row = act_bwd(da_u, h, w_pairs, r.order, layout.interleaved)
     del da_u
-    out_dim = 2 if layout.transposed else 1  # the weights' output-feature dim: dY's columns
-    d_down = weight_grad(functools.partial(_linear_dweight, aw, r=r, transposed=layout.transposed), dout_s, into[1],
-                         out_dim) if needs[3] else None
+    d_down = _dweight(aw, dout_s, r, layout.transposed, into[1]) if needs[3] else None
     if lora is not None:
         lora.down_grads(aw, dout_s, w_row, r)
     del aw
@@ -340,8 +352,7 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     lora_gu = lora is not None and lora.gate_up is not None
     if needs[2] or lora_gu:
         xs = permute(x.to(gate_up.dtype), r)  # recomputed: a gather is cheaper than keeping S x H
-        d_gate_up = weight_grad(functools.partial(_linear_dweight, xs, r=r, transposed=layout.transposed), dh,
-                                into[0], out_dim) if needs[2] else None
+        d_gate_up = _dweight(xs, dh, r, layout.transposed, into[0]) if needs[2] else None
         if lora_gu:
             lora.gate_up_grads(xs, dh, r)
         del xs

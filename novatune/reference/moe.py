@@ -133,3 +133,17 @@ def lora_weight_ref(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: flo
     experts, whose op never forms it)."""
     delta = scaling * (lora_b.float() @ lora_a.float())  # (E, out, in)
     return weight.float() + (delta.transpose(-2, -1) if transposed else delta)
+
+
+def grouped_outer_accumulate_ref(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> Tensor:
+    """fp32 reference of novatune.kernels.moe_wgrad: out[e] + a[group e]^T b[group e] for every expert, each group's
+    product in fp32 (fp64 inputs stay fp64), added to out's value and rounded once to out's dtype. Returns a new
+    tensor; out is not modified."""
+    acc = out.double() if out.dtype == torch.float64 else out.float()
+    res = acc.clone()
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            res[e] += a[start:end].to(acc.dtype).T @ b[start:end].to(acc.dtype)
+        start = end
+    return res.to(out.dtype)

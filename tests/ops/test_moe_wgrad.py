@@ -1,9 +1,10 @@
-"""novatune.ops.moe_wgrad: the experts' weight gradients added into .grad by column slices (moe_experts(...,
-wgrad_in_place=True)) give the .grad that autograd's own accumulation gives, and only where autograd would have
-accumulated there; anywhere else the gradient is returned as without the option.
+"""novatune.ops.moe_wgrad: the experts' weight gradients added into .grad (moe_experts(..., wgrad_in_place=True):
+by column slices on the torch path, inside the grouped GEMM on the Triton path) give the .grad that autograd's own
+accumulation gives, and only where autograd would have accumulated there; anywhere else the gradient is returned as
+without the option.
 
-Equality: each sliced element is the same dot product over the expert's rows as the whole gradient's (fp32 on the
-CPU: exactly the same numbers or summation order only, 1e-6 relative), added once to the same accumulated .grad.
+Equality: each element is the same dot product over the expert's rows as the whole gradient's (fp32 on the CPU:
+exactly the same numbers or summation order only, 1e-6 relative), added once to the same accumulated .grad.
 """
 import functools
 
@@ -20,14 +21,14 @@ from tests.ops.test_moe import CASES, _experts_inputs
 def _record_in_place(monkeypatch) -> list:
     """The out dims of every weight gradient the op adds into .grad itself, in call order."""
     seen = []
-    real = M.weight_grad
+    real = M._dweight
 
-    def recording(dweight_of, dy, into, out_dim):
+    def recording(x, dy, r, transposed, into):
         if into is not None:
-            seen.append(out_dim)
-        return real(dweight_of, dy, into, out_dim)
+            seen.append(2 if transposed else 1)
+        return real(x, dy, r, transposed, into)
 
-    monkeypatch.setattr(M, "weight_grad", recording)
+    monkeypatch.setattr(M, "_dweight", recording)
     return seen
 
 
@@ -50,13 +51,21 @@ def _accumulate(case, micro_batches, wgrad_in_place, seed=0):
     return params[2].grad, params[3].grad, inputs
 
 
+@pytest.mark.parametrize("triton", [False, True], ids=["slices", "in-GEMM kernel"])
 @pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5", "odd hidden E7 top3"])
-def test_in_place_accumulation_equals_autograds(name, monkeypatch):
+def test_in_place_accumulation_equals_autograds(name, triton, monkeypatch, backend_env):
+    """On the torch path the gradient is added by column slices; on the Triton path (here the CPU interpreter)
+    inside the grouped GEMM (novatune.kernels.moe_wgrad), the same fp32 dot products in another summation order."""
+    backend_env("TRITON_INTERPRET", "1" if triton else "0")  # CPU tensors: the interpreter, or the torch path
     want = _accumulate(CASES[name], 3, wgrad_in_place=False)
     added = _record_in_place(monkeypatch)
+    kernel_calls = []
+    real_kernel = M.grouped_outer_accumulate
+    monkeypatch.setattr(M, "grouped_outer_accumulate", lambda *a: kernel_calls.append(1) or real_kernel(*a))
     got = _accumulate(CASES[name], 3, wgrad_in_place=True)
     out_dim = 2 if CASES[name][5] else 1
     assert added == [out_dim] * 4  # micro-batches 2 and 3, both weights
+    assert len(kernel_calls) == (4 if triton else 0)
     for what, a, b in (("gate_up", got[0], want[0]), ("down", got[1], want[1])):
         assert_close(a, b, 1e-6, what)
     # the other inputs' gradients are returned as usual

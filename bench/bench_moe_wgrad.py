@@ -1,0 +1,124 @@
+"""The experts' weight gradient of one MoE layer added into an existing .grad (a micro-batch after the first under
+gradient accumulation), at Qwen3-30B-A3B's shapes (4096 tokens x top-8 over 128 experts, hidden 2048, expert
+intermediate 768, bf16, uneven routing):
+
+  gate_up   out (E, 2I, H) += dh^T xs per expert      (a = dh (S, 2I), b = xs (S, H))
+  down      out (E, H, I)  += dy^T (w * a) per expert  (a = dy (S, H),  b = w * a (S, I))
+
+Candidates:
+  autograd_add      torch's grouped_mm writes a fresh dW, then .grad.add_(dW) (what autograd's AccumulateGrad does)
+  slices            novatune.ops.moe_wgrad's column slices: the same GEMM and add, a quarter of dW alive at a time
+  kernel B..        novatune.kernels.moe_wgrad: the add inside the grouped GEMM, with tile configuration
+                    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+Figures: kernel µs (sum of CUDA kernel durations), wall µs (median), the transient peak above the resident tensors,
+and the largest difference from autograd_add's result in bf16 spacings. Rows go to bench/results/ops.jsonl.
+
+    python bench/bench_moe_wgrad.py              # ~1 min on an H100/H200
+    python bench/bench_moe_wgrad.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from novatune.measure.results import write_row  # noqa: E402
+from novatune.measure.timing import kernel_us, wall_us  # noqa: E402
+
+CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+           (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4)]
+
+
+def _routing(tokens: int, experts: int, top_k: int):
+    from novatune.ops.moe import sort_by_expert
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bias = torch.randn(experts, device="cuda", generator=gen)  # uneven expert loads, as real routers give
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen) + bias
+    return sort_by_expert(logits.topk(top_k, dim=-1).indices, experts)
+
+
+def _candidates(a, b, r, out):
+    from novatune.kernels.moe_wgrad import grouped_outer_accumulate
+    from novatune.ops.moe import grouped_outer
+    from novatune.ops.moe_wgrad import weight_grad
+
+    param = torch.nn.Parameter(torch.empty(0, device="cuda"))
+    param.grad = out  # weight_grad reads .grad only (the shape checks are accumulates_into_grad's, not used here)
+
+    def autograd_add():
+        out.add_(grouped_outer(a, b, r.ends))
+
+    def slices():
+        weight_grad(lambda dy_cols: grouped_outer(dy_cols, b, r.ends), a, param, 1)
+
+    cands = {"autograd_add": autograd_add, "slices": slices}
+    for cfg in CONFIGS:
+        cands["kernel " + "x".join(map(str, cfg))] = \
+            (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c))(cfg)
+    return cands
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results", default="bench/results/ops.jsonl")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe_wgrad.py needs a CUDA GPU (nothing measured).", file=sys.stderr)
+        return 2
+    r = _routing(args.tokens, args.experts, args.top_k)
+    s, h, i, e = args.tokens * args.top_k, args.hidden, args.inter, args.experts
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    wu, rep, iters = (10, 30, 5) if args.quick else (25, 100, 20)
+    rows = []
+    for proj, a, b in (("gate_up", randn(s, 2 * i), randn(s, h)), ("down", randn(s, h), randn(s, i))):
+        start = randn(e, a.shape[1], b.shape[1])
+        out = start.clone()
+        cands = _candidates(a, b, r, out)
+        out.copy_(start)
+        cands["autograd_add"]()
+        want = out.clone()
+        spacing = (torch.nextafter(want.abs(), torch.full_like(want, float("inf"))).float() - want.abs().float())
+        flops = 2 * s * a.shape[1] * b.shape[1]
+        for name, fn in cands.items():
+            out.copy_(start)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            resident = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            peak_mib = (torch.cuda.max_memory_allocated() - resident) / 2**20
+            diff = float(((out.float() - want.float()).abs() / spacing).max())
+            k_us = kernel_us(fn, iters=iters)
+            w_us = wall_us(fn, warmup_ms=wu, rep_ms=rep)
+            rows.append(write_row(args.results, {
+                "bench": "moe_wgrad", "op": f"moe_wgrad_{proj}", "candidate": name,
+                "shape": [args.tokens, h, i, e, args.top_k], "dtype": "bfloat16", "kernel_us": round(k_us, 1),
+                "wall_us": round(w_us, 1), "step_peak_MiB": round(peak_mib, 1),
+                "tflops": round(flops / k_us / 1e6, 1), "max_diff_vs_autograd_add_spacings": round(diff, 3),
+                "quick": args.quick}))
+    print(f"device {torch.cuda.get_device_name()}; expert weight gradients accumulated into .grad, tokens x hidden "
+          f"x inter x experts x top-k = {args.tokens}x{h}x{i}x{e}x{args.top_k}, bf16; rows appended to {args.results}")
+    print(f"{'op':<18}{'candidate':<24}{'kernel us':>11}{'wall us':>11}{'peak MiB':>10}{'TFLOP/s':>9}{'diff':>8}")
+    for row in rows:
+        print(f"{row['op']:<18}{row['candidate']:<24}{row['kernel_us']:>11}{row['wall_us']:>11}"
+              f"{row['step_peak_MiB']:>10}{row['tflops']:>9}{row['max_diff_vs_autograd_add_spacings']:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The experts' weight gradient added into an existing gradient inside the grouped GEMM (Triton).
+
+    grouped_outer_accumulate(a, b, ends, out)      out[e] += a[rows of e]^T @ b[rows of e]     for every expert e
+
+a (S, M) and b (S, N) hold the rows of every expert in expert order (group e is rows ends[e-1]:ends[e], cumulative
+int32 ends as grouped_mm takes them); out (E, M, N) is the weight's `.grad`. With a = dY and b = X this is dW = dY^T X
+for weights stored (E, out, in); with a = X and b = dY, for weights stored (E, in, out).
+
+Why: under gradient accumulation every micro-batch after the first computes the expert weights' gradients as fresh
+(E, M, N) tensors (0.75 + 0.375 GiB per layer of Qwen3-30B-A3B in bf16) and autograd then adds them into `.grad`: a
+write of dW, then a read of dW and `.grad` and a write of `.grad`. Here each output tile is accumulated in fp32 over
+its expert's rows, `.grad`'s tile is read once, added, and written once: no fresh tensor and no separate add. The
+rows per expert are few (Qwen3-30B-A3B: 4096 tokens x 8 choices / 128 experts = 256 on average), so the GEMM's output
+traffic is a large part of its time, and the accumulation removes two of its four passes.
+
+Numerics: fp32 accumulation of the dot product over the expert's rows (tl.dot; fp32 operands in IEEE precision, no
+TF32), plus the existing value read as fp32, rounded once to out's dtype (round to nearest even). autograd's path
+rounds twice (dW to bf16, then the sum), so the two agree within a rounding of bf16, and this one is the closer to
+the exact sum (tests/kernels/test_moe_wgrad.py measures both against fp64). An expert without rows leaves its slice
+of `out` untouched, bit for bit (its program returns before reading anything).
+
+Grid: (tiles of M x tiles of N, E); each program owns one (BLOCK_M, BLOCK_N) tile of one expert and walks that
+expert's rows BLOCK_K at a time, so an output element has exactly one writer (deterministic, no atomics).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from novatune.kernels.launch import cdiv, lean
+from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype with round-to-nearest-even, interpreter too
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): Hopper-sized tiles for bf16; bench/bench_moe_wgrad.py times others
+DEFAULT_CONFIG = (128, 128, 64, 8, 3)
+
+
+@triton.jit
+def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                              IEEE: tl.constexpr, SOFT_RNE: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.program_id(1)
+    end = tl.load(ENDS + e).to(tl.int64)
+    start = tl.load(ENDS + e - 1, mask=e > 0, other=0).to(tl.int64)
+    if end > start:  # an expert without rows: its gradient slice stays as it is
+        pm = tile // TILES_N
+        pn = tile % TILES_N
+        cols_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_m = cols_m < M
+        in_n = cols_n < N
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            rows = k0 + ks
+            in_rows = rows < end
+            a = tl.load(A + rows[:, None] * stride_a + cols_m[None, :], mask=in_rows[:, None] & in_m[None, :],
+                        other=0.0)  # (BLOCK_K, BLOCK_M)
+            b = tl.load(B + rows[:, None] * stride_b + cols_n[None, :], mask=in_rows[:, None] & in_n[None, :],
+                        other=0.0)  # (BLOCK_K, BLOCK_N)
+            if IEEE or SOFT_RNE:
+                # fp32 operands, or the CPU interpreter, whose bf16 dot is wrong (Triton 3.9): there bf16 is
+                # widened first, exact (a bf16 x bf16 product fits fp32), the same math as the GPU's bf16 MMA
+                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(a), b, acc)
+        offs = e.to(tl.int64) * M * N + cols_m[:, None].to(tl.int64) * N + cols_n[None, :]
+        mask = in_m[:, None] & in_n[None, :]
+        old = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, _round_to(old + acc, OUT_DTYPE, SOFT_RNE), mask=mask)
+
+
+_KERNEL = lean(_grouped_outer_acc_kernel)
+
+
+def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                             config: tuple[int, int, int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
+    """out[e] += a[group e]^T @ b[group e] in place (the module docstring); returns out. a (S, M), b (S, N) with unit
+    column stride (rows may be strided), ends (E,) int32 cumulative, out (E, M, N) contiguous; a, b and out of one
+    dtype (bf16 or fp32) on one device."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"a (S, M) and b (S, N) with the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+    e, m, n = out.shape if out.ndim == 3 else (None, None, None)
+    if out.ndim != 3 or (m, n) != (a.shape[1], b.shape[1]) or ends.shape != (e,) or ends.dtype != torch.int32:
+        raise ValueError(f"out (E, M, N) = (E, {a.shape[1]}, {b.shape[1]}) and int32 ends (E,), got out "
+                         f"{tuple(out.shape)} and ends {tuple(ends.shape)} {ends.dtype}")
+    if not (a.dtype == b.dtype == out.dtype) or a.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"a, b and out of one dtype, bf16 or fp32; got {a.dtype}, {b.dtype}, {out.dtype}")
+    if not (a.device == b.device == out.device == ends.device):
+        raise ValueError("a, b, ends and out on one device")
+    if not out.is_contiguous():
+        raise ValueError("out (the gradient being accumulated) must be contiguous")
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    if e == 0 or m == 0 or n == 0 or a.shape[0] == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = config
+    tiles_n = cdiv(n, block_n)
+    _KERNEL[(cdiv(m, block_m) * tiles_n, e)](
+        a, b, ends, out, m, n, a.stride(0), b.stride(0), tiles_n, block_m, block_n, block_k,
+        tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32, out.dtype == torch.float32, not out.is_cuda,
+        num_warps=warps, num_stages=stages)
+    return out
