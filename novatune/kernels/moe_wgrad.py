@@ -37,8 +37,7 @@ DEFAULT_CONFIG = (128, 128, 64, 8, 3)
 
 @triton.jit
 def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                              IEEE: tl.constexpr, SOFT_RNE: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_RNE: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.program_id(1)
     end = tl.load(ENDS + e).to(tl.int64)
@@ -59,7 +58,7 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N
                         other=0.0)  # (BLOCK_K, BLOCK_M)
             b = tl.load(B + rows[:, None] * stride_b + cols_n[None, :], mask=in_rows[:, None] & in_n[None, :],
                         other=0.0)  # (BLOCK_K, BLOCK_N)
-            if IEEE or SOFT_RNE:
+            if OUT.dtype.element_ty == tl.float32 or SOFT_RNE:
                 # fp32 operands, or the CPU interpreter, whose bf16 dot is wrong (Triton 3.9): there bf16 is
                 # widened first, exact (a bf16 x bf16 product fits fp32), the same math as the GPU's bf16 MMA
                 acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
@@ -68,7 +67,7 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N
         offs = e.to(tl.int64) * M * N + cols_m[:, None].to(tl.int64) * N + cols_n[None, :]
         mask = in_m[:, None] & in_n[None, :]
         old = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + offs, _round_to(old + acc, OUT_DTYPE, SOFT_RNE), mask=mask)
+        tl.store(OUT + offs, _round_to(old + acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
 
 
 _KERNEL = lean(_grouped_outer_acc_kernel)
@@ -98,7 +97,6 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     block_m, block_n, block_k, warps, stages = config
     tiles_n = cdiv(n, block_n)
     _KERNEL[(cdiv(m, block_m) * tiles_n, e)](
-        a, b, ends, out, m, n, a.stride(0), b.stride(0), tiles_n, block_m, block_n, block_k,
-        tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32, out.dtype == torch.float32, not out.is_cuda,
-        num_warps=warps, num_stages=stages)
+        a, b, ends, out, m, n, a.stride(0), b.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
     return out
