@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -47,8 +48,7 @@ def _candidates(a, b, r, out):
     from novatune.ops.moe import grouped_outer
     from novatune.ops.moe_wgrad import weight_grad
 
-    param = torch.nn.Parameter(torch.empty(0, device="cuda"))
-    param.grad = out  # weight_grad reads .grad only (the shape checks are accumulates_into_grad's, not used here)
+    param = SimpleNamespace(grad=out)  # weight_grad reads .grad only (the checks are accumulates_into_grad's)
 
     def autograd_add():
         out.add_(grouped_outer(a, b, r.ends))
