@@ -305,7 +305,6 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
     """Run every stack (one process each; a parallel stack on `nproc` under torchrun) `rounds` times, in
     round_order, and write the run directory described above; returns the summary. `results`: a .jsonl file the
     rows are appended to as well (the repository's bench/results/)."""
-    from novatune.measure.results import environment, write_row
     from novatune.train.config import load_with_base, to_yaml
 
     load_plugins()
@@ -326,13 +325,34 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
     # instead of leaving it on the GPU behind the dead driver
     prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs: dict[str, list[dict]] = {s: [] for s in stacks}
-    stopped = None
+    stopped: BaseException | None = None
     try:
         _run_stacks(runs, cfg, spec, stacks, run_dir, timeout, log, rounds)
     except (SystemExit, KeyboardInterrupt) as e:  # keep what ran; a stack that has no finished run says so
         stopped = e
+    # a SIGTERM from here on waits until the rows are written (measured: a `timeout` that fired after the last
+    # round had finished lost every round's rows), then ends the bench as it would have
+    late: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: late.append(143))
+    try:
+        summary = _write_rows(runs, stacks, rounds, stopped, run_dir, results, config, overrides, warm, steps, nproc,
+                              peak, source)
     finally:
         signal.signal(signal.SIGTERM, prev)
+    if stopped is not None:
+        raise stopped
+    if late:
+        raise SystemExit(late[0])
+    return summary
+
+
+def _write_rows(runs: dict[str, list[dict]], stacks: list[str], rounds: int, stopped: BaseException | None,
+                run_dir: Path, results: str | None, config, overrides, warm: int, steps: int, nproc: int, peak,
+                source) -> dict:
+    """Each stack's row (combine_rounds), written to the run directory's bench.jsonl and to `results`, and the
+    summary.json beside them; returns the summary."""
+    from novatune.measure.results import environment, write_row
+
     rows = [combine_rounds(runs[s], rounds if stopped is not None else None) if runs[s] else
             {"stack": s, "status": "failed", "reason": "bench interrupted (SIGTERM / Ctrl-C) before this stack "
              "finished", "description": STACKS[s].description} for s in stacks]
@@ -348,8 +368,6 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
                "rows": written,
                "speedup": speedup, "env": environment(), "exit_code": 1 if failed else 0}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if stopped is not None:
-        raise stopped
     return summary
 
 

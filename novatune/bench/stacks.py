@@ -224,10 +224,10 @@ register(Stack("novatune_eager", "novatune without CUDA graphs", NOVATUNE + ["mo
 # novatune's AdamW kernel is the default (train.adamw_kernel auto); this stack is the A/B against torch's
 register(Stack("novatune_torch_adamw", "novatune with torch's fused AdamW (train.adamw_kernel torch)",
                NOVATUNE + ["train.adamw_kernel=torch"], patched=True))
-# the A/B of the experts' weight gradients added into .grad inside the grouped GEMM (MoE models; off by default)
-register(Stack("novatune_wgrad_in_place", "novatune, MoE expert weight gradients accumulated into .grad "
-               "(model.patch_options.moe_wgrad_in_place)", NOVATUNE + ["model.patch_options.moe_wgrad_in_place=true"],
-               patched=True))
+# the A/B of the MoE experts' weight gradients added into .grad inside the grouped GEMM (the default): returned
+register(Stack("novatune_wgrad_returned", "novatune, MoE expert weight gradients returned to autograd "
+               "(model.patch_options.moe_wgrad_in_place=false)",
+               NOVATUNE + ["model.patch_options.moe_wgrad_in_place=false"], patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),

@@ -118,7 +118,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
-          selection=None, moe: bool = True, moe_wgrad_in_place: bool = False) -> PatchReport:
+          selection=None, moe: bool = True, moe_wgrad_in_place: bool = True) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
     Gemma 3 text, Phi-3 / Phi-4-mini, OLMo 2), a PEFT model wrapping one, or a Trainer.
 
@@ -150,10 +150,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     aten's ops), "cudnn", "sdpa", "sdpa_docs"
     (one SDPA call per document: the CPU's packed-row path), "reference"; False keeps stock attention.
     moe: the routed experts and their router run novatune's MoE op (novatune/patch/moe.py).
-    moe_wgrad_in_place: the experts' weight gradients are added into their existing .grad a column slice at a time
-    where autograd would add them there itself (one process, no hooks on them: novatune/ops/moe_wgrad.py): a
-    quarter of the largest backward transient of accumulated micro-batches (1.1 GiB per Qwen3-30B-A3B layer). Off
-    by default until a GPU run measures it.
+    moe_wgrad_in_place: the experts' weight gradients are added into their existing .grad where autograd would add
+    them there itself (one process, no hooks on them: novatune/ops/moe_wgrad.py), inside the grouped GEMM on a GPU
+    (novatune/kernels/moe_wgrad.py): micro-batches after the first write no fresh gradient (1.1 GiB per
+    Qwen3-30B-A3B layer) and skip autograd's separate add. On by default; False returns them to autograd.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the

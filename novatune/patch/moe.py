@@ -87,7 +87,7 @@ def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None
 
 
 def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool,
-              wgrad_in_place: bool = False) -> None:
+              wgrad_in_place: bool = True) -> None:
     """Bind the router and experts forwards on every MoE block of `model` (spec.moe), or record why not.
     `wgrad_in_place`: patch(moe_wgrad_in_place=...)."""
     moe = spec.moe
@@ -111,5 +111,5 @@ def apply_moe(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, 
                  _novatune_wgrad_in_place=wgrad_in_place)
             report.add(path, "moe_experts", "replaced",
                        "novatune expert MLP: one sort per layer, Triton dispatch/combine, grouped GEMMs, "
-                       f"{activation} GLU (no host sync)" + ("; weight gradients added into .grad by column slices "
-                                                            "where autograd would add them" if wgrad_in_place else ""))
+                       f"{activation} GLU (no host sync)" + ("; weight gradients added into .grad where autograd would "
+                                                            "add them" if wgrad_in_place else ""))

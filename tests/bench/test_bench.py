@@ -120,6 +120,40 @@ def test_an_interrupt_in_the_last_round_keeps_the_stacks_that_finished(spec, tmp
     assert rows["stock"]["status"] == "failed" and "after 1 of 2 rounds" in rows["stock"]["reason"]
 
 
+def test_a_sigterm_while_the_rows_are_written_waits_for_them(spec, tmp_path, monkeypatch):
+    """`timeout` firing after the last round has finished: the rows of every round are still written (to the run
+    directory and to --results), then the bench ends with exit status 143 as a SIGTERM would have ended it."""
+    import json
+    import os
+    import signal
+
+    from novatune.bench import runner
+    from novatune.measure import results as results_module
+
+    monkeypatch.setattr(runner, "run_worker", lambda wspec, timeout: {"stack": wspec["stack"], "status": "ok",
+                                                                      "tok_s": 100.0, "losses": [1.0]})
+    monkeypatch.setattr(runner, "measure_peak_tflops", lambda: (None, None))
+    real_write = results_module.write_row
+    signalled = []
+
+    def write_after_a_sigterm(path, row):
+        if not signalled:
+            signalled.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+        return real_write(path, row)
+
+    monkeypatch.setattr(results_module, "write_row", write_after_a_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        runner.run_bench(spec["config"], [], ["stock", "novatune"], tmp_path / "run", 1, 1, log=lambda *_: None,
+                         results=str(tmp_path / "results.jsonl"), rounds=2)
+    assert stop.value.code == 143 and signalled
+    assert signal.getsignal(signal.SIGTERM) is before
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["stack"] for r in rows] == ["stock", "novatune"] and all(r["status"] == "ok" for r in rows)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["exit_code"] == 0
+
+
 def test_profile_and_memory_run_in_the_last_round_into_the_run_directory(spec, tmp_path, monkeypatch):
     """The last round's diagnostics stay on the row even when another round is the median."""
     from novatune.bench import runner

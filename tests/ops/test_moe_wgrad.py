@@ -189,15 +189,19 @@ def test_column_slices_cover_the_width_at_aligned_offsets(width, elem):
     assert all((lo * elem) % 16 == 0 for lo, _ in sl)
 
 
-def test_the_patch_option_reaches_the_experts():
+@pytest.mark.parametrize("option", [None, True, False], ids=["default", "on", "off"])
+def test_the_patch_option_reaches_the_experts(option):
+    """On by default; the report says so on every experts entry, and False turns it off."""
     import novatune
     from tests.patch.tiny_models import tiny_model
 
     model = tiny_model("qwen3_moe")
-    report = novatune.patch(model, moe_wgrad_in_place=True)
+    report = novatune.patch(model) if option is None else novatune.patch(model, moe_wgrad_in_place=option)
+    want = option is not False
     experts = [m for m in model.modules() if getattr(m, "_novatune_wgrad_in_place", None) is not None]
-    assert experts and all(m._novatune_wgrad_in_place for m in experts)
-    assert any("by column slices" in e.detail for e in report.entries if e.kind == "moe_experts")
+    assert experts and all(m._novatune_wgrad_in_place is want for m in experts)
+    details = [e.detail for e in report.entries if e.kind == "moe_experts"]
+    assert details and all(("weight gradients added into .grad" in d) is want for d in details)
 
 
 def test_an_initialised_process_group_keeps_the_gradient_returned(tmp_path):
