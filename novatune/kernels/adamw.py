@@ -24,10 +24,13 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, scale_ptr, n, beta1, one_minus_beta1, beta2,
-                  one_minus_beta2, eps, lr_weight_decay, step_size, bc2_sqrt, HAS_SCALE: tl.constexpr,
-                  HAS_DECAY: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, scale_ptr, found_inf_ptr, n, beta1,
+                  one_minus_beta1, beta2, one_minus_beta2, eps, lr_weight_decay, step_size, bc2_sqrt,
+                  HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_DECAY: tl.constexpr, BF16: tl.constexpr,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_FOUND_INF:  # a step found non-finite: no element is in range, so nothing is read or written
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -52,14 +55,19 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, p_out, m_out, v_out, scale_ptr, n,
 
 
 def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None = None, *, lr: float, beta1: float,
-               beta2: float, eps: float, weight_decay: float, step: int) -> None:
+               beta2: float, eps: float, weight_decay: float, step: int, found_inf: Tensor | None = None) -> None:
     """One in-place step (the reference's contract): p, m, v, g contiguous, of one shape, dtype and device; scale a
-    0-dim fp32 tensor on that device or None."""
+    0-dim fp32 tensor on that device or None. found_inf (torch's GradScaler convention: a one-element fp32 tensor on
+    the device, nonzero when the step's loss or gradients were not finite) makes the step leave p, m and v as they
+    are, decided on the device: the host never waits for the value."""
     if not p.is_contiguous() or any(not t.is_contiguous() or t.shape != p.shape or t.device != p.device
                                     or t.dtype != p.dtype for t in (m, v, g)):
         raise ValueError("adamw_step: p, m, v and g must be contiguous tensors of one shape, dtype and device")
     if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != p.device):
         raise ValueError("adamw_step: scale is a one-element fp32 tensor on the parameter's device")
+    if found_inf is not None and (found_inf.numel() != 1 or found_inf.dtype != torch.float32
+                                  or found_inf.device != p.device):
+        raise ValueError("adamw_step: found_inf is a one-element fp32 tensor on the parameter's device")
     n = p.numel()
     if n == 0:
         return
@@ -69,6 +77,7 @@ def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None 
     bf16 = p.dtype == torch.bfloat16
     outs = (p.view(torch.int16), m.view(torch.int16), v.view(torch.int16)) if bf16 else (p, m, v)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, g, m, v, *outs, scale if scale is not None else p, n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-        lr * weight_decay, lr / bc1, bc2_sqrt, HAS_SCALE=scale is not None, HAS_DECAY=weight_decay != 0.0,
-        BF16=bf16, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        p, g, m, v, *outs, scale if scale is not None else p, found_inf if found_inf is not None else p, n, beta1,
+        1.0 - beta1, beta2, 1.0 - beta2, eps, lr * weight_decay, lr / bc1, bc2_sqrt, HAS_SCALE=scale is not None,
+        HAS_FOUND_INF=found_inf is not None, HAS_DECAY=weight_decay != 0.0, BF16=bf16, BLOCK=BLOCK,
+        num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -23,6 +23,8 @@ __all__ = ["adamw_step", "clip_coefficient", "local_shard", "FusedClipAdamW", "t
 
 
 def adamw_step(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None = None, **hyper) -> None:
+    """One in-place AdamW step (hyper: lr, beta1, beta2, eps, weight_decay, step, and optionally found_inf: a
+    one-element fp32 tensor, nonzero to leave p, m and v as they are)."""
     if use_triton(p):
         K.adamw_step(p, m, v, g, scale, **hyper)
     else:
@@ -46,13 +48,19 @@ class FusedClipAdamW(torch.optim.AdamW):
     `grad_scale`, which divides) before step() instead of scaling the gradients; step() uses it once. The
     gradients themselves are left unscaled. Checkpoints are interchangeable with torch.optim.AdamW's (same state
     keys; the step count stays a host tensor, so no update reads the device; novatune.train.optim.live_group_flags
-    keeps each optimizer's own implementation flags on a load)."""
+    keeps each optimizer's own implementation flags on a load).
+
+    `found_inf` (as torch's fused AdamW reads it from GradScaler: a one-element fp32 tensor on the device, nonzero
+    when the step's loss or gradient norm is not finite), set before step() and used once, makes the update leave
+    every weight and moment as it is, decided on the device. The host step count still advances (the host never
+    reads the flag): the trainer uses it only where a non-finite step ends the run (train.on_nonfinite stop)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         # foreach / fused left unset: step() reads neither, and a checkpoint of this optimizer then lets
         # torch.optim.AdamW resume it on torch's own default path
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.clip_coef: Tensor | None = None
+        self.found_inf: Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,7 +69,9 @@ class FusedClipAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self.clip_coef = self.clip_coef, None
+        found_inf, self.found_inf = self.found_inf, None
         scales = {} if scale is None else {scale.device: scale}  # a model spread over GPUs: one copy per device
+        flags = {} if found_inf is None else {found_inf.device: found_inf.float()}
         for group in self.param_groups:  # every parameter checked before any is updated
             if group.get("amsgrad") or group.get("maximize"):
                 raise RuntimeError("novatune's AdamW kernel runs AdamW without amsgrad or maximize; set "
@@ -88,10 +98,12 @@ class FusedClipAdamW(torch.optim.AdamW):
                 dense = weight if weight.is_contiguous() else weight.contiguous()  # the kernel reads flat memory
                 if scale is not None and dense.device not in scales:
                     scales[dense.device] = scale.to(dense.device, non_blocking=True)
+                if found_inf is not None and dense.device not in flags:
+                    flags[dense.device] = found_inf.to(dense.device, torch.float32, non_blocking=True)
                 adamw_step(dense, local_shard(st["exp_avg"]), local_shard(st["exp_avg_sq"]),
                            local_shard(p.grad).contiguous(), scales.get(dense.device), lr=float(group["lr"]),
                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                           step=int(st["step"]))
+                           step=int(st["step"]), found_inf=flags.get(dense.device))
                 if dense is not weight:
                     weight.copy_(dense)
         return loss

@@ -19,8 +19,12 @@ from torch import Tensor
 
 
 def adamw_step_ref(p: Tensor, m: Tensor, v: Tensor, g: Tensor, scale: Tensor | None = None, *, lr: float,
-                   beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
-    """One in-place step on (p, m, v) from the gradient g; `scale` a 0-dim fp32 tensor or None (module docstring)."""
+                   beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                   found_inf: Tensor | None = None) -> None:
+    """One in-place step on (p, m, v) from the gradient g; `scale` a 0-dim fp32 tensor or None (module docstring);
+    a nonzero `found_inf` leaves p, m and v as they are."""
+    if found_inf is not None and float(found_inf) != 0.0:
+        return
     bc1, bc2_sqrt = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
     p32, g32, m32, v32 = p.float(), g.float(), m.float(), v.float()
     if scale is not None:

@@ -100,6 +100,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         torch.cuda.reset_peak_memory_stats(device)
 
     def save(at: int) -> Path:
+        guard.resolve()  # every step's check read before a checkpoint holds its weights
         state = {"data": stream.state_dict(), "tokens": tokens_seen, "total_steps": total, "config": to_yaml(cfg),
                  "world_size": dist.world}
         if session.strategy != "none":
@@ -114,6 +115,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, bool]] = []
     start_step, aborted, to_export = step, False, False
     guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
+    deferred = guard.defers(session.optimizer)  # the check decided on the device, read a step late
     signals = StopSignals()
     long_lived = LongLivedFreeze()
     try:
@@ -125,11 +127,17 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             loss, gnorm = out.loss, out.grad_norm
             lr = sched.get_last_lr()[0]  # the lr this step's update uses
             # the weights change only in apply_update(): the non-finite check sits between the two
-            applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
-            if applied:
-                session.apply_update()
+            if deferred:  # the optimizer leaves the weights as they are on a non-finite step; read a step late
+                applied = True
+                session.apply_update(found_inf=guard.found_inf(loss, gnorm))
+                guard.defer(step + 1, loss, gnorm)
+                guard.resolve(keep=1)  # the previous step's, finished on the GPU by now; raises (stop mode)
             else:
-                session.skip_update()  # the schedule still advances (train/nonfinite.py)
+                applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
+                if applied:
+                    session.apply_update()
+                else:
+                    session.skip_update()  # the schedule still advances (train/nonfinite.py)
             step += 1
             n_tok = sum(mb.get("global_tokens", mb["num_tokens"]) for mb in mbs)  # all ranks' tokens
             tokens_seen += n_tok
@@ -138,6 +146,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             pending.append((step, loss, gnorm, lr, applied))
             stopping = stop_requested()
             if step % cfg.logging.every == 0 or step == total or stopping:
+                guard.resolve()  # a metrics row never shows a step whose check is unread
                 vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
                 lr = pending[-1][3]
                 skipped = [s for s, _, _, _, ok in pending if not ok]  # any step of the window, not only the last
@@ -173,6 +182,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
                 break
+        guard.resolve()
         to_export = step >= total
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
         aborted = True

@@ -1,8 +1,18 @@
 """What the trainer does when a step's loss or gradient norm is not finite (`train.on_nonfinite`).
 
-The check costs one host sync per optimizer step: the loss and the gradient norm (which clipping computes anyway)
-are combined on the device and read once, after the step's backward passes and before the optimizer touches the
-weights. Nothing is checked per micro-batch.
+The loss and the gradient norm (which clipping computes anyway) are checked once per optimizer step, after the
+step's backward passes; nothing is checked per micro-batch. How the host learns the result:
+
+  read at once    (skip mode, or an optimizer that cannot take the decision on the device): the two values are read
+                  before the optimizer touches the weights: one host sync per step, after which the GPU idles
+                  while the host queues the update and the next forward.
+  read a step late  (stop mode with an optimizer that takes torch's `found_inf` flag: novatune's AdamW kernel, or
+                  torch's fused AdamW): the device computes found_inf from the two values and the optimizer leaves
+                  every weight and moment as it is when it is set; the values are copied to host memory without
+                  waiting, and read once the next step is queued (by then the GPU has finished them), or before
+                  anything reads the run's state: a metrics row, a checkpoint, the export, the end of the loop. So a
+                  non-finite step still never changes the weights, and no checkpoint or export is written after it;
+                  the run may have queued one more (finite) step when it stops.
 
   stop (default)  the run ends with NonFiniteError naming the step; the bad update is never applied, so the last
                   checkpoint (and the weights in memory) stay finite.
@@ -77,21 +87,74 @@ def as_json_number(x):
     return x
 
 
+def takes_found_inf(optimizer) -> bool:
+    """Whether `optimizer.step()` honours a device `found_inf` flag (torch's GradScaler protocol) by leaving the
+    weights and moments as they are: novatune's AdamW kernel, and torch's fused Adam / AdamW (its foreach and
+    single-tensor paths refuse the flag)."""
+    from novatune.ops.adamw import FusedClipAdamW
+
+    if isinstance(optimizer, FusedClipAdamW):
+        return True
+    return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def _pair(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """(loss, grad norm) as one fp32 tensor on the loss's device."""
+    return torch.stack([loss.detach().float().reshape(()),
+                        torch.as_tensor(grad_norm).detach().float().reshape(()).to(loss.device)])
+
+
 class StepGuard:
-    """Decides, once per optimizer step, whether the step's update may be applied."""
+    """Decides, once per optimizer step, whether the step's update may be applied: at once (allow), or on the
+    device with the host reading the outcome a step late (found_inf, defer, resolve: the module docstring)."""
 
     def __init__(self, mode: str, max_skipped: int):
         self.mode, self.max_skipped = mode, max_skipped
         self.consecutive = 0
         self.skipped: list[int] = []
         self.zero_since: int | None = None  # first step of the current run of exactly-zero gradient norms
+        self.pending: list[tuple[int, torch.Tensor, object]] = []  # (step, host values, CUDA event or None)
+
+    def defers(self, optimizer) -> bool:
+        """Whether the check may be read a step late with this optimizer: stop mode (a skip must know before the
+        next step whether to count it), and an optimizer that takes found_inf."""
+        return self.mode == "stop" and takes_found_inf(optimizer)
+
+    @staticmethod
+    def found_inf(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The optimizer's device flag: 1.0 when the step's loss or gradient norm is not finite, else 0.0."""
+        return (~torch.isfinite(_pair(loss, grad_norm)).all()).float()  # 0-dim, as GradScaler makes it
+
+    def defer(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Queue the copy of `step`'s values to host memory without waiting for them (resolve reads them)."""
+        pair = _pair(loss, grad_norm)
+        if pair.device.type != "cuda":
+            self.pending.append((step, pair, None))
+            return
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(pair, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, host, event))
+
+    def resolve(self, keep: int = 0) -> None:
+        """Check every deferred step but the newest `keep`, oldest first, waiting for each one's values (a step the
+        GPU finished costs no wait); raises as allow() does."""
+        while len(self.pending) > keep:
+            step, values, event = self.pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            loss_v, norm_v = values.tolist()
+            self._judge(step, loss_v, norm_v)
 
     def allow(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """True: apply the update of `step` (1-based). False (skip mode): drop it. Raises NonFiniteError (stop), or
         ZeroGradientError after ZERO_GRADIENT_STEPS steps in a row with a gradient norm of exactly zero."""
-        loss_v, norm_v = torch.stack([loss.detach().float().reshape(()),
-                                      torch.as_tensor(grad_norm).detach().float().reshape(()).to(loss.device)
-                                      ]).tolist()  # the one sync of the check
+        loss_v, norm_v = _pair(loss, grad_norm).tolist()  # the one sync of the check
+        return self._judge(step, loss_v, norm_v)
+
+    def _judge(self, step: int, loss_v: float, norm_v: float) -> bool:
         if math.isfinite(loss_v) and math.isfinite(norm_v):
             self.consecutive = 0
             self._zero_check(step, loss_v, norm_v)

@@ -224,9 +224,17 @@ class Session:
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
 
-    def apply_update(self) -> None:
-        """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped."""
-        self.optimizer.step()
+    def apply_update(self, found_inf: torch.Tensor | None = None) -> None:
+        """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped.
+        `found_inf` (an optimizer nonfinite.takes_found_inf accepts): a device flag, nonzero to leave the weights and
+        moments as they are (train/nonfinite.py)."""
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf  # torch's fused AdamW reads it as GradScaler sets it
+        try:
+            self.optimizer.step()
+        finally:
+            if found_inf is not None:
+                self.optimizer.found_inf = None  # torch's keeps the attribute: the next step must not see it
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 

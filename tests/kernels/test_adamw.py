@@ -181,3 +181,27 @@ def test_a_nan_gradient_gives_nan_not_zero(device):
         K.adamw_step(p, m, v, g, **HYPER, weight_decay=0.0, step=2)
         assert torch.isnan(p[3]) and torch.isnan(m[3]) and torch.isnan(v[3]), dtype
         assert torch.isfinite(p[:3]).all() and torch.isfinite(p[4:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_found_inf_leaves_everything_as_it_is(dtype, device):
+    """found_inf nonzero (a non-finite step decided on the device): p, m and v keep their bits, even with a NaN
+    gradient and scale; zero: the same step as without the flag."""
+    p, m, v, g = _state(1029, dtype, device, seed=9, step=3)
+    before = [t.clone() for t in (p, m, v)]
+    g_nan = g.clone()
+    g_nan[5] = float("nan")
+    K.adamw_step(p, m, v, g_nan, torch.tensor(float("nan"), device=device), **HYPER, weight_decay=0.1, step=3,
+                 found_inf=torch.tensor(1.0, device=device))
+    for a, b in zip((p, m, v), before, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    plain = [t.clone() for t in before]
+    K.adamw_step(p, m, v, g, **HYPER, weight_decay=0.1, step=3, found_inf=torch.tensor(0.0, device=device))
+    K.adamw_step(*plain, g, **HYPER, weight_decay=0.1, step=3)
+    for a, b in zip((p, m, v), plain, strict=True):
+        assert torch.equal(a, b)
+    ref = [t.clone() for t in before]
+    adamw_step_ref(*ref, g, **HYPER, weight_decay=0.1, step=3, found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(ref, before, strict=True))
+    with pytest.raises(ValueError, match="found_inf"):
+        K.adamw_step(p, m, v, g, **HYPER, weight_decay=0.1, step=3, found_inf=torch.tensor([0.0, 0.0], device=device))

@@ -30,16 +30,41 @@ def strict_rows(out: Path) -> list[dict]:
     return [json.loads(ln, parse_constant=bad) for ln in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_nan_weight_stops_at_step_1_and_exports_nothing(make_cfg):
-    cfg = make_cfg("nanw", checkpoint={"save_every": 1})
+# The check read at once (torch's foreach AdamW, the CPU default) and read a step late with the decision taken on
+# the device (torch's fused AdamW and novatune's AdamW kernel take found_inf; train/nonfinite.py): the same outcomes.
+OPTIMIZERS = {"foreach": {"fused_adamw": False}, "fused": {"fused_adamw": True}, "kernel": {"adamw_kernel": "novatune"}}
+READS = pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+
+
+def deferral_spy(monkeypatch) -> list:
+    """The steps whose check is deferred (non-empty exactly when the optimizer takes found_inf)."""
+    from novatune.train.nonfinite import StepGuard
+
+    seen: list = []
+    real = StepGuard.defer
+    monkeypatch.setattr(StepGuard, "defer", lambda self, step, *a: seen.append(step) or real(self, step, *a))
+    return seen
+
+
+@READS
+def test_nan_weight_stops_at_step_1_and_exports_nothing(make_cfg, monkeypatch, optimizer):
+    deferred = deferral_spy(monkeypatch)
+    cfg = make_cfg("nanw", train=OPTIMIZERS[optimizer], checkpoint={"save_every": 1})
     with pytest.raises(NonFiniteError, match="step 1"):
         train(cfg, console=quiet(), model_hook=poison_weight)
     out = Path(cfg.checkpoint.output_dir)
     assert ckpt.list_checkpoints(out) == [] and not (out / "final").exists()
+    assert bool(deferred) == (optimizer != "foreach")
 
 
-def test_nan_mid_run_keeps_the_finite_checkpoints(make_cfg):
-    cfg = make_cfg("nanmid", train={"max_steps": 6}, checkpoint={"save_every": 1, "keep": 2})
+@READS
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_nan_mid_run_keeps_the_finite_checkpoints(make_cfg, monkeypatch, optimizer, log_every):
+    """With the check read a step late, the checkpoint of step 4 (and with logging every step, its metrics row)
+    still waits for step 4's check; the weights in memory never take the non-finite update."""
+    deferred = deferral_spy(monkeypatch)
+    cfg = make_cfg("nanmid", train={"max_steps": 6, **OPTIMIZERS[optimizer]}, checkpoint={"save_every": 1, "keep": 2},
+                   logging={"every": log_every})
 
     def hook(step, mbs):
         if step == 3:  # after step 3's checkpoint: step 4 goes non-finite
@@ -53,7 +78,12 @@ def test_nan_mid_run_keeps_the_finite_checkpoints(make_cfg):
     assert names == ["step_00000002", "step_00000003"] and not (out / "final").exists()
     for p in ckpt.list_checkpoints(out):
         assert ckpt.verify(p) == []
-    assert [r["step"] for r in strict_rows(out)] == [1, 2, 3]
+    logged = [r["step"] for r in strict_rows(out)] if (out / "metrics.jsonl").exists() else []
+    assert logged == ([1, 2, 3] if log_every == 1 else [])
+    assert deferred == ([] if optimizer == "foreach" else [1, 2, 3, 4])
+    # only the poisoned element is non-finite: the update of step 4 was never applied
+    poisoned = next(p for n, p in model_ref[0].named_parameters() if "mlp" in n).detach().view(-1)
+    assert torch.isnan(poisoned[0]) and torch.isfinite(poisoned[1:]).all()
 
 
 def test_skip_drops_one_bad_update_and_trains_on(make_cfg):
@@ -118,12 +148,14 @@ def test_nonfinite_names_checks_every_chunk(monkeypatch):
     assert nonfinite.nonfinite_names(tensors) == ["nan", "inf"]
 
 
-def test_a_run_whose_gradients_are_all_zero_stops_instead_of_exporting(make_cfg):
+@READS
+def test_a_run_whose_gradients_are_all_zero_stops_instead_of_exporting(make_cfg, monkeypatch, optimizer):
     """Finite but dead (every gradient exactly zero, as after a learning rate that saturated the weights): the run
     ends with ZeroGradientError at the third such step and exports nothing."""
     from novatune.train.nonfinite import ZERO_GRADIENT_STEPS, ZeroGradientError
 
-    cfg = make_cfg("dead", train={"max_steps": 6})
+    deferred = deferral_spy(monkeypatch)
+    cfg = make_cfg("dead", train={"max_steps": 6, **OPTIMIZERS[optimizer]})
 
     def zero_gradients(model):
         for p in model.parameters():
@@ -133,6 +165,7 @@ def test_a_run_whose_gradients_are_all_zero_stops_instead_of_exporting(make_cfg)
     with pytest.raises(ZeroGradientError, match=f"exactly zero on steps 1-{ZERO_GRADIENT_STEPS}.*train.lr"):
         train(cfg, console=quiet(), model_hook=zero_gradients)
     assert not (Path(cfg.checkpoint.output_dir) / "final").exists()
+    assert bool(deferred) == (optimizer != "foreach")
 
 
 def test_zero_gradient_steps_must_be_consecutive():
@@ -149,3 +182,49 @@ def test_zero_gradient_steps_must_be_consecutive():
     assert skipping.allow(1, loss, zero) and skipping.allow(2, loss, zero)
     assert not skipping.allow(3, loss, torch.tensor(float("nan")))
     assert skipping.allow(4, loss, zero) and skipping.allow(5, loss, zero)
+
+
+def test_the_guard_reads_deferred_steps_in_order_and_keeps_the_newest():
+    """resolve(keep=1) checks all but the newest deferred step, oldest first; a non-finite one raises naming its
+    step; found_inf is GradScaler's 0-dim fp32 flag; only stop mode with an optimizer that takes it defers."""
+    from novatune.ops.adamw import FusedClipAdamW
+    from novatune.train.nonfinite import StepGuard
+
+    guard = StepGuard("stop", 3)
+    one = torch.tensor(1.0)
+    for step in (1, 2, 3):
+        guard.defer(step, one * step, one)
+    guard.resolve(keep=1)
+    assert [s for s, _, _ in guard.pending] == [3]
+    guard.defer(4, torch.tensor(float("nan")), one)
+    guard.defer(5, one, one)
+    with pytest.raises(NonFiniteError, match="step 4"):
+        guard.resolve(keep=1)
+    flag = StepGuard.found_inf(one, torch.tensor(float("inf")))
+    assert flag.shape == () and flag.dtype == torch.float32 and float(flag) == 1.0
+    assert float(StepGuard.found_inf(one, one)) == 0.0
+    w = [torch.nn.Parameter(torch.zeros(3))]
+    assert StepGuard("stop", 3).defers(torch.optim.AdamW(w, fused=True))
+    assert StepGuard("stop", 3).defers(FusedClipAdamW(w))
+    assert not StepGuard("skip", 3).defers(torch.optim.AdamW(w, fused=True))
+    assert not StepGuard("stop", 3).defers(torch.optim.AdamW(w, foreach=True))
+    assert not StepGuard("stop", 3).defers(torch.optim.SGD(w))
+
+
+def test_the_kernel_optimizer_skips_a_flagged_step_and_forgets_the_flag():
+    from novatune.ops.adamw import FusedClipAdamW
+
+    model = torch.nn.Linear(5, 3)
+    opt = FusedClipAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.found_inf = torch.tensor(1.0)
+    opt.step()
+    assert opt.found_inf is None
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(opt.state[p]["exp_avg"], torch.zeros_like(p)) for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the flag was used once: this step updates
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
