@@ -19,7 +19,7 @@ from novatune.train import sharded_checkpoint as sharded
 from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
-from novatune.train.nonfinite import StepGuard, as_json_number
+from novatune.train.nonfinite import HostCopy, StepGuard, as_json_number
 from novatune.train.resume_check import check_resume_config
 from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
@@ -100,7 +100,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         torch.cuda.reset_peak_memory_stats(device)
 
     def save(at: int) -> Path:
-        guard.resolve()  # every step's check read before a checkpoint holds its weights
+        settle()  # every step's check read and its metrics row written before a checkpoint holds its weights
         state = {"data": stream.state_dict(), "tokens": tokens_seen, "total_steps": total, "config": to_yaml(cfg),
                  "world_size": dist.world}
         if session.strategy != "none":
@@ -113,6 +113,45 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
     progress = Progress(total, step, cfg.logging.progress, console)
     win_t, win_tokens, win_keys = time.perf_counter(), 0, 0.0
     pending: list[tuple[int, torch.Tensor, torch.Tensor, float, bool]] = []
+    drafts: list[dict] = []  # logged steps whose metrics row waits for its values (at most one)
+
+    def write_row(d: dict) -> None:
+        """The metrics row of a logged step from its draft (the step's window of steps, its values on the way to
+        the host); tokens/s over the time since the previous row was written."""
+        nonlocal win_t
+        n = len(d["window"])
+        vals = d["values"].values()  # losses, then grad norms, of the window's steps
+        losses, norms = vals[:n], vals[n:]
+        result.losses.update({s: v for (s, _, _), v in zip(d["window"], losses, strict=True)})
+        now = time.perf_counter()
+        tps = d["win_tokens"] / max(now - win_t, 1e-9)
+        mfu = None
+        if peak:
+            mfu = tps * session.flops_per_token(d["win_keys"] / max(1, d["win_tokens"])) / (peak * dist.world * 1e12)
+        mem = gpu_mem_gib(device)
+        at = d["step"]
+        row = {"step": at, "total_steps": total, "loss": as_json_number(losses[-1]), "lr": d["window"][-1][1],
+               "grad_norm": as_json_number(norms[-1]), "tokens": d["tokens"], "tokens_per_s": tps,
+               "mfu": mfu, "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
+        _memory_vs_plan(row, session.memory_plan, console, first=at == start_step + cfg.logging.every)
+        if dist.active:  # tokens_per_s is the total over the processes; memory is per rank
+            row.update(world_size=dist.world, tokens_per_s_per_proc=tps / dist.world,
+                       mem_gib_per_rank=dist.gather(mem[1] if mem else None))
+        skipped = [s for s, _, ok in d["window"] if not ok]  # any step of the window, not only the last
+        if skipped:
+            row["skipped"] = True
+            row["skipped_steps"] = skipped
+        if metrics is not None:
+            metrics.write(row)
+        progress.update(at, row)
+        win_t = now
+
+    def settle() -> None:
+        """Every deferred check read (raises on a non-finite step) and every drafted metrics row written."""
+        guard.resolve()
+        while drafts:
+            write_row(drafts.pop(0))
+
     start_step, aborted, to_export = step, False, False
     guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
     deferred = guard.defers(session.optimizer)  # the check decided on the device, read a step late
@@ -132,6 +171,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 session.apply_update(found_inf=guard.found_inf(loss, gnorm))
                 guard.defer(step + 1, loss, gnorm)
                 guard.resolve(keep=1)  # the previous step's, finished on the GPU by now; raises (stop mode)
+                while drafts:  # the previous logged step's row: its check is read and its values are here
+                    write_row(drafts.pop(0))
             else:
                 applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
                 if applied:
@@ -146,32 +187,16 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             pending.append((step, loss, gnorm, lr, applied))
             stopping = stop_requested()
             if step % cfg.logging.every == 0 or step == total or stopping:
-                guard.resolve()  # a metrics row never shows a step whose check is unread
-                vals = [(s, float(l_), float(g)) for s, l_, g, _, _ in pending]  # the one sync per logged step
-                lr = pending[-1][3]
-                skipped = [s for s, _, _, _, ok in pending if not ok]  # any step of the window, not only the last
+                # the window's values queued for the host; read now, or (check read a step late) at the next
+                # step, once the GPU has finished them: no wait for the GPU in the loop
+                drafts.append({"step": step, "window": [(s, lr_, ok) for s, _, _, lr_, ok in pending],
+                               "values": HostCopy([l_ for _, l_, _, _, _ in pending] +
+                                                  [g for _, _, g, _, _ in pending]),
+                               "tokens": tokens_seen, "win_tokens": win_tokens, "win_keys": win_keys})
                 pending.clear()
-                result.losses.update({s: v for s, v, _ in vals})
-                now = time.perf_counter()
-                tps = win_tokens / max(now - win_t, 1e-9)
-                mfu = None
-                if peak:
-                    mfu = tps * session.flops_per_token(win_keys / max(1, win_tokens)) / (peak * dist.world * 1e12)
-                mem = gpu_mem_gib(device)
-                row = {"step": step, "total_steps": total, "loss": as_json_number(vals[-1][1]), "lr": lr,
-                       "grad_norm": as_json_number(vals[-1][2]), "tokens": tokens_seen, "tokens_per_s": tps,
-                       "mfu": mfu, "mem_gib": mem[1] if mem else None, "elapsed_s": now - t_start}
-                _memory_vs_plan(row, session.memory_plan, console, first=step == start_step + cfg.logging.every)
-                if dist.active:  # tokens_per_s is the total over the processes; memory is per rank
-                    row.update(world_size=dist.world, tokens_per_s_per_proc=tps / dist.world,
-                               mem_gib_per_rank=dist.gather(mem[1] if mem else None))
-                if skipped:
-                    row["skipped"] = True
-                    row["skipped_steps"] = skipped
-                if metrics is not None:
-                    metrics.write(row)
-                progress.update(step, row)
-                win_t, win_tokens, win_keys = now, 0, 0.0
+                win_tokens, win_keys = 0, 0.0
+                if not deferred or step == total or stopping:
+                    settle()  # a metrics row never shows a step whose check is unread
             else:
                 progress.update(step)
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
@@ -182,7 +207,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 step_hook(step, mbs)
             if stop_after is not None and step - start_step >= stop_after:
                 break
-        guard.resolve()
+        settle()
         to_export = step >= total
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
         aborted = True

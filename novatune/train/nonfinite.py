@@ -99,6 +99,28 @@ def takes_found_inf(optimizer) -> bool:
         g.get("fused") for g in optimizer.param_groups)
 
 
+class HostCopy:
+    """Device scalars copied to host memory without waiting: on CUDA into pinned memory behind an event, so
+    `values()` waits for the copy alone, not for the work queued after it (a plain read of a device tensor waits
+    for everything queued on the stream)."""
+
+    def __init__(self, scalars: list[torch.Tensor]):
+        flat = torch.stack([torch.as_tensor(t).detach().float().reshape(()).to(scalars[0].device) for t in scalars])
+        self.event = None
+        if flat.device.type == "cuda":
+            self.host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flat
+
+    def values(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 def _pair(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
     """(loss, grad norm) as one fp32 tensor on the loss's device."""
     return torch.stack([loss.detach().float().reshape(()),
@@ -114,7 +136,7 @@ class StepGuard:
         self.consecutive = 0
         self.skipped: list[int] = []
         self.zero_since: int | None = None  # first step of the current run of exactly-zero gradient norms
-        self.pending: list[tuple[int, torch.Tensor, object]] = []  # (step, host values, CUDA event or None)
+        self.pending: list[tuple[int, HostCopy]] = []  # deferred steps, oldest first
 
     def defers(self, optimizer) -> bool:
         """Whether the check may be read a step late with this optimizer: stop mode (a skip must know before the
@@ -128,24 +150,14 @@ class StepGuard:
 
     def defer(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Queue the copy of `step`'s values to host memory without waiting for them (resolve reads them)."""
-        pair = _pair(loss, grad_norm)
-        if pair.device.type != "cuda":
-            self.pending.append((step, pair, None))
-            return
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(pair, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((step, host, event))
+        self.pending.append((step, HostCopy([loss, grad_norm])))
 
     def resolve(self, keep: int = 0) -> None:
         """Check every deferred step but the newest `keep`, oldest first, waiting for each one's values (a step the
         GPU finished costs no wait); raises as allow() does."""
         while len(self.pending) > keep:
-            step, values, event = self.pending.pop(0)
-            if event is not None:
-                event.synchronize()
-            loss_v, norm_v = values.tolist()
+            step, copy = self.pending.pop(0)
+            loss_v, norm_v = copy.values()
             self._judge(step, loss_v, norm_v)
 
     def allow(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

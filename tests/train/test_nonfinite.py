@@ -195,7 +195,7 @@ def test_the_guard_reads_deferred_steps_in_order_and_keeps_the_newest():
     for step in (1, 2, 3):
         guard.defer(step, one * step, one)
     guard.resolve(keep=1)
-    assert [s for s, _, _ in guard.pending] == [3]
+    assert [s for s, _ in guard.pending] == [3]
     guard.defer(4, torch.tensor(float("nan")), one)
     guard.defer(5, one, one)
     with pytest.raises(NonFiniteError, match="step 4"):
@@ -228,3 +228,29 @@ def test_the_kernel_optimizer_skips_a_flagged_step_and_forgets_the_flag():
         p.grad = torch.ones_like(p)
     opt.step()  # the flag was used once: this step updates
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_rows_read_a_step_late_equal_the_rows_read_at_once(make_cfg, monkeypatch):
+    """The same run (torch's fused AdamW) with the check and the metrics read at once and a step late: the same
+    rows (steps, losses, grad norms, lr, tokens) and losses; read late, the row of step s is written during step
+    s + 1 (its values were on their way to the host), and the last one before the run ends."""
+    from novatune.train.nonfinite import StepGuard
+
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "total_steps")
+    rows, losses, written_by_hook = {}, {}, {}
+    for late in (False, True):
+        monkeypatch.setattr(StepGuard, "defers", lambda self, opt, late=late: late)
+        cfg = make_cfg(f"late{late}", train={"max_steps": 5, "fused_adamw": True}, logging={"every": 2})
+        metrics = Path(cfg.checkpoint.output_dir) / "metrics.jsonl"
+        seen = []
+
+        def hook(step, mbs, metrics=metrics, seen=seen):
+            seen.append(len(metrics.read_text().splitlines()) if metrics.exists() else 0)
+
+        res = train(cfg, console=quiet(), step_hook=hook)
+        rows[late] = [{k: r[k] for k in keys} for r in strict_rows(Path(cfg.checkpoint.output_dir))]
+        losses[late], written_by_hook[late] = res.losses, seen
+    assert rows[True] == rows[False] and [r["step"] for r in rows[True]] == [2, 4, 5]
+    assert losses[True] == losses[False]
+    assert written_by_hook[False] == [0, 1, 1, 2, 3]  # rows of steps 2, 4, 5 written within their own step
+    assert written_by_hook[True] == [0, 0, 1, 1, 3]  # step 2's row during step 3; step 5 (the last) at once
