@@ -91,8 +91,9 @@ def _measure(step, quick):
     return kernel_us(step, iters=iters), wall_us(step, warmup_ms=wu, rep_ms=rep), peak_mib
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def moe_arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The MoE layer's shape (Qwen3-30B-A3B's by default), --quick and --results: the MoE benches' options."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
@@ -100,7 +101,11 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", default="bench/results/ops.jsonl")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = moe_arg_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe.py needs a CUDA GPU (nothing measured).", file=sys.stderr)
         return 2

@@ -19,7 +19,6 @@ value accumulated into). Rows go to bench/results/ops.jsonl.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,8 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench_moe import _measure, moe_arg_parser  # noqa: E402  (this script's folder is on sys.path)
+
 from novatune.measure.results import write_row  # noqa: E402
-from novatune.measure.timing import kernel_us, wall_us  # noqa: E402
 
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
            (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4)]
@@ -65,15 +65,7 @@ def _candidates(a, b, r, out):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=768)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results", default="bench/results/ops.jsonl")
-    args = ap.parse_args(argv)
+    args = moe_arg_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe_wgrad.py needs a CUDA GPU (nothing measured).", file=sys.stderr)
         return 2
@@ -84,7 +76,6 @@ def main(argv=None):
     def randn(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
 
-    wu, rep, iters = (10, 30, 5) if args.quick else (25, 100, 20)
     rows = []
     for proj, a, b in (("gate_up", randn(s, 2 * i), randn(s, h)), ("down", randn(s, h), randn(s, i))):
         start = randn(e, a.shape[1], b.shape[1])
@@ -100,15 +91,9 @@ def main(argv=None):
         flops = 2 * s * a.shape[1] * b.shape[1]
         for name, fn in cands.items():
             out.copy_(start)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            resident = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            peak_mib = (torch.cuda.max_memory_allocated() - resident) / 2**20
+            fn()  # from the same start as autograd_add's (and compiled, for a kernel)
             diff = float(((out.float() - want.float()).abs() / spacing).max())
-            k_us = kernel_us(fn, iters=iters)
-            w_us = wall_us(fn, warmup_ms=wu, rep_ms=rep)
+            k_us, w_us, peak_mib = _measure(fn, args.quick)
             rows.append(write_row(args.results, {
                 "bench": "moe_wgrad", "op": f"moe_wgrad_{proj}", "candidate": name,
                 "shape": [args.tokens, h, i, e, args.top_k], "dtype": "bfloat16", "kernel_us": round(k_us, 1),

@@ -23,7 +23,9 @@
 #   tiled vs untiled; LOWMEM_BLOCKS adds optimizer-4b: adamw vs adamw_kahan, or lora-8g: the seed LoRA r16 run
 #   under an 8 GiB cap with frozen-weight streaming beside PEFT stock, ~6 min, LOWMEM_TIMEOUT=600); < 8 min.
 #   moe: issue 14's MoE path (not in the default list): the MoE GPU tests (one layer under CUDA sync-debug mode, values
-#   vs HF grouped_mm), bench/bench_moe.py (one layer at Qwen3-30B-A3B shapes), then `novatune bench
+#   vs HF grouped_mm), bench/bench_moe.py (one layer at Qwen3-30B-A3B shapes), bench/bench_moe_wgrad.py (the
+#   experts' weight gradients accumulated into .grad: grouped_mm + add, column slices, the kernel's tile configs),
+#   then `novatune bench
 #   examples/qwen3-30b-a3b-moe.yaml` (8-layer cut; stock, hf-varlen, unsloth, novatune), and with MOE_VARIANT
 #   ("key=value ...") the novatune stack once more with those settings; < 8 min (+3 with MOE_VARIANT).
 #   gemma: issue 18's Gemma GPU tests (not in the default list): patched tiny Gemma 2/3 in bf16 against stock's own
@@ -133,11 +135,14 @@ if has e2e; then
     --steps ${E2E_STEPS:-6} --results "$OUT/e2e.jsonl" --run-dir "$OUT/runs/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -n 12
 fi
 if has moe; then
-  timeout 150 python3 -m pytest -q -m gpu tests/ops/test_moe_gpu.py tests/ops/test_moe_wgrad.py 2>&1 \
-    | tee "$OUT/moe_gpu_tests.log" | tail -n 8
+  timeout 150 python3 -m pytest -q -m gpu tests/ops/test_moe_gpu.py tests/ops/test_moe_wgrad.py \
+    tests/kernels/test_moe_wgrad_gemm.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -n 8
   summary+=("moe gpu tests: $(tail -n 1 "$OUT/moe_gpu_tests.log")")
   timeout 120 python3 bench/bench_moe.py --results "$OUT/ops.jsonl" 2>&1 | tee "$OUT/bench_moe.log" | tail -n 6
   summary+=("bench_moe: exit ${PIPESTATUS[0]}")
+  timeout 90 python3 bench/bench_moe_wgrad.py --quick --results "$OUT/ops.jsonl" 2>&1 | tee "$OUT/bench_moe_wgrad.log" \
+    | tail -n 20
+  summary+=("bench_moe_wgrad: exit ${PIPESTATUS[0]}")
   timeout 330 python3 -m novatune bench examples/qwen3-30b-a3b-moe.yaml --stacks ${MOE_STACKS:-stock,hf-varlen,unsloth,novatune} \
     --steps ${MOE_STEPS:-4} --results "$OUT/moe.jsonl" --run-dir "$OUT/runs/moe" 2>&1 | tee "$OUT/moe_e2e.log" | tail -n 14
   summary+=("novatune bench examples/qwen3-30b-a3b-moe.yaml: exit ${PIPESTATUS[0]}")
