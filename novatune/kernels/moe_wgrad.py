@@ -82,10 +82,11 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     dtype (bf16 or fp32) on one device."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"a (S, M) and b (S, N) with the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
-    e, m, n = out.shape if out.ndim == 3 else (None, None, None)
-    if out.ndim != 3 or (m, n) != (a.shape[1], b.shape[1]) or ends.shape != (e,) or ends.dtype != torch.int32:
+    if (out.ndim != 3 or tuple(out.shape[1:]) != (a.shape[1], b.shape[1]) or tuple(ends.shape) != (out.shape[0],)
+            or ends.dtype != torch.int32):
         raise ValueError(f"out (E, M, N) = (E, {a.shape[1]}, {b.shape[1]}) and int32 ends (E,), got out "
                          f"{tuple(out.shape)} and ends {tuple(ends.shape)} {ends.dtype}")
+    e, m, n = (int(d) for d in out.shape)
     if not (a.dtype == b.dtype == out.dtype) or a.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"a, b and out of one dtype, bf16 or fp32; got {a.dtype}, {b.dtype}, {out.dtype}")
     if not (a.device == b.device == out.device == ends.device):
