@@ -321,20 +321,28 @@ def run_bench(config: str | None, overrides: list[str], stacks: list[str], run_d
     spec = {"config": str(config) if config else None, "overrides": list(overrides), "warm": warm, "steps": steps,
             "peak_tflops": peak, "peak_source": source, "profile": profile, "memory": memory,
             "gc_freeze": gc_freeze, "diag": diag, "nproc": nproc}
-    # SIGTERM (e.g. `timeout` around the bench) becomes SystemExit, so the running worker is stopped
-    # instead of leaving it on the GPU behind the dead driver
-    prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM (e.g. `timeout` around the bench) becomes SystemExit while the stacks run, so the running worker is
+    # stopped instead of left on the GPU behind the dead driver; once they are done it waits until the rows are
+    # written (measured: a `timeout` that fired after the last round had finished lost every round's rows), then
+    # ends the bench as it would have
+    writing, late = [False], []
+
+    def on_sigterm(*_):
+        if writing[0]:
+            late.append(143)
+        else:
+            sys.exit(143)
+
+    prev = signal.signal(signal.SIGTERM, on_sigterm)
     runs: dict[str, list[dict]] = {s: [] for s in stacks}
     stopped: BaseException | None = None
     try:
-        _run_stacks(runs, cfg, spec, stacks, run_dir, timeout, log, rounds)
-    except (SystemExit, KeyboardInterrupt) as e:  # keep what ran; a stack that has no finished run says so
-        stopped = e
-    # a SIGTERM from here on waits until the rows are written (measured: a `timeout` that fired after the last
-    # round had finished lost every round's rows), then ends the bench as it would have
-    late: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: late.append(143))
-    try:
+        try:
+            _run_stacks(runs, cfg, spec, stacks, run_dir, timeout, log, rounds)
+        except (SystemExit, KeyboardInterrupt) as e:  # keep what ran; a stack that has no finished run says so
+            stopped = e
+        finally:
+            writing[0] = True
         summary = _write_rows(runs, stacks, rounds, stopped, run_dir, results, config, overrides, warm, steps, nproc,
                               peak, source)
     finally:

@@ -16,7 +16,7 @@ traffic is a large part of its time, and the accumulation removes two of its fou
 Numerics: fp32 accumulation of the dot product over the expert's rows (tl.dot; fp32 operands in IEEE precision, no
 TF32), plus the existing value read as fp32, rounded once to out's dtype (round to nearest even). autograd's path
 rounds twice (dW to bf16, then the sum), so the two agree within a rounding of bf16, and this one is the closer to
-the exact sum (tests/kernels/test_moe_wgrad.py measures both against fp64). An expert without rows leaves its slice
+the exact sum (tests/kernels/test_moe_wgrad_gemm.py measures both against fp64). An expert without rows leaves its slice
 of `out` untouched, bit for bit (its program returns before reading anything).
 
 Grid: (tiles of M x tiles of N, E); each program owns one (BLOCK_M, BLOCK_N) tile of one expert and walks that
@@ -95,6 +95,7 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
         raise ValueError("out (the gradient being accumulated) must be contiguous")
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
+    ends = ends.contiguous()  # read as ENDS + e
     if e == 0 or m == 0 or n == 0 or a.shape[0] == 0:
         return out
     block_m, block_n, block_k, warps, stages = config

@@ -213,7 +213,7 @@ def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor |
     accepted it), added into its .grad and None returned: inside the grouped GEMM on the Triton path
     (novatune.kernels.moe_wgrad: one pass, no fresh tensor), by column slices elsewhere (novatune.ops.moe_wgrad)."""
     if (into is not None and use_triton(dy) and dy.dtype in (torch.bfloat16, torch.float32)
-            and into.grad is not None and into.grad.is_contiguous()):
+            and into.grad is not None and into.grad.is_contiguous() and x.dtype == dy.dtype == into.grad.dtype):
         a, b = (x, dy) if transposed else (dy, x)
         grouped_outer_accumulate(a, b, r.ends, into.grad)
         return None
@@ -481,7 +481,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     weights (T, K) (any float dtype, differentiable);
     gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
     Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
-    weights and biases. `wgrad_in_place`: expert weight gradients added into .grad by slices (ops/moe_wgrad.py)."""
+    weights and biases. `wgrad_in_place`: expert weight gradients added into .grad where autograd would add
+    them (inside the grouped GEMM on the Triton path, by column slices elsewhere: ops/moe_wgrad.py)."""
     check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
                        ids_from_router=ids_from_router)
     if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)

@@ -1,6 +1,8 @@
-"""The experts' weight gradients added into `.grad` a column slice at a time, instead of returned whole to autograd.
+"""The experts' weight gradients added into `.grad` instead of returned whole to autograd: when it may, and how on the
+torch path (a column slice at a time). On the Triton path (CUDA) the addition happens inside the grouped GEMM
+instead (novatune.kernels.moe_wgrad: one pass, no fresh tensor at all); the rules below decide both.
 
-    moe_experts(..., wgrad_in_place=True)          (patch(model, moe_wgrad_in_place=True))
+    moe_experts(..., wgrad_in_place=True)          (patch(model) does it by default; moe_wgrad_in_place=False not)
 
 Why: under gradient accumulation, every micro-batch after the first computes the expert weights' gradients
 (E x 2I x H and E x H x I: 0.75 + 0.375 GiB per layer of Qwen3-30B-A3B in bf16) as fresh tensors, and autograd

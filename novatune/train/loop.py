@@ -19,7 +19,7 @@ from novatune.train import sharded_checkpoint as sharded
 from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
-from novatune.train.nonfinite import HostCopy, StepGuard, as_json_number
+from novatune.train.nonfinite import HostCopy, StepGuard, UnhealthyTraining, as_json_number
 from novatune.train.resume_check import check_resume_config
 from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
@@ -51,8 +51,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
 
     Hooks for the harness (`novatune bench` / `validate` measure this loop rather than a copy of it):
     `model_hook(model)` runs once the model is built, prepared and patched, before the optimizer exists (snapshot
-    weights, switch a peer stack's attention); `step_hook(step, micro_batches)` runs after each optimizer step and
-    its metrics row (time and meter the steps).
+    weights, switch a peer stack's attention); `step_hook(step, micro_batches)` runs after each optimizer step (time
+    and meter the steps); its metrics row is written by then, or during the next step where the check is read a
+    step late (train/nonfinite.py).
 
     Under torchrun (parallel.strategy ddp/fsdp2) every rank runs this function; rank 0 alone claims the output
     folder, prints, and writes config.yaml, metrics.jsonl, run.json and summary.json; checkpoints and the export
@@ -152,6 +153,18 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         while drafts:
             write_row(drafts.pop(0))
 
+    def settle_before_leaving() -> None:
+        """On an exception inside the loop, the drafted row of a step whose check holds is still written, as it
+        would have been within that step without the deferral. Never raises over the exception being handled (a
+        non-finite step, or a CUDA error the event wait repeats, just leaves the rest unwritten); one process only:
+        a row's memory gather is a collective the other ranks are not entering."""
+        if dist.active or not drafts:
+            return
+        try:
+            settle()
+        except Exception:  # noqa: BLE001 - the exception being handled is the one to report
+            pass
+
     start_step, aborted, to_export = step, False, False
     guard = StepGuard(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
     deferred = guard.defers(session.optimizer)  # the check decided on the device, read a step late
@@ -209,8 +222,14 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 break
         settle()
         to_export = step >= total
+    except UnhealthyTraining:  # the steps after the bad one are not written: their rows would follow it
+        raise
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
+        settle_before_leaving()
         aborted = True
+    except BaseException:
+        settle_before_leaving()
+        raise
     finally:
         if not to_export:  # else the handlers stay for the export: a signal there must not lose the run
             signals.__exit__()

@@ -111,7 +111,7 @@ class HostCopy:
             self.host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
             self.host.copy_(flat, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(flat.device))  # the stream the copy was queued on
         else:
             self.host = flat
 

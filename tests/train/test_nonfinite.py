@@ -254,3 +254,67 @@ def test_rows_read_a_step_late_equal_the_rows_read_at_once(make_cfg, monkeypatch
     assert losses[True] == losses[False]
     assert written_by_hook[False] == [0, 1, 1, 2, 3]  # rows of steps 2, 4, 5 written within their own step
     assert written_by_hook[True] == [0, 0, 1, 1, 3]  # step 2's row during step 3; step 5 (the last) at once
+
+
+def test_read_a_step_late_a_nan_batch_stops_at_the_next_step_with_its_update_refused(make_cfg):
+    """No checkpoint or row to settle at the bad step (save_every 0, a row every 5 steps): step 3's NaN loss is
+    read while step 4 runs, and the run stops naming step 3. Step 3's update was refused on the device: the weights
+    after it are the weights before it, moved only by step 4's finite update."""
+    cfg = make_cfg("late", train={"max_steps": 6, "fused_adamw": True}, logging={"every": 5})
+    state: dict = {}
+
+    def model_hook(model):
+        state["model"] = model
+
+        def nan_once(module, args, output):
+            if state.get("armed"):
+                state["armed"] = False
+                output.loss = output.loss * float("nan")
+            return output
+
+        model.register_forward_hook(nan_once)
+
+    def step_hook(step, mbs):
+        state[step] = [p.detach().clone() for p in state["model"].parameters()]
+        state["armed"] = step == 2  # the first micro-batch of step 3 returns a NaN loss
+
+    with pytest.raises(NonFiniteError, match="step 3"):
+        train(cfg, console=quiet(), model_hook=model_hook, step_hook=step_hook)
+    assert 3 in state and 4 not in state  # step 3 ran to its end; the stop came while step 4 ran
+    assert all(torch.equal(a, b) for a, b in zip(state[3], state[2], strict=True))  # step 3 changed nothing
+    out = Path(cfg.checkpoint.output_dir)
+    assert not (out / "final").exists() and ckpt.list_checkpoints(out) == []
+    assert not (out / "metrics.jsonl").exists() or strict_rows(out) == []
+
+
+@READS
+def test_an_error_in_the_loop_keeps_the_rows_of_the_steps_before_it(make_cfg, optimizer):
+    """An exception inside the loop (here the step hook's) after logged steps: their rows are written whether the
+    check is read at once or a step late."""
+    cfg = make_cfg("boom", train={"max_steps": 4, **OPTIMIZERS[optimizer]})
+
+    def hook(step, mbs):
+        if step == 2:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(cfg, console=quiet(), step_hook=hook)
+    assert [r["step"] for r in strict_rows(Path(cfg.checkpoint.output_dir))] == [1, 2]
+
+
+@pytest.mark.gpu
+def test_host_copy_on_cuda_waits_for_its_copy_only():
+    """The pinned copy behind its event on the copy's own stream: the values of device scalars, read after more
+    work was queued."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from novatune.train.nonfinite import HostCopy
+
+    loss, norm = torch.tensor(2.5, device="cuda"), torch.tensor(float("nan"), device="cuda")
+    copy = HostCopy([loss, norm])
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big.T / 4096  # queued after the copy
+    got = copy.values()
+    assert got[0] == 2.5 and got[1] != got[1]
+    assert copy.host.is_pinned()
