@@ -86,9 +86,10 @@ def test_nan_mid_run_keeps_the_finite_checkpoints(make_cfg, monkeypatch, optimiz
     assert torch.isnan(poisoned[0]) and torch.isfinite(poisoned[1:]).all()
 
 
-def test_skip_drops_one_bad_update_and_trains_on(make_cfg):
-    cfg = make_cfg("skip", train={"max_steps": 5, "on_nonfinite": "skip"})
-    state = {}
+def nan_loss_at_step_3() -> tuple[dict, object, object]:
+    """(state, model_hook, step_hook): the first micro-batch of step 3 returns a NaN loss; state[step] holds the
+    weights by name after each step."""
+    state: dict = {}
 
     def model_hook(model):
         state["model"] = model
@@ -103,8 +104,14 @@ def test_skip_drops_one_bad_update_and_trains_on(make_cfg):
 
     def step_hook(step, mbs):
         state[step] = {n: p.detach().clone() for n, p in state["model"].named_parameters()}
-        state["armed"] = step == 2  # the first micro-batch of step 3 returns a NaN loss
+        state["armed"] = step == 2
 
+    return state, model_hook, step_hook
+
+
+def test_skip_drops_one_bad_update_and_trains_on(make_cfg):
+    cfg = make_cfg("skip", train={"max_steps": 5, "on_nonfinite": "skip"})
+    state, model_hook, step_hook = nan_loss_at_step_3()
     res = train(cfg, console=quiet(), model_hook=model_hook, step_hook=step_hook)
     assert res.steps == 5 and res.exported
     for n, w in state[2].items():  # step 3 changed nothing
@@ -261,27 +268,11 @@ def test_read_a_step_late_a_nan_batch_stops_at_the_next_step_with_its_update_ref
     read while step 4 runs, and the run stops naming step 3. Step 3's update was refused on the device: the weights
     after it are the weights before it, moved only by step 4's finite update."""
     cfg = make_cfg("late", train={"max_steps": 6, "fused_adamw": True}, logging={"every": 5})
-    state: dict = {}
-
-    def model_hook(model):
-        state["model"] = model
-
-        def nan_once(module, args, output):
-            if state.get("armed"):
-                state["armed"] = False
-                output.loss = output.loss * float("nan")
-            return output
-
-        model.register_forward_hook(nan_once)
-
-    def step_hook(step, mbs):
-        state[step] = [p.detach().clone() for p in state["model"].parameters()]
-        state["armed"] = step == 2  # the first micro-batch of step 3 returns a NaN loss
-
+    state, model_hook, step_hook = nan_loss_at_step_3()
     with pytest.raises(NonFiniteError, match="step 3"):
         train(cfg, console=quiet(), model_hook=model_hook, step_hook=step_hook)
     assert 3 in state and 4 not in state  # step 3 ran to its end; the stop came while step 4 ran
-    assert all(torch.equal(a, b) for a, b in zip(state[3], state[2], strict=True))  # step 3 changed nothing
+    assert all(torch.equal(w, state[2][n]) for n, w in state[3].items())  # step 3 changed nothing
     out = Path(cfg.checkpoint.output_dir)
     assert not (out / "final").exists() and ckpt.list_checkpoints(out) == []
     assert not (out / "metrics.jsonl").exists() or strict_rows(out) == []
