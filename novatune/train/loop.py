@@ -19,7 +19,7 @@ from novatune.train import sharded_checkpoint as sharded
 from novatune.train.config import Config, to_yaml
 from novatune.train.config import summary as config_summary
 from novatune.train.metrics import MetricsLog, Progress, gpu_mem_gib, peak_tflops
-from novatune.train.nonfinite import HostCopy, StepGuard, UnhealthyTraining, as_json_number
+from novatune.train.nonfinite import HostCopy, StepGuard, UnhealthyTraining, as_json_number, stack_scalars
 from novatune.train.resume_check import check_resume_config
 from novatune.train.session import build, join
 from novatune.train.signals import RunInterrupted, StopSignals, signal_name
@@ -181,8 +181,7 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             # the weights change only in apply_update(): the non-finite check sits between the two
             if deferred:  # the optimizer leaves the weights as they are on a non-finite step; read a step late
                 applied = True
-                session.apply_update(found_inf=guard.found_inf(loss, gnorm))
-                guard.defer(step + 1, loss, gnorm)
+                session.apply_update(found_inf=guard.defer(step + 1, loss, gnorm))
                 guard.resolve(keep=1)  # the previous step's, finished on the GPU by now; raises (stop mode)
                 while drafts:  # the previous logged step's row: its check is read and its values are here
                     write_row(drafts.pop(0))
@@ -203,8 +202,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 # the window's values queued for the host; read now, or (check read a step late) at the next
                 # step, once the GPU has finished them: no wait for the GPU in the loop
                 drafts.append({"step": step, "window": [(s, lr_, ok) for s, _, _, lr_, ok in pending],
-                               "values": HostCopy([l_ for _, l_, _, _, _ in pending] +
-                                                  [g for _, _, g, _, _ in pending]),
+                               "values": HostCopy(stack_scalars([l_ for _, l_, _, _, _ in pending] +
+                                                                [g for _, _, g, _, _ in pending])),
                                "tokens": tokens_seen, "win_tokens": win_tokens, "win_keys": win_keys})
                 pending.clear()
                 win_tokens, win_keys = 0, 0.0

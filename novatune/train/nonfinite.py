@@ -99,13 +99,17 @@ def takes_found_inf(optimizer) -> bool:
         g.get("fused") for g in optimizer.param_groups)
 
 
-class HostCopy:
-    """Device scalars copied to host memory without waiting: on CUDA into pinned memory behind an event, so
-    `values()` waits for the copy alone, not for the work queued after it (a plain read of a device tensor waits
-    for everything queued on the stream)."""
+def stack_scalars(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """One-element tensors (a loss, a gradient norm) as one fp32 vector on the first one's device."""
+    return torch.stack([torch.as_tensor(t).detach().float().reshape(()).to(scalars[0].device) for t in scalars])
 
-    def __init__(self, scalars: list[torch.Tensor]):
-        flat = torch.stack([torch.as_tensor(t).detach().float().reshape(()).to(scalars[0].device) for t in scalars])
+
+class HostCopy:
+    """A device vector (stack_scalars) copied to host memory without waiting: on CUDA into pinned memory behind an
+    event, so `values()` waits for the copy alone, not for the work queued after it (a plain read of a device
+    tensor waits for everything queued on the stream)."""
+
+    def __init__(self, flat: torch.Tensor):
         self.event = None
         if flat.device.type == "cuda":
             self.host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
@@ -121,15 +125,9 @@ class HostCopy:
         return self.host.tolist()
 
 
-def _pair(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-    """(loss, grad norm) as one fp32 tensor on the loss's device."""
-    return torch.stack([loss.detach().float().reshape(()),
-                        torch.as_tensor(grad_norm).detach().float().reshape(()).to(loss.device)])
-
-
 class StepGuard:
     """Decides, once per optimizer step, whether the step's update may be applied: at once (allow), or on the
-    device with the host reading the outcome a step late (found_inf, defer, resolve: the module docstring)."""
+    device with the host reading the outcome a step late (defer, resolve: the module docstring)."""
 
     def __init__(self, mode: str, max_skipped: int):
         self.mode, self.max_skipped = mode, max_skipped
@@ -143,14 +141,13 @@ class StepGuard:
         next step whether to count it), and an optimizer that takes found_inf."""
         return self.mode == "stop" and takes_found_inf(optimizer)
 
-    @staticmethod
-    def found_inf(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """The optimizer's device flag: 1.0 when the step's loss or gradient norm is not finite, else 0.0."""
-        return (~torch.isfinite(_pair(loss, grad_norm)).all()).float()  # 0-dim, as GradScaler makes it
-
-    def defer(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Queue the copy of `step`'s values to host memory without waiting for them (resolve reads them)."""
-        self.pending.append((step, HostCopy([loss, grad_norm])))
+    def defer(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of `step`'s values to host memory without waiting for them (resolve reads them), and
+        return the optimizer's device flag: 1.0 (fp32, 0-dim, as GradScaler makes it) when the loss or the gradient
+        norm is not finite, else 0.0."""
+        pair = stack_scalars([loss, grad_norm])
+        self.pending.append((step, HostCopy(pair)))
+        return (~torch.isfinite(pair).all()).float()
 
     def resolve(self, keep: int = 0) -> None:
         """Check every deferred step but the newest `keep`, oldest first, waiting for each one's values (a step the
@@ -163,7 +160,7 @@ class StepGuard:
     def allow(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """True: apply the update of `step` (1-based). False (skip mode): drop it. Raises NonFiniteError (stop), or
         ZeroGradientError after ZERO_GRADIENT_STEPS steps in a row with a gradient norm of exactly zero."""
-        loss_v, norm_v = _pair(loss, grad_norm).tolist()  # the one sync of the check
+        loss_v, norm_v = stack_scalars([loss, grad_norm]).tolist()  # the one sync of the check
         return self._judge(step, loss_v, norm_v)
 
     def _judge(self, step: int, loss_v: float, norm_v: float) -> bool:

@@ -14,6 +14,7 @@ from test_trainers import assert_losses_match, sft_trainer, train_recording_loss
 import novatune
 from novatune.ops.adamw import FusedClipAdamW
 from novatune.patch import trainer_optim
+from tests.train.test_fused_clip_adamw import record_clip_coefs
 
 
 @pytest.fixture
@@ -35,14 +36,7 @@ def test_trainer_adamw_swapped_and_clipping_folded(tokenizer, dataset, tmp_path,
     trainer = sft_trainer("packing", tokenizer, dataset, tmp_path, **clipped)
     report = novatune.patch(trainer)
     assert report.replaced("trainer_adamw"), str(report)
-    scales = []
-    real_step = FusedClipAdamW.step
-
-    def recording_step(self, closure=None):
-        scales.append(None if self.clip_coef is None else float(self.clip_coef))
-        return real_step(self, closure)
-
-    monkeypatch.setattr(FusedClipAdamW, "step", recording_step)
+    scales = record_clip_coefs(monkeypatch)
     losses = train_recording_losses(trainer)
     assert isinstance(trainer.optimizer.optimizer, FusedClipAdamW)
     assert_losses_match(losses, stock_losses)

@@ -26,6 +26,21 @@ class T:  # the TrainConfig fields build_optimizer reads
         self.fused_adamw, self.betas, self.eps = None, [0.9, 0.999], 1e-8
 
 
+def record_clip_coefs(monkeypatch) -> list:
+    """The clipping coefficient each FusedClipAdamW.step() finds set (None where none was), in call order."""
+    from novatune.ops.adamw import FusedClipAdamW
+
+    coefs: list = []
+    real_step = FusedClipAdamW.step
+
+    def recording_step(self, closure=None):
+        coefs.append(None if self.clip_coef is None else float(self.clip_coef))
+        return real_step(self, closure)
+
+    monkeypatch.setattr(FusedClipAdamW, "step", recording_step)
+    return coefs
+
+
 def _model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(33, 47), torch.nn.LayerNorm(47), torch.nn.Linear(47, 5))
@@ -95,16 +110,7 @@ def test_training_with_the_kernel_follows_stock_and_logs_the_unclipped_norm(make
     0.05), and each step's clipping coefficient reached the kernel's optimizer."""
     import json
 
-    from novatune.ops.adamw import FusedClipAdamW
-
-    coefs = []
-    real_step = FusedClipAdamW.step
-
-    def recording_step(self, closure=None):
-        coefs.append(None if self.clip_coef is None else float(self.clip_coef))
-        return real_step(self, closure)
-
-    monkeypatch.setattr(FusedClipAdamW, "step", recording_step)
+    coefs = record_clip_coefs(monkeypatch)
     quiet = Console(quiet=True)
     runs, norms = {}, {}
     for kernel in ("torch", "novatune"):

@@ -200,16 +200,14 @@ def test_the_guard_reads_deferred_steps_in_order_and_keeps_the_newest():
     guard = StepGuard("stop", 3)
     one = torch.tensor(1.0)
     for step in (1, 2, 3):
-        guard.defer(step, one * step, one)
+        assert float(guard.defer(step, one * step, one)) == 0.0
     guard.resolve(keep=1)
     assert [s for s, _ in guard.pending] == [3]
-    guard.defer(4, torch.tensor(float("nan")), one)
-    guard.defer(5, one, one)
+    flag = guard.defer(4, torch.tensor(float("nan")), one)
+    assert flag.shape == () and flag.dtype == torch.float32 and float(flag) == 1.0
+    assert float(guard.defer(5, one, torch.tensor(float("inf")))) == 1.0
     with pytest.raises(NonFiniteError, match="step 4"):
         guard.resolve(keep=1)
-    flag = StepGuard.found_inf(one, torch.tensor(float("inf")))
-    assert flag.shape == () and flag.dtype == torch.float32 and float(flag) == 1.0
-    assert float(StepGuard.found_inf(one, one)) == 0.0
     w = [torch.nn.Parameter(torch.zeros(3))]
     assert StepGuard("stop", 3).defers(torch.optim.AdamW(w, fused=True))
     assert StepGuard("stop", 3).defers(FusedClipAdamW(w))
@@ -299,10 +297,10 @@ def test_host_copy_on_cuda_waits_for_its_copy_only():
     work was queued."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from novatune.train.nonfinite import HostCopy
+    from novatune.train.nonfinite import HostCopy, stack_scalars
 
     loss, norm = torch.tensor(2.5, device="cuda"), torch.tensor(float("nan"), device="cuda")
-    copy = HostCopy([loss, norm])
+    copy = HostCopy(stack_scalars([loss, norm]))
     big = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):
         big = big @ big.T / 4096  # queued after the copy
