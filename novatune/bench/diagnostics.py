@@ -47,11 +47,12 @@ def install_diagnostics() -> None:
     gc.callbacks.append(gc_cb)
 
 
-def memory_peak_report(model, batch: dict, path: str) -> dict:
+def memory_peak_report(model, batch: dict, path: str, finish=None) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
     peak falls in the forward or the backward. Blocks allocated with no Python frame of ours (the autograd
-    thread's C++ nodes: AccumulateGrad, embedding backward, ...) are named by their C++ frames."""
+    thread's C++ nodes: AccumulateGrad, embedding backward, ...) are named by their C++ frames. `finish` (the session's
+    finish_backward) runs after the backward, before the gradients are dropped."""
     import torch
 
     model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
@@ -65,6 +66,8 @@ def memory_peak_report(model, batch: dict, path: str) -> dict:
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    if finish is not None:
+        finish()
     model.zero_grad(set_to_none=True)
     best, best_live, best_at, n_events = replay_to_peak(snap)
     phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
@@ -138,9 +141,10 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_micro_step(model, batch: dict, path) -> dict:
+def profile_micro_step(model, batch: dict, path, finish=None) -> dict:
     """One micro-step (fwd+bwd) under torch.profiler: device time per category, busy vs wall, Chrome trace.
-    On a CPU (tests) the table counts CPU ops' own time instead of CUDA kernels."""
+    On a CPU (tests) the table counts CPU ops' own time instead of CUDA kernels. `finish` (the session's
+    finish_backward) runs after the backward, inside the profile, before the gradients are dropped."""
     import os
 
     import torch
@@ -155,6 +159,8 @@ def profile_micro_step(model, batch: dict, path) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         model(**batch).loss.backward()
+        if finish is not None:
+            finish()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
     model.zero_grad(set_to_none=True)

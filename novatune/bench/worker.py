@@ -200,12 +200,14 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
     name = stack if session.dist.main else f"{stack}.rank{session.dist.rank}"  # every rank runs the micro-step
     if spec.get("memory") and session.device.type == "cuda":
         try:
-            extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / name))
+            extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / name),
+                                                       session.finish_backward)
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if spec.get("profile"):
         try:
-            extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name))
+            extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name),
+                                                        session.finish_backward)
             extra["trace"] = str(out / "traces" / f"{name}.json")
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["profile"] = f"failed: {type(e).__name__}: {e}"

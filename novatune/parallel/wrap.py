@@ -8,11 +8,15 @@ plain tensors inside the unit's forward, so a patched forward sees ordinary tens
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
 gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32 across 2+ ranks.
 
-One process (world of one): there is no other rank to sum with, so the gradients are reduced in the parameters'
-own dtype (bf16 -> fp32 -> bf16 over one rank is the identity, bit for bit) and accumulated over the micro-batches
-in bf16, as the plain path accumulates them; and by default (`parallel.reshard_after_forward` unset) the gathered
-layers are kept for the whole optimizer step: gathered once per step, freed after the last micro-batch's
-backward, before the optimizer writes the shards (a sharded copy of one rank frees no memory by resharding).
+One process (world of one): there is no other rank to sum with, so nothing is reduced. The gradients accumulate
+over the micro-batches on the gathered parameters in their own dtype, as the plain path accumulates them, and after
+the step's last backward each one becomes its sharded parameter's gradient without a copy (`hand_over_gradients`:
+over one rank a shard is the whole tensor). FSDP2's own reduction over one rank copies every gradient twice and
+synchronises the host with the GPU once per unit (the copy-in's chunk_cat), leaving the GPU idle for the host's
+per-parameter work: ten 2.8-5.7 ms gaps per step on the seed workload. By default (`parallel.reshard_after_forward`
+unset) the gathered layers are also kept for the whole optimizer step: gathered once per step, freed after the last
+micro-batch's backward, before the optimizer writes the shards (a sharded copy of one rank frees no memory by
+resharding).
 
 DDP: `DistributedDataParallel` over the whole model, gradients all-reduced in buckets during the backward of the
 last micro-batch (or of every micro-batch: parallel.gradient_sync micro_batch).
@@ -109,15 +113,16 @@ def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
 
 
 def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False,
-              memo: dict | None = None):
+              memo: dict | None = None, hand_over: bool = False):
     """A context for one micro-batch's backward. Gradient communication on the last micro-batch of a step only
     (the others accumulate locally; the same result with one reduction per step instead of grad_accum), or on
     every micro-batch (`every_micro_batch`). `keep_gathered` (FSDP2 units that do not reshard after forward): the
     gathered parameters also stay after the backward of every micro-batch but the last, so the next micro-batch
     gathers nothing; the last one reshards, before the optimizer updates the shards. `memo` (a dict kept by the
     caller) remembers the FSDP2 flags last set: each setter walks every module of the model, so they are set only
-    when they change (twice per optimizer step instead of once per micro-batch)."""
-    sync = last or every_micro_batch
+    when they change (twice per optimizer step instead of once per micro-batch). `hand_over` (one rank,
+    `hands_over_gradients`): FSDP2 reduces nothing; the caller hands the gradients over after the last backward."""
+    sync = (last or every_micro_batch) and not hand_over
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
@@ -129,6 +134,65 @@ def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, eve
             if memo is not None:
                 memo["fsdp2_flags"] = flags
     return contextlib.nullcontext()
+
+
+def _fsdp_params(model) -> list:
+    """FSDP2's per-parameter records (FSDPParam) of every unit of `model`; [] where this torch lays them out
+    otherwise (the caller then leaves the reduction to FSDP2)."""
+    found = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch releases with one group per module
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            found.extend(getattr(group, "fsdp_params", []))
+    return found
+
+
+def hands_over_gradients(model, strategy: str, world: int) -> bool:
+    """FSDP2 over one rank, where every parameter's shard is its whole tensor on this device: the gradients can be
+    handed to the sharded parameters without FSDP2's reduction (`hand_over_gradients`). Not with FSDP2's CPU
+    offload (its gradients go to host memory) or a torch whose FSDP2 lacks what the hand-over reads."""
+    if strategy != "fsdp2" or world != 1:
+        return False
+    records = _fsdp_params(model)
+    needed = ("sharded_param", "sharded_size", "to_sharded_dtensor", "offload_to_cpu")
+    return bool(records) and all(
+        all(hasattr(r, a) for a in needed) and not r.offload_to_cpu
+        and tuple(r.sharded_size) == tuple(r.sharded_param.shape) and r.sharded_param.to_local().numel()
+        == r.sharded_param.numel() for r in records)
+
+
+@torch.no_grad()
+def hand_over_gradients(model) -> int:
+    """After the last backward of a step over one rank (`hands_over_gradients`; FSDP2 told to reduce nothing):
+    each gradient accumulated on a gathered parameter becomes its sharded parameter's gradient, a DTensor over
+    the same storage. Returns how many were handed over. The gathered parameters are already freed by FSDP2's
+    reshard after that backward; their gradients are separate tensors and stay alive in the shards."""
+    moved = 0
+    for record in _fsdp_params(model):
+        gathered = getattr(record, "_unsharded_param", None)
+        accumulated = getattr(record, "unsharded_accumulated_grad", None)  # a reduce dtype other than the grads'
+        grad = accumulated if accumulated is not None else (None if gathered is None else gathered.grad)
+        if grad is None:
+            continue
+        if accumulated is not None:
+            record.unsharded_accumulated_grad = None
+        else:
+            gathered.grad = None
+        sharded = record.sharded_param
+        grad = grad.to(sharded.dtype).contiguous()
+        if sharded.grad is None:
+            sharded.grad = record.to_sharded_dtensor(grad)
+        else:  # gradients kept from an earlier step (zero_grad not called): accumulate as autograd would
+            sharded.grad.to_local().add_(grad)
+        moved += 1
+    return moved
 
 
 def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -169,6 +169,8 @@ class Session:
         self.sync_every_micro_batch = pwrap.syncs_every_micro_batch(self.cfg.parallel.gradient_sync, self.strategy,
                                                                     self.dist.world)
         self._sync_flags: dict = {}  # the FSDP2 flags last set (pwrap.grad_sync)
+        # one rank: the gradients go to the shards without FSDP2's reduction (parallel/wrap.py)
+        self.hand_over = pwrap.hands_over_gradients(self.model, self.strategy, self.dist.world)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -213,7 +215,9 @@ class Session:
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                     pwrap.loss_scale(self.strategy, self.dist.world),
                                     lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
-                                                                 self.sync_every_micro_batch, self._sync_flags))
+                                                                 self.sync_every_micro_batch, self._sync_flags,
+                                                                 self.hand_over))
+            self.finish_backward()
             self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
             norm = pwrap.grad_norm(self.params)
@@ -223,6 +227,13 @@ class Session:
         if self.strategy == "none":
             return StepOutput(loss, torch.nn.utils.clip_grad_norm_(self.params, self.clip))
         return StepOutput(loss, pwrap.clip_grad_norm(self.params, self.clip))
+
+    def finish_backward(self) -> None:
+        """What follows a step's last backward outside autograd: over one FSDP2 rank, the gradients handed to the
+        sharded parameters (parallel/wrap.py `hand_over_gradients`); nothing otherwise. Whoever runs backward
+        without forward_backward (the bench's diagnostics) calls it before reading or dropping the gradients."""
+        if self.hand_over:
+            pwrap.hand_over_gradients(self.model)
 
     def apply_update(self, found_inf: torch.Tensor | None = None) -> None:
         """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped.
