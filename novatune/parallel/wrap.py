@@ -2,7 +2,7 @@
 
 FSDP2 (`fully_shard`): each decoder layer, or each run of `parallel.layers_per_unit` consecutive layers, is one FSDP
 unit (its parameters gathered just before its forward, and before its backward), then the root takes what is left
-(embeddings, final norm, lm_head). The patched modules run
+(embeddings, final norm, lm_head); over one rank, by default, the root is the only unit (`unit_size`). The patched modules run
 on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and back to
 plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
@@ -53,15 +53,16 @@ def reshards_after_forward(setting: bool | None, world: int) -> bool:
 
 def unit_size(setting: int | None, world: int, keep_gathered: bool) -> int:
     """`parallel.layers_per_unit`: as set, else one layer per FSDP2 unit across 2+ ranks (each unit's gather and
-    reduction overlap the neighbouring layers' compute, and only two layers are gathered at a time), and 4 where the
-    gathered layers stay for the step: every unit costs host time in each forward and backward (its hooks, the
-    autograd node that fires its post-backward), and with nothing to free or overlap a unit of 4 layers spends a
-    quarter of it."""
+    reduction overlap the neighbouring layers' compute, and only two layers are gathered at a time), and 0 (no unit
+    per layer: the root unit holds the whole model) over one rank where the gathered layers stay for the step.
+    There a unit has nothing to free, gather or reduce apart from the others, and costs only host time: FSDP2 hooks
+    every module of a unit in each forward, recompute and backward (a unit of several layers hooks each of them),
+    and a host-bound step shows that time (units of 4 gave 0.956-0.966 of the plain path, `session12-1/2`)."""
     if setting is not None:
         if setting < 1:
             raise ValueError(f"parallel.layers_per_unit must be >= 1 (got {setting})")
         return setting
-    return 4 if keep_gathered and world == 1 else 1
+    return 0 if keep_gathered and world == 1 else 1
 
 
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
@@ -73,8 +74,8 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
         reduce_dtype = torch.float32 if world > 1 else None  # None: the parameters' dtype
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
             if dtype == torch.bfloat16 else MixedPrecisionPolicy()
-        layers = decoder_layers(model)
-        for start in range(0, len(layers), layers_per_unit):
+        layers = decoder_layers(model) if layers_per_unit > 0 else []  # 0: the root unit only
+        for start in range(0, len(layers), max(1, layers_per_unit)):
             # a list makes one unit: gathered and reduced together, its hooks fire once per forward and backward
             unit = layers[start:start + layers_per_unit]
             fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)

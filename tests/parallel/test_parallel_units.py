@@ -123,8 +123,9 @@ def step_twice(strategy: str, method: str, device: str = "cpu", extra: list[str]
                                           ("full", ["model.arch_overrides.num_hidden_layers=3",
                                                     "parallel.layers_per_unit=2"])])
 def test_fsdp2_in_one_process_steps_like_the_plain_model(method, units):
-    """FSDP2 over a one-member group: the patched model on gathered parameters, LoRA's frozen base sharded; units
-    of several layers (the one-process default; 3 layers in units of 2: one unit of 2, one of 1) step alike."""
+    """FSDP2 over a one-member group: the patched model on gathered parameters, LoRA's frozen base sharded; the
+    root as the only unit (the one-process default) and units of several layers (3 layers in units of 2: one unit
+    of 2, one of 1) step alike."""
     ref_losses, ref_state, ref_sharded = step_twice("none", method, extra=units)
     losses, state, sharded = step_twice("fsdp2", method, extra=units)
     assert sharded and not ref_sharded
@@ -176,12 +177,14 @@ def test_fsdp2_over_one_process_gathers_once_per_step_and_reduces_in_the_weights
     assert reduce_dtypes == {None}, reduce_dtypes  # None: the parameters' dtype (bf16)
     assert sharded, "the step ends resharded: the optimizer updates the shards, the next gather copies them"
     assert kept == layers + 1, f"{kept} gathers for {layers} layers + the root over 2 micro-batches"
-    grouped, _, _, _ = gathers_per_step([])  # the default over one process: the 2 layers in one unit
+    grouped, _, _, _ = gathers_per_step(["parallel.layers_per_unit=2"])  # the 2 layers in one unit
     assert grouped == 2, f"{grouped} gathers for one unit of {layers} layers + the root"
+    root, _, _, _ = gathers_per_step([])  # the default over one process: the root is the only unit
+    assert root == 1, f"{root} gathers for the root unit holding the whole model"
     again, _, _, _ = gathers_per_step(["parallel.reshard_after_forward=true", "parallel.layers_per_unit=1"])
     assert again > kept  # each layer again before each backward and on each micro-batch
     assert pwrap.reshards_after_forward(None, 2) and not pwrap.reshards_after_forward(None, 1)
-    assert pwrap.unit_size(None, 1, keep_gathered=True) == 4 and pwrap.unit_size(None, 2, keep_gathered=True) == 1
+    assert pwrap.unit_size(None, 1, keep_gathered=True) == 0 and pwrap.unit_size(None, 2, keep_gathered=True) == 1
     assert pwrap.unit_size(None, 1, keep_gathered=False) == 1 and pwrap.unit_size(3, 2, keep_gathered=False) == 3
     with pytest.raises(ValueError, match="layers_per_unit must be >= 1"):
         pwrap.unit_size(0, 1, keep_gathered=True)
