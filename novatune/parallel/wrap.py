@@ -2,9 +2,9 @@
 
 FSDP2 (`fully_shard`): each decoder layer, or each run of `parallel.layers_per_unit` consecutive layers, is one FSDP
 unit (its parameters gathered just before its forward, and before its backward), then the root takes what is left
-(embeddings, final norm, lm_head); over one rank, by default, the root is the only unit (`unit_size`). The patched modules run
-on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and back to
-plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
+(embeddings, final norm, lm_head); over one rank, by default, the root is the only unit (`unit_size`). The patched
+modules run on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and
+back to plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
 gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32 across 2+ ranks.
 
