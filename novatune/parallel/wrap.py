@@ -114,38 +114,47 @@ def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
 
 
 def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False,
-              memo: dict | None = None, hand_over: bool = False):
+              memo: dict | None = None, hand_over: bool = False, units: list | None = None,
+              resident: bool = False):
     """A context for one micro-batch's backward. Gradient communication on the last micro-batch of a step only
     (the others accumulate locally; the same result with one reduction per step instead of grad_accum), or on
     every micro-batch (`every_micro_batch`). `keep_gathered` (FSDP2 units that do not reshard after forward): the
     gathered parameters also stay after the backward of every micro-batch but the last, so the next micro-batch
     gathers nothing; the last one reshards, before the optimizer updates the shards. `memo` (a dict kept by the
     caller) remembers the FSDP2 flags last set: each setter walks every module of the model, so they are set only
-    when they change (twice per optimizer step instead of once per micro-batch). `hand_over` (one rank,
-    `hands_over_gradients`): FSDP2 reduces nothing; the caller hands the gradients over after the last backward."""
+    when they change (twice per optimizer step instead of once per micro-batch); given the FSDP2 `units`
+    (`fsdp_units`, found once), each is set alone instead of by a walk over every module. `hand_over` (one rank,
+    `hands_over_gradients`): FSDP2 reduces nothing; the caller hands the gradients over after the last backward.
+    `resident` (one rank, `refresh_gathered`): the gathered parameters stay after the last backward too."""
     sync = (last or every_micro_batch) and not hand_over
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
-        flags = (sync, keep_gathered and last)
+        flags = (sync, keep_gathered and last and not resident)
         if memo is None or memo.get("fsdp2_flags") != flags:
-            model.set_requires_gradient_sync(sync)
-            if keep_gathered:
-                model.set_reshard_after_backward(last)
+            recurse = units is None
+            for unit in [model] if recurse else units:
+                unit.set_requires_gradient_sync(sync, recurse=recurse)
+                if keep_gathered:
+                    unit.set_reshard_after_backward(flags[1], recurse=recurse)
             if memo is not None:
                 memo["fsdp2_flags"] = flags
     return contextlib.nullcontext()
 
 
-def _fsdp_params(model) -> list:
-    """FSDP2's per-parameter records (FSDPParam) of every unit of `model`; [] where this torch lays them out
-    otherwise (the caller then leaves the reduction to FSDP2)."""
+def fsdp_units(model) -> list:
+    """The modules fully_shard made FSDP2 units (decoder layers or runs of them, and the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_param_records(units: list) -> list:
+    """FSDP2's per-parameter records (FSDPParam) of `units`; [] where this torch lays them out otherwise (the
+    caller then leaves the reduction to FSDP2). They live as long as the units: found once per run."""
     found = []
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        state = get_state()
+    for unit in units:
+        state = unit._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch releases with one group per module
             group = getattr(state, "_fsdp_param_group", None)
@@ -155,13 +164,13 @@ def _fsdp_params(model) -> list:
     return found
 
 
-def hands_over_gradients(model, strategy: str, world: int) -> bool:
+def hands_over_gradients(records: list, strategy: str, world: int) -> bool:
     """FSDP2 over one rank, where every parameter's shard is its whole tensor on this device: the gradients can be
     handed to the sharded parameters without FSDP2's reduction (`hand_over_gradients`). Not with FSDP2's CPU
-    offload (its gradients go to host memory) or a torch whose FSDP2 lacks what the hand-over reads."""
+    offload (its gradients go to host memory) or a torch whose FSDP2 lacks what the hand-over reads. `records`:
+    fsdp_param_records."""
     if strategy != "fsdp2" or world != 1:
         return False
-    records = _fsdp_params(model)
     needed = ("sharded_param", "sharded_size", "to_sharded_dtensor", "offload_to_cpu")
     return bool(records) and all(
         all(hasattr(r, a) for a in needed) and not r.offload_to_cpu
@@ -170,13 +179,14 @@ def hands_over_gradients(model, strategy: str, world: int) -> bool:
 
 
 @torch.no_grad()
-def hand_over_gradients(model) -> int:
+def hand_over_gradients(records: list) -> int:
     """After the last backward of a step over one rank (`hands_over_gradients`; FSDP2 told to reduce nothing):
     each gradient accumulated on a gathered parameter becomes its sharded parameter's gradient, a DTensor over
     the same storage. Returns how many were handed over. The gathered parameters are already freed by FSDP2's
-    reshard after that backward; their gradients are separate tensors and stay alive in the shards."""
+    reshard after that backward; their gradients are separate tensors and stay alive in the shards. `records`:
+    fsdp_param_records."""
     moved = 0
-    for record in _fsdp_params(model):
+    for record in records:
         gathered = getattr(record, "_unsharded_param", None)
         accumulated = getattr(record, "unsharded_accumulated_grad", None)  # a reduce dtype other than the grads'
         grad = accumulated if accumulated is not None else (None if gathered is None else gathered.grad)
@@ -194,6 +204,30 @@ def hand_over_gradients(model) -> int:
             sharded.grad.to_local().add_(grad)
         moved += 1
     return moved
+
+
+@torch.no_grad()
+def refresh_gathered(records: list) -> int:
+    """Over one rank with the gathered parameters kept between steps (`Session.resident`): after the optimizer has
+    updated the shards, the gathered copies of the trained parameters take the new values in one multi-tensor copy.
+    This replaces FSDP2's reshard after the last backward and its gather before the next forward, which walk every
+    parameter on the host (a view, a storage resize, a copy launch and a module attribute swap each, both ways)
+    on a step the host already limits. A unit FSDP2 resharded since (its state_dict hooks reshard before a save
+    or a load) is skipped: its next forward gathers the shards again. Returns how many were copied."""
+    dst, src = [], []
+    for record in records:
+        gathered = getattr(record, "_unsharded_param", None)
+        if gathered is None or not record.sharded_param.requires_grad or record.sharded_state.name != "UNSHARDED":
+            continue
+        shard = record.sharded_param.to_local()
+        if gathered.dtype != shard.dtype or gathered.shape != shard.shape:
+            raise RuntimeError(f"the gathered parameter {tuple(gathered.shape)} {gathered.dtype} is not a whole copy "
+                               f"of its shard {tuple(shard.shape)} {shard.dtype}; this run cannot keep it gathered")
+        dst.append(gathered.detach())
+        src.append(shard)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return len(dst)
 
 
 def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -1,5 +1,8 @@
-"""Training stays the same training: tiny Qwen3 and Llama trained 20 optimizer steps on packed rows, patched vs
-stock, from the same init and data. Per-step losses and final weights must agree.
+"""Training stays the same training: tiny Qwen3 and Llama trained 20 and 8 optimizer steps on packed rows, patched
+vs stock, from the same init and data. Per-step losses and final weights must agree. Llama's steps cost ~7 s each
+in CI: its RoPE kernel runs one program per token, and the Triton interpreter re-binds its helpers on each program
+(~30 ms each); 8 steps still take the optimizer through its bias-correction warm-up and the loss down, and the
+kernel's arithmetic has its own tests (tests/kernels/test_rope.py).
 
 Tolerance: fp32 on the CPU. The two runs differ only in summation order inside the kernels (~1e-7 relative per op).
 Measured (this machine, interpreter): per-step loss 1.8e-7 relative, final weights 1.5e-6 (qwen3) / 6.7e-7 (llama)
@@ -19,12 +22,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "patch"))
 from tiny_models import tiny_model  # noqa: E402
 
 STEPS, GA = 20, 2
+STEPS_PER_FAMILY = {"qwen3": STEPS, "llama": 8}
 
 
-def _train(model, batches):
+def _train(model, batches, steps: int = STEPS):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         micro = batches[step * GA:(step + 1) * GA]
         n_items = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in micro)
         total = 0.0
@@ -55,14 +59,15 @@ def _learnable_row(seed, seq=48, vocab=257):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_twenty_steps_patched_vs_stock(family):
-    batches = [_learnable_row(seed=100 + i) for i in range(STEPS * GA)]
+    steps = STEPS_PER_FAMILY[family]
+    batches = [_learnable_row(seed=100 + i) for i in range(steps * GA)]
     stock = tiny_model(family).train()
     patched = tiny_model(family).train()
     report = novatune.patch(patched)
     assert report.replaced("attention") and report.replaced("cross_entropy")
-    loss_stock = _train(stock, batches)
-    loss_patched = _train(patched, batches)
-    assert loss_stock[-1] < loss_stock[0], "the tiny model should learn something in 20 steps"
+    loss_stock = _train(stock, batches, steps)
+    loss_patched = _train(patched, batches, steps)
+    assert loss_stock[-1] < loss_stock[0], f"the tiny model should learn something in {steps} steps"
     step_err = ((loss_patched - loss_stock).abs() / loss_stock.abs()).max().item()
     assert step_err < 1e-5, f"per-step loss differs by {step_err:.2e} relative"
     for (name, p), (_, q) in zip(stock.named_parameters(), patched.named_parameters()):
