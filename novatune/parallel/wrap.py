@@ -114,8 +114,7 @@ def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
 
 
 def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, every_micro_batch: bool = False,
-              memo: dict | None = None, hand_over: bool = False, units: list | None = None,
-              resident: bool = False):
+              memo: dict | None = None, hand_over: bool = False, units: list | None = None):
     """A context for one micro-batch's backward. Gradient communication on the last micro-batch of a step only
     (the others accumulate locally; the same result with one reduction per step instead of grad_accum), or on
     every micro-batch (`every_micro_batch`). `keep_gathered` (FSDP2 units that do not reshard after forward): the
@@ -124,13 +123,12 @@ def grad_sync(model, strategy: str, last: bool, keep_gathered: bool = False, eve
     caller) remembers the FSDP2 flags last set: each setter walks every module of the model, so they are set only
     when they change (twice per optimizer step instead of once per micro-batch); given the FSDP2 `units`
     (`fsdp_units`, found once), each is set alone instead of by a walk over every module. `hand_over` (one rank,
-    `hands_over_gradients`): FSDP2 reduces nothing; the caller hands the gradients over after the last backward.
-    `resident` (one rank, `refresh_gathered`): the gathered parameters stay after the last backward too."""
+    `hands_over_gradients`): FSDP2 reduces nothing; the caller hands the gradients over after the last backward."""
     sync = (last or every_micro_batch) and not hand_over
     if strategy == "ddp" and not sync:
         return model.no_sync()
     if strategy == "fsdp2":
-        flags = (sync, keep_gathered and last and not resident)
+        flags = (sync, keep_gathered and last)
         if memo is None or memo.get("fsdp2_flags") != flags:
             recurse = units is None
             for unit in [model] if recurse else units:
@@ -204,30 +202,6 @@ def hand_over_gradients(records: list) -> int:
             sharded.grad.to_local().add_(grad)
         moved += 1
     return moved
-
-
-@torch.no_grad()
-def refresh_gathered(records: list) -> int:
-    """Over one rank with the gathered parameters kept between steps (`Session.resident`): after the optimizer has
-    updated the shards, the gathered copies of the trained parameters take the new values in one multi-tensor copy.
-    This replaces FSDP2's reshard after the last backward and its gather before the next forward, which walk every
-    parameter on the host (a view, a storage resize, a copy launch and a module attribute swap each, both ways)
-    on a step the host already limits. A unit FSDP2 resharded since (its state_dict hooks reshard before a save
-    or a load) is skipped: its next forward gathers the shards again. Returns how many were copied."""
-    dst, src = [], []
-    for record in records:
-        gathered = getattr(record, "_unsharded_param", None)
-        if gathered is None or not record.sharded_param.requires_grad or record.sharded_state.name != "UNSHARDED":
-            continue
-        shard = record.sharded_param.to_local()
-        if gathered.dtype != shard.dtype or gathered.shape != shard.shape:
-            raise RuntimeError(f"the gathered parameter {tuple(gathered.shape)} {gathered.dtype} is not a whole copy "
-                               f"of its shard {tuple(shard.shape)} {shard.dtype}; this run cannot keep it gathered")
-        dst.append(gathered.detach())
-        src.append(shard)
-    if dst:
-        torch._foreach_copy_(dst, src)
-    return len(dst)
 
 
 def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -174,9 +174,6 @@ class Session:
         self._fsdp_records = pwrap.fsdp_param_records(self.fsdp_units)
         # one rank: the gradients go to the shards without FSDP2's reduction (parallel/wrap.py)
         self.hand_over = pwrap.hands_over_gradients(self._fsdp_records, self.strategy, self.dist.world)
-        # ... and with the layers kept gathered for the step, they stay gathered between steps as well: the optimizer
-        # writes the shards and refresh_gathered copies them into the gathered parameters (parallel/wrap.py)
-        self.resident = self.hand_over and self.keep_gathered
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -222,8 +219,7 @@ class Session:
                                     pwrap.loss_scale(self.strategy, self.dist.world),
                                     lambda last: pwrap.grad_sync(self.model, self.strategy, last, self.keep_gathered,
                                                                  self.sync_every_micro_batch, self._sync_flags,
-                                                                 self.hand_over, self.fsdp_units or None,
-                                                                 self.resident))
+                                                                 self.hand_over, self.fsdp_units or None))
             self.finish_backward()
             self.dist.sum_(loss)  # the global batch's mean CE per target token, on every rank
         if isinstance(self.optimizer, FusedClipAdamW):  # the optimizer applies the clipping scale itself
@@ -253,8 +249,6 @@ class Session:
         finally:
             if found_inf is not None:
                 self.optimizer.found_inf = None  # torch's keeps the attribute: the next step must not see it
-        if self.resident:
-            pwrap.refresh_gathered(self._fsdp_records)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
