@@ -122,10 +122,11 @@ class Clock:
 
 def micro_batch_kwargs(session, mb: dict) -> dict:
     """A micro-batch as the session's forward receives it (for the diagnostics' single micro-steps)."""
-    from novatune.data.collate import model_inputs
+    from novatune.train.session import call_inputs
 
     n_items = max(1, mb["num_target_tokens"])
-    return {**model_inputs(mb, session.device, session.packed_kwargs), "num_items_in_batch": n_items,
+    wrapped = session.strategy != "none"
+    return {**call_inputs(mb, session.device, session.packed_kwargs, wrapped), "num_items_in_batch": n_items,
             "use_cache": False}
 
 

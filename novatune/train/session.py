@@ -45,6 +45,7 @@ from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
+from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets
 from novatune.train.config import memory_policy
 from novatune.train.memory import (
     ASSUMED,
@@ -73,20 +74,37 @@ from novatune.train.plan import plan as estimate
 from novatune.train.preflight import cpu_step_warning
 
 
+def call_inputs(mb: dict, device: torch.device, packed_kwargs: str | None, wrapped: bool = False) -> dict:
+    """A micro-batch as the model call's keyword arguments (data/collate.py `model_inputs`). `wrapped` (DDP or
+    FSDP2): their forward first moves every tensor argument to the GPU, and a CPU tensor's copy there blocks the
+    host until the GPU has drained its queue; the patched attention would then read the offsets back (a second
+    wait), once per micro-batch. So the host-side document offsets go as HostOffsets, a plain object the wrappers
+    pass through and the decoder's pre-hook reads without touching the device (patch/host_offsets.py)."""
+    inputs = model_inputs(mb, device, packed_kwargs)
+    if wrapped and packed_kwargs == "host":
+        for key in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+            inputs.pop(key, None)
+        cu, ids = inputs.pop("cu_seq_lens_q"), inputs["input_ids"]
+        inputs[HOST_OFFSETS_KWARG] = HostOffsets(tuple(cu.tolist()), ids.shape[0], ids.shape[1])
+    return inputs
+
+
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
                      loss_scale: float = 1.0, grad_sync=None):
     """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced).
 
     Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
     loss is normalised by the whole global batch, and `loss_scale` (the world size) undoes the ranks' gradient
-    averaging. `grad_sync(last)` gives the context of each backward (when the gradients are reduced).
+    averaging. `grad_sync(last)` gives the context of each backward (when the gradients are reduced); it is given
+    for a DDP or FSDP2 model only (`call_inputs`' `wrapped`).
     The returned loss is this rank's part; the session sums it over the ranks."""
     n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         ctx = grad_sync(i == len(micro_batches) - 1) if grad_sync is not None else contextlib.nullcontext()
         with ctx:
-            out = model(**model_inputs(mb, device, packed_kwargs), num_items_in_batch=n_items, use_cache=False)
+            out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
+                        num_items_in_batch=n_items, use_cache=False)
             # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
             (out.loss * loss_scale if loss_scale != 1.0 else out.loss).backward()
         total += out.loss.detach().float()

@@ -271,6 +271,57 @@ def _hand_over_keeps_the_storage_and_adds_to_a_kept_gradient(session) -> None:
     record.sharded_param.grad = kept
 
 
+def test_a_wrapped_models_document_offsets_go_as_a_host_object():
+    """DDP and FSDP2 move every tensor argument of a forward to the GPU (from the host: a blocking copy) before the
+    patched attention reads the offsets back: for them the offsets go as HostOffsets, which both pass through,
+    and which give the PackedBatch the CPU cu_seq_lens_q gave."""
+    from novatune.attention.packed import PackedBatch
+    from novatune.data.collate import collate
+    from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets
+    from novatune.train.session import call_inputs
+
+    rows = [[([5, 6, 7], [False, True, True]), ([8, 9], [False, True])], [([1, 2, 3, 4, 5], [False] + [True] * 4)]]
+    mb = collate(rows, pad_id=0, pad_to=5)
+    plain = call_inputs(mb, torch.device("cpu"), "host")
+    wrapped = call_inputs(mb, torch.device("cpu"), "host", wrapped=True)
+    offsets = wrapped[HOST_OFFSETS_KWARG]
+    assert isinstance(offsets, HostOffsets) and not any(k.startswith(("cu_seq_lens", "max_length")) for k in wrapped)
+    assert {k for k in plain if not k.startswith(("cu_seq_lens", "max_length"))} == set(wrapped) - {HOST_OFFSETS_KWARG}
+    from_host = offsets.packed(2, 5, torch.device("cpu"))
+    from_tensor = PackedBatch.from_kwargs(batch=2, device="cpu", cu_seq_lens_q=plain["cu_seq_lens_q"],
+                                          max_length_q=plain["max_length_q"])
+    assert torch.equal(from_host.cu_seqlens_cpu, from_tensor.cu_seqlens_cpu)
+    assert (from_host.batch, from_host.seq_len, from_host.max_seqlen) == \
+        (from_tensor.batch, from_tensor.seq_len, from_tensor.max_seqlen)
+    assert call_inputs(mb, torch.device("cpu"), None, wrapped=True).keys() == {"input_ids", "position_ids", "labels"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["none", "fsdp2"])
+def test_a_micro_batch_forward_and_backward_never_wait_for_the_gpu(strategy):
+    """Plain and FSDP2 over one GPU: after a warm-up step, a step's forward and backward queue their work without
+    one host sync (torch's sync debug mode raises on a blocking copy or a synchronize), so the host runs ahead."""
+    import torch.distributed as dist
+
+    from novatune.train.config import load_with_base
+    from novatune.train.session import build
+
+    cfg, base = load_with_base(None, TINY + [f"parallel.strategy={strategy}", "model.device=cuda"])
+    session = build(cfg, base)
+    try:
+        session.step(session.next_micro_batches())
+        batches = session.batches(1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            session.forward_backward(batches[0])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 def test_fsdp2_on_one_gpu_steps_like_the_plain_model():
     """bf16 on CUDA (nccl, one rank; gradients reduced and accumulated in bf16 as the plain path accumulates them).
