@@ -29,8 +29,8 @@ with the function named by its module, imported only in that stack's worker:
   trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
   novatune-train  `novatune train`'s whole loop (bench/train_stack.py): what the CLI runs, per-step loss read and
                   metrics included; the yardstick of stacks that bring their own loop (trl-sft)
-  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): units of decoder layers and the root fully_shard-ed;
-                  one process (a one-member group: what the sharding costs beside `novatune`), or `--nproc N`
+  novatune_fsdp2  novatune under FSDP2 (parallel.strategy=fsdp2): decoder layers and the root fully_shard-ed (over
+                  one process the root alone: a one-member group, what FSDP2 costs beside `novatune`), or `--nproc N`
                   processes through torchrun
   novatune_ddp    novatune under DistributedDataParallel (parallel.strategy=ddp): a whole replica per process, the
                   gradients all-reduced once per optimizer step; one process, or `--nproc N` through torchrun
@@ -237,7 +237,8 @@ for _policy, _what in (("offload", "checkpointing with each layer's input offloa
     register(Stack(f"novatune_{_policy}", f"novatune, memory.policy {_policy}: {_what}",
                    NOVATUNE + ["memory.gradient_checkpointing=false",
                                f"memory.policy={'none' if _policy == 'keep' else _policy}"], patched=True))
-for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per unit of decoder layers, and the root)"),
+for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per unit of decoder layers and the root; the root alone "
+                                   "over one process)"),
                          ("ddp", "DistributedDataParallel (a replica per process)")):
     register(Stack(f"novatune_{_strategy}", f"novatune under {_what}", NOVATUNE + [f"parallel.strategy={_strategy}"],
                    unavailable=_parallel_refused_under_qlora(_strategy), patched=True, strategy=_strategy))

@@ -148,6 +148,7 @@ class LayerGraphRunner:
         # no room while the eager pool's cache holds it. Counted, with the out-of-memory retries, in stats().
         self.release_cache = False
         self.cache_releases = 0
+        self.refused: str | None = None  # a reason set by whoever wraps the model (keep_layers_eager)
         self.pool_graphs = 0  # graphs captured into self.pool
         self.replayed_batches = 0
         self.eager_batches = 0
@@ -267,6 +268,8 @@ class LayerGraphRunner:
     def _check_layers(self) -> str | None:
         """Hooks, dropout, trainable share; the parameters' identity and storage (a replaced weight invalidates
         every graph that read it)."""
+        if self.refused is not None:
+            return self.refused
         if _global_hooks():
             return "global module hooks are registered"
         for layer in self.layers:
@@ -519,6 +522,19 @@ def _global_hooks() -> bool:
 
     return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_hooks
                 or getattr(m, "_global_backward_pre_hooks", None))
+
+
+def keep_layers_eager(model: nn.Module, reason: str) -> int:
+    """The decoder layers of a patched `model` never replayed from CUDA graphs, for `reason` (what wraps the model
+    knows, the layers' own check cannot see: FSDP2 over one rank hooks only the root, and re-allocates the layers'
+    gathered parameters each step). Returns how many graph runners were told."""
+    told = 0
+    for module in model.modules():
+        runner = getattr(getattr(module, "_novatune_state", None), "graphs", None)
+        if isinstance(runner, LayerGraphRunner):
+            runner.refused = reason
+            told += 1
+    return told
 
 
 # ---------------------------------------------------------------------------------------------- patch entry

@@ -166,7 +166,7 @@ class ParallelConfig:
     # gradients anyway)
     gradient_sync: Literal["auto", "step", "micro_batch"] = "auto"
     # fsdp2: consecutive decoder layers per FSDP unit (gathered and reduced together). Unset: 1 across 2+
-    # processes; 4 with one process, where the layers stay gathered and each unit only costs host time
+    # processes; with one process the root is the only unit (the layers stay gathered: a unit only costs host time)
     layers_per_unit: int | None = None
 
 

@@ -188,8 +188,9 @@ def layer_graphs_asked(cfg) -> bool:
 
 def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
     """The decoder layers' CUDA graphs, where the run captures them: asked for (layer_graphs_asked), a GPU, one
-    process without FSDP2 (its module hooks keep the layers eager). None where the layers always run eagerly. The
-    planner counts them only for an assignment the graphs take (every layer recomputed)."""
+    process without FSDP2 (the run keeps the layers eager under it: patch/graphs.py keep_layers_eager). None where
+    the layers always run eagerly. The planner counts them only for an assignment the graphs take (every layer
+    recomputed)."""
     if not layer_graphs_asked(cfg) or cfg.model.device == "cpu" or shards != 1 or cfg.parallel.strategy == "fsdp2":
         return None
     tokens, dtype_bytes = cfg.train.micro_batch * cfg.data.max_length, 4 if cfg.model.dtype == "fp32" else 2

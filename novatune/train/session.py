@@ -45,6 +45,7 @@ from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
+from novatune.patch.graphs import keep_layers_eager
 from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets
 from novatune.train.config import memory_policy
 from novatune.train.memory import (
@@ -253,8 +254,12 @@ class Session:
         """What follows a step's last backward outside autograd: over one FSDP2 rank, the gradients handed to the
         sharded parameters (parallel/wrap.py `hand_over_gradients`); nothing otherwise. Whoever runs backward
         without forward_backward (the bench's diagnostics) calls it before reading or dropping the gradients."""
-        if self.hand_over:
-            pwrap.hand_over_gradients(self._fsdp_records)
+        if self.hand_over and not pwrap.hand_over_gradients(self._fsdp_records) and self.params \
+                and all(p.grad is None for p in self.params):
+            # FSDP2 was told not to reduce: gradients it holds where the hand-over does not look would be lost
+            raise RuntimeError("FSDP2 over one process: the step's gradients were not found on the gathered "
+                               "parameters (this torch's FSDP2 keeps them elsewhere); set parallel.strategy: none "
+                               "for one process")
 
     def apply_update(self, found_inf: torch.Tensor | None = None) -> None:
         """The optimizer and scheduler step on the accumulated gradients, then the gradients are dropped.
@@ -413,6 +418,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
         reshard = pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world)
         model = pwrap.wrap(model, dist.strategy, dtype, device, reshard, dist.world,
                            pwrap.unit_size(cfg.parallel.layers_per_unit, dist.world, keep_gathered=not reshard))
+        if dist.strategy == "fsdp2":  # the planner counts no graphs under FSDP2 (train/memory.py layer_graphs)
+            keep_layers_eager(model, "FSDP2 gathers the layers' parameters into new storage each step (a graph "
+                                     "replays fixed addresses)")
     opt = build_optimizer(model, cfg.train, device, patched=cfg.model.patch)
     if console is not None and isinstance(opt, FusedClipAdamW):
         console.print("optimizer: AdamW through novatune's kernel, the clipping scale applied inside it "

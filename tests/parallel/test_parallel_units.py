@@ -108,6 +108,7 @@ def step_twice(strategy: str, method: str, device: str = "cpu", extra: list[str]
                                              f"model.device={device}", *extra])
     session = build(cfg, base)
     try:
+        assert session.hand_over == (strategy == "fsdp2"), "one rank: FSDP2's gradients are handed over"
         losses = [float(session.step(session.next_micro_batches()).loss) for _ in range(2)]
         sharded = any(isinstance(p, DTensor) for p in session.model.parameters())
         from novatune.train.sharded_checkpoint import full_state_on_rank0
@@ -121,11 +122,14 @@ def step_twice(strategy: str, method: str, device: str = "cpu", extra: list[str]
 
 @pytest.mark.parametrize("method,units", [("full", []), ("lora", []),
                                           ("full", ["model.arch_overrides.num_hidden_layers=3",
-                                                    "parallel.layers_per_unit=2"])])
+                                                    "parallel.layers_per_unit=2"]),
+                                          ("full", ["parallel.reshard_after_forward=true",
+                                                    "parallel.gradient_sync=micro_batch"])])
 def test_fsdp2_in_one_process_steps_like_the_plain_model(method, units):
     """FSDP2 over a one-member group: the patched model on gathered parameters, LoRA's frozen base sharded; the
-    root as the only unit (the one-process default) and units of several layers (3 layers in units of 2: one unit
-    of 2, one of 1) step alike."""
+    root as the only unit (the one-process default), units of several layers (3 layers in units of 2: one unit of
+    2, one of 1), and layers resharded after each use with a reduction asked for each micro-batch (over one rank
+    the gradients are still handed over once, after the step's backward) step alike."""
     ref_losses, ref_state, ref_sharded = step_twice("none", method, extra=units)
     losses, state, sharded = step_twice("fsdp2", method, extra=units)
     assert sharded and not ref_sharded
@@ -135,10 +139,10 @@ def test_fsdp2_in_one_process_steps_like_the_plain_model(method, units):
         torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp2_over_one_process_gathers_once_per_step_and_reduces_in_the_weights_dtype(monkeypatch):
+def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monkeypatch):
     """A world of one: each unit's parameters are gathered once per optimizer step (kept across the micro-batches,
-    resharded before the optimizer writes the shards) and gradients are reduced in the parameters' dtype (over one
-    rank the fp32 round trip is the identity). Set explicitly, reshard_after_forward gathers again per use."""
+    resharded before the optimizer writes the shards), and the policy's reduce dtype is the parameters' own (no
+    fp32 gradient copies over one rank). Set explicitly, reshard_after_forward gathers again per use."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
@@ -271,6 +275,45 @@ def _hand_over_keeps_the_storage_and_adds_to_a_kept_gradient(session) -> None:
     record.sharded_param.grad = kept
 
 
+def test_gradients_the_hand_over_cannot_find_stop_the_step(monkeypatch):
+    """FSDP2 is told not to reduce over one rank: if the hand-over finds no gradient (a torch whose FSDP2 keeps them
+    elsewhere), the step raises, naming the setting that avoids it, instead of stepping with no gradients."""
+    import torch.distributed as dist
+
+    from novatune.parallel import wrap as pwrap
+    from novatune.train.config import load_with_base
+    from novatune.train.session import build
+
+    cfg, base = load_with_base(None, TINY + ["parallel.strategy=fsdp2"])
+    session = build(cfg, base)
+    try:
+        monkeypatch.setattr(pwrap, "hand_over_gradients", lambda records: 0)
+        with pytest.raises(RuntimeError, match="parallel.strategy: none"):
+            session.forward_backward(session.next_micro_batches())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_wrapper_keeps_the_patched_layers_eager_with_its_reason():
+    """FSDP2 re-allocates the gathered layers each step and, over one rank, hooks only the root: the layers' own
+    check cannot see it, so the run tells the graph runner (patch/graphs.py keep_layers_eager)."""
+    from novatune.patch.graphs import LayerGraphRunner, keep_layers_eager
+
+    class State:
+        graphs = None
+
+    layers = [torch.nn.Linear(2, 2)]
+    stack = torch.nn.Module()
+    stack.layers = torch.nn.ModuleList(layers)
+    stack._novatune_state = State()
+    stack._novatune_state.graphs = LayerGraphRunner(layers, stack._novatune_state, full_training=False)
+    assert stack._novatune_state.graphs._check_layers() != "why"
+    assert keep_layers_eager(stack, "why") == 1
+    assert stack._novatune_state.graphs._check_layers() == "why"
+    assert keep_layers_eager(torch.nn.Linear(2, 2), "why") == 0
+
+
 def test_a_wrapped_models_document_offsets_go_as_a_host_object():
     """DDP and FSDP2 move every tensor argument of a forward to the GPU (from the host: a blocking copy) before the
     patched attention reads the offsets back: for them the offsets go as HostOffsets, which both pass through,
@@ -309,6 +352,7 @@ def test_a_micro_batch_forward_and_backward_never_wait_for_the_gpu(strategy):
     cfg, base = load_with_base(None, TINY + [f"parallel.strategy={strategy}", "model.device=cuda"])
     session = build(cfg, base)
     try:
+        assert session.packed_kwargs == "host" and session.hand_over == (strategy == "fsdp2")
         session.step(session.next_micro_batches())
         batches = session.batches(1)
         torch.cuda.synchronize()
@@ -324,7 +368,8 @@ def test_a_micro_batch_forward_and_backward_never_wait_for_the_gpu(strategy):
 
 @pytest.mark.gpu
 def test_fsdp2_on_one_gpu_steps_like_the_plain_model():
-    """bf16 on CUDA (nccl, one rank; gradients reduced and accumulated in bf16 as the plain path accumulates them).
+    """bf16 on CUDA (nccl, one rank; gradients accumulated in bf16 as the plain path accumulates them, then handed
+    to the shards).
     The kernels' run-to-run differences (attention's backward is not deterministic) can still flip the sign of a
     gradient element near zero, and AdamW (|update| <= ~lr per step: m / sqrt(v) is about +-1 in the first steps)
     then moves that weight the other way. Bound per element: 2 x 1.5 x lr per step plus one bf16 ulp
