@@ -147,9 +147,10 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         progress.update(at, row)
         win_t = now
 
-    def settle() -> None:
-        """Every deferred check read (raises on a non-finite step) and every drafted metrics row written."""
-        guard.resolve()
+    def settle(keep: int = 0) -> None:
+        """Every deferred check but the newest `keep` read (raises on a non-finite step), then every drafted
+        metrics row written (a draft is made after its step's check was deferred, so its check is read by then)."""
+        guard.resolve(keep)
         while drafts:
             write_row(drafts.pop(0))
 
@@ -182,9 +183,9 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
             if deferred:  # the optimizer leaves the weights as they are on a non-finite step; read a step late
                 applied = True
                 session.apply_update(found_inf=guard.defer(step + 1, loss, gnorm))
-                guard.resolve(keep=1)  # the previous step's, finished on the GPU by now; raises (stop mode)
-                while drafts:  # the previous logged step's row: its check is read and its values are here
-                    write_row(drafts.pop(0))
+                # the previous step's check (finished on the GPU by now; raises in stop mode) and the previous
+                # logged step's row
+                settle(keep=1)
             else:
                 applied = guard.allow(step + 1, loss, gnorm)  # raises on non-finite (stop mode)
                 if applied:

@@ -5,9 +5,10 @@ in CI: its RoPE kernel runs one program per token, and the Triton interpreter re
 kernel's arithmetic has its own tests (tests/kernels/test_rope.py).
 
 Tolerance: fp32 on the CPU. The two runs differ only in summation order inside the kernels (~1e-7 relative per op).
-Measured (this machine, interpreter): per-step loss 1.8e-7 relative, final weights 1.5e-6 (qwen3) / 6.7e-7 (llama)
-relative norm. AdamW divides by sqrt(v), so a tiny difference in a near-zero gradient entry can move that weight by
-up to ~lr per step: the bounds keep ~50x room over the measurement (1e-5 loss, 1e-4 weights) for that, no more.
+Measured (this machine, interpreter, 20 steps each): per-step loss 1.8e-7 relative, final weights 1.5e-6 (qwen3) /
+6.7e-7 (llama) relative norm. AdamW divides by sqrt(v), so a tiny difference in a near-zero gradient entry can
+move that weight by up to ~lr per step: the bounds keep ~50x room over the measurement (1e-5 loss, 1e-4 weights)
+for that, no more.
 """
 import os
 import sys
