@@ -174,6 +174,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
                 _defer_trainer_metrics(trainer, existing, spec)
             _host_offsets(trainer, existing)
             _trainer_syncs(trainer, existing)
+        _recheck_lm_head(model, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
     if attention not in (False, *ATTENTION_BACKENDS):
@@ -256,6 +257,22 @@ def _patch_late_adapters(model: nn.Module, report: PatchReport, lora: bool) -> N
     if len(report.entries) > before:
         report.add("", "note", "note", "LoRA adapters added after the first novatune.patch were patched by a later "
                    "call (CUDA graphs were decided at the first call: patch after adding adapters to use them)")
+
+
+def _recheck_lm_head(model: nn.Module, report: PatchReport) -> None:
+    """A head replaced since the first patch (a LoRA on lm_head, modules_to_save, a resized vocabulary): the loss
+    forward looks it up on each call (patch/loss.py: _head_weight); the report says now which path it takes."""
+    attr = model.__dict__.get("_novatune_lm_head_attr")
+    if attr is None or getattr(model, attr) is model.__dict__.get("_novatune_lm_head"):
+        return
+    head = getattr(model, attr)
+    plain = isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point
+    for e in report.entries:
+        if e.kind == "cross_entropy" and e.action == "replaced" and not plain:
+            e.action, e.detail = "skipped", (f"lm_head became {type(head).__module__}.{type(head).__name__} after "
+                                             "the first patch: the loss "
+                                             "runs through that module (a LoRA delta or an adapter switch is "
+                                             "not in the weight the fused loss multiplies by)")
 
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
@@ -412,6 +429,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
         # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
         early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
+                   _novatune_lm_head_attr=spec.lm_head_attr,
                    _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
                    _novatune_aux_loss=aux, _novatune_softcap=_final_softcap(config, ce_mode))
         report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))

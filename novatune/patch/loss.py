@@ -143,6 +143,8 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
             _note_once(binding, "no_labels", "training forwards without labels return the logits (the caller "
                        "computes its own loss from them; the fused loss runs only on calls with labels)")
         return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
+    if _head_weight(self, binding) is None:  # the head was wrapped after the patch: its module computes the loss
+        return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     # the backbone's output is read as a ModelOutput; a caller asking for a tuple gets the loss output's tuple
@@ -157,7 +159,7 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self),
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _head_weight(self, binding),
                                 shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
                                 normalizer=num_items, mode=_ce_mode(self, binding), softcap=self._novatune_softcap)
     if router_loss:
@@ -228,11 +230,27 @@ def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):
         binding.pending = False
 
 
-def _lm_weight(self) -> torch.Tensor:
-    weight = self._novatune_lm_head.weight
-    if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
-        weight = _early_grad_leaf(weight)
-    return weight
+def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
+    """The LM head's weight for the fused loss, looked up on each call: PEFT (a LoRA on lm_head, modules_to_save),
+    `resize_token_embeddings` or a user can replace the head after the patch, and the loss must train the head the
+    model has now. A plain bias-free Linear gives its weight; any other module (whose forward adds what the weight
+    alone does not: a LoRA delta, a bias, an adapter switch) gives None, and the caller runs the module itself,
+    with a note in the report."""
+    head = getattr(self, self._novatune_lm_head_attr)
+    if head is self._novatune_lm_head:
+        weight = head.weight
+        if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
+            weight = _early_grad_leaf(weight)
+        return weight
+    if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point:
+        return head.weight  # a new plain head (resized vocabulary): no early tied gradient, it was decided for the old
+    if "lm_head_replaced" not in binding.noted:
+        text = (f"{self._novatune_lm_head_attr} became {type(head).__module__}.{type(head).__name__} after the "
+                "patch: the loss runs "
+                "through that module (its logits materialised, not fused)")
+        warnings.warn("novatune: " + text, stacklevel=3)
+        _note_once(binding, "lm_head_replaced", text)
+    return None
 
 
 def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict):
@@ -252,12 +270,16 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
     targets = targets.to(hidden.device)
     mask = targets != -100
     flat_targets = targets.reshape(-1)
-    # one pass over the logits: the loss and its gradient, and TRL's per-token statistics from the same sweep
-    nll_sum, stats = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _lm_weight(self), flat_targets,
-                                          reduction="sum", mode=_ce_mode(self, binding), return_token_stats=True,
-                                          softcap=self._novatune_softcap)
-    log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, -stats.nll.view(mask.shape), mask)
-    entropy, is_top1 = stats.entropy.view(mask.shape), (stats.argmax == flat_targets).view(mask.shape)
+    weight = _head_weight(self, binding)
+    if weight is None:
+        log_probs, entropy, is_top1 = _token_fields_through_head(self, hidden, targets)
+    else:
+        # one pass over the logits: the loss and its gradient, and TRL's per-token statistics from the same sweep
+        nll_sum, stats = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets,
+                                              reduction="sum", mode=_ce_mode(self, binding),
+                                              return_token_stats=True, softcap=self._novatune_softcap)
+        log_probs = _UniformlyWeightedLogProbs.apply(nll_sum, -stats.nll.view(mask.shape), mask)
+        entropy, is_top1 = stats.entropy.view(mask.shape), (stats.argmax == flat_targets).view(mask.shape)
     if trim:
         log_probs, entropy, is_top1, mask = (t[:, :-1] for t in (log_probs, entropy, is_top1, mask))
     divisor = mask.sum().clamp(min=1) if num_items is None else num_items
@@ -271,6 +293,22 @@ def _trl_fused_head(self, binding: LossBinding, call: dict, labels, kwargs: dict
         loss = loss + self.router_aux_loss_coef * aux
     return _FusedOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask,
                         aux_loss=aux)
+
+
+def _token_fields_through_head(self, hidden: torch.Tensor, targets: torch.Tensor):
+    """TRL's per-token fields (log_probs zero on ignored targets, entropy, is_top1) from the logits of the head
+    module the model has now (a wrapped head: _head_weight), with the final soft-cap the fused passes apply.
+    The logits are materialised in fp32; autograd differentiates log_probs as the stock head would."""
+    logits = getattr(self, self._novatune_lm_head_attr)(hidden).float()
+    if self._novatune_softcap is not None:
+        logits = self._novatune_softcap * torch.tanh(logits / self._novatune_softcap)
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    mask = targets != -100
+    picked = log_softmax.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        is_top1 = logits.argmax(-1) == targets
+    return picked.masked_fill(~mask, 0.0), entropy, is_top1
 
 
 class _FusedOutput(OrderedDict):
