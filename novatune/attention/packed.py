@@ -205,7 +205,8 @@ class PackedBatch:
                                 f"got {type(attention_mask).__name__} "
                                 f"{tuple(getattr(attention_mask, 'shape', ()))}")
             if bool((attention_mask == 0).any()):
-                if packed.one_doc_per_row and cu is None:
+                if cu is None and (packed.one_doc_per_row or _one_doc_per_row_where_unmasked(position_ids,
+                                                                                            attention_mask)):
                     return None
                 raise ValueError("attention_mask has padding (zeros) in packed rows: padding inside packed rows is "
                                  "not supported - pack without padding (position_ids / cu_seq_lens only) or drop "
@@ -327,3 +328,17 @@ def _doc_local_block_mask(pb: PackedBatch, block: int, window: int):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     return create_block_mask(mask_mod, 1, 1, T, T, device=pb.device, BLOCK_SIZE=block)
+
+
+def _one_doc_per_row_where_unmasked(position_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> bool:
+    """Whether each row's unmasked tokens are one document (their position ids count up by one): a padded batch
+    whose padding has position ids of its own, not packed rows. Read on the host, on the padded path only."""
+    if position_ids is None:
+        return False
+    pos = position_ids.detach().cpu().expand(attention_mask.shape)
+    keep = attention_mask.detach().cpu() != 0
+    for row_pos, row_keep in zip(pos, keep):
+        real = row_pos[row_keep]
+        if real.numel() > 1 and not bool((real[1:] - real[:-1] == 1).all()):
+            return False
+    return True

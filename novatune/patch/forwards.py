@@ -138,6 +138,10 @@ def decoder_pre_hook(module, args, kwargs):
         return None  # incremental decoding: stock path
     if not module.training and kwargs.get("use_cache") is not False:
         return None  # eval with the default cache (generation semantics): stock path
+    if kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False)):
+        state.note_once("output_attentions", "calls with output_attentions=True use stock attention (it returns "
+                                             "the attention weights, which novatune's attention never forms)")
+        return None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, dict):
         return None  # masks already prepared by the caller

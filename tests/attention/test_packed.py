@@ -83,6 +83,13 @@ def test_from_kwargs_padding():
         PackedBatch.from_kwargs(position_ids=positions([[3, 5], [8]]), attention_mask=pad)
     # plain padding, one document per row: not ours, stock attention handles it
     assert PackedBatch.from_kwargs(position_ids=positions([[8], [8]]), attention_mask=pad) is None
+    # padded rows whose padding has position ids of its own (0 after each row's end): plain padding too
+    pad0 = torch.ones(2, 8, dtype=torch.long)
+    pad0[0, 6:] = 0
+    assert PackedBatch.from_kwargs(position_ids=positions([[6, 1, 1], [8]]), attention_mask=pad0) is None
+    # ... but a reset among the unmasked tokens is a second document: packed rows with padding
+    with pytest.raises(ValueError, match="padding"):
+        PackedBatch.from_kwargs(position_ids=positions([[2, 4, 1, 1], [8]]), attention_mask=pad0)
     with pytest.raises(TypeError, match="2-D"):
         PackedBatch.from_kwargs(position_ids=positions([[8]]), attention_mask=torch.ones(1, 1, 8, 8))
 

@@ -188,3 +188,43 @@ def test_tied_lm_head_gradient_accumulates_like_stock(early):
     report = novatune.patch(model, early_tied_grad=early)
     assert ("added to .grad early" in report.replaced("cross_entropy")[0].detail) == early
     assert_close(accumulate(), ref, TOL, "tied embedding gradient")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_rows_with_their_own_position_ids_train_as_stock(side):
+    """A padded batch that also carries position_ids (TRL's collator with return_position_ids pads them with 0):
+    each row's unmasked tokens are one document, so it is plain padding, for stock attention with the mask."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 257, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(24).repeat(2, 1)
+    pad = slice(17, None) if side == "right" else slice(None, 7)
+    mask[0, pad] = 0
+    pos[0] = 0
+    pos[0, mask[0] == 1] = torch.arange(17)
+    labels = ids.masked_fill(mask == 0, -100)
+    model = tiny_model("qwen3")
+    model.train()
+    want = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.detach()
+    novatune.patch(model)
+    got = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.detach()
+    assert_close(got, want, TOL, "loss")
+
+
+def test_output_attentions_calls_return_stocks_attention_weights():
+    """An eager-attention family asked for its attention weights (a training forward with labels, one document per
+    row): the call runs stock attention, which forms them, and the report says so; the loss stays stock's."""
+    from tiny_models import tiny_gemma
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 257, (1, 20), generator=g)
+    model = tiny_gemma("gemma2", attn="eager")
+    model.train()
+    want = model(input_ids=ids, labels=ids, output_attentions=True)
+    report = novatune.patch(model)
+    got = model(input_ids=ids, labels=ids, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == model.config.num_hidden_layers
+    for a, b in zip(got.attentions, want.attentions):
+        assert_close(a, b, TOL, "attention weights")
+    assert_close(got.loss, want.loss, TOL, "loss")
+    assert "output_attentions=True use stock attention" in str(report)
