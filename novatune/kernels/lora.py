@@ -66,6 +66,8 @@ def _check(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, x_lora: Te
                         f"x's dtype; cast x as the base layer would need)")
     if x_lora is not None and x_lora.shape != x.shape:
         raise ValueError(f"lora_linear: x_lora {tuple(x_lora.shape)} must have x's shape {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (n_out,):
+        raise ValueError(f"lora_linear: bias must be ({n_out},), got {tuple(bias.shape)}")
 
 
 def _dense(weight) -> Tensor:

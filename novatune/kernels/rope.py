@@ -137,10 +137,10 @@ def _bsh(dims: tuple, u: int) -> tuple:
     return (dims[0], dims[2], dims[1]) if u == 1 else (dims[0], dims[1], dims[2])
 
 
-def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu, backward, split, num_warps):
-    """Validate the shapes and choose the launch. Depends on shapes and overrides only (no strides, no dtype), so
-    _launch caches it. Returns (u, (B, S, R), (HQ, HK), (cos, sin) batch-broadcast flags, grid, constexprs);
-    grid is None when there are no tokens."""
+def check_shapes(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim):
+    """The op's shape contract, on every path (the references broadcast where this refuses): q and k 4-d with
+    the same batch, sequence and an even head_dim <= MAX_HEAD_DIM; cos/sin (b or 1, s, r) or (s, r) with an even
+    rotary width r <= head_dim. Returns (u, (B, S, HQ), (HK, D, R))."""
     u = normalize_unsqueeze_dim(unsqueeze_dim)
     if len(q_shape) != 4 or len(k_shape) != 4:
         raise ValueError(f"q and k must be 4-d, got {tuple(q_shape)} and {tuple(k_shape)}")
@@ -157,6 +157,14 @@ def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu
         if len(t3) != 3 or t3[2] != R or t3[1] != S or t3[0] not in (1, B):
             raise ValueError(f"cos/sin must be (b, s, r) = ({B}, {S}, {R}) or broadcastable (1, s, r); "
                              f"got {tuple(t)}")
+    return u, (B, S, HQ), (HK, D, R)
+
+
+def _launch_config(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim, on_gpu, backward, split, num_warps):
+    """Validate the shapes (check_shapes) and choose the launch. Depends on shapes and overrides only (no strides,
+    no dtype), so _launch caches it. Returns (u, (B, S, R), (HQ, HK), (cos, sin) batch-broadcast flags, grid,
+    constexprs); grid is None when there are no tokens."""
+    u, (B, S, HQ), (HK, D, R) = check_shapes(q_shape, k_shape, cos_shape, sin_shape, unsqueeze_dim)
     bcast = tuple(len(t) == 2 or t[0] == 1 for t in (cos_shape, sin_shape))
     n_tok = B * S
     if n_tok == 0:

@@ -3,6 +3,11 @@
     from novatune.ops import rms_norm, swiglu, apply_rope, linear_cross_entropy, varlen_attention, lora_linear
     from novatune.ops import moe_experts, moe_experts_lora, route
 
+Precision: the elementwise, norm and rotary ops compute in fp32 whatever their inputs (bf16, fp16, fp32: what
+training uses) and return the input's dtype; a float64 input is computed in fp32 too, so float64 gradcheck is
+not their test (the tests compare against fp32 references with per-dtype tolerances). lora_linear computes in
+the input's dtype, float64 included.
+
 The functionals are imported eagerly: `novatune.ops.rms_norm` must be the function, not the submodule of the same
 name (ARCHITECTURE.md's public names), and binding it here, after the submodule import, guarantees that.
 """

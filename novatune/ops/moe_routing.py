@@ -32,6 +32,9 @@ def route(logits: Tensor, top_k: int, *, scoring: str = "softmax_topk", renormal
     division and sum, the top-k and the softmax (up to a dozen launches per layer)."""
     if scoring not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"routing scoring {scoring!r}: choose 'softmax_topk' or 'topk_softmax'")
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"route: top_k={top_k} must be in [1, {logits.shape[-1]}] (the experts in the router's "
+                         f"last dimension, logits {tuple(logits.shape)})")
     recipe = (top_k, scoring == "topk_softmax", renormalize, softmax_fp32, weights_dtype or logits.dtype)
     if (logits.requires_grad and torch.is_grad_enabled() and use_triton(logits)
             and not torch.compiler.is_compiling()):

@@ -71,6 +71,10 @@ def _check(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor
                          f"(partial rotary is not supported)")
     if d % 2 or d > _k.MAX_HEAD_DIM:
         raise ValueError(f"qk_norm_rope: head_dim must be even and <= {_k.MAX_HEAD_DIM}, got {d}")
+    (b, s), table = q.shape[:2], (1, *cos.shape) if cos.dim() == 2 else tuple(cos.shape)
+    if k.shape[:2] != (b, s) or len(table) != 3 or table[1] != s or table[0] not in (1, b):
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share (b, s), and cos/sin "
+                         f"{tuple(cos.shape)} must be ({b}, {s}, {d}) or broadcastable (1, {s}, {d})")
 
 
 def _fwd_impl(q, k, q_weight, k_weight, eps, cos, sin):

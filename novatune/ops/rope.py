@@ -68,13 +68,12 @@ def _check_args(q, k, cos, sin, unsqueeze_dim):
     if not all(t.is_floating_point() for t in (q, k, cos, sin)):
         raise TypeError(f"apply_rope: q, k, cos and sin must be floating point, got {q.dtype}, {k.dtype}, "
                         f"{cos.dtype}, {sin.dtype} (integer inputs would be rotated and truncated)")
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"apply_rope: q and k must be 4-d, got {tuple(q.shape)} and {tuple(k.shape)}")
-    r = cos.shape[-1]
-    if q.shape[-1] != k.shape[-1] or r > q.shape[-1] or r % 2 or cos.shape != sin.shape:
-        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share head_dim, and cos/sin "
-                         f"{tuple(cos.shape)}/{tuple(sin.shape)} must have one even width <= head_dim (the rotary "
-                         f"dim: head_dim, or less for partial rotary)")
+    if cos.shape != sin.shape:
+        raise ValueError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    try:  # one shape contract for the kernels and the references (which would broadcast a wrong table)
+        _k.check_shapes(q.shape, k.shape, cos.shape, sin.shape, unsqueeze_dim)
+    except ValueError as e:
+        raise ValueError(f"apply_rope: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------- registered ops

@@ -123,13 +123,24 @@ def _default_bwd(dy: Tensor, gate: Tensor, up: Tensor, dgate: Tensor | None = No
     return (g if dgate is None else dgate.copy_(g)), (u if dup is None else dup.copy_(u))
 
 
+def may_write_over(*tensors: Tensor) -> bool:
+    """Whether a backward may write gradients over these saved inputs: each is contiguous and an intermediate
+    (made by an autograd op, so no caller holds it as a value of its own: a leaf is a user's tensor), and no two
+    share memory (swiglu(h, h) would write both gradients into one buffer)."""
+    if not all(t.is_contiguous() and not t.is_leaf for t in tensors):
+        return False
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def make_function(fwd, bwd):
     """Functional swiglu(gate, up, inplace_backward=False) from fwd(gate, up, out=None) -> y and
     bwd(dy, gate, up, dgate=None, dup=None) -> (dgate, dup): the op's own eager path and every kernel candidate.
 
     inplace_backward: write dgate over gate and dup over up (their last use), which saves two (tokens x
     intermediate) buffers per layer in the backward (2 x 76 MiB at Qwen3-4B x 4096 tokens) - what Liger does.
-    Only for callers that own gate and up (the fused MLP: they are fresh projection outputs nobody else reads).
+    Only for callers that own gate and up (the fused MLP: they are fresh projection outputs nobody else reads);
+    a leaf (a user's tensor) or gate and up sharing memory keep the out-of-place backward (may_write_over).
     The version counters are bumped, so another autograd node that saved gate or up fails loudly at its
     backward instead of reading gradients, and a second backward through this node (retain_graph) raises."""
 
@@ -137,7 +148,7 @@ def make_function(fwd, bwd):
         @staticmethod
         def forward(ctx, gate: Tensor, up: Tensor, inplace_backward: bool = False) -> Tensor:
             ctx.save_for_backward(gate, up)  # not y: sigmoid(gate) is recomputed in the backward
-            ctx.inplace = inplace_backward and gate.is_contiguous() and up.is_contiguous()
+            ctx.inplace = inplace_backward and may_write_over(gate, up)
             ctx.done = False
             return fwd(gate, up)
 
@@ -217,7 +228,7 @@ class _SwiGLUGateUpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: Tensor, inplace_backward: bool) -> Tensor:
         ctx.save_for_backward(gate_up)
-        ctx.inplace = inplace_backward and gate_up.is_contiguous()
+        ctx.inplace = inplace_backward and may_write_over(gate_up)
         ctx.done = False
         return _gate_up_fwd(gate_up)
 

@@ -193,3 +193,11 @@ def test_operand_on_another_device_raises(which):
     args[which] = args[which].detach().to("meta")
     with pytest.raises(ValueError, match=f"{which} is on meta but x on cpu"):
         lora_linear(x, args["weight"], args["bias"], args["lora_a"], args["lora_b"], 1.0, x_lora=args["x_lora"])
+
+
+@pytest.mark.parametrize("shape", [(16,), (1,), (29, 1)])
+def test_bias_of_another_shape_raises(shape):
+    """The bias must be (out,): a (1,) one broadcast silently, a wrong length raised deep in the GEMM."""
+    x, w, _, a, bb, _ = _leaves((3,), 37, 29, 4, torch.float32, bias=False, seed=13)
+    with pytest.raises(ValueError, match=r"bias must be \(29,\)"):
+        lora_linear(x, w, torch.zeros(shape), a, bb, 1.0)

@@ -448,3 +448,9 @@ def test_double_backward_raises_instead_of_being_wrong():
     grads = torch.autograd.grad(out, leaves, torch.randn(out.shape).requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         sum((g * g).sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_route_refuses_a_top_k_outside_the_experts(top_k):
+    with pytest.raises(ValueError, match=r"top_k=.* must be in \[1, 4\]"):
+        route(torch.randn(6, 4), top_k)

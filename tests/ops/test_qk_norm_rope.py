@@ -259,6 +259,10 @@ def test_rejects_bad_args():
         qk_norm_rope(q, k, nq.weight[:32], nk.weight, EPS, cos, sin)
     with pytest.raises(ValueError):
         qk_norm_rope(q, k, nq.weight, nk.weight, EPS, cos[..., :32], sin[..., :32])
+    with pytest.raises(ValueError, match="share"):  # one position's table for 5 tokens (the reference broadcasts)
+        qk_norm_rope(q, k, nq.weight, nk.weight, EPS, cos[:, :1], sin[:, :1])
+    with pytest.raises(ValueError, match="share"):
+        qk_norm_rope(q, k[:, :4], nq.weight, nk.weight, EPS, cos, sin)
 
 
 @pytest.mark.parametrize("path", ["cpu", "interpreter"])

@@ -165,14 +165,27 @@ def test_cos_sin_get_no_grad(device):
     assert cos.grad is None and q.grad is not None
 
 
-def test_bad_args():
+@pytest.mark.parametrize("path", ["cpu", "interpreter"])
+def test_bad_args(path, backend_env):
+    """One shape contract on both paths: the references would broadcast a table of one position over every token,
+    or a batch of tables over one row, where the kernels refuse."""
+    backend_env("TRITON_INTERPRET", "1" if path == "interpreter" else "0")
     q, k = torch.randn(1, 2, 4, 64), torch.randn(1, 1, 4, 64)
-    with pytest.raises(ValueError, match="even width <= head_dim"):
+    with pytest.raises(ValueError, match="rotary dim"):
         apply_rope(q, k, torch.ones(1, 4, 33), torch.ones(1, 4, 33))
-    with pytest.raises(ValueError, match="even width <= head_dim"):
+    with pytest.raises(ValueError, match="rotary dim"):
         apply_rope(q, k, torch.ones(1, 4, 66), torch.ones(1, 4, 66))
     with pytest.raises(ValueError):
         apply_rope(q, k, torch.ones(1, 4, 64), torch.ones(1, 4, 64), unsqueeze_dim=0)
+    with pytest.raises(ValueError, match="cos/sin must be"):  # one position's table for 4 tokens
+        apply_rope(q, k, torch.ones(1, 1, 64), torch.ones(1, 1, 64))
+    with pytest.raises(ValueError, match="cos/sin must be"):  # 3 rows of tables for 1 row
+        apply_rope(q, k, torch.ones(3, 4, 64), torch.ones(3, 4, 64))
+    with pytest.raises(ValueError, match="disagree"):
+        apply_rope(q, k[:, :, :3], torch.ones(1, 4, 64), torch.ones(1, 4, 64))
+    for d in (9, 258):
+        with pytest.raises(ValueError, match="even and <= 256"):
+            apply_rope(torch.randn(1, 2, 4, d), torch.randn(1, 1, 4, d), torch.ones(1, 4, d), torch.ones(1, 4, d))
 
 
 @pytest.mark.parametrize("path", ["cpu", "interpreter"])

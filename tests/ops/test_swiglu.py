@@ -345,3 +345,28 @@ def test_swiglu_mlp_inplace_matches_out_of_place(device):
         grads.append([m.weight.grad.clone() for m in lin])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["same_tensor", "leaves"])
+def test_inplace_backward_leaves_shared_or_user_tensors_alone(case, device):
+    """inplace_backward writes gradients over gate and up only when the op owns them: swiglu(h, h) (one buffer for
+    both gradients) and leaves (a user's tensors, whose values must survive the backward) take the out-of-place
+    backward, with gradients equal to autograd of silu(gate) * up in fp32."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 33, generator=gen).to(device)
+    if case == "same_tensor":
+        leaf = x.clone().requires_grad_(True)
+        h = leaf * 1
+        swiglu(h, h, inplace_backward=True).sum().backward()
+        ref = x.clone().requires_grad_(True)
+        (torch.nn.functional.silu(ref) * ref).sum().backward()
+        assert_close(leaf.grad, ref.grad, _tol(torch.float32), "d(silu(h) * h)")
+    else:
+        gate, up = x.clone().requires_grad_(True), (x.flip(0) * 0.5).requires_grad_(True)
+        kept = gate.detach().clone(), up.detach().clone()
+        swiglu(gate, up, inplace_backward=True).sum().backward()
+        assert torch.equal(gate.detach(), kept[0]) and torch.equal(up.detach(), kept[1]), "a leaf was overwritten"
+        g32, u32 = kept[0].clone().requires_grad_(True), kept[1].clone().requires_grad_(True)
+        (torch.nn.functional.silu(g32) * u32).sum().backward()
+        assert_close(gate.grad, g32.grad, _tol(torch.float32), "dgate")
+        assert_close(up.grad, u32.grad, _tol(torch.float32), "dup")
