@@ -60,14 +60,26 @@ def _same_global_batch(changed: dict, cfg: Config, saved_world: int, world: int)
 def check_resume_config(state: dict, cfg: Config, checkpoint, note=print, world: int = 1) -> None:
     """Raise ConfigError listing the settings that differ from the checkpoint's and that the resumed state would
     override or that change the data; `note` says when max_steps changed. A checkpoint without a saved config
-    (older versions) is not checked. train.micro_batch and train.grad_accum may change when the global batch
-    (times the `world` processes, against the checkpoint's world_size) stays the same."""
+    (older versions) is not checked. train.micro_batch, train.grad_accum and the number of processes may change
+    when the global batch (micro_batch x grad_accum x the `world` processes, against the checkpoint's
+    world_size) stays the same; any other global batch is refused, a change of processes alone included."""
     if not state or not state.get("config"):
         return
     changed = changed_settings(state["config"], cfg)
     batch_keys = {"train.micro_batch", "train.grad_accum"}
-    if batch_keys & set(changed) and _same_global_batch(changed, cfg, int(state.get("world_size", 1)), world):
+    saved_world = int(state.get("world_size", 1))
+    if _same_global_batch(changed, cfg, saved_world, world):
         changed = {k: v for k, v in changed.items() if k not in batch_keys}
+    else:  # another split of the rows, or the same split over another number of processes: another global batch
+        old_batch = {k: changed.get(k, (v, v))[0] for k, v in (("train.micro_batch", cfg.train.micro_batch),
+                                                                 ("train.grad_accum", cfg.train.grad_accum))}
+        raise ConfigError("train.grad_accum", f"the global batch changed since checkpoint {checkpoint} was saved: "
+                          f"{old_batch['train.micro_batch']} x {old_batch['train.grad_accum']} x {saved_world} "
+                          f"process(es) then, {cfg.train.micro_batch} x {cfg.train.grad_accum} x {world} now "
+                          "(micro_batch x grad_accum x processes); the resumed schedule and data position count "
+                          "steps of the old batch",
+                          "keep micro_batch x grad_accum x processes the same (e.g. double train.grad_accum when "
+                          "halving the processes), or start a new run")
     refused = {k: v for k, v in changed.items() if not _allowed(k)}
     if refused:
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())

@@ -46,8 +46,22 @@ def test_the_same_global_batch_on_another_number_of_processes_is_allowed(make_cf
     state = {"config": to_yaml(two), "world_size": 2}
     check_resume_config(state, make_cfg("b", train={"micro_batch": 2, "grad_accum": 2}), "ck", world=1)
     check_resume_config(state, make_cfg("c", train={"micro_batch": 1, "grad_accum": 4}), "ck", world=1)
-    with pytest.raises(ConfigError, match="train.micro_batch: 1 -> 4"):
+    with pytest.raises(ConfigError, match=r"1 x 2 x 2 process\(es\) then, 4 x 2 x 1 now"):
         check_resume_config(state, make_cfg("d", train={"micro_batch": 4, "grad_accum": 2}), "ck", world=1)
+
+
+def test_another_number_of_processes_alone_is_refused(make_cfg):
+    """The same micro_batch and grad_accum over half the processes halves the global batch: the resumed schedule
+    and data position would count steps of the old batch. Refused, naming the product and the fix; the same
+    settings resumed on the checkpoint's number of processes are fine."""
+    two = make_cfg("a", train={"micro_batch": 2, "grad_accum": 1})
+    state = {"config": to_yaml(two), "world_size": 2}
+    with pytest.raises(ConfigError, match=r"2 x 1 x 2 process\(es\) then, 2 x 1 x 1 now") as info:
+        check_resume_config(state, make_cfg("b", train={"micro_batch": 2, "grad_accum": 1}), "ck", world=1)
+    assert "double train.grad_accum" in str(info.value)
+    with pytest.raises(ConfigError, match="global batch changed"):
+        check_resume_config({"config": to_yaml(two)}, two, "ck", world=2)  # 1 process then, 2 now
+    check_resume_config(state, make_cfg("c", train={"micro_batch": 2, "grad_accum": 1}), "ck", world=2)
 
 
 def test_resume_with_a_changed_lr_fails_before_training(make_cfg):
