@@ -174,6 +174,22 @@ def _user_errors() -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI's exit code: 0, 2 a config or data error, 3 unhealthy training, 128 + N a signal; under `--nproc`
+    each rank also records its code for the launcher (parallel/launch.py)."""
+    from novatune.parallel.launch import record_rank_exit
+
+    code = 1  # an exception that escapes: Python exits 1
+    try:
+        code = _main(argv)
+        return code
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        raise
+    finally:
+        record_rank_exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command is None:

@@ -1,14 +1,21 @@
 """`novatune train CONFIG --nproc N`: the same command line, re-run under torchrun with N processes.
 
 The child command is `python -m torch.distributed.run --nproc-per-node N --standalone -m novatune train ...`
-(what `torchrun` runs), with every argument but `--nproc` passed through unchanged. The exit code is torchrun's:
-the first failing rank's, or 0.
+(what `torchrun` runs), with every argument but `--nproc` passed through unchanged. The exit code is the ranks'
+own, as one process would have returned it (2 a config or data error, 3 unhealthy training, 128 + N a signal):
+torchrun's agent exits 1 whatever failed, so each rank records its code in a folder the launcher names
+(record_rank_exit) and the launcher returns the most telling one (rank_exit_code).
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+EXIT_DIR_ENV = "NOVATUNE_RANK_EXIT_DIR"
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -39,15 +46,45 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     This process only waits. Ctrl-C reaches torchrun and the workers from the terminal (one process group), so it
     is not sent again (a second SIGINT aborts a worker mid-step); a SIGTERM sent to this process alone is passed
     to torchrun, which passes it to the workers: they finish the step, save and exit."""
-    proc = subprocess.Popen(torchrun_command(nproc, argv))
+    with tempfile.TemporaryDirectory(prefix="novatune-exit-") as exit_dir:
+        proc = subprocess.Popen(torchrun_command(nproc, argv), env={**os.environ, EXIT_DIR_ENV: exit_dir})
 
-    def on_signal(signum, frame) -> None:
-        if signum != signal.SIGINT:
-            proc.send_signal(signum)
+        def on_signal(signum, frame) -> None:
+            if signum != signal.SIGINT:
+                proc.send_signal(signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return proc.wait()
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            launcher_code = proc.wait()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+        return rank_exit_code(Path(exit_dir), launcher_code)
+
+
+def record_rank_exit(code: int) -> None:
+    """Under `--nproc`, this rank's exit code for the launcher (nothing otherwise)."""
+    folder, rank = os.environ.get(EXIT_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None and Path(folder).is_dir():
+        (Path(folder) / f"rank{int(rank)}").write_text(str(int(code)))
+
+
+def rank_exit_code(folder: Path, launcher_code: int) -> int:
+    """The code `novatune train --nproc N` returns: a failing rank's own code, one that says what went wrong (2,
+    3, 1) before one that says a signal ended it (128 + N: a rank the launcher stopped because another failed
+    ends that way too), the lowest rank first; torchrun's own code where no rank recorded a failure (a rank
+    that crashed before recording)."""
+    codes = {}
+    for f in folder.glob("rank*"):
+        try:
+            codes[int(f.name[4:])] = int(f.read_text())
+        except ValueError:
+            continue
+    failed = sorted((code >= 128, rank, code) for rank, code in codes.items() if code != 0)
+    if not failed:
+        return launcher_code
+    _, rank, code = failed[0]
+    if code != launcher_code:
+        print(f"novatune: rank {rank} exited with code {code} (torchrun's agent reports {launcher_code} for any "
+              "failure); returning the rank's", file=sys.stderr)
+    return code
