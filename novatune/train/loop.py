@@ -222,7 +222,10 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
                 break
         settle()
         to_export = step >= total
-    except UnhealthyTraining:  # the steps after the bad one are not written: their rows would follow it
+    except UnhealthyTraining as e:  # the steps after the bad one are not written: their rows would follow it
+        set_aside_dead_checkpoints(e, out_dir, dist, console)
+        if dist.main:
+            run_dir.mark(out_dir, "unhealthy", steps=step, reason=str(e).split(". ")[0])
         raise
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread): the step may be half done
         settle_before_leaving()
@@ -272,6 +275,23 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(json.dumps(summary), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def set_aside_dead_checkpoints(error: UnhealthyTraining, out_dir: Path, dist, console) -> None:
+    """After a stop for zero gradients: the checkpoints written from the step whose update left weights with no
+    gradient on (ZeroGradientError.dead_from) hold weights that no longer train; they are set aside (renamed
+    damaged-..., kept for inspection), so `resume: auto` never continues from them. A non-finite stop needs
+    nothing: its update was never applied and no checkpoint follows it."""
+    dead_from = getattr(error, "dead_from", None)
+    if dead_from is None:
+        return
+    dist.barrier()  # every rank has finished writing before one rank moves the folders
+    if dist.main:
+        for path in ckpt.list_checkpoints(out_dir):
+            if ckpt.step_of(path) >= max(dead_from, 1):
+                console.print(f"[yellow]set aside {path.name} as {ckpt.set_aside(path).name}: its weights no "
+                              "longer train[/]", highlight=False)
+    dist.barrier()
 
 
 def _finish(cfg: Config, session, result: RunResult, out_dir: Path, step: int, start_step: int, save, signals,

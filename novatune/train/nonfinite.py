@@ -46,7 +46,13 @@ class NonFiniteError(UnhealthyTraining):
 
 
 class ZeroGradientError(UnhealthyTraining):
-    """The gradients were exactly zero for ZERO_GRADIENT_STEPS optimizer steps in a row: nothing trains."""
+    """The gradients were exactly zero for ZERO_GRADIENT_STEPS optimizer steps in a row: nothing trains.
+    `dead_from`: the last step whose update changed the weights into ones with no gradient (the step before the
+    first zero); a checkpoint from it on holds those weights (the loop sets them aside)."""
+
+    def __init__(self, message: str, dead_from: int):
+        super().__init__(message)
+        self.dead_from = dead_from
 
 
 ZERO_GRADIENT_STEPS = 3  # consecutive steps whose whole-model gradient norm is exactly 0.0
@@ -190,6 +196,8 @@ class StepGuard:
         if step - self.zero_since + 1 >= ZERO_GRADIENT_STEPS:
             raise ZeroGradientError(
                 f"the gradients were exactly zero on steps {self.zero_since}-{step} (loss {loss:.4g}): nothing "
-                f"trains, so the run stops before checkpointing or exporting it. Usual causes: a learning rate that "
-                f"saturated the weights (lower train.lr), every target token masked (data.loss_on, the labels), or "
-                f"no trainable parameters (method, LoRA targets)")
+                f"trains, so the run stops without exporting, and any checkpoint from step "
+                f"{max(self.zero_since - 1, 1)} on (weights that no longer train) is set aside. Usual causes: a "
+                f"learning rate that saturated the weights (lower train.lr and start a new run), every target token "
+                f"masked (data.loss_on, the labels), or no trainable parameters (method, LoRA targets)",
+                dead_from=self.zero_since - 1)

@@ -175,6 +175,40 @@ def test_a_run_whose_gradients_are_all_zero_stops_instead_of_exporting(make_cfg,
     assert bool(deferred) == (optimizer != "foreach")
 
 
+def test_checkpoints_of_weights_that_no_longer_train_are_set_aside(make_cfg):
+    """Steps 1-2 train; the gradients are zero from step 3 on (as after an update that saturated the weights at
+    step 2). The run stops at step 5 (3 zero steps); the checkpoints of steps 2-4 (step 2's update made the dead
+    weights) are set aside, step 1's stays, and a resume continues from step 1. run.json says why it stopped."""
+    import json
+
+    from novatune.train import checkpoint as ckpt
+    from novatune.train.nonfinite import ZeroGradientError
+
+    cfg = make_cfg("dead_late", train={"max_steps": 8}, checkpoint={"save_every": 1, "keep": 10})
+    calls = {"backward": 0}
+
+    def zero_from_step_3(model):
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def hook(grad):
+            return torch.zeros_like(grad) if calls["backward"] >= 2 * cfg.train.grad_accum * len(params) else grad
+
+        def count(grad):
+            calls["backward"] += 1
+            return hook(grad)
+
+        for p in params:
+            p.register_hook(count)
+
+    with pytest.raises(ZeroGradientError, match="exactly zero on steps 3-5.*from step 2 on"):
+        train(cfg, console=quiet(), model_hook=zero_from_step_3)
+    out = Path(cfg.checkpoint.output_dir)
+    assert [ckpt.step_of(c) for c in ckpt.list_checkpoints(out)] == [1]
+    assert len(list(ckpt.checkpoints_dir(out).glob("damaged-step_*"))) == 3
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "unhealthy" and "exactly zero" in run["reason"]
+
+
 def test_zero_gradient_steps_must_be_consecutive():
     from novatune.train.nonfinite import StepGuard, ZeroGradientError
 
