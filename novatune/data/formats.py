@@ -147,6 +147,13 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
             if labels is not None and len(labels) != len(ids):
                 raise DataError(f"a tokens record has {len(labels)} labels for {len(ids)} input_ids; labels need "
                                 f"one entry per token (-100: not trained): fix the data")
+            # labels are a mask over the tokens (the loss shifts by one itself, as Hugging Face's does): a label
+            # that is another token would be trained as this token, never as itself
+            other = next((i for i, (t, lab) in enumerate(zip(ids, labels or ())) if lab != -100 and lab != t), None)
+            if other is not None:
+                raise DataError(f"a tokens record has labels[{other}] = {labels[other]!r} where input_ids[{other}] = "
+                                f"{ids[other]!r}; labels must be the token itself (trained) or -100 (not trained), "
+                                "unshifted, as Hugging Face's labels are: fix the data")
             return ids, ([lab != -100 for lab in labels] if labels is not None else [True] * len(ids))
         return f
     if tok is None:

@@ -199,10 +199,16 @@ def test_null_chat_content_is_a_data_error(tok):
 
 
 @pytest.mark.parametrize("record,match", [({"input_ids": [1, -2, 3]}, "entry -2"),
-                                          ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "2 labels for 3 input_ids")])
+                                          ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "2 labels for 3 input_ids"),
+                                          ({"input_ids": [10, 11, 12], "labels": [-100, 21, 22]},
+                                           r"labels\[1\] = 21 where input_ids\[1\] = 11")])
 def test_bad_token_records_fail_at_load(record, match):
+    """Labels other than the token itself or -100 (shifted labels, another target) were read as a mask only: the
+    model trained on input_ids, silently."""
     with pytest.raises(DataError, match=match):
         make_tokenize("tokens", None)(record)
+    assert make_tokenize("tokens", None)({"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}) == \
+        ([4, 5, 6], [False, True, True])
 
 
 @pytest.mark.parametrize("name,kind,match", [("x.jsonl", "parquet", "not a readable Parquet file"),
