@@ -410,20 +410,29 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     return model, tok
 
 
+ATTN_CHOICES = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")  # transformers' own
+
+
 def load_model(model_path: str | None, arch: str | None, tokenizer_name: str | None, device: str = "auto",
                dtype: str = "auto", attn: str = "sdpa", arch_overrides: dict | None = None, seed: int = 0):
     """(model in eval mode with use_cache on, tokenizer, description). Exactly one of model_path / arch."""
 
-    from novatune.train.model import pick_device, pick_dtype
+    from novatune.train.model import SetupError, check_attention_installed, pick_device, pick_dtype
 
     if (model_path is None) == (arch is None):
         raise EvalError("give exactly one of --model PATH (local model, novatune export or checkpoint) and --arch NAME "
                         "(random init, speed tests)")
+    if attn not in ATTN_CHOICES:
+        raise EvalError(f"--attn {attn!r}: choose one of {', '.join(ATTN_CHOICES)}")
+    try:
+        check_attention_installed(attn, "--attn")
+    except SetupError as err:
+        raise EvalError(str(err)) from None
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if arch is not None:
         from novatune.train.config import ModelConfig
-        from novatune.train.model import SetupError, build_model
+        from novatune.train.model import build_model
 
         tok_name = tokenizer_name or "demo"
         tok = _tokenizer(tok_name)

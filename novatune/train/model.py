@@ -159,6 +159,27 @@ def _check_attention_supported(config, attn: str) -> None:
     if why is not None:
         raise SetupError(f"model.attention: {why}; set model.attention=eager (its stock attention; with "
                          "model.patch the patched model's attention replaces it anyway), hf_default or flex_attention")
+    check_attention_installed(attn, "model.attention")
+
+
+# transformers' attention implementations that need a package of their own: (its availability check, the package)
+_ATTENTION_PACKAGES = {"flash_attention_2": ("is_flash_attn_2_available", "flash-attn (2.x)"),
+                       "flash_attention_3": ("is_flash_attn_3_available", "flash-attn 3 (flash_attn_interface)")}
+
+
+def check_attention_installed(attn: str, setting: str) -> None:
+    """SetupError naming `setting` when `attn` needs a package that is not installed (or usable on this machine):
+    transformers raises an ImportError from deep inside the model build otherwise."""
+    need = _ATTENTION_PACKAGES.get(attn)
+    if need is None:
+        return
+    import transformers.utils as tu
+
+    available = getattr(tu, need[0], None)
+    if available is not None and not available():
+        raise SetupError(f"{setting}={attn}: {need[1]} is not installed or cannot run here (it needs a CUDA GPU); "
+                         "use sdpa (with model.patch, novatune's own packed-row attention replaces it anyway), "
+                         "or install the package")
 
 
 def _build_low_memory(mcfg, config, device, dtype, base_dir, seed, qlora, on_unit):

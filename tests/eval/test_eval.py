@@ -233,3 +233,28 @@ def test_damaged_checkpoint_is_refused_like_a_resume(tmp_path, capsys):
     assert main(["eval", "--model", str(run), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "damaged" in err and str(folder) in err
+
+
+def test_attention_that_cannot_run_here_is_an_eval_error(monkeypatch):
+    """--attn flash_attention_2 without flash-attn (or an unknown name) raised from deep inside transformers."""
+    import transformers.utils
+
+    from novatune.eval.exact_match import load_model
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    with pytest.raises(EvalError, match="--attn=flash_attention_2: flash-attn .* not installed.*use sdpa"):
+        load_model(None, "qwen3-tiny", None, device="cpu", attn="flash_attention_2")
+    with pytest.raises(EvalError, match="--attn 'bogus': choose one of sdpa"):
+        load_model(None, "qwen3-tiny", None, device="cpu", attn="bogus")
+
+
+def test_a_training_config_naming_missing_flash_attention_is_a_setup_error(monkeypatch):
+    import transformers.utils
+
+    from novatune.train.config import ModelConfig
+    from novatune.train.model import SetupError, build_model
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_3_available", lambda: False)
+    with pytest.raises(SetupError, match="model.attention=flash_attention_3"):
+        build_model(ModelConfig(arch="qwen3-tiny", arch_overrides={"vocab_size": 64}, attention="flash_attention_3"),
+                    torch.device("cpu"), torch.float32)
