@@ -121,17 +121,24 @@ def ga_rows(rows: list[list[Doc]], max_length: int) -> tuple[list[Doc], list[Doc
     """A full row and a row cut to ~1/4 of max_length (its first documents; at least one document of >= 2
     tokens with a target), so the two micro-batches carry very different target-token counts."""
     full = max(rows[:32], key=lambda r: sum(len(d[0]) for d in r))
-    other = next(r for r in rows[:33] if r is not full)
+    other = next((r for r in rows[:33] if r is not full), full)  # one row only: its own quarter
     budget, short = max(8, max_length // 4), []
     for ids, mask in other:
         room = budget - sum(len(d[0]) for d in short)
         if room < 2:
             break
-        piece = (ids[:room], mask[:room])
-        if any(piece[1][1:]):
-            short.append(piece)
+        first = next((i for i in range(1, len(mask)) if mask[i]), None)
+        if first is None:
+            continue
+        # a window that ends past the first target (a long masked prompt would leave a prefix with none)
+        start = max(0, min(first - 1, first + 1 - room))
+        short.append((ids[start:start + room], mask[start:start + room]))
     if not short:
-        raise ValueError("no document with a training target fits a quarter row: cannot test grad accumulation")
+        from novatune.data.sources import DataError
+
+        raise DataError("validate: no row of the data has a document with a training target (a label that is not "
+                        "masked): the gradient-accumulation check has nothing to compare; check data.loss_on and the "
+                        "data")
     return full, short
 
 

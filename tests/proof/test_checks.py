@@ -89,3 +89,16 @@ def test_grad_accum_invariance(monkeypatch, faulty):
     assert res["passed"] != faulty, res["message"]
     if faulty:
         assert nova["grad_rel_err"] > 0.1 and "num_items_in_batch" in res["message"]
+
+
+def test_ga_rows_find_the_targets_behind_a_long_masked_prompt():
+    """Documents whose masked prompt is longer than a quarter row (the demo's chat turns at max_length 128): the
+    short micro-batch takes a window that reaches the first target instead of a prefix with none."""
+    rows = [[(list(range(40)), [False] * 30 + [True] * 10)] * 2 for _ in range(3)]
+    full, short = checks.ga_rows(rows, max_length=64)
+    assert short and all(any(mask[1:]) for _, mask in short)
+    assert sum(len(ids) for ids, _ in short) <= 16
+    from novatune.data.sources import DataError
+
+    with pytest.raises(DataError, match="no row of the data has a document with a training target"):
+        checks.ga_rows([[(list(range(40)), [False] * 40)] for _ in range(3)], max_length=64)
