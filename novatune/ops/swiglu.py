@@ -127,8 +127,8 @@ def may_write_over(*tensors: Tensor) -> bool:
     """Whether a backward may write gradients over these saved inputs: each is contiguous and an intermediate
     (made by an autograd op, so no caller holds it as a value of its own: a leaf is a user's tensor), and no two
     share memory (swiglu(h, h) would write both gradients into one buffer)."""
-    if not all(t.is_contiguous() and not t.is_leaf for t in tensors):
-        return False
+    if not all(t.is_contiguous() and not t.is_leaf and (t._base is None or not t._base.is_leaf) for t in tensors):
+        return False  # a leaf, or a view of one, is a caller's tensor
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
     return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 

@@ -91,6 +91,18 @@ def _clone_layout(t: Tensor) -> Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
+def as_intermediate(t: Tensor) -> Tensor:
+    """A copy of t with its strides as an autograd intermediate (made by a copy from a leaf that requires grad),
+    as a projection output is: gradients are taken with respect to it, and an op's in-place backward may write
+    over it (ops.swiglu's may_write_over leaves a leaf alone: a leaf is a caller's own tensor). A broadcast
+    (stride 0) tensor stays a leaf copy: nothing writes over it."""
+    if 0 in t.stride():
+        return _clone_layout(t).requires_grad_(True)
+    fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    with torch.enable_grad():
+        return fresh.copy_(t.detach().requires_grad_(True))
+
+
 def _refresh(inputs: dict, spec: OpSpec, gen) -> dict:
     """New values of the same magnitudes and layouts: each float input times random signs and factors 0.75-1.25."""
     out = {}
@@ -117,15 +129,19 @@ def _as_tuple(y, spec: OpSpec) -> tuple:
 
 
 def fwd_bwd(spec: OpSpec, fn, inputs: dict, dys: tuple, fp32: bool = False, copy: bool = True):
-    """(outputs, grads, leaves) of one forward + backward of fn on `inputs` (through spec.call), the incoming
-    gradients `dys` (one per output, cast to each output's dtype). fp32: on fp32 copies (the oracle's call).
-    copy: the tensor inputs are copied first, strides kept (an in-place backward cannot touch the caller's
-    inputs); copy=False differentiates views of them as they are (the validator's misaligned-view check).
+    """(outputs, grads, the inputs as called) of one forward + backward of fn on `inputs` (through spec.call),
+    the incoming gradients `dys` (one per output, cast to each output's dtype). fp32: on fp32 copies (the oracle's
+    call). copy: the tensor inputs are copied first as intermediates, strides kept (as_intermediate: an in-place
+    backward cannot touch the caller's inputs); copy=False differentiates views of them as they are (the
+    validator's misaligned-view check).
     Shared by the checker and the tune validator (novatune.tune.validate)."""
     leaves = {}
     for k, v in inputs.items():
         if k in spec.tensor_args:
-            t = v.detach().float().clone() if fp32 else _clone_layout(v.detach()) if copy else v.detach()
+            if copy and not fp32:
+                leaves[k] = as_intermediate(v)
+                continue
+            t = v.detach().float().clone() if fp32 else v.detach()
             leaves[k] = t.requires_grad_(True)
         else:
             leaves[k] = v
@@ -228,8 +244,7 @@ def _dys(spec: OpSpec, inputs: dict, gen) -> tuple:
 
 def _fwd_bwd_checked(spec: OpSpec, fn, inputs: dict, dys, snapshot: dict, label: str):
     """fn's forward + backward with the input checks between them."""
-    leaves = {k: (_clone_layout(v.detach()).requires_grad_(True) if k in spec.tensor_args else v)
-              for k, v in inputs.items()}
+    leaves = {k: (as_intermediate(v) if k in spec.tensor_args else v) for k, v in inputs.items()}
     try:
         outs = _as_tuple(spec.call(fn, leaves), spec)
     except Fail:

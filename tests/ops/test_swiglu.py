@@ -347,7 +347,7 @@ def test_swiglu_mlp_inplace_matches_out_of_place(device):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("case", ["same_tensor", "leaves"])
+@pytest.mark.parametrize("case", ["same_tensor", "leaves", "views_of_leaves"])
 def test_inplace_backward_leaves_shared_or_user_tensors_alone(case, device):
     """inplace_backward writes gradients over gate and up only when the op owns them: swiglu(h, h) (one buffer for
     both gradients) and leaves (a user's tensors, whose values must survive the backward) take the out-of-place
@@ -364,7 +364,8 @@ def test_inplace_backward_leaves_shared_or_user_tensors_alone(case, device):
     else:
         gate, up = x.clone().requires_grad_(True), (x.flip(0) * 0.5).requires_grad_(True)
         kept = gate.detach().clone(), up.detach().clone()
-        swiglu(gate, up, inplace_backward=True).sum().backward()
+        args = (gate, up) if case == "leaves" else (gate.view(7, 3, 11), up.view(7, 3, 11))
+        swiglu(*args, inplace_backward=True).sum().backward()
         assert torch.equal(gate.detach(), kept[0]) and torch.equal(up.detach(), kept[1]), "a leaf was overwritten"
         g32, u32 = kept[0].clone().requires_grad_(True), kept[1].clone().requires_grad_(True)
         (torch.nn.functional.silu(g32) * u32).sum().backward()
