@@ -5,6 +5,7 @@ choice, data paths, loss_on vs format, LoRA/QLoRA settings.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -182,6 +183,10 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
         _positive(t.max_steps, "train.max_steps")
     _positive(t.micro_batch, "train.micro_batch")
     _positive(t.grad_accum, "train.grad_accum")
+    for key in ("lr", "eps", "warmup", "min_lr_ratio", "weight_decay", "max_grad_norm"):
+        value = getattr(t, key)
+        if not math.isfinite(value):  # inf passed the range checks below; one step with it ruins the weights
+            raise ConfigError(f"train.{key}", f"must be a finite number, got {value}", f"set train.{key} to a number")
     if not t.lr > 0:
         raise ConfigError("train.lr", f"must be > 0, got {t.lr}", "set train.lr, e.g. 2e-5 (full) or 2e-4 (LoRA)")
     if not t.eps > 0:  # AdamW divides by sqrt(v) + eps: zero or negative can divide by zero

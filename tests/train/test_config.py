@@ -179,3 +179,11 @@ def test_non_utf8_config_and_bad_eps_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="train.eps: must be > 0"):
         validate(from_dict({"model": {"arch": "qwen3-tiny", "tokenizer": "demo"}, "train": {"eps": -1},
                             "data": {"sources": [{"type": "synthetic"}]}}))
+
+
+@pytest.mark.parametrize("key", ["lr", "eps", "weight_decay", "max_grad_norm", "warmup"])
+def test_an_infinite_training_number_is_refused(key):
+    """`--set train.lr=.inf` passed every range check; one step with it saturates the weights."""
+    with pytest.raises(ConfigError, match=f"train.{key}: must be a finite number, got inf"):
+        validate(from_dict({"model": {"arch": "qwen3-tiny", "tokenizer": "demo"}, "train": {key: float("inf")},
+                            "data": {"sources": [{"type": "synthetic"}]}}))
