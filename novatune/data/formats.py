@@ -53,8 +53,10 @@ def check_loss_on(fmt: str, loss_on: str) -> None:
 
 
 def _get(record: dict, key: str, fmt: str):
-    if key not in record or record[key] is None:
+    if key not in record:
         raise DataError(f"a {fmt} record lacks {key!r} (keys: {sorted(record)}); fix the data or set data.format")
+    if record[key] is None:
+        raise DataError(f"a {fmt} record has {key!r}: null; fix the data (drop the record or give it a value)")
     return record[key]
 
 

@@ -346,6 +346,11 @@ def resolve_model_dir(path: str) -> tuple[Path, str]:
     ck = latest(p) if p.is_dir() else None
     if ck is not None:
         return ck, "checkpoint"
+    if (p / "adapter_config.json").is_file():  # a LoRA export's adapter alone: its base is elsewhere
+        merged = p.parent / "merged"
+        hint = f"give {merged} (the merged model) or the run folder" if merged.is_dir() else \
+            "give the merged model (merged/ beside it) or the run folder"
+        raise EvalError(f"--model: {p} holds a LoRA adapter only (adapter_config.json); {hint}")
     raise EvalError(f"--model: {p} is neither a from_pretrained folder (config.json), a novatune export "
                     f"(final/) nor a checkpoint (state.json); for random weights use --arch NAME instead")
 

@@ -158,6 +158,12 @@ def test_cli_eval_on_export_dir(tmp_path, tiny):
     assert row["bench"] == "eval" and row["gen_tokens"] == res["gen_tokens"] and "torch" in row
     with pytest.raises(EvalError, match="neither"):
         resolve_model_dir(str(tmp_path))
+    adapter = tmp_path / "lora" / "final" / "adapter"  # a LoRA export's adapter folder: points at merged/
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (tmp_path / "lora" / "final" / "merged").mkdir()
+    with pytest.raises(EvalError, match="LoRA adapter only .* give .*merged"):
+        resolve_model_dir(str(adapter))
     assert main(["eval", "--model", str(tmp_path / "run"), "--arch", "qwen3-tiny", "--device", "cpu"]) == 2
 
 
