@@ -183,7 +183,11 @@ def load_inputs(paths: list[str | Path], evals: list[str | Path] = (), traces: l
     for raw in paths:
         p = Path(raw)
         if p.is_file():
+            before = len(inp.read) + len(inp.traces)
             _read_path(p, inp)
+            if len(inp.read) + len(inp.traces) == before:  # a file named on its own must be a result
+                inp.named_unusable.append(f"{p}: not a result file (bench rows, validate/eval results, "
+                                          "metrics.jsonl or a trace)")
         elif p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file())
             if (p / "traces").is_dir():

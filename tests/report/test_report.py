@@ -188,6 +188,16 @@ def test_mistyped_run_path_exits_2_and_writes_nothing(tmp_path, capsys):
     assert "bench-rn" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+def test_a_named_file_that_is_no_result_exits_2(tmp_path, capsys):
+    """A training data file named as RUN (a mix-up of paths) wrote an empty report with exit 0."""
+    from novatune.commands.cli import main
+
+    data = tmp_path / "text.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    assert main(["report", str(data), "-o", str(tmp_path / "out"), "--no-plots"]) == 2
+    assert "text.jsonl: not a result file" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def _bench_file(tmp_path, rows) -> Path:
     f = tmp_path / "bench.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
