@@ -5,6 +5,11 @@ import shutil
 
 if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
+# novatune.patch reads the tune cache by default: the tests never read (or write) the user's own choices
+if "NOVATUNE_TUNE_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["NOVATUNE_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="novatune-test-cache-"), "tune.json")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
