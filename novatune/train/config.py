@@ -399,6 +399,9 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None, che
                           "re-save the config as UTF-8 or fix that line") from None
     except yaml.YAMLError as e:
         raise ConfigError("", f"{p} is not valid YAML: {e}", "fix the YAML syntax at the line shown") from None
+    if not isinstance(data, dict):  # before the overrides, which would name a section inside the list
+        raise ConfigError("", f"{p} holds a {type(data).__name__} at its top level, not a mapping of sections",
+                          "write the config as sections (model:, data:, train:, ...; see examples/*.yaml)")
     data = apply_overrides(data, overrides or [])
     cfg = from_dict(data)
     if check:

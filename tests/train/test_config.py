@@ -187,3 +187,10 @@ def test_an_infinite_training_number_is_refused(key):
     with pytest.raises(ConfigError, match=f"train.{key}: must be a finite number, got inf"):
         validate(from_dict({"model": {"arch": "qwen3-tiny", "tokenizer": "demo"}, "train": {key: float("inf")},
                             "data": {"sources": [{"type": "synthetic"}]}}))
+
+
+def test_a_config_whose_top_level_is_a_list_names_the_file(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- model: {}\n")
+    with pytest.raises(ConfigError, match="list.yaml holds a list at its top level, not a mapping of sections"):
+        load(p, ["checkpoint.output_dir=x"])
