@@ -143,7 +143,8 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
             _note_once(binding, "no_labels", "training forwards without labels return the logits (the caller "
                        "computes its own loss from them; the fused loss runs only on calls with labels)")
         return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
-    if _head_weight(self, binding) is None:  # the head was wrapped after the patch: its module computes the loss
+    weight = _head_weight(self, binding)
+    if weight is None:  # the head was wrapped after the patch: its module computes the loss
         return _stock_call(self, binding, call, labels, logits_to_keep, kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -159,9 +160,9 @@ def causal_lm_forward(self, binding: LossBinding, input_ids=None, attention_mask
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     # HF divides the summed loss by num_items_in_batch when given (gradient accumulation), else takes the mean
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), _head_weight(self, binding),
-                                shift_labels.reshape(-1), reduction="mean" if num_items is None else "sum",
-                                normalizer=num_items, mode=_ce_mode(self, binding), softcap=self._novatune_softcap)
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1),
+                                reduction="mean" if num_items is None else "sum", normalizer=num_items,
+                                mode=_ce_mode(self, binding), softcap=self._novatune_softcap)
     if router_loss:
         out = _with_router_loss(self, loss, outputs, attention_mask)
     else:  # training: use_cache=False, no cache to return
