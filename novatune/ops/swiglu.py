@@ -123,12 +123,18 @@ def _default_bwd(dy: Tensor, gate: Tensor, up: Tensor, dgate: Tensor | None = No
     return (g if dgate is None else dgate.copy_(g)), (u if dup is None else dup.copy_(u))
 
 
+def _views_a_callers_leaf(t: Tensor) -> bool:
+    """A view of a leaf that requires grad (a caller's tensor). A view of a buffer that requires none (an autograd
+    Function's output viewed inside its forward, as the fused LoRA layer returns its result) is an intermediate."""
+    return t._base is not None and t._base.is_leaf and t._base.requires_grad
+
+
 def may_write_over(*tensors: Tensor) -> bool:
     """Whether a backward may write gradients over these saved inputs: each is contiguous and an intermediate
-    (made by an autograd op, so no caller holds it as a value of its own: a leaf is a user's tensor), and no two
-    share memory (swiglu(h, h) would write both gradients into one buffer)."""
-    if not all(t.is_contiguous() and not t.is_leaf and (t._base is None or not t._base.is_leaf) for t in tensors):
-        return False  # a leaf, or a view of one, is a caller's tensor
+    (made by an autograd op, so no caller holds it as a value of its own: a leaf, or a view of one, is a user's
+    tensor), and no two share memory (swiglu(h, h) would write both gradients into one buffer)."""
+    if not all(t.is_contiguous() and not t.is_leaf and not _views_a_callers_leaf(t) for t in tensors):
+        return False
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
     return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 

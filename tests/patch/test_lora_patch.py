@@ -204,3 +204,25 @@ def test_merged_and_multiple_active_adapters_are_skipped():
     pm.base_model.set_adapter(["default", "second"])
     rep = novatune.patch(pm, **LORA_ONLY)
     assert len(rep.skipped("lora")) == 2 and "2 active adapters" in rep.skipped("lora")[0].detail
+
+
+def test_the_fused_lora_mlp_writes_its_gradients_over_gate_and_up(monkeypatch):
+    """The fused LoRA layer returns its output as a view of a buffer made inside its autograd Function: an
+    intermediate the fused MLP owns, so swiglu's backward still writes the two gradients over gate and up (the two
+    activation-sized buffers it saves per layer)."""
+    import importlib
+
+    swiglu_module = importlib.import_module("novatune.ops.swiglu")  # the module (novatune.ops.swiglu: the function)
+    decided = []
+    real = swiglu_module.may_write_over
+
+    def spy(*tensors):
+        decided.append(real(*tensors))
+        return decided[-1]
+
+    monkeypatch.setattr(swiglu_module, "may_write_over", spy)
+    pm = _peft("llama")
+    report = novatune.patch(pm)
+    assert report.replaced("mlp") and report.replaced("lora")
+    _loss_and_grads(pm, packed_batch(ROWS))
+    assert decided and all(decided), decided
