@@ -185,7 +185,10 @@ class PackedBatch:
         `attention_mask` is the 2-D (batch, seq_len) padding mask of the model call. A mask with zeros together with
         packed rows (several documents in a row, or cu_seq_lens) raises ValueError: padding inside packed rows is
         not supported. A mask with zeros and one document per row is plain padding: returns None (stock attention
-        handles it). Checking the mask reads one bool back from the device (once per batch).
+        handles it); so is a padded batch whose padding has position ids of its own (TRL's collator with
+        return_position_ids pads them with 0), when each row's unmasked tokens count up by one. Checking the mask
+        reads one bool back from the device (once per batch); on that padded path the mask and position_ids are
+        read to the host too (a batch that pads goes to stock attention anyway).
         """
         cu = hf_kwargs.get("cu_seq_lens_q")
         if cu is not None:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(argv)
         return code
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         raise
     finally:
         record_rank_exit(code)

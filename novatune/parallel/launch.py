@@ -59,7 +59,7 @@ def relaunch(nproc: int, argv: list[str]) -> int:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-        return rank_exit_code(Path(exit_dir), launcher_code)
+        return rank_exit_code(Path(exit_dir), launcher_code, nproc)
 
 
 def record_rank_exit(code: int) -> None:
@@ -69,19 +69,21 @@ def record_rank_exit(code: int) -> None:
         (Path(folder) / f"rank{int(rank)}").write_text(str(int(code)))
 
 
-def rank_exit_code(folder: Path, launcher_code: int) -> int:
-    """The code `novatune train --nproc N` returns: a failing rank's own code, one that says what went wrong (2,
-    3, 1) before one that says a signal ended it (128 + N: a rank the launcher stopped because another failed
-    ends that way too), the lowest rank first; torchrun's own code where no rank recorded a failure (a rank
-    that crashed before recording)."""
+def rank_exit_code(folder: Path, launcher_code: int, nproc: int) -> int:
+    """The code `novatune train --nproc N` returns: a failing rank's own code, the most telling first: one that
+    names the failure (2 config or data, 3 unhealthy training), then 1 (an exception; often a rank that lost its
+    peer), then 128 + N (a signal: a rank the launcher stopped because another failed ends that way too), the
+    lowest rank first. torchrun's own code where no rank recorded a failure, or where a rank recorded nothing (it
+    crashed: killed, out of memory) and the others only say they were stopped."""
     codes = {}
     for f in folder.glob("rank*"):
         try:
             codes[int(f.name[4:])] = int(f.read_text())
         except ValueError:
             continue
-    failed = sorted((code >= 128, rank, code) for rank, code in codes.items() if code != 0)
-    if not failed:
+    failed = sorted((2 if code >= 128 else 1 if code == 1 else 0, rank, code)
+                    for rank, code in codes.items() if code != 0)
+    if not failed or (len(codes) < nproc and failed[0][0] == 2):
         return launcher_code
     _, rank, code = failed[0]
     if code != launcher_code:

@@ -263,16 +263,19 @@ def _recheck_lm_head(model: nn.Module, report: PatchReport) -> None:
     """A head replaced since the first patch (a LoRA on lm_head, modules_to_save, a resized vocabulary): the loss
     forward looks it up on each call (patch/loss.py: _head_weight); the report says now which path it takes."""
     attr = model.__dict__.get("_novatune_lm_head_attr")
-    if attr is None or getattr(model, attr) is model.__dict__.get("_novatune_lm_head"):
+    if attr is None:
         return
     head = getattr(model, attr)
     plain = isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point
     for e in report.entries:
-        if e.kind == "cross_entropy" and e.action == "replaced" and not plain:
+        if e.kind != "cross_entropy" or e.action not in ("replaced", "skipped"):
+            continue
+        if plain and e.action == "skipped" and "after the first patch" in e.detail:  # merged back, say
+            e.action, e.detail = "replaced", _loss_detail(model)
+        elif not plain:
             e.action, e.detail = "skipped", (f"lm_head became {type(head).__module__}.{type(head).__name__} after "
-                                             "the first patch: the loss "
-                                             "runs through that module (a LoRA delta or an adapter switch is "
-                                             "not in the weight the fused loss multiplies by)")
+                                             "the first patch: the loss runs through that module (a LoRA delta or "
+                                             "an adapter switch is not in the weight the fused loss multiplies by)")
 
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,

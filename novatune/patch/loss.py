@@ -244,7 +244,10 @@ def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
             weight = _early_grad_leaf(weight)
         return weight
     if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point:
-        return head.weight  # a new plain head (resized vocabulary): no early tied gradient, it was decided for the old
+        # a new plain head (a resized vocabulary): bound from now on, so the old one is not kept alive; the early
+        # tied gradient was decided for the old head, and the new one goes through autograd as stock's does
+        self.__dict__.update(_novatune_lm_head=head, _novatune_early_tied_grad=False)
+        return head.weight
     if "lm_head_replaced" not in binding.noted:
         text = (f"{self._novatune_lm_head_attr} became {type(head).__module__}.{type(head).__name__} after the "
                 "patch: the loss runs "

@@ -118,8 +118,8 @@ def contamination_check(results: dict[str, list[dict]], dtype: str) -> dict:
 
 
 def ga_rows(rows: list[list[Doc]], max_length: int) -> tuple[list[Doc], list[Doc]]:
-    """A full row and a row cut to ~1/4 of max_length (its first documents; at least one document of >= 2
-    tokens with a target), so the two micro-batches carry very different target-token counts."""
+    """A full row and a row cut to ~1/4 of max_length (windows of its documents, each reaching the document's
+    first target token), so the two micro-batches carry very different target-token counts."""
     full = max(rows[:32], key=lambda r: sum(len(d[0]) for d in r))
     other = next((r for r in rows[:33] if r is not full), full)  # one row only: its own quarter
     budget, short = max(8, max_length // 4), []

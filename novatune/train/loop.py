@@ -286,12 +286,19 @@ def set_aside_dead_checkpoints(error: UnhealthyTraining, out_dir: Path, dist, co
     if dead_from is None:
         return
     dist.barrier()  # every rank has finished writing before one rank moves the folders
-    if dist.main:
-        for path in ckpt.list_checkpoints(out_dir):
-            if ckpt.step_of(path) >= max(dead_from, 1):
-                console.print(f"[yellow]set aside {path.name} as {ckpt.set_aside(path).name}: its weights no "
-                              "longer train[/]", highlight=False)
-    dist.barrier()
+    try:
+        if dist.main:
+            for path in ckpt.list_checkpoints(out_dir):
+                if ckpt.step_of(path) >= max(dead_from, 1):
+                    try:
+                        moved = ckpt.set_aside(path).name
+                    except OSError as e:  # the stop's own error is the one to report
+                        console.print(f"[yellow]could not set aside {path.name} ({e}): do not resume from it[/]")
+                        continue
+                    console.print(f"[yellow]set aside {path.name} as {moved}: its weights no longer train[/]",
+                                  highlight=False)
+    finally:
+        dist.barrier()
 
 
 def _finish(cfg: Config, session, result: RunResult, out_dir: Path, step: int, start_step: int, save, signals,

@@ -48,9 +48,11 @@ class NonFiniteError(UnhealthyTraining):
 class ZeroGradientError(UnhealthyTraining):
     """The gradients were exactly zero for ZERO_GRADIENT_STEPS optimizer steps in a row: nothing trains.
     `dead_from`: the last step whose update changed the weights into ones with no gradient (the step before the
-    first zero); a checkpoint from it on holds those weights (the loop sets them aside)."""
+    first zero), when the loss stayed positive (the weights no longer reach it: saturated, or nothing trainable);
+    a checkpoint from it on holds those weights (the loop sets them aside). None when the loss was zero (nothing
+    to learn in those batches: masked targets), which says nothing against the weights."""
 
-    def __init__(self, message: str, dead_from: int):
+    def __init__(self, message: str, dead_from: int | None = None):
         super().__init__(message)
         self.dead_from = dead_from
 
@@ -194,10 +196,12 @@ class StepGuard:
             return
         self.zero_since = step if self.zero_since is None else self.zero_since
         if step - self.zero_since + 1 >= ZERO_GRADIENT_STEPS:
+            dead = loss > 0  # a positive loss the weights no longer change: they are dead, not the data
+            aside = (f", and any checkpoint from step {max(self.zero_since - 1, 1)} on (weights that no longer "
+                     "train) is set aside") if dead else ""
             raise ZeroGradientError(
                 f"the gradients were exactly zero on steps {self.zero_since}-{step} (loss {loss:.4g}): nothing "
-                f"trains, so the run stops without exporting, and any checkpoint from step "
-                f"{max(self.zero_since - 1, 1)} on (weights that no longer train) is set aside. Usual causes: a "
-                f"learning rate that saturated the weights (lower train.lr and start a new run), every target token "
-                f"masked (data.loss_on, the labels), or no trainable parameters (method, LoRA targets)",
-                dead_from=self.zero_since - 1)
+                f"trains, so the run stops without exporting{aside}. Usual causes: a learning rate that saturated "
+                f"the weights (lower train.lr and start a new run), every target token masked (data.loss_on, the "
+                f"labels), or no trainable parameters (method, LoRA targets)",
+                dead_from=self.zero_since - 1 if dead else None)

@@ -6,8 +6,8 @@ config.yaml yet silently not used; a changed seed, batch shape or data setting r
 the saved position; a changed model or method does not match the saved weights. Those differences are an error
 listing each key (old -> new). Settings that only change how the run goes on are allowed: its length
 (max_steps/epochs, to extend a run), checkpointing, logging, non-finite handling, clipping, memory policies, the
-parallel layout (resuming under another number of processes is supported) and how the model is run (patch,
-attention kernel, device, loading).
+parallel layout (another number of processes, with micro_batch x grad_accum x processes kept: the same global
+batch) and how the model is run (patch, attention kernel, device, loading).
 """
 from __future__ import annotations
 

@@ -22,13 +22,16 @@ def recorded(folder: Path, codes: dict[int, int]) -> Path:
     ({0: 0, 1: 0}, 0, 0),
     ({0: 2, 1: 2}, 1, 2),                 # every rank refused the config
     ({0: 143, 1: 3}, 1, 3),               # rank 1 stopped on a non-finite loss, rank 0 was stopped by the agent
+    ({0: 1, 1: 3}, 1, 3),                 # rank 0 lost its peer (an exception), rank 1 named the cause
     ({0: 143, 1: 143}, 1, 143),           # SIGTERM: both saved and ended at a step boundary
-    ({0: 130}, 1, 130),
-    ({}, 1, 1),                           # a rank crashed before recording: torchrun's code
+    ({0: 130, 1: 130}, 1, 130),
+    ({0: 143}, 1, 1),                     # rank 1 recorded nothing (killed, out of memory): torchrun's code
+    ({0: 2}, 1, 2),                       # ... but a rank that names its failure still wins
+    ({}, 1, 1),                           # no rank recorded: torchrun's code
     ({0: 0, 1: 0}, -9, -9),
 ])
 def test_the_most_telling_rank_code_is_returned(tmp_path, codes, launcher, want):
-    assert launch.rank_exit_code(recorded(tmp_path, codes), launcher) == want
+    assert launch.rank_exit_code(recorded(tmp_path, codes), launcher, nproc=2) == want
 
 
 def test_a_rank_records_its_code_only_under_the_launcher(tmp_path, monkeypatch):

@@ -114,4 +114,15 @@ def test_a_resized_vocabulary_after_the_patch_is_fused_with_the_new_head():
     assert torch.allclose(got_loss, want_loss, rtol=1e-5), (got_loss, want_loss)
     assert_grads_close(got_grads, want_grads)
     assert got_grads["lm_head.weight"].shape[0] == 300 and got_grads["lm_head.weight"][257:].abs().sum() > 0
+    assert model.__dict__["_novatune_lm_head"] is model.lm_head  # bound from now on: the old head is not kept
     assert report.replaced("cross_entropy") and not any("lm_head became" in e.detail for e in report.entries)
+
+
+def test_merging_the_head_adapter_back_restores_the_fused_loss_in_the_report():
+    model = peft_model(True, "lora_on_lm_head")
+    report = novatune.patch(model)
+    assert [e.action for e in report.entries if e.kind == "cross_entropy"] == ["skipped"]
+    merged = model.merge_and_unload()  # the base Linear is the head again, with the delta in its weight
+    assert novatune.patch(merged) is report
+    (entry,) = [e for e in report.entries if e.kind == "cross_entropy"]
+    assert entry.action == "replaced", str(report)

@@ -209,6 +209,21 @@ def test_checkpoints_of_weights_that_no_longer_train_are_set_aside(make_cfg):
     assert run["status"] == "unhealthy" and "exactly zero" in run["reason"]
 
 
+def test_zero_gradients_on_a_zero_loss_blame_no_checkpoint():
+    """Zero gradients with a zero loss (batches with nothing to learn) say nothing against the weights: no step's
+    checkpoint is marked dead; with a positive loss the step before the first zero is."""
+    from novatune.train.nonfinite import StepGuard, ZeroGradientError
+
+    for loss, dead in ((0.0, None), (6.2, 3)):
+        guard = StepGuard("stop", 0)
+        assert guard.allow(3, torch.tensor(loss), torch.tensor(1.0))
+        with pytest.raises(ZeroGradientError) as info:
+            for step in (4, 5, 6):
+                guard.allow(step, torch.tensor(loss), torch.tensor(0.0))
+        assert info.value.dead_from == dead
+        assert ("set aside" in str(info.value)) == (dead is not None)
+
+
 def test_zero_gradient_steps_must_be_consecutive():
     from novatune.train.nonfinite import StepGuard, ZeroGradientError
 
