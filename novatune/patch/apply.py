@@ -412,6 +412,9 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
 
         report._undo.append(undo_hook)
     if not is_causal_lm:
+        if base is not None:  # a task head over the decoder (sequence classification: a reward model)
+            report.add("", "note", "note", f"{type(model).__name__} has no {spec.lm_head_attr}: its own head and loss "
+                       "stay stock (novatune's fused loss is the causal LM's)")
         return
     lm_head = getattr(model, spec.lm_head_attr)
     if not cross_entropy:

@@ -228,3 +228,22 @@ def test_output_attentions_calls_return_stocks_attention_weights():
         assert_close(a, b, TOL, "attention weights")
     assert_close(got.loss, want.loss, TOL, "loss")
     assert "output_attentions=True use stock attention" in str(report)
+
+
+def test_a_sequence_classification_model_keeps_its_head_and_says_so():
+    """A reward model (ForSequenceClassification over the decoder): the decoder is patched, its score head and
+    loss stay stock, the report says so, and the loss equals stock's."""
+    import transformers
+    from tiny_models import COMMON
+
+    cfg = transformers.Qwen3Config(**{**COMMON, "head_dim": 16, "num_labels": 1, "pad_token_id": 0})
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForSequenceClassification(cfg).train()
+    ids = torch.randint(1, 257, (2, 12), generator=torch.Generator().manual_seed(8))
+    labels = torch.tensor([0.5, -1.0])
+    want = model(input_ids=ids, labels=labels).loss.detach()
+    report = novatune.patch(model)
+    got = model(input_ids=ids, labels=labels).loss.detach()
+    assert_close(got, want, TOL, "loss")
+    assert report.replaced("rms_norm") and not report.replaced("cross_entropy")
+    assert "has no lm_head: its own head and loss stay stock" in str(report)
