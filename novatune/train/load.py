@@ -210,6 +210,31 @@ def _unit_keys(module: nn.Module, path: str, whole: bool) -> list[tuple[str, nn.
     return out
 
 
+# MoE checkpoints on the Hub (and what transformers' save_pretrained writes) keep one tensor per expert; the model
+# holds them fused: experts.gate_up_proj (E, 2I, H) = [gate | up] along dim 1, experts.down_proj (E, H, I), as
+# transformers' own checkpoint conversion builds them. Mixtral's name the block `block_sparse_moe` and the
+# projections w1 (gate), w3 (up), w2 (down), its router `block_sparse_moe.gate`.
+_EXPERT_LAYOUTS = (("mlp", ("gate_proj", "up_proj", "down_proj")), ("block_sparse_moe", ("w1", "w3", "w2")))
+
+
+def per_expert_tensor(key: str, files: dict, read, n_experts: int) -> tuple[torch.Tensor, list[str]] | None:
+    """The fused expert tensor (or Mixtral's renamed router) `key` built from the checkpoint's per-expert tensors,
+    with the names it read; None where the checkpoint has no such layout either."""
+    if key.endswith(".mlp.gate.weight"):
+        alt = key[: -len(".mlp.gate.weight")] + ".block_sparse_moe.gate.weight"
+        return (read(alt), [alt]) if alt in files else None
+    for block, (gate, up, down) in _EXPERT_LAYOUTS:
+        for suffix, parts in ((".mlp.experts.gate_up_proj", (gate, up)), (".mlp.experts.down_proj", (down,))):
+            if not key.endswith(suffix) or n_experts < 1:
+                continue
+            stem = f"{key[: -len(suffix)]}.{block}.experts."
+            groups = [[f"{stem}{e}.{part}.weight" for e in range(n_experts)] for part in parts]
+            if all(name in files for group in groups for name in group):
+                fused = torch.cat([torch.stack([read(name) for name in group]) for group in groups], dim=1)
+                return fused, [name for group in groups for name in group]
+    return None
+
+
 def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype: torch.dtype, qlora: bool = False,
                      on_unit: OnUnit | None = None) -> nn.Module:
     """Fill a meta model from the safetensors checkpoint in `folder`, unit by unit (module docstring).
@@ -237,10 +262,13 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
                 target = owner._parameters.get(name) if name in owner._parameters else owner._buffers[name]
                 if getattr(target, "_is_hf_initialized", False):
                     continue  # the second owner of a tied tensor: filled with the first
-                if key not in files:
+                if key in files:
+                    value, sources = read(key), (key,)
+                elif (found := per_expert_tensor(key, files, read, target.shape[0] if target.dim() else 0)):
+                    value, sources = found
+                else:
                     raise SetupError(f"model.name: the checkpoint in {folder} has no tensor {key!r} (its names "
                                      f"follow another layout); {LOW_MEMORY_FIX}")
-                value = read(key)
                 if tuple(value.shape) != tuple(target.shape):
                     raise SetupError(f"model.name: {key} is {tuple(value.shape)} in the checkpoint but "
                                      f"{tuple(target.shape)} in the model (config.json does not match the "
@@ -248,7 +276,7 @@ def load_pretrained_(model: nn.Module, folder: Path, device: torch.device, dtype
                 with torch.no_grad():
                     target.copy_(value)  # cast to the model's dtype for this tensor on the way
                 target._is_hf_initialized = True
-                used.add(key)
+                used.update(sources)
             # what no checkpoint holds (rotary inv_freq): computed by the model's init, as transformers does
             init_(model, mods)
             del mods  # it lists the unit's dense linears: each is freed once quantised

@@ -250,3 +250,26 @@ def test_qwen3_8b_qlora_builds_inside_8_gib():
     print(f"qwen3-8b qlora build: peak {peak:.2f} GiB, weights {now:.2f} GiB")
     assert peak < 7.0 and now < 5.2, (peak, now)
     assert sum(type(m).__name__ == "Linear4bit" for m in model.modules()) == 36 * 7
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_per_expert_checkpoint_reloads_into_the_fused_experts(tmp_path, model_type):
+    """save_pretrained (like the Hub's checkpoints) keeps one tensor per expert (Mixtral: block_sparse_moe, w1/w3/w2);
+    the low-memory build fuses them as transformers' own load does, tensor for tensor."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else \
+        dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=48)
+    cfg = AutoConfig.for_model(model_type, **{**ARCH, **extra, "tie_word_embeddings": False})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "moe")
+    with safe_open(str(tmp_path / "moe" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(".experts.4." in n for n in names), names[:8]  # the per-expert layout on disk
+    want = build_model(mcfg(low_memory=False, name=str(tmp_path / "moe")), CPU, torch.float32)
+    got = build_model(mcfg(name=str(tmp_path / "moe")), CPU, torch.float32)
+    w, g = tensors(want), tensors(got)
+    assert sorted(w) == sorted(g) and any("experts.gate_up_proj" in k for k in g)
+    for k in w:
+        assert torch.equal(g[k], w[k]), k
