@@ -137,6 +137,24 @@ def packed_kwargs_mode(cfg, report) -> str | None:
     return None
 
 
+# families whose stock attention mask ignores the per-document position_ids of packed rows in the transformers 5
+# releases novatune supports (GPT-OSS builds its causal and sliding masks without them): packed documents attend to
+# each other on the stock path. novatune's patched attention keeps them apart.
+STOCK_MASK_WITHOUT_DOCUMENTS = {"gpt_oss": "GPT-OSS"}
+
+
+def stock_packing_crosses_documents(cfg, report, model_config) -> str | None:
+    """The warning for a stock (unpatched) run on packed rows of a family whose stock mask does not see the
+    documents (STOCK_MASK_WITHOUT_DOCUMENTS), else None. A warning, not an error: the bench's stock stack trains
+    HF as shipped on purpose, and says so in its config."""
+    family = STOCK_MASK_WITHOUT_DOCUMENTS.get(getattr(model_config, "model_type", ""))
+    if family is None or report is not None or not cfg.data.packing or packed_kwargs_mode(cfg, report) == "device":
+        return None
+    return (f"warning: stock {family} attention (model.patch: false) builds its mask without the packed rows' "
+            "document boundaries: packed documents attend to each other. Set model.patch: true (novatune's "
+            "attention keeps them apart) or data.packing: false")
+
+
 def cpu_threads_for_load(console) -> None:
     """On a CPU that other processes already keep busy, train with one thread: OpenMP threads spinning against
     other processes' threads made a 2-thread run ~5x slower than a 1-thread one on a shared 2-core machine
@@ -408,6 +426,9 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
                                         memory_plan)
     if model_hook is not None:
         model_hook(model)
+    crossing = stock_packing_crosses_documents(cfg, report, mconf)
+    if crossing and console is not None:
+        console.print(f"[bold yellow]{crossing}[/]", highlight=False)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     if console is not None:
         n_total, n_train = param_counts(model)

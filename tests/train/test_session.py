@@ -84,3 +84,20 @@ def test_rows_are_padded_to_max_length_where_lora_layers_run_as_cuda_graphs(make
     (longest, _), (fixed, shapes) = losses("longest"), losses("max_length")
     assert shapes == {(2, 128)}
     assert fixed == pytest.approx(longest, rel=1e-5, abs=1e-6)  # fp32: the same sums over other row lengths
+
+
+def test_stock_gpt_oss_on_packed_rows_is_warned_about(make_cfg):
+    """Stock GPT-OSS builds its mask without the documents' position_ids: packed documents attend to each other.
+    Its stock runs on packed rows say so; patched runs, unpacked data and other families say nothing."""
+    from types import SimpleNamespace
+
+    from novatune.train.session import stock_packing_crosses_documents
+
+    gpt_oss, qwen3 = SimpleNamespace(model_type="gpt_oss"), SimpleNamespace(model_type="qwen3")
+    stock, unpacked = make_cfg("s", model={"patch": False}), make_cfg("u", model={"patch": False},
+                                                                       data={"packing": False})
+    warning = stock_packing_crosses_documents(stock, None, gpt_oss)
+    assert "packed documents attend to each other" in warning and "model.patch: true" in warning
+    assert stock_packing_crosses_documents(stock, object(), gpt_oss) is None  # patched: novatune's attention
+    assert stock_packing_crosses_documents(unpacked, None, gpt_oss) is None
+    assert stock_packing_crosses_documents(stock, None, qwen3) is None
