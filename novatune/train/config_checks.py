@@ -71,6 +71,12 @@ def _check_memory(cfg: Config) -> None:
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but full fine-tuning trains "
                           "every weight (streaming moves only frozen ones)",
                           "set memory.stream_frozen_layers: 0, or method.type: lora or qlora")
+    from novatune.train.config import memory_policy  # at call time: config.py imports this module's validate
+
+    if streamed not in ("auto", 0) and memory_policy(mem) == "none":
+        raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but no layer is recomputed "
+                          "(memory.policy none): a streamed layer's weights come back for the recompute before its "
+                          "backward", "set memory.policy: checkpoint (or auto), or memory.stream_frozen_layers: 0")
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")

@@ -372,8 +372,9 @@ def memory_plan_for(cfg, base_dir, mconf, device, console, dist: Dist) -> Memory
     try:
         est = estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED)
     except Exception as e:  # noqa: BLE001 - any failure of the estimate; re-raised where the plan is needed
-        if memory_policy(cfg.memory) not in ("none", "checkpoint"):
-            raise
+        explicit_stream = cfg.memory.stream_frozen_layers not in ("auto", 0)
+        if memory_policy(cfg.memory) not in ("none", "checkpoint") or explicit_stream:
+            raise  # the plan carries out these settings: without it they would be ignored
         if console is not None:
             console.print(f"memory: no predicted peak for this model ({type(e).__name__}: {e})", highlight=False,
                           markup=False)

@@ -194,3 +194,13 @@ def test_a_config_whose_top_level_is_a_list_names_the_file(tmp_path):
     p.write_text("- model: {}\n")
     with pytest.raises(ConfigError, match="list.yaml holds a list at its top level, not a mapping of sections"):
         load(p, ["checkpoint.output_dir=x"])
+
+
+def test_streaming_frozen_layers_without_a_recompute_is_refused():
+    """Streamed weights come back for a layer's recompute: with memory.policy none nothing is recomputed, and an
+    explicit count was ignored (the run trained without streaming)."""
+    raw = {"model": {"arch": "qwen3-tiny", "tokenizer": "demo"}, "method": {"type": "lora"},
+           "memory": {"stream_frozen_layers": 1}, "data": {"sources": [{"type": "synthetic"}]}}
+    with pytest.raises(ConfigError, match="stream_frozen_layers: 1 layers to stream, but no layer is recomputed"):
+        validate(from_dict(raw))
+    validate(from_dict({**raw, "memory": {"stream_frozen_layers": 1, "policy": "checkpoint"}}))
