@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from novatune.train.config_checks import memory_policy  # noqa: F401 - re-exported: callers import it from here
 from novatune.train.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
 
 
@@ -427,13 +428,6 @@ def load_with_base(path: str | Path | None, overrides: list[str] | None = None,
 
 
 # --------------------------------------------------------------------------------------------- the run summary
-def memory_policy(mem: MemoryConfig) -> str:
-    """memory.policy with its default resolved: checkpoint when gradient_checkpointing is on, else none."""
-    if mem.policy is not None:
-        return mem.policy
-    return "checkpoint" if mem.gradient_checkpointing else "none"
-
-
 def _memory_summary(mem: MemoryConfig) -> str:
     policy = memory_policy(mem)
     if policy == "none":

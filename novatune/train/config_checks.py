@@ -12,9 +12,17 @@ from typing import TYPE_CHECKING
 from novatune.train.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: config.load() calls validate(), so a runtime import would be a circle
-    from novatune.train.config import Config
+    from novatune.train.config import Config, MemoryConfig
 
 MIN_MAX_LENGTH = 16
+
+
+def memory_policy(mem: MemoryConfig) -> str:
+    """memory.policy with its default resolved: checkpoint when gradient_checkpointing is on, else none (here, not in
+    config.py, so that the checks read it without importing config.py; config.py re-exports it)."""
+    if mem.policy is not None:
+        return mem.policy
+    return "checkpoint" if mem.gradient_checkpointing else "none"
 
 
 def _positive(value, key: str, what: str = "a positive integer") -> None:
@@ -71,8 +79,6 @@ def _check_memory(cfg: Config) -> None:
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but full fine-tuning trains "
                           "every weight (streaming moves only frozen ones)",
                           "set memory.stream_frozen_layers: 0, or method.type: lora or qlora")
-    from novatune.train.config import memory_policy  # at call time: config.py imports this module's validate
-
     if streamed not in ("auto", 0) and memory_policy(mem) == "none":
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but no layer is recomputed "
                           "(memory.policy none): a streamed layer's weights come back for the recompute before its "
