@@ -8,10 +8,12 @@ embedding, lm_head). Each unit is allocated on the target device in its final dt
   does after its own meta-device load, so a random-init run draws from the same distributions as
   `from_config` (not the same values: the draws happen in another order);
 * `model.name` (a folder of safetensors): filled from the checkpoint, tensor by tensor, read with safetensors'
-  `safe_open` (memory-mapped on the host: one tensor at a time is read, cast and copied to the device).
+  `safe_open` (memory-mapped on the host: one tensor at a time is read, cast and copied to the device; a MoE
+  checkpoint's per-expert tensors are read and fused one layer's experts at a time, as transformers fuses them).
 
 QLoRA: right after a unit is in place its linears (all but lm_head) become NF4 (novatune.train.qlora
-.quantize_linear), before the next unit is allocated. The device therefore holds the finished units plus one unit
+.quantize_linear), before the next unit is allocated; fused MoE experts are parameters, not linears, and stay in
+the compute dtype, as in transformers' bitsandbytes load. The device therefore holds the finished units plus one unit
 in the compute dtype: for Qwen3-8B (computed from its shapes) 3.3 GiB of NF4 layers, the bf16 embedding and lm_head
 (2 x 1.16 GiB) and one 0.36 GiB bf16 layer, where building the bf16 model first needs 15.3 GiB.
 
@@ -230,7 +232,13 @@ def per_expert_tensor(key: str, files: dict, read, n_experts: int) -> tuple[torc
             stem = f"{key[: -len(suffix)]}.{block}.experts."
             groups = [[f"{stem}{e}.{part}.weight" for e in range(n_experts)] for part in parts]
             if all(name in files for group in groups for name in group):
-                fused = torch.cat([torch.stack([read(name) for name in group]) for group in groups], dim=1)
+                tensors = [[read(name) for name in group] for group in groups]
+                shapes = {tuple(x.shape) for group in tensors for x in group}
+                if len(shapes) != 1:  # every expert's projection has one shape (gate and up alike)
+                    raise SetupError(f"model.name: the per-expert tensors of {key} differ in shape ({sorted(shapes)}); "
+                                     "the checkpoint does not match its config")
+                # the layer's experts are on the host twice for a moment (read, then fused): one layer at a time
+                fused = torch.cat([torch.stack(group) for group in tensors], dim=1)
                 return fused, [name for group in groups for name in group]
     return None
 

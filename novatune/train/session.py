@@ -144,15 +144,19 @@ STOCK_MASK_WITHOUT_DOCUMENTS = {"gpt_oss": "GPT-OSS"}
 
 
 def stock_packing_crosses_documents(cfg, report, model_config) -> str | None:
-    """The warning for a stock (unpatched) run on packed rows of a family whose stock mask does not see the
-    documents (STOCK_MASK_WITHOUT_DOCUMENTS), else None. A warning, not an error: the bench's stock stack trains
+    """The warning for a run on packed rows whose attention stays stock (unpatched, or the patch left a layer's
+    attention stock) in a family whose stock mask does not see the documents (STOCK_MASK_WITHOUT_DOCUMENTS), else
+    None. A warning, not an error: the bench's stock stack trains
     HF as shipped on purpose, and says so in its config."""
     family = STOCK_MASK_WITHOUT_DOCUMENTS.get(getattr(model_config, "model_type", ""))
-    if family is None or report is not None or not cfg.data.packing or packed_kwargs_mode(cfg, report) == "device":
+    if family is None or not cfg.data.packing or cfg.model.attention.startswith("flash_attention"):
         return None
-    return (f"warning: stock {family} attention (model.patch: false) builds its mask without the packed rows' "
-            "document boundaries: packed documents attend to each other. Set model.patch: true (novatune's "
-            "attention keeps them apart) or data.packing: false")
+    if report is not None and report.replaced("attention") and not report.skipped("attention"):
+        return None  # every layer runs novatune's attention, which keeps the documents apart
+    why = "model.patch: false" if report is None else "novatune's attention not applied to every layer"
+    return (f"warning: stock {family} attention ({why}) builds its mask without the packed rows' document "
+            "boundaries: packed documents attend to each other. Patch the attention (model.patch: true, no "
+            "patch_options.attention: false) or set data.packing: false")
 
 
 def cpu_threads_for_load(console) -> None:
@@ -367,7 +371,8 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
 def memory_plan_for(cfg, base_dir, mconf, device, console, dist: Dist) -> MemoryPlan | None:
     """The run's memory plan (train/memory.py), before the model is built. Under the stock policies (none,
     checkpoint) the plan only predicts the peak: a model the estimate cannot build on the meta device trains
-    without the prediction, and says so; any other policy needs the plan and raises."""
+    without the prediction, and says so; any other policy, or an explicit memory.stream_frozen_layers (which the
+    plan carries out), needs the plan and raises."""
     shards = dist.world if dist.active and dist.strategy == "fsdp2" else 1
     try:
         est = estimate(cfg, base_dir, mconf=mconf, hw=ASSUMED)

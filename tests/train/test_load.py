@@ -273,3 +273,13 @@ def test_a_per_expert_checkpoint_reloads_into_the_fused_experts(tmp_path, model_
     assert sorted(w) == sorted(g) and any("experts.gate_up_proj" in k for k in g)
     for k in w:
         assert torch.equal(g[k], w[k]), k
+
+
+def test_per_expert_tensors_of_different_shapes_are_a_setup_error():
+    from novatune.train.load import per_expert_tensor
+
+    stem = "model.layers.0.mlp.experts."
+    shapes = {f"{stem}0.gate_proj.weight": (4, 8), f"{stem}1.gate_proj.weight": (3, 8),
+              f"{stem}0.up_proj.weight": (4, 8), f"{stem}1.up_proj.weight": (4, 8)}
+    with pytest.raises(SetupError, match="per-expert tensors of .*gate_up_proj differ in shape"):
+        per_expert_tensor(f"{stem}gate_up_proj", shapes, lambda name: torch.zeros(shapes[name]), 2)

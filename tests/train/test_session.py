@@ -98,6 +98,9 @@ def test_stock_gpt_oss_on_packed_rows_is_warned_about(make_cfg):
                                                                        data={"packing": False})
     warning = stock_packing_crosses_documents(stock, None, gpt_oss)
     assert "packed documents attend to each other" in warning and "model.patch: true" in warning
-    assert stock_packing_crosses_documents(stock, object(), gpt_oss) is None  # patched: novatune's attention
+    patched = SimpleNamespace(replaced=lambda kind: ["layer"], skipped=lambda kind: [])
+    assert stock_packing_crosses_documents(stock, patched, gpt_oss) is None  # every layer: novatune's attention
+    attention_off = SimpleNamespace(replaced=lambda kind: [], skipped=lambda kind: ["layer"])
+    assert "not applied to every layer" in stock_packing_crosses_documents(stock, attention_off, gpt_oss)
     assert stock_packing_crosses_documents(unpacked, None, gpt_oss) is None
     assert stock_packing_crosses_documents(stock, None, qwen3) is None
