@@ -122,9 +122,7 @@ class PackedBatch:
                              "(3-D multimodal rope position ids are not supported)")
         pos = pos.to(torch.int64)
         b, s = pos.shape
-        start = torch.ones(b, s, dtype=torch.bool)
-        start[:, 1:] = (pos[:, 1:] == 0) | (pos[:, 1:] != pos[:, :-1] + 1)
-        starts = torch.nonzero(start.reshape(-1)).reshape(-1)
+        starts = torch.nonzero(_document_starts(pos).reshape(-1)).reshape(-1)
         cu = torch.cat([starts, torch.tensor([b * s])]).to(torch.int32)
         return cls(cu, b, s, dev)
 
@@ -333,15 +331,20 @@ def _doc_local_block_mask(pb: PackedBatch, block: int, window: int):
     return create_block_mask(mask_mod, 1, 1, T, T, device=pb.device, BLOCK_SIZE=block)
 
 
-def _one_doc_per_row_where_unmasked(position_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> bool:
-    """Whether each row's unmasked tokens are one document (their position ids count up by one): a padded batch
-    whose padding has position ids of its own, not packed rows. Read on the host, on the padded path only."""
+def _document_starts(pos: torch.Tensor) -> torch.Tensor:
+    """(b, s) bool: where a document starts in rows of position ids (each row's first token, a 0, or a position that
+    does not follow the one before)."""
+    start = torch.ones(pos.shape, dtype=torch.bool)
+    start[:, 1:] = (pos[:, 1:] == 0) | (pos[:, 1:] != pos[:, :-1] + 1)
+    return start
+
+
+def _one_doc_per_row_where_unmasked(position_ids, attention_mask: torch.Tensor) -> bool:
+    """Whether each row's unmasked tokens are one document (no document starts between two unmasked tokens): a
+    padded batch whose padding has position ids of its own, not packed rows. Read on the host, on the padded path
+    only."""
     if position_ids is None:
         return False
-    pos = position_ids.detach().cpu().expand(attention_mask.shape)
+    pos = torch.as_tensor(position_ids).detach().cpu().to(torch.int64).expand(attention_mask.shape)
     keep = attention_mask.detach().cpu() != 0
-    for row_pos, row_keep in zip(pos, keep):
-        real = row_pos[row_keep]
-        if real.numel() > 1 and not bool((real[1:] - real[:-1] == 1).all()):
-            return False
-    return True
+    return not bool((_document_starts(pos)[:, 1:] & keep[:, 1:] & keep[:, :-1]).any())

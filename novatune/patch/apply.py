@@ -266,7 +266,7 @@ def _recheck_lm_head(model: nn.Module, report: PatchReport) -> None:
     if attr is None:
         return
     head = getattr(model, attr)
-    plain = isinstance(head, nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point
+    plain = loss.is_plain_head(head)
     for e in report.entries:
         if e.kind != "cross_entropy" or e.action not in ("replaced", "skipped"):
             continue

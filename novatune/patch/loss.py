@@ -231,6 +231,11 @@ def _backbone(self, binding: LossBinding, call: dict, kwargs: dict):
         binding.pending = False
 
 
+def is_plain_head(head) -> bool:
+    """A head the fused loss can multiply by directly: a bias-free Linear with a floating weight (not quantised)."""
+    return isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point
+
+
 def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
     """The LM head's weight for the fused loss, looked up on each call: PEFT (a LoRA on lm_head, modules_to_save),
     `resize_token_embeddings` or a user can replace the head after the patch, and the loss must train the head the
@@ -243,7 +248,7 @@ def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
         if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
             weight = _early_grad_leaf(weight)
         return weight
-    if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point:
+    if is_plain_head(head):
         # a new plain head (a resized vocabulary): bound from now on, so the old one is not kept alive; the early
         # tied gradient was decided for the old head, and the new one goes through autograd as stock's does
         self.__dict__.update(_novatune_lm_head=head, _novatune_early_tied_grad=False)

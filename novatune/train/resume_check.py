@@ -46,11 +46,16 @@ def changed_settings(saved_yaml: str, cfg: Config) -> dict[str, tuple]:
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
+def _saved_batch(changed: dict, cfg: Config) -> tuple:
+    """The checkpoint's (micro_batch, grad_accum): the changed old values, else the current ones."""
+    return tuple(changed.get(k, (v, v))[0] for k, v in (("train.micro_batch", cfg.train.micro_batch),
+                                                          ("train.grad_accum", cfg.train.grad_accum)))
+
+
 def _same_global_batch(changed: dict, cfg: Config, saved_world: int, world: int) -> bool:
     """Whether micro_batch x grad_accum x processes is the checkpoint's: resuming on another number of processes
     splits the same global batch differently (the data stream hands out the same rows)."""
-    mb = changed.get("train.micro_batch", (cfg.train.micro_batch,) * 2)[0]
-    ga = changed.get("train.grad_accum", (cfg.train.grad_accum,) * 2)[0]
+    mb, ga = _saved_batch(changed, cfg)
     try:
         return int(mb) * int(ga) * saved_world == cfg.train.micro_batch * cfg.train.grad_accum * world
     except (TypeError, ValueError):
@@ -71,10 +76,9 @@ def check_resume_config(state: dict, cfg: Config, checkpoint, note=print, world:
     if _same_global_batch(changed, cfg, saved_world, world):
         changed = {k: v for k, v in changed.items() if k not in batch_keys}
     else:  # another split of the rows, or the same split over another number of processes: another global batch
-        old_batch = {k: changed.get(k, (v, v))[0] for k, v in (("train.micro_batch", cfg.train.micro_batch),
-                                                                 ("train.grad_accum", cfg.train.grad_accum))}
+        old_mb, old_ga = _saved_batch(changed, cfg)
         raise ConfigError("train.grad_accum", f"the global batch changed since checkpoint {checkpoint} was saved: "
-                          f"{old_batch['train.micro_batch']} x {old_batch['train.grad_accum']} x {saved_world} "
+                          f"{old_mb} x {old_ga} x {saved_world} "
                           f"process(es) then, {cfg.train.micro_batch} x {cfg.train.grad_accum} x {world} now "
                           "(micro_batch x grad_accum x processes); the resumed schedule and data position count "
                           "steps of the old batch",

@@ -96,11 +96,11 @@ def as_intermediate(t: Tensor) -> Tensor:
     as a projection output is: gradients are taken with respect to it, and an op's in-place backward may write
     over it (ops.swiglu's may_write_over leaves a leaf alone: a leaf is a caller's own tensor). A broadcast
     (stride 0) tensor stays a leaf copy: nothing writes over it."""
+    copy = _clone_layout(t.detach())
     if 0 in t.stride():
-        return _clone_layout(t).requires_grad_(True)
-    fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    with torch.enable_grad():
-        return fresh.copy_(t.detach().requires_grad_(True))
+        return copy.requires_grad_(True)
+    with torch.enable_grad():  # the copy's values again, now through autograd: a non-leaf over its own memory
+        return copy.copy_(t.detach().requires_grad_(True))
 
 
 def _refresh(inputs: dict, spec: OpSpec, gen) -> dict:
