@@ -51,18 +51,30 @@ def reshards_after_forward(setting: bool | None, world: int) -> bool:
     return setting if setting is not None else world > 1
 
 
+# Decoder layers per FSDP2 unit across 2+ ranks when the layers stay gathered for the step. A unit there gathers
+# and reduces once per step; what it costs every micro-batch is host time (FSDP2 hooks each unit's forward,
+# recompute and backward), and the seed's step is host-bound. On 2 H200s (session19-2, seed workload): units of 1
+# layer 25,524 tok/s, of 4 28,812, of 12 28,711. Units of 4 leave only the first unit's all-gather and the last
+# one's reduce-scatter outside the compute.
+KEPT_GATHERED_UNIT = 4
+
+
 def unit_size(setting: int | None, world: int, keep_gathered: bool) -> int:
-    """`parallel.layers_per_unit`: as set, else one layer per FSDP2 unit across 2+ ranks (each unit's gather and
-    reduction overlap the neighbouring layers' compute, and only two layers are gathered at a time), and 0 (no unit
-    per layer: the root unit holds the whole model) over one rank where the gathered layers stay for the step.
-    There a unit has nothing to free, gather or reduce apart from the others, and costs only host time: FSDP2 hooks
-    every module of a unit in each forward, recompute and backward (a unit of several layers hooks each of them),
-    and a host-bound step shows that time (units of 4 gave 0.956-0.966 of the plain path, `session12-1/2`)."""
+    """`parallel.layers_per_unit`: as set, else
+    * over one rank where the gathered layers stay for the step: 0 (no unit per layer: the root unit holds the
+      whole model). A unit there has nothing to free, gather or reduce apart from the others, and costs only host
+      time (units of 4 gave 0.956-0.966 of the plain path, `session12-1/2`);
+    * across 2+ ranks where they stay gathered: KEPT_GATHERED_UNIT layers (4), for the same reason, keeping the
+      step's one all-gather and reduce-scatter per unit overlapped with the neighbouring units' compute;
+    * resharding after forward: one layer per unit (each unit's gather and reduction overlap the neighbouring
+      layers' compute, and only two layers are gathered at a time)."""
     if setting is not None:
         if setting < 1:
             raise ValueError(f"parallel.layers_per_unit must be >= 1 (got {setting})")
         return setting
-    return 0 if keep_gathered and world == 1 else 1
+    if not keep_gathered:
+        return 1
+    return 0 if world == 1 else KEPT_GATHERED_UNIT
 
 
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,

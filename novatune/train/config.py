@@ -166,8 +166,9 @@ class ParallelConfig:
     # micro_batch for fsdp2 across 2+ processes (what sharding is for), step otherwise (ddp keeps whole
     # gradients anyway)
     gradient_sync: Literal["auto", "step", "micro_batch"] = "auto"
-    # fsdp2: consecutive decoder layers per FSDP unit (gathered and reduced together). Unset: 1 across 2+
-    # processes; with one process the root is the only unit (the layers stay gathered: a unit only costs host time)
+    # fsdp2: consecutive decoder layers per FSDP unit (gathered and reduced together). Unset: 1 where the layers
+    # reshard after forward, 4 across 2+ processes where they stay gathered for the step; with one process the root
+    # is the only unit (the layers stay gathered: a unit only costs host time). parallel/wrap.py unit_size
     layers_per_unit: int | None = None
 
 

@@ -188,7 +188,8 @@ def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monke
     again, _, _, _ = gathers_per_step(["parallel.reshard_after_forward=true", "parallel.layers_per_unit=1"])
     assert again > kept  # each layer again before each backward and on each micro-batch
     assert pwrap.reshards_after_forward(None, 2) and not pwrap.reshards_after_forward(None, 1)
-    assert pwrap.unit_size(None, 1, keep_gathered=True) == 0 and pwrap.unit_size(None, 2, keep_gathered=True) == 1
+    assert pwrap.unit_size(None, 1, keep_gathered=True) == 0
+    assert pwrap.unit_size(None, 2, keep_gathered=True) == pwrap.KEPT_GATHERED_UNIT == 4
     assert pwrap.unit_size(None, 1, keep_gathered=False) == 1 and pwrap.unit_size(3, 2, keep_gathered=False) == 3
     with pytest.raises(ValueError, match="layers_per_unit must be >= 1"):
         pwrap.unit_size(0, 1, keep_gathered=True)
