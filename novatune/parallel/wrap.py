@@ -6,7 +6,8 @@ unit (its parameters gathered just before its forward, and before its backward),
 modules run on the gathered parameters: fully_shard swaps each module's parameters for DTensors between uses and
 back to plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
-gradients that exist. With bf16 weights the policy computes in bf16 and reduces gradients in fp32 across 2+ ranks.
+gradients that exist. With bf16 weights the policy computes in bf16 and accumulates and reduces the gradients in
+their own dtype (bf16), as the one-process path and DDP do, unless parallel.reduce_dtype is fp32 (fsdp2_reduce_dtype).
 
 One process (world of one): there is no other rank to sum with, so nothing is reduced. The gradients accumulate
 over the micro-batches on the gathered parameters in their own dtype, as the plain path accumulates them, and after
@@ -77,14 +78,27 @@ def unit_size(setting: int | None, world: int, keep_gathered: bool) -> int:
     return 0 if world == 1 else KEPT_GATHERED_UNIT
 
 
+def fsdp2_reduce_dtype(setting: str, world: int) -> torch.dtype | None:
+    """`parallel.reduce_dtype` as FSDP2's policy takes it: None (the parameters' dtype) for auto, and over one
+    rank, where nothing is reduced; torch.float32 for fp32 across 2+ ranks.
+
+    auto keeps the gradients in their own dtype, as the one-process path accumulates them over micro-batches and
+    DDP all-reduces them: with bf16 weights, 2 ranks x 4 micro-batches round as often as 1 process x 8. fp32
+    accumulates and reduces more precisely than that reference, at a cost in memory (whole fp32 gradients between
+    reductions) and time: on 2 H200s (session19-2) the fp32 accumulation added ~47 ms of GPU adds per step, and
+    FSDP2's host work per unit, to a ~1.1 s host-bound step."""
+    if setting not in ("auto", "fp32"):
+        raise ValueError(f"parallel.reduce_dtype must be auto or fp32 (got {setting!r})")
+    return torch.float32 if setting == "fp32" and world > 1 else None
+
+
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
-         world: int = 1, layers_per_unit: int = 1):
+         world: int = 1, layers_per_unit: int = 1, reduce_dtype: str = "auto"):
     """The model wrapped for `strategy` (fsdp2 | ddp); the returned module is what the trainer calls."""
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        reduce_dtype = torch.float32 if world > 1 else None  # None: the parameters' dtype
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=fsdp2_reduce_dtype(reduce_dtype, world)) \
             if dtype == torch.bfloat16 else MixedPrecisionPolicy()
         layers = decoder_layers(model) if layers_per_unit > 0 else []  # 0: the root unit only
         for start in range(0, len(layers), max(1, layers_per_unit)):

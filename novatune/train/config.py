@@ -161,7 +161,7 @@ class ParallelConfig:
     reshard_after_forward: bool | None = None
     # when the gradients are reduced across the processes: once per optimizer step, after the last micro-batch
     # (`step`; the others accumulate locally), or after every micro-batch (`micro_batch`). fsdp2 with `step`
-    # accumulates whole (unsharded) gradients in fp32 between reductions: 4 bytes per parameter on every rank;
+    # accumulates whole (unsharded) gradients between reductions (in parallel.reduce_dtype) on every rank;
     # with `micro_batch` the gradients stay sharded at the cost of grad_accum reduce-scatters per step. auto:
     # micro_batch for fsdp2 across 2+ processes (what sharding is for), step otherwise (ddp keeps whole
     # gradients anyway)
@@ -170,6 +170,10 @@ class ParallelConfig:
     # reshard after forward, 4 across 2+ processes where they stay gathered for the step; with one process the root
     # is the only unit (the layers stay gathered: a unit only costs host time). parallel/wrap.py unit_size
     layers_per_unit: int | None = None
+    # fsdp2 across 2+ processes: the dtype gradients are accumulated and reduced in. auto: the gradients' own dtype,
+    # as one process accumulates them and DDP all-reduces them (bf16 weights: bf16); fp32: whole fp32 gradients
+    # between reductions (4 bytes per parameter with gradient_sync step) and an fp32 reduce-scatter
+    reduce_dtype: Literal["auto", "fp32"] = "auto"
 
 
 @dataclass

@@ -265,10 +265,10 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
       never resharded, its other ranks' part, and with units of several layers (parallel.layers_per_unit) the
       layers a unit and its prefetched neighbour gather beyond one layer each, and the unit's whole gradients
       and their fp32 reduce-scatter input beyond one layer's;
-    * across 2+ ranks, gradients in the fp32 reduce dtype before their reduce-scatter: the whole model's, summed
-      over the micro-batches, with one reduction per step (parallel.gradient_sync step, grad_accum > 1), less the
-      sharded gradients that come only after it, plus the root's fp32 reduce-scatter output; else the root's (its
-      reduction waits for the whole backward)."""
+    * across 2+ ranks, gradients in the reduce dtype (parallel.reduce_dtype: the gradients' own, or fp32) before
+      their reduce-scatter: the whole model's, summed over the micro-batches, with one reduction per step
+      (parallel.gradient_sync step, grad_accum > 1), less the sharded gradients that come only after it, plus the
+      root's reduce-scatter output; else the root's (its reduction waits for the whole backward)."""
     if cfg.parallel.strategy != "fsdp2":
         return 0
     keep = not pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, shards)
@@ -277,6 +277,8 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
     if shards == 1:
         return int(est["weights"]) if keep else 0
     gathered = est["weights"] if keep else root * per_param * (1 - 1 / shards)
+    grad_elem = est["gradients"] / max(1, est["trainable"])  # bytes per trained element of a gradient
+    reduce_elem = 4 if pwrap.fsdp2_reduce_dtype(cfg.parallel.reduce_dtype, shards) is not None else grad_elem
     unit = pwrap.unit_size(cfg.parallel.layers_per_unit, shards, keep)
     if not keep and unit > 1:
         # a unit and the next one prefetched are gathered at once: 2 x (unit - 1) more layers; and a unit's
@@ -284,15 +286,14 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
         layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
         gathered += 2 * (unit - 1) * layer * (1 - 1 / shards)
         layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
-        grad_elem = est["gradients"] / max(1, est["trainable"])
-        gathered += (unit - 1) * layer_trained * (grad_elem + 4)
+        gathered += (unit - 1) * layer_trained * (grad_elem + reduce_elem)
     step_sync = cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2",
                                                                                shards)
     root_trained = root if est["trainable"] >= root and cfg.method.type == "full" else 0
-    # step: every gradient whole in fp32 until its reduction (the root's last, with its fp32 reduce-scatter
+    # step: every gradient whole in the reduce dtype until its reduction (the root's last, with its reduce-scatter
     # output beside it), the sharded gradients born as the reductions finish
-    grads = (4 * est["trainable"] - est["gradients"] / shards + 4 * root_trained / shards if step_sync
-             else 4 * root_trained)
+    grads = (reduce_elem * (est["trainable"] + root_trained / shards) - est["gradients"] / shards if step_sync
+             else reduce_elem * root_trained)
     return int(gathered + grads)
 
 

@@ -444,7 +444,8 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     if dist.active:
         reshard = pwrap.reshards_after_forward(cfg.parallel.reshard_after_forward, dist.world)
         model = pwrap.wrap(model, dist.strategy, dtype, device, reshard, dist.world,
-                           pwrap.unit_size(cfg.parallel.layers_per_unit, dist.world, keep_gathered=not reshard))
+                           pwrap.unit_size(cfg.parallel.layers_per_unit, dist.world, keep_gathered=not reshard),
+                           cfg.parallel.reduce_dtype)
         if dist.strategy == "fsdp2":  # the planner counts no graphs under FSDP2 (train/memory.py layer_graphs)
             keep_layers_eager(model, "FSDP2 gathers the layers' parameters into new storage each step (a graph "
                                      "replays fixed addresses)")

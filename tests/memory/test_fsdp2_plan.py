@@ -20,11 +20,14 @@ def planned(sets: list[str], shards: int, budget_gib: float | None = 76.0):
     return cfg, est, mconf, resolve(cfg, est, mconf, ASSUMED, budget, shards)
 
 
+FP32 = "parallel.reduce_dtype=fp32"  # the session-10 runs reduced in fp32
+
+
 @pytest.mark.parametrize("sets, shards, measured_gib", [
-    (LEAN, 2, 18.48),  # seed, 2 GPUs: every layer resharded, gradients reduced after each micro-batch
-    (LEAN, 4, 10.99),  # the same on 4 GPUs
-    (FAST, 2, 35.75),  # gathered layers kept for the step, whole fp32 gradients reduced once per step
-    ([*LEAN, "model.arch=qwen3-8b", "data.max_length=8192"], 2, 39.85),  # Qwen3-8B on 8192-token rows
+    ([*LEAN, FP32], 2, 18.48),  # seed, 2 GPUs: every layer resharded, gradients reduced after each micro-batch
+    ([*LEAN, FP32], 4, 10.99),  # the same on 4 GPUs
+    ([*FAST, FP32], 2, 35.75),  # gathered layers kept for the step, whole fp32 gradients reduced once per step
+    ([*LEAN, FP32, "model.arch=qwen3-8b", "data.max_length=8192"], 2, 39.85),  # Qwen3-8B on 8192-token rows
 ])
 def test_the_fsdp2_plan_stands_at_or_just_above_the_measured_peak(sets, shards, measured_gib):
     """Never under the measurement (a plan under the peak runs out of memory), at most 5% above it."""
@@ -70,7 +73,8 @@ def test_novatune_plan_with_nproc_plans_one_rank_and_names_the_choice(capsys):
     assert "2 processes, fsdp2: each rank holds 1/2" in out and "keeps the gathered layers" in out
     per_rank = float(out.split("predicted peak")[1].split("GiB")[0])
     assert per_rank == pytest.approx(planned([*FAST], 2, 80 * 0.92)[3].peak_bytes / GiB, rel=1e-3)
-    assert main([*seed, "--nproc", "2", "--set", "model.arch=qwen3-8b", "--set", "data.max_length=8192"]) == 0
+    assert main([*seed, "--nproc", "2", "--set", "model.arch=qwen3-8b", "--set", "data.max_length=8192",
+                 "--set", FP32]) == 0
     assert "reshards each layer" in capsys.readouterr().out  # the 8B run's choice (session10-3)
     assert main(["plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80", "--nproc", "2"]) == 0
     assert "parallel.strategy is none: planned as one process" in capsys.readouterr().out
@@ -81,8 +85,8 @@ def test_units_of_several_layers_count_the_extra_gathered_layers():
     """Resharding units of 3 layers: a unit and its prefetched neighbour hold 2 x 2 layers more than units of one
     (their other ranks' part), and a unit's whole gradients with their fp32 reduce-scatter input 2 layers more;
     kept-gathered plans hold the whole model either way."""
-    cfg, est, mconf, _ = planned(LEAN, 2)
-    grouped, *_ = planned([*LEAN, "parallel.layers_per_unit=3"], 2)
+    cfg, est, mconf, _ = planned([*LEAN, FP32], 2)
+    grouped, *_ = planned([*LEAN, FP32, "parallel.layers_per_unit=3"], 2)
     one, three = fsdp2_held_bytes(cfg, est, mconf, 2), fsdp2_held_bytes(grouped, est, mconf, 2)
     root = mconf.vocab_size * mconf.hidden_size * (1 if mconf.tie_word_embeddings else 2)
     layer = (est["weights"] - root * est["weights"] / est["params"]) / mconf.num_hidden_layers
@@ -90,3 +94,15 @@ def test_units_of_several_layers_count_the_extra_gathered_layers():
     assert three - one == pytest.approx(4 * layer / 2 + 2 * layer / per_param * (2 + 4), rel=1e-6)
     kept, *_ = planned([*FAST, "parallel.layers_per_unit=3"], 2)
     assert fsdp2_held_bytes(kept, est, mconf, 2) == fsdp2_held_bytes(planned(FAST, 2)[0], est, mconf, 2)
+
+
+def test_gradients_reduced_in_their_own_dtype_hold_half_of_what_fp32_holds():
+    """Kept-gathered plans with one reduction per step hold every gradient whole until its reduce-scatter, with
+    the root's reduce-scatter output beside it: 2 bytes per trained element in bf16 (auto, bf16 weights) where
+    fp32 holds 4; one rank reduces nothing either way."""
+    auto_cfg, est, mconf, _ = planned(FAST, 2)
+    fp32_cfg, *_ = planned([*FAST, FP32], 2)
+    root = mconf.vocab_size * mconf.hidden_size * (1 if mconf.tie_word_embeddings else 2)
+    saved = fsdp2_held_bytes(fp32_cfg, est, mconf, 2) - fsdp2_held_bytes(auto_cfg, est, mconf, 2)
+    assert saved == pytest.approx((4 - 2) * (est["trainable"] + root / 2), rel=1e-6)
+    assert fsdp2_held_bytes(auto_cfg, est, mconf, 1) == fsdp2_held_bytes(fp32_cfg, est, mconf, 1)

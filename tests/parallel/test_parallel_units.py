@@ -195,6 +195,20 @@ def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monke
         pwrap.unit_size(0, 1, keep_gathered=True)
 
 
+def test_fsdp2_reduces_in_the_gradients_dtype_unless_fp32_is_asked_across_ranks():
+    from novatune.parallel import wrap as pwrap
+
+    assert pwrap.fsdp2_reduce_dtype("auto", 2) is None  # None: FSDP2 reduces in the parameters' dtype
+    assert pwrap.fsdp2_reduce_dtype("fp32", 2) is torch.float32
+    assert pwrap.fsdp2_reduce_dtype("fp32", 1) is None  # one rank: nothing is reduced, nothing to widen
+    with pytest.raises(ValueError, match="reduce_dtype must be auto or fp32"):
+        pwrap.fsdp2_reduce_dtype("bf16", 2)
+    from novatune.train.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match="parallel.reduce_dtype"):
+        load(None, ["parallel.strategy=fsdp2", "parallel.reduce_dtype=fp16"])
+
+
 def test_fsdp2_over_one_process_hands_the_gradients_to_the_shards_without_a_reduction(monkeypatch):
     """A world of one: FSDP2 reduces nothing (its reduction over one rank is two copies and a host sync per unit);
     after the step's last backward every gradient accumulated on a gathered parameter becomes its shard's gradient
