@@ -17,7 +17,7 @@ Backends:
   varlen     torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch; CUDA, fp16/bf16, d % 8 == 0,
              d <= 256)
   flash      the same FlashAttention-2 kernels as varlen through aten's ops from a plain autograd.Function (flash.py):
-             no torch.library wrapper per call (host time); not in AUTO_ORDER until a training step measures it
+             no torch.library wrapper per call (host time); first in AUTO_ORDER on CUDA (measured below)
   cudnn      cuDNN's fused attention with ragged offsets through torch's aten ops (cudnn.py; CUDA sm80+, cuDNN 9,
              fp16/bf16, d % 8 == 0, d <= 128, no sliding window); not in AUTO_ORDER: the tune engine chooses it
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
@@ -62,13 +62,14 @@ SOFTCAP_BACKENDS = ("flex", "reference")
 
 # Preference order of the automatic choice, per device type. Module-level on purpose: `novatune tune` replaces these
 # lists with measured orders. "sdpa" only applies when every row is one document, so it can safely come first.
+# "flash" (the same FlashAttention-2 kernels as varlen, bit-equal to it, without torch's custom-op wrapper: less
+# host time per call in a host-bound step) before varlen: the seed workload on one H200, the two side by side in
+# one call, flash 16,293 vs varlen 15,995 tok/s (session19-3) and 16,048 vs 14,566 (session19-4).
 # varlen before flex: in the headline training step (H200, torch 2.11) varlen gave 15,893 tok/s vs flex 14,767
 # (bench/results/e2e.jsonl); flex's backward is slower there and its BlockMask costs host time per batch.
-# "cudnn" stays out until a training step measures it ahead of varlen; `novatune tune` times it beside the others.
-# "flash" (the same FlashAttention-2 kernels as varlen, without torch's custom-op wrapper: less host time per call)
-# stays out until a training step on a GPU measures it; `novatune tune` validates and times it as a candidate.
+# "cudnn" stays out until a training step measures it ahead of flash; `novatune tune` times it beside the others.
 AUTO_ORDER: dict[str, list[str]] = {
-    "cuda": ["sdpa", "varlen", "flex", "sdpa_docs"],
+    "cuda": ["sdpa", "flash", "varlen", "flex", "sdpa_docs"],
     "cpu": ["sdpa", "sdpa_docs"],
 }
 
