@@ -132,8 +132,9 @@ def loss_scale(strategy: str, world: int) -> float:
 
 def syncs_every_micro_batch(setting: str, strategy: str, world: int) -> bool:
     """`parallel.gradient_sync`: micro_batch | step as set; auto: every micro-batch for FSDP2 across 2+ ranks (its
-    gradients then stay sharded; once per step it would accumulate whole fp32 gradients on every rank), once per
-    step otherwise (DDP holds whole gradients either way; one rank has nothing to reduce with)."""
+    gradients then stay sharded; once per step it would accumulate whole gradients, in parallel.reduce_dtype, on
+    every rank), once per step otherwise (DDP holds whole gradients either way; one rank has nothing to reduce
+    with). Left unset with reshard_after_forward, the memory plan sets both (train/memory.py)."""
     if setting == "auto":
         return strategy == "fsdp2" and world > 1
     return setting == "micro_batch"

@@ -264,7 +264,7 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
       false; over one rank the gathered copy is a second copy); else the root unit (embeddings, lm_head), which is
       never resharded, its other ranks' part, and with units of several layers (parallel.layers_per_unit) the
       layers a unit and its prefetched neighbour gather beyond one layer each, and the unit's whole gradients
-      and their fp32 reduce-scatter input beyond one layer's;
+      and their reduce-scatter input (parallel.reduce_dtype) beyond one layer's;
     * across 2+ ranks, gradients in the reduce dtype (parallel.reduce_dtype: the gradients' own, or fp32) before
       their reduce-scatter: the whole model's, summed over the micro-batches, with one reduction per step
       (parallel.gradient_sync step, grad_accum > 1), less the sharded gradients that come only after it, plus the
@@ -282,7 +282,7 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
     unit = pwrap.unit_size(cfg.parallel.layers_per_unit, shards, keep)
     if not keep and unit > 1:
         # a unit and the next one prefetched are gathered at once: 2 x (unit - 1) more layers; and a unit's
-        # gradients are whole, with their fp32 reduce-scatter input, until the unit's reduction: (unit - 1) more
+        # gradients are whole, with their reduce-scatter input, until the unit's reduction: (unit - 1) more
         layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
         gathered += 2 * (unit - 1) * layer * (1 - 1 / shards)
         layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
