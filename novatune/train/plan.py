@@ -100,7 +100,8 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mconf)
     n_params = sum(p.numel() for p in model.parameters())
-    b = 4 if cfg.model.dtype == "fp32" else 2  # auto: bf16 on the GPU
+    # auto: bf16 on a GPU (what a plan is for, where model.device is auto), fp32 where the config says cpu
+    b = 4 if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and cfg.model.device == "cpu") else 2
     qlora = cfg.method.type == "qlora"
     lora = cfg.method.type in ("lora", "qlora")
     adapters = _lora_params(model, cfg.method.targets, cfg.method.r, cfg.method.target_parameters) if lora else 0

@@ -51,6 +51,15 @@ def test_plan_warns_before_oom():
     assert r.returncode == 0 and "fits" in r.stdout
 
 
+def test_plan_counts_the_weights_in_the_dtype_the_run_would_pick():
+    """model.dtype auto is bf16 on a GPU (what a plan is for) and fp32 where the config puts the model on the CPU."""
+    r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80", "--set", "model.dtype=auto")
+    assert "2-byte weights" in r.stdout, r.stdout
+    r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "80", "--set", "model.dtype=auto",
+            "--set", "model.device=cpu")
+    assert "4-byte weights" in r.stdout, r.stdout
+
+
 def test_plan_prints_the_memory_policy_it_chooses():
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "40", "--set", "memory.policy=auto")
     assert r.returncode == 0, r.stdout + r.stderr
