@@ -40,6 +40,7 @@
 #   (2 GPUs against one, kill and resume), then `novatune bench examples/qwen3-4b-seed.yaml --nproc N` for N in
 #   MULTI_NPROC (default "2 4", skipped above the GPUs present) with MULTI_STACKS (default
 #   novatune,novatune_ddp,novatune_fsdp2: one process at the same global batch beside DDP and FSDP2 on N GPUs),
+#   MULTI_ROUNDS (default 1; 2 alternates the stacks A B, B A: each row its stack's slower round),
 #   MULTI_VARIANT ("key=value ..."): novatune_fsdp2 on 2 GPUs once more with those settings; then Qwen3-8B full
 #   fine-tuning on 8192-token rows under FSDP2 on MULTI_8B GPUs (default 2; empty: not run); MULTI_TESTS=0 skips
 #   the tests; rows in $OUT/multigpu.jsonl; < 10 min on 4 GPUs.
@@ -293,6 +294,7 @@ if has multigpu; then
     [ "$n" -gt "$ngpu" ] && { summary+=("multigpu: $n GPUs asked, $ngpu here: not run"); continue; }
     timeout ${MULTI_TIMEOUT:-300} python3 -m novatune bench examples/qwen3-4b-seed.yaml --nproc "$n" \
       --stacks ${MULTI_STACKS:-novatune,novatune_ddp,novatune_fsdp2} --steps ${MULTI_STEPS:-6} --timeout 150 \
+      --rounds ${MULTI_ROUNDS:-1} \
       --set data.sources.0.num_docs=$((600 * n)) --results "$OUT/multigpu.jsonl" --run-dir "$OUT/runs/seed_x$n" 2>&1 \
       | tee "$OUT/multigpu_seed_x$n.log" | tail -n 12
     summary+=("multigpu seed on $n GPUs: exit ${PIPESTATUS[0]}")
