@@ -7,7 +7,8 @@ modules run on the gathered parameters: fully_shard swaps each module's paramete
 back to plain tensors inside the unit's forward, so a patched forward sees ordinary tensors. Frozen parameters (the LoRA
 base) are sharded too: FSDP2 groups parameters per unit whatever their requires_grad, and only reduces the
 gradients that exist. With bf16 weights the policy computes in bf16 and accumulates and reduces the gradients in
-their own dtype (bf16), as the one-process path and DDP do, unless parallel.reduce_dtype is fp32 (fsdp2_reduce_dtype).
+the trained parameters' own dtype (bf16 in full fine-tuning, fp32 for LoRA adapters), as the one-process path and
+DDP do, unless parallel.reduce_dtype is fp32 (fsdp2_reduce_dtype).
 
 One process (world of one): there is no other rank to sum with, so nothing is reduced. The gradients accumulate
 over the micro-batches on the gathered parameters in their own dtype, as the plain path accumulates them, and after
@@ -78,18 +79,30 @@ def unit_size(setting: int | None, world: int, keep_gathered: bool) -> int:
     return 0 if world == 1 else KEPT_GATHERED_UNIT
 
 
-def fsdp2_reduce_dtype(setting: str, world: int) -> torch.dtype | None:
-    """`parallel.reduce_dtype` as FSDP2's policy takes it: None (the parameters' dtype) for auto, and over one
-    rank, where nothing is reduced; torch.float32 for fp32 across 2+ ranks.
+def fsdp2_reduce_dtype(setting: str, world: int, trained_dtypes=frozenset({torch.bfloat16})) -> torch.dtype | None:
+    """`parallel.reduce_dtype` as FSDP2's policy takes it (its param_dtype is bf16 for bf16 weights): None (reduce
+    in bf16) or torch.float32. Over one rank nothing is reduced: None. `trained_dtypes`: the dtypes of the
+    parameters that train.
 
-    auto keeps the gradients in their own dtype, as the one-process path accumulates them over micro-batches and
-    DDP all-reduces them: with bf16 weights, 2 ranks x 4 micro-batches round as often as 1 process x 8. fp32
-    accumulates and reduces more precisely than that reference, at a cost in memory (whole fp32 gradients between
-    reductions) and time: on 2 H200s (session19-2) the fp32 accumulation added ~47 ms of GPU adds per step, and
-    FSDP2's host work per unit, to a ~1.1 s host-bound step."""
+    auto keeps the gradients in the dtype the one-process path accumulates them in, and DDP all-reduces them in:
+    the trained parameters' own. With bf16 weights (full fine-tuning) that is bf16: 2 ranks x 4 micro-batches round
+    as often as 1 process x 8. With fp32 trained parameters (LoRA adapters over a bf16 base) it is fp32, since
+    FSDP2's bf16 compute would otherwise hand them bf16 gradients to accumulate. fp32 always accumulates and
+    reduces in fp32, at a cost in memory (whole fp32 gradients between reductions) and time: on 2 H200s
+    (session19-3 / -4) fp32 added ~47 ms of GPU adds per step, and FSDP2's host work per unit, to a ~1.1 s
+    host-bound step (1.838x one process; 1.905x in bf16)."""
     if setting not in ("auto", "fp32"):
         raise ValueError(f"parallel.reduce_dtype must be auto or fp32 (got {setting!r})")
-    return torch.float32 if setting == "fp32" and world > 1 else None
+    if world < 2:
+        return None
+    if setting == "fp32" or any(dt != torch.bfloat16 for dt in trained_dtypes):
+        return torch.float32
+    return None
+
+
+def trained_dtypes(model) -> frozenset:
+    """The dtypes of `model`'s parameters that train (the weights' dtype in full fine-tuning, fp32 for adapters)."""
+    return frozenset(p.dtype for p in model.parameters() if p.requires_grad) or frozenset({torch.bfloat16})
 
 
 def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard_after_forward: bool = True,
@@ -98,8 +111,8 @@ def wrap(model, strategy: str, dtype: torch.dtype, device: torch.device, reshard
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=fsdp2_reduce_dtype(reduce_dtype, world)) \
-            if dtype == torch.bfloat16 else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=fsdp2_reduce_dtype(
+            reduce_dtype, world, trained_dtypes(model))) if dtype == torch.bfloat16 else MixedPrecisionPolicy()
         layers = decoder_layers(model) if layers_per_unit > 0 else []  # 0: the root unit only
         for start in range(0, len(layers), max(1, layers_per_unit)):
             # a list makes one unit: gathered and reduced together, its hooks fire once per forward and backward

@@ -226,6 +226,9 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     if units is not None and units < 1:
         raise ConfigError("parallel.layers_per_unit", f"must be >= 1, got {units}",
                           "e.g. 4 (decoder layers per FSDP2 unit), or leave it unset for the default")
+    if cfg.parallel.reduce_dtype == "fp32" and cfg.parallel.strategy == "ddp":
+        raise ConfigError("parallel.reduce_dtype", "fp32 applies to fsdp2; DDP all-reduces the gradients in their "
+                          "own dtype", "leave parallel.reduce_dtype: auto with ddp, or use parallel.strategy: fsdp2")
     _check_memory(cfg)
     if cfg.memory.tiled_mlp is True and not m.patch:
         raise ConfigError("memory.tiled_mlp", "the tiled MLP is part of novatune's patch, and model.patch is false",

@@ -258,14 +258,15 @@ def static_bytes(est: dict, shards: int = 1) -> int:
 
 
 def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
-    """What FSDP2 holds on each rank beyond its shards (the plans of four measured 2- and 4-GPU runs stand 0-5%
+    """What FSDP2 holds on each rank beyond its shards (the plans of six measured 2- and 4-GPU runs stand 0-5%
     above their peaks, tests/memory/test_fsdp2_plan.py):
     * gathered weights: the whole model when the layers stay gathered for the step (parallel.reshard_after_forward
-      false; over one rank the gathered copy is a second copy); else the root unit (embeddings, lm_head), which is
-      never resharded, its other ranks' part, and with units of several layers (parallel.layers_per_unit) the
-      layers a unit and its prefetched neighbour gather beyond one layer each, and the unit's whole gradients
-      and their reduce-scatter input (parallel.reduce_dtype) beyond one layer's;
-    * across 2+ ranks, gradients in the reduce dtype (parallel.reduce_dtype: the gradients' own, or fp32) before
+      false; over one rank the gathered copy is a second copy), and with units of several layers
+      (parallel.layers_per_unit) a unit's reduce-scatter input beyond one layer's; else the root unit
+      (embeddings, lm_head), which is never resharded, its other ranks' part, and with units of several layers
+      the layers a unit and its prefetched neighbour gather beyond one layer each, and the unit's whole
+      gradients and their reduce-scatter input (parallel.reduce_dtype) beyond one layer's;
+    * across 2+ ranks, gradients in the reduce dtype (parallel.reduce_dtype: the trained parameters', or fp32) before
       their reduce-scatter: the whole model's, summed over the micro-batches, with one reduction per step
       (parallel.gradient_sync step, grad_accum > 1), less the sharded gradients that come only after it, plus the
       root's reduce-scatter output; else the root's (its reduction waits for the whole backward)."""
@@ -278,15 +279,21 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
         return int(est["weights"]) if keep else 0
     gathered = est["weights"] if keep else root * per_param * (1 - 1 / shards)
     grad_elem = est["gradients"] / max(1, est["trainable"])  # bytes per trained element of a gradient
-    reduce_elem = 4 if pwrap.fsdp2_reduce_dtype(cfg.parallel.reduce_dtype, shards) is not None else grad_elem
+    # the reduce dtype: fp32 where asked, else the trained parameters' own (grad_elem: 2 for bf16 weights, 4 for
+    # fp32 adapters), as parallel/wrap.py fsdp2_reduce_dtype chooses
+    reduce_elem = 4 if cfg.parallel.reduce_dtype == "fp32" else grad_elem
     unit = pwrap.unit_size(cfg.parallel.layers_per_unit, shards, keep)
+    layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
+    layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
     if not keep and unit > 1:
         # a unit and the next one prefetched are gathered at once: 2 x (unit - 1) more layers; and a unit's
         # gradients are whole, with their reduce-scatter input, until the unit's reduction: (unit - 1) more
-        layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
         gathered += 2 * (unit - 1) * layer * (1 - 1 / shards)
-        layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
         gathered += (unit - 1) * layer_trained * (grad_elem + reduce_elem)
+    elif keep and unit > 1:
+        # the whole gradients are counted below; at a unit's reduction its reduce-scatter input (reduce dtype)
+        # sits beside them: (unit - 1) layers more than units of one
+        gathered += (unit - 1) * layer_trained * reduce_elem
     step_sync = cfg.train.grad_accum > 1 and not pwrap.syncs_every_micro_batch(cfg.parallel.gradient_sync, "fsdp2",
                                                                                shards)
     root_trained = root if est["trainable"] >= root and cfg.method.type == "full" else 0
@@ -301,7 +308,8 @@ def fsdp2_fastest_that_fits(cfg, est: dict, mconf, hw: planner.Hardware, budget:
                             shards: int) -> tuple[object, str | None]:
     """FSDP2 across 2+ ranks with parallel.reshard_after_forward and gradient_sync both unset: the layers stay
     gathered for the step and the gradients are reduced once per step (one all-gather and one reduce-scatter per
-    layer per step, as fast as DDP in the 2-GPU runs) where the plan fits the budget at that cost; else every
+    unit of layers per step: 1.905x one process on 2 H200s, session19-4) where the plan fits the budget at that
+    cost; else every
     layer is resharded after its forward and the gradients after each micro-batch (the memory-lean default).
     Returns the config with both set, and a line saying which and why (None when nothing was chosen)."""
     p = cfg.parallel

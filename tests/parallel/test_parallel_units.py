@@ -198,15 +198,22 @@ def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monke
 def test_fsdp2_reduces_in_the_gradients_dtype_unless_fp32_is_asked_across_ranks():
     from novatune.parallel import wrap as pwrap
 
-    assert pwrap.fsdp2_reduce_dtype("auto", 2) is None  # None: FSDP2 reduces in the parameters' dtype
+    assert pwrap.fsdp2_reduce_dtype("auto", 2) is None  # None: FSDP2 reduces in its compute dtype, bf16
     assert pwrap.fsdp2_reduce_dtype("fp32", 2) is torch.float32
     assert pwrap.fsdp2_reduce_dtype("fp32", 1) is None  # one rank: nothing is reduced, nothing to widen
+    mixed = frozenset({torch.bfloat16, torch.float32})  # fp32 adapters train: their gradients stay fp32
+    assert pwrap.fsdp2_reduce_dtype("auto", 2, mixed) is torch.float32
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2).to(torch.bfloat16), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    assert pwrap.trained_dtypes(model) == {torch.float32}
     with pytest.raises(ValueError, match="reduce_dtype must be auto or fp32"):
         pwrap.fsdp2_reduce_dtype("bf16", 2)
     from novatune.train.config import ConfigError, load
 
     with pytest.raises(ConfigError, match="parallel.reduce_dtype"):
         load(None, ["parallel.strategy=fsdp2", "parallel.reduce_dtype=fp16"])
+    with pytest.raises(ConfigError, match="parallel.reduce_dtype.*applies to fsdp2"):  # DDP would ignore it
+        load(None, ["parallel.strategy=ddp", "parallel.reduce_dtype=fp32"])
 
 
 def test_fsdp2_over_one_process_hands_the_gradients_to_the_shards_without_a_reduction(monkeypatch):
