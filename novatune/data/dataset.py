@@ -112,6 +112,13 @@ class BatchStream:
         per = self.micro_batch * self.world
         return len(self.rows) // per + (len(self.rows) % per >= self.world)
 
+    def left_in_epoch(self) -> int:
+        """Global micro-batches left in the current epoch (a used-up epoch: the whole next one)."""
+        if self.index + self.world > len(self._order):
+            return self.batches_per_epoch
+        rest, per = len(self._order) - self.index, self.micro_batch * self.world
+        return rest // per + (rest % per >= self.world)
+
     def _make_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.rows)))

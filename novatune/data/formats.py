@@ -7,12 +7,18 @@ itself; elsewhere -100). Formats:
   alpaca             {"instruction", "input"?, "output"}                 loss_on: all | completion (= the output)
   messages           {"messages": [{"role", "content"}, ...]}            loss_on: all | assistant (= assistant turns)
   prompt_completion  {"prompt", "completion"}                            loss_on: all | completion
+                     (strings, or TRL's conversational form: two lists of messages, rendered by the chat template)
   tokens             {"input_ids": [...], "labels"?: [...]}             pre-tokenized (the synthetic source)
+
+Text fields must be strings: a list or a number is refused, never trained as its Python repr.
 
 Assistant-only masks for `messages` are found without relying on `{% generation %}` markers: the chat template
 renders messages[:i] (+ generation prompt) and messages[:i+1]; the characters between the two renderings are the
 assistant turn i, mapped to tokens through the fast tokenizer's offsets. The renderings must be prefixes of the
-full conversation (true of ChatML, Llama 3 and Qwen templates); if not, we say so and how to fix it.
+full conversation: true of ChatML and Llama 3 templates, and of any conversation with one assistant turn; not of
+templates that rewrite earlier turns (Qwen3's drops earlier turns' reasoning, Phi-3's and GPT-OSS's too), where a
+multi-turn conversation is refused with the fix. Messages keep every key the template may read (tool_calls,
+reasoning_content, name, tool_call_id, ...), not only role and content.
 """
 from __future__ import annotations
 
@@ -60,6 +66,16 @@ def _get(record: dict, key: str, fmt: str):
     return record[key]
 
 
+def _text(record: dict, key: str, fmt: str) -> str:
+    """A text field, which must be a string: str() of a list or a number would train on its Python repr."""
+    value = _get(record, key, fmt)
+    if not isinstance(value, str):
+        raise DataError(f"a {fmt} record has {key!r} of type {type(value).__name__} ({str(value)[:60]!r}); it must "
+                        f"be text: fix the data (a list of chat messages belongs in the messages format, or in "
+                        f"both prompt and completion as lists)")
+    return value
+
+
 def _encode(tok, text: str, special: bool) -> list[int]:
     return tok(text, add_special_tokens=special)["input_ids"]
 
@@ -86,10 +102,14 @@ def _normalise_messages(msgs) -> list[dict]:
                             f"of {', '.join(CHAT_ROLES)} (ShareGPT 'from': human, gpt, system), or rename the role "
                             f"in the data")
         content = m.get("content", "")
-        if not isinstance(content, str):  # null (an OpenAI tool-call turn) or a parts list: templates need text
+        if content is None and m.get("tool_calls"):  # an OpenAI tool-call turn: the template renders the calls
+            content = ""
+        if not isinstance(content, str):  # null or a parts list: templates need text
             raise DataError(f"message {i} ({m['role']}) has content {content!r}; chat data needs text content in "
                             f"every message: fill it in or drop that message from the data")
-        out.append({"role": m["role"], "content": content})
+        # every other key stays: templates render tool_calls, reasoning_content, name, tool_call_id ...
+        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": m["role"],
+                    "content": content})
     return out
 
 
@@ -102,7 +122,10 @@ def _render_prefix(render, msgs: list[dict]) -> str:
         return ""
 
 
-def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None) -> Doc:
+def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None, prompt_turns: int | None = None) -> Doc:
+    """The conversation rendered by the chat template, with its loss mask: every token, the assistant turns, or
+    (`prompt_turns`: TRL's conversational prompt/completion) everything after the first `prompt_turns` messages
+    and the generation prompt."""
     def render(ms, gen=False):
         from jinja2 import TemplateError
 
@@ -119,6 +142,13 @@ def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None) -> D
     ids = enc["input_ids"]
     if loss_on == "all":
         return ids, [True] * len(ids)
+    if prompt_turns is not None:
+        before = _render_prefix(render, msgs[:prompt_turns])
+        if not full.startswith(before):
+            raise DataError("data.chat_template: this template does not render the prompt messages as a prefix of "
+                            "the whole conversation (so the completion cannot be located); set data.chat_template "
+                            "to a template without history rewriting, or data.loss_on: all")
+        return ids, [start >= len(before) for start, _ in enc["offset_mapping"]]
     spans = []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
@@ -163,22 +193,34 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
                         "folder (or model.name to a local model folder that has one)")
     if fmt == "text":
         def f(r):
-            ids = _eos(tok, _encode(tok, str(_get(r, "text", fmt)), True), add_eos)
+            ids = _eos(tok, _encode(tok, _text(r, "text", fmt), True), add_eos)
             return ids, [True] * len(ids)
         return f
     if fmt in ("alpaca", "prompt_completion"):
         def f(r):
             if fmt == "alpaca":
                 inp = r.get("input") or ""
+                if not isinstance(inp, str):
+                    _text(r, "input", fmt)  # raises, naming the field
                 prompt = ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if inp
-                                              else "", instruction=_get(r, "instruction", fmt),
+                                              else "", instruction=_text(r, "instruction", fmt),
                                               input=f"### Input:\n{inp}\n\n" if inp else "")
-                completion = str(_get(r, "output", fmt))
+                completion = _text(r, "output", fmt)
+            elif isinstance(r.get("prompt"), list) and isinstance(r.get("completion"), list):
+                return _conversational(r)
             else:
-                prompt, completion = str(_get(r, "prompt", fmt)), str(_get(r, "completion", fmt))
+                prompt, completion = _text(r, "prompt", fmt), _text(r, "completion", fmt)
             p = _encode(tok, prompt, True)
             c = _eos(tok, _encode(tok, completion, False), add_eos)
             return p + c, [not partial] * len(p) + [True] * len(c)
+
+        def _conversational(r):  # TRL's conversational prompt/completion: the chat template renders both
+            if chat_template is None and not getattr(tok, "chat_template", None):
+                raise DataError("data.chat_template: conversational prompt/completion records need a chat "
+                                "template and the tokenizer has none; set data.chat_template (text or a .jinja path)")
+            prompt, completion = _normalise_messages(r["prompt"]), _normalise_messages(r["completion"])
+            return messages_doc(tok, prompt + completion, loss_on, chat_template,
+                                prompt_turns=len(prompt) if partial else None)
         return f
     if fmt == "messages":
         if chat_template is None and not getattr(tok, "chat_template", None):

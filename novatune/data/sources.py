@@ -3,11 +3,17 @@
 Every source yields plain dict records (`{"messages": [...]}`, `{"text": ...}`, ...); the synthetic source yields
 pre-tokenized documents (`{"input_ids": [...]}`). Paths may be a file, a directory of such files, or a folder
 written by `datasets.Dataset.save_to_disk`. `assets:NAME` names a file shipped in novatune/assets.
+
+A folder of files is split by the files' names as `datasets` splits a data folder: a name with the word train,
+test (testing, eval, evaluation) or validation (valid, val, dev) belongs to that split, and the source's `split:`
+picks the files (train by default); where no name says a split, every file is train. A `save_to_disk` folder of
+one Dataset has no other split.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,18 +46,47 @@ def detect_type(path: Path) -> str | None:
     return FILE_TYPES.get(path.suffix.lower())
 
 
-def _files(path: Path, kind: str) -> list[Path]:
+# the words that put a data file in a split, as `datasets` reads a data folder's file names
+SPLIT_WORDS = {"train": ("train", "training"), "test": ("test", "testing", "eval", "evaluation"),
+               "validation": ("validation", "valid", "val", "dev")}
+
+
+def split_of(file: Path) -> str | None:
+    """The split a data file's name says (a whole word of its name: `train.jsonl`, `data-test-00.parquet`)."""
+    words = set(re.split(r"[^a-z0-9]+", file.name.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def _files(path: Path, kind: str, split: str = "train") -> list[Path]:
+    """The files of one split: `path` itself, or the folder's files of `kind` whose names say `split` (all of them,
+    for train, where no name says a split)."""
     if path.is_file():
         return [path]
-    suffixes = [s for s, k in FILE_TYPES.items() if k == kind]
-    return sorted(f for f in path.iterdir() if f.suffix in suffixes)
+    suffixes = [s for s, k in FILE_TYPES.items() if k == kind] or [f".{kind}"]
+    files = sorted(f for f in path.iterdir() if f.suffix.lower() in suffixes)
+    named = {f: split_of(f) for f in files}
+    if not any(named.values()):
+        if split != "train" and files:
+            raise DataError(f"{path}: no file name says a split (train / test / validation), so every file is "
+                            f"train; set split: train, or name the files by split (e.g. test.jsonl)")
+        return files
+    chosen = [f for f, sp in named.items() if sp == split]
+    if not chosen:
+        found = sorted({sp or "train (no split in the name)" for sp in named.values()})
+        raise DataError(f"{path}: no {split} files (the names give: {', '.join(found)}); set split: to one of "
+                        f"them, or name the files by split")
+    unnamed = [f.name for f, sp in named.items() if sp is None]
+    if unnamed:
+        raise DataError(f"{path}: some file names say a split and {', '.join(unnamed[:3])} do not; name every "
+                        f"file by its split, or move the others out of the folder")
+    return chosen
 
 
 def read_jsonl(path: Path) -> Iterator[dict]:
     with open(path, "rb") as f:  # bytes: a bad byte is reported with its line number
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").strip()
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()  # a byte-order mark may open the file
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                 f"re-save the file as UTF-8 or fix that line") from None
@@ -66,7 +101,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 
 def read_json(path: Path) -> Iterator[dict]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark may open the file
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); re-save the "
                         f"file as UTF-8") from None
@@ -109,15 +144,29 @@ def read_datasets(path: Path, split: str) -> Iterator[dict]:
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv", "txt": "text"}.get(kind)
         if builder is None:
             raise DataError(f"{path}: datasets cannot read .{kind} files here; use jsonl, json, parquet, csv or txt")
-        files = [str(f) for f in _files(path, kind)] if path.is_dir() else [str(path)]
-        yield from datasets.load_dataset(builder, data_files=files, split="train")
+        files = [str(f) for f in _files(path, kind, split)] if path.is_dir() else [str(path)]
+        options = {"features": _text_columns(datasets, files[0])} if builder == "csv" and files else {}
+        yield from datasets.load_dataset(builder, data_files=files, split="train", **options)
         return
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"{path}: no split {split!r} (splits: {', '.join(ds)}); set split: to one of them")
         ds = ds[split]
+    elif split != "train":
+        raise DataError(f"{path}: a save_to_disk folder of one Dataset has no split {split!r}; set split: train, or "
+                        f"save a DatasetDict with that split")
     yield from ds
+
+
+def _text_columns(datasets, csv_file: str):
+    """Every column of a CSV file as text: `datasets` infers column types otherwise, and a completion "007" would
+    train as 7.0, "1.50" as 1.5."""
+    import csv
+
+    with open(csv_file, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def synthetic_docs(num_docs: int, vocab_size: int, median_length: int = 600, sigma: float = 0.7,
@@ -154,13 +203,13 @@ def load_source(src, base_dir: Path | None = None, vocab_size: int | None = None
     kind = src.type if src.type != "auto" else detect_type(path)
     if kind is None:
         raise DataError(f"{key}.type: cannot tell the format of {path}; set type: to jsonl, json, parquet or "
-                        f"datasets")
+                        f"datasets (which also reads .csv and .txt files)")
     out: list[dict] = []
     if kind == "datasets":
         it: Iterator[dict] = read_datasets(path, src.split)
     else:
         readers = {"jsonl": read_jsonl, "json": read_json, "parquet": read_parquet}
-        files = _files(path, kind)
+        files = _files(path, kind, src.split)
         if not files:
             raise DataError(f"{key}.path: {path} holds no .{kind} files; point it at a file or set type:")
         it = (r for f in files for r in readers[kind](f))

@@ -47,7 +47,7 @@ class ModelConfig:
 class SourceConfig:
     path: str | None = None  # file, directory of files, or a `datasets` save_to_disk folder
     type: Literal["auto", "jsonl", "json", "parquet", "datasets", "synthetic"] = "auto"
-    split: str = "train"  # for DatasetDict folders
+    split: str = "train"  # a DatasetDict folder's split, or a data folder's files named by split (test.jsonl)
     limit: int | None = None  # keep only the first N records
     # synthetic: random token documents with log-normal lengths (the benchmark workload)
     num_docs: int = 1000

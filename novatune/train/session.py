@@ -232,8 +232,13 @@ class Session:
         return getattr(inner, "get_base_model", lambda: inner)().config
 
     def next_micro_batches(self) -> list[dict]:
-        """The next optimizer step's `grad_accum` micro-batches (host tensors, document offsets computed)."""
-        return [self.stream.next() for _ in range(self.cfg.train.grad_accum)]
+        """The next optimizer step's `grad_accum` micro-batches (host tensors, document offsets computed). A run
+        measured in epochs (train.epochs, no max_steps) ends each epoch with a step of what is left of it, as
+        HF Trainer does: rows of the next epoch never join it, so a one-epoch run trains each row once."""
+        n = self.cfg.train.grad_accum
+        if not self.cfg.train.max_steps:
+            n = min(n, self.stream.left_in_epoch())
+        return [self.stream.next() for _ in range(n)]
 
     def batches(self, steps: int, pin: bool | None = None) -> list[list[dict]]:
         """The next `steps` optimizer steps' micro-batches, collated up front; pinned on CUDA, so each copy to the
@@ -456,8 +461,10 @@ def build(cfg, base_dir: Path | None = None, console=None, before_model: Callabl
     stream = BatchStream(data.rows, cfg.train.micro_batch, seed, cfg.data.shuffle, pad_id=pad_id_of(tokenizer),
                          rank=dist.rank, world=dist.world, pad_to=row_padding(cfg))
     if total_steps is None:
-        total_steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * stream.batches_per_epoch
-                                                       / cfg.train.grad_accum)
+        # an epoch is ceil(micro-batches / grad_accum) steps, its last one short (next_micro_batches), as HF
+        # Trainer counts them (max_steps = ceil(epochs x update steps per epoch))
+        total_steps = cfg.train.max_steps or math.ceil(
+            cfg.train.epochs * math.ceil(stream.batches_per_epoch / cfg.train.grad_accum))
     sched = build_scheduler(opt, cfg.train, total_steps)
     return Session(cfg, model, tokenizer, data, stream, opt, sched, report, device, dtype, total_steps,
                    packed_kwargs_mode(cfg, report), weights, dist, memory_plan)

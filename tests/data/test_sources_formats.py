@@ -226,3 +226,93 @@ def test_broken_inline_chat_template_is_a_data_error(tok):
     f = make_tokenize("messages", tok, "assistant", "{% for m in messages %}{{ m.content }")
     with pytest.raises(DataError, match="data.chat_template: the chat template fails to render: TemplateSyntaxError"):
         f({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+
+
+def test_conversational_prompt_completion_goes_through_the_chat_template(tok):
+    """TRL's conversational prompt/completion (two lists of messages): the chat template renders prompt +
+    completion, and loss_on completion trains what follows the prompt's generation prompt. Before, str() of each
+    list trained on its Python repr."""
+    rec = {"prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+           "completion": [{"role": "assistant", "content": "4"}]}
+    ids, mask = make_tokenize("prompt_completion", tok, loss_on="completion")(rec)
+    whole = tok.apply_chat_template(rec["prompt"] + rec["completion"], tokenize=False)
+    assert tok.decode(ids) == whole and "'role'" not in tok.decode(ids)
+    assert _trained_text(tok, (ids, mask)).strip() == "4<|im_end|>"
+    assert all(make_tokenize("prompt_completion", tok, loss_on="all")(rec)[1])
+
+
+@pytest.mark.parametrize("fmt,rec,field", [
+    ("text", {"text": ["a", "b"]}, "text"),
+    ("prompt_completion", {"prompt": "2 + 2 =", "completion": 4}, "completion"),
+    ("prompt_completion", {"prompt": [{"role": "user", "content": "hi"}], "completion": "hello"}, "prompt"),
+    ("alpaca", {"instruction": "Add.", "input": ["2", "3"], "output": "5"}, "input"),
+])
+def test_a_text_field_that_is_not_text_is_a_data_error(tok, fmt, rec, field):
+    with pytest.raises(DataError, match=f"'{field}' of type"):
+        make_tokenize(fmt, tok, loss_on="all")(rec)
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                 "{% for c in m.get('tool_calls', []) %}{{ 'CALL ' + c['function']['name'] }}{% endfor %}"
+                 "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% endif %}")
+
+
+def test_tool_calls_reach_the_chat_template_and_are_trained(tok):
+    """A message's other keys (tool_calls, reasoning_content, name, ...) go to the template; an assistant turn
+    that only calls a tool (content null) trains on the call. Before, only role and content were kept: the call
+    trained as an empty answer."""
+    rec = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                        {"role": "assistant", "content": None,
+                         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                        {"role": "tool", "content": "12 C", "name": "get_weather"},
+                        {"role": "assistant", "content": "It is 12 C."}]}
+    ids, mask = make_tokenize("messages", tok, loss_on="assistant", chat_template=TOOL_TEMPLATE)(rec)
+    trained = _trained_text(tok, (ids, mask))
+    assert "CALL get_weather" in trained and "It is 12 C." in trained and "Oslo" not in trained
+
+
+def test_a_folder_is_split_by_its_file_names(tmp_path):
+    """train.jsonl and test.jsonl in one folder: split: picks the files (train by default), as datasets reads a
+    data folder. Before, every file was read whatever split said, test rows first."""
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for split, n in (("train", 3), ("test", 2)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"{split} {i}"}) + "\n" for i in range(n)))
+    train = load_source(SourceConfig(path=str(folder)))
+    assert [r["text"] for r in train] == ["train 0", "train 1", "train 2"]
+    assert [r["text"] for r in load_source(SourceConfig(path=str(folder), split="test"))] == ["test 0", "test 1"]
+    with pytest.raises(DataError, match="no validation files"):
+        load_source(SourceConfig(path=str(folder), split="validation"))
+    (folder / "extra.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match="extra.jsonl do not"):
+        load_source(SourceConfig(path=str(folder)))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    assert len(load_source(SourceConfig(path=str(plain)))) == 1
+    with pytest.raises(DataError, match="no file name says a split"):
+        load_source(SourceConfig(path=str(plain), split="test"))
+
+
+def test_a_saved_dataset_without_splits_refuses_another_split(tmp_path):
+    p = _write(tmp_path, "datasets")
+    assert len(load_source(SourceConfig(path=str(p)))) == len(RECORDS)
+    with pytest.raises(DataError, match="has no split 'test'"):
+        load_source(SourceConfig(path=str(p), split="test"))
+
+
+def test_csv_columns_stay_text(tmp_path):
+    """Through `datasets`, a CSV completion "007" stays "007" (type inference made it 7.0)."""
+    pytest.importorskip("datasets")
+    p = tmp_path / "d.csv"
+    p.write_text('prompt,completion\n"Agent number?",007\n"Price?",1.50\n')
+    recs = load_source(SourceConfig(path=str(p), type="datasets"))
+    assert [r["completion"] for r in recs] == ["007", "1.50"]
+
+
+def test_a_byte_order_mark_opens_a_file_without_error(tmp_path):
+    for name, body in (("b.jsonl", json.dumps({"text": "hi"}) + "\n"), ("b.json", json.dumps([{"text": "hi"}]))):
+        p = tmp_path / name
+        p.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert load_source(SourceConfig(path=str(p))) == [{"text": "hi"}]

@@ -104,3 +104,22 @@ def test_stock_gpt_oss_on_packed_rows_is_warned_about(make_cfg):
     assert "not applied to every layer" in stock_packing_crosses_documents(stock, attention_off, gpt_oss)
     assert stock_packing_crosses_documents(unpacked, None, gpt_oss) is None
     assert stock_packing_crosses_documents(stock, None, qwen3) is None
+
+
+def test_an_epoch_ends_with_a_short_step_and_trains_each_row_once(make_cfg):
+    """train.epochs without max_steps: each epoch is ceil(micro-batches / grad_accum) steps, the last one holding
+    what is left of the epoch (HF Trainer's count), so no row of the next epoch joins it and a one-epoch run
+    trains every row exactly once. Before, the last step filled up with the next epoch's first rows."""
+    session = build(make_cfg(train={"max_steps": None, "epochs": 2, "micro_batch": 1, "grad_accum": 4}))
+    rows = len(session.stream.rows)
+    per_epoch = -(-rows // 4)
+    assert rows % 4 and session.total_steps == 2 * per_epoch  # a short last step exists
+    seen, sizes = [], []
+    for _ in range(session.total_steps):
+        mbs = session.next_micro_batches()
+        sizes.append(len(mbs))
+        seen += [mb["input_ids"][0].tolist() for mb in mbs]
+    assert sizes == ([4] * (per_epoch - 1) + [rows % 4]) * 2
+    first, second = seen[:rows], seen[rows:]
+    assert len(first) == len(second) == rows
+    assert len({tuple(r) for r in first}) == len({tuple(r) for r in second}) == rows  # each epoch: every row once
