@@ -95,7 +95,9 @@ class BatchStream:
     the counts of the whole global micro-batch (`global_target_tokens`, `global_tokens`, `global_attn_keys`),
     computed from the rows on every rank without communication: the loss of a step is normalised by the target
     tokens of all ranks. The state (epoch, index) is global, so a checkpoint resumes under another world size. A
-    global micro-batch at an epoch's end with fewer rows than ranks (one rank would get none) is skipped."""
+    global micro-batch at an epoch's end with fewer rows than ranks still trains them, as one process would: a
+    rank left without a row runs a copy of one with no target token (`_idle_row`), so every rank runs the step's
+    forward, backward and collectives while adding nothing to the loss, the gradients or the global counts."""
 
     def __init__(self, rows: list[list[Doc]], micro_batch: int, seed: int = 0, shuffle: bool = True,
                  pad_id: int = 0, rank: int = 0, world: int = 1, pad_to: int | None = None):
@@ -108,16 +110,14 @@ class BatchStream:
 
     @property
     def batches_per_epoch(self) -> int:
-        """Global micro-batches per epoch (each holds micro_batch rows on every rank)."""
-        per = self.micro_batch * self.world
-        return len(self.rows) // per + (len(self.rows) % per >= self.world)
+        """Global micro-batches per epoch (each holds micro_batch rows on every rank; the last may hold fewer)."""
+        return -(-len(self.rows) // (self.micro_batch * self.world))
 
     def left_in_epoch(self) -> int:
         """Global micro-batches left in the current epoch (a used-up epoch: the whole next one)."""
-        if self.index + self.world > len(self._order):
+        if self.index >= len(self._order):
             return self.batches_per_epoch
-        rest, per = len(self._order) - self.index, self.micro_batch * self.world
-        return rest // per + (rest % per >= self.world)
+        return -(-(len(self._order) - self.index) // (self.micro_batch * self.world))
 
     def _make_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -126,14 +126,15 @@ class BatchStream:
         return torch.randperm(len(self.rows), generator=g).tolist()
 
     def next(self) -> dict:
-        if self.index + self.world > len(self._order):  # world 1: the epoch is used up
+        if self.index >= len(self._order):  # the epoch is used up
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._make_order(self.epoch)
         take = self._order[self.index: self.index + self.micro_batch * self.world]
         self.index += len(take)
         if self.world == 1:
             return collate([self.rows[i] for i in take], self.pad_id, self.pad_to)
-        batch = collate([self.rows[i] for i in take[self.rank::self.world]], self.pad_id, self.pad_to)
+        mine = [self.rows[i] for i in take[self.rank::self.world]] or [self._idle_row(self.rows[take[0]])]
+        batch = collate(mine, self.pad_id, self.pad_to)
         if self._counts is None:  # the rows never change after packing: count them once, not per micro-batch
             self._counts = [row_counts(r) for r in self.rows]
         counts = [self._counts[i] for i in take]
@@ -141,6 +142,11 @@ class BatchStream:
         batch["global_tokens"] = sum(c[1] for c in counts)
         batch["global_attn_keys"] = sum(c[2] for c in counts)
         return batch
+
+    @staticmethod
+    def _idle_row(row: list[Doc]) -> list[Doc]:
+        """`row` with no target token: what a rank runs when the global micro-batch has no row left for it."""
+        return [(ids, [False] * len(ids)) for ids, _ in row]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "rows": len(self.rows)}

@@ -372,7 +372,7 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     import yaml
     from safetensors.torch import load_file
 
-    from novatune.train.checkpoint import verify
+    from novatune.train.checkpoint import is_sharded, verify
     from novatune.train.config import from_dict
     from novatune.train.nonfinite import nonfinite_names
     from novatune.train.session import build_patched_model
@@ -392,7 +392,16 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     mcfg = cfg.model
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
     model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd(), select=selection_for)
-    weights = load_file(str(ck / "weights.safetensors"), device=str(device))
+    if is_sharded(ck):  # a multi-process run's checkpoint (DCP shards): read into this one-process model
+        from novatune.train.checkpoint import CheckpointError
+        from novatune.train.sharded_checkpoint import read_model_weights
+
+        try:
+            weights = read_model_weights(ck, model)
+        except CheckpointError as e:
+            raise EvalError(f"--model: {e}; give an intact checkpoint or the run's export (final/)") from None
+    else:
+        weights = load_file(str(ck / "weights.safetensors"), device=str(device))
     bad = nonfinite_names(weights)
     if bad:
         raise EvalError(f"--model: checkpoint {ck} is damaged: {len(bad)} tensor(s) hold NaN/inf ({bad[0]}, ...); "

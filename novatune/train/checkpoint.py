@@ -333,11 +333,12 @@ def load(path: str | Path, model, optimizer, scheduler, device: torch.device, di
 
 
 def is_sharded(path: Path) -> bool:
-    """A checkpoint written by torch.distributed.checkpoint (its manifest names the sharded layout)."""
+    """A checkpoint written by torch.distributed.checkpoint (its manifest names the sharded layout; without a
+    readable manifest, its dcp/ folder says so, and verify() reports the manifest as the damage)."""
     try:
         return json.loads((Path(path) / "manifest.json").read_text()).get("layout") == SHARDED_LAYOUT
     except (OSError, ValueError):
-        return False
+        return (Path(path) / "dcp").is_dir()
 
 
 def set_aside(path: Path) -> Path:

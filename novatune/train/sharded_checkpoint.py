@@ -175,6 +175,21 @@ def load(path: Path, model, optimizer, scheduler, dist: Dist | None = None) -> d
     return state
 
 
+def read_model_weights(path: Path, model) -> dict[str, torch.Tensor]:
+    """The model part of a verified DCP checkpoint, read into a plain one-process `model` (`novatune eval` on a
+    multi-process run's checkpoint): the model's own tensors are filled in place and returned by parameter name."""
+    problems = ckpt.verify(path)
+    if problems:
+        raise ckpt.CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    model_sd = get_model_state_dict(model)
+    try:
+        dcp.load({"model": model_sd}, checkpoint_id=str(path / "dcp"))
+    except Exception as e:  # noqa: BLE001  (DCP reports missing keys or shapes as various exception types)
+        raise ckpt.CheckpointMismatch(f"{path} does not match the model its config builds ({str(e)[:300]})") from None
+    names = {n for n, _ in model.named_parameters()}
+    return {n: t for n, t in _local(model_sd).items() if n in names}
+
+
 def full_state_on_rank0(model) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0's CPU (empty on the other ranks); a collective: every rank calls it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

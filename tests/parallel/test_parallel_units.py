@@ -49,13 +49,25 @@ def test_rank_r_takes_rows_r_r_plus_world():
     assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 
-def test_an_epoch_end_with_fewer_rows_than_ranks_is_skipped():
+def test_an_epoch_end_with_fewer_rows_than_ranks_trains_them_and_idles_the_rank_left_without_one():
+    """5 rows, 2 ranks x 2: the second global micro-batch holds row 4 alone. Rank 0 trains it; rank 1 runs a copy
+    of it with no target token (every rank runs the step), and the global counts are row 4's alone."""
     data = rows(5)
-    s = BatchStream(data, micro_batch=2, seed=0, shuffle=False, rank=1, world=2)
-    assert s.batches_per_epoch == 1  # 4 rows, then 1 row for 2 ranks: skipped
-    s.next()
-    s.next()
-    assert s.epoch == 1 and s.index == 4
+    ranks = [BatchStream(data, micro_batch=2, seed=0, shuffle=False, rank=r, world=2) for r in range(2)]
+    assert ranks[1].batches_per_epoch == 2 and ranks[1].left_in_epoch() == 2
+    for s in ranks:
+        s.next()
+    assert ranks[1].left_in_epoch() == 1
+    last = [s.next() for s in ranks]
+    alone = collate([data[4]])
+    assert torch.equal(last[0]["input_ids"], alone["input_ids"]) and torch.equal(last[0]["labels"], alone["labels"])
+    assert torch.equal(last[1]["input_ids"], alone["input_ids"]) and last[1]["num_target_tokens"] == 0
+    assert (last[1]["labels"] == -100).all()
+    for b in last:
+        assert b["global_target_tokens"] == alone["num_target_tokens"] and b["global_tokens"] == alone["num_tokens"]
+    assert ranks[1].left_in_epoch() == 2  # the epoch is used up: the next one's
+    ranks[1].next()
+    assert ranks[1].epoch == 1 and ranks[1].index == 4
 
 
 def test_nproc_relaunches_under_torchrun():

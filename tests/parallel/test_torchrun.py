@@ -175,6 +175,54 @@ def test_a_damaged_shard_is_caught_before_resuming(fsdp_two, tmp_path):
     assert any("__1_0.distcp does not match its checksum" in p for p in ckpt.verify(ck))
 
 
+def test_a_checkpoint_without_its_manifest_is_damaged_not_one_process(fsdp_two, tmp_path):
+    """A DCP checkpoint whose manifest.json is gone still reads as sharded (its dcp/ folder), so verify() names
+    the missing manifest and a resume sets it aside like any damage. Before, it read as a one-process checkpoint
+    and a multi-process resume stopped with "written by a one-process run"."""
+    import shutil
+
+    from novatune.train import checkpoint as ckpt
+
+    ck = tmp_path / "step_00000002"
+    shutil.copytree(fsdp_two / "checkpoints" / ck.name, ck)
+    (ck / "manifest.json").unlink()
+    assert ckpt.is_sharded(ck) and any("manifest.json" in p for p in ckpt.verify(ck))
+
+
+def test_eval_reads_a_two_process_checkpoint(one_proc, fsdp_two):
+    """`novatune eval --model <checkpoint>` of a multi-process run: its DCP shards are read into the one-process
+    model, equal to the one-process run's checkpoint of the same step. Before: FileNotFoundError."""
+    from novatune.eval.exact_match import load_model
+
+    step = "step_00000004"
+    two, _, _ = load_model(str(fsdp_two / "checkpoints" / step), None, "demo", device="cpu", dtype="fp32")
+    one, _, _ = load_model(str(one_proc / "checkpoints" / step), None, "demo", device="cpu", dtype="fp32")
+    a, b = dict(one.named_parameters()), dict(two.named_parameters())
+    assert a.keys() == b.keys()
+    for name, t in a.items():
+        rel = ((t - b[name]).abs().max() / t.abs().max().clamp_min(1e-6)).item()
+        assert rel < 1e-4, (name, rel)
+    earlier, _, _ = load_model(str(fsdp_two / "checkpoints" / "step_00000002"), None, "demo", device="cpu",
+                               dtype="fp32")
+    assert any(not torch.equal(t, b[n]) for n, t in earlier.named_parameters())  # the steps' own weights
+
+
+def test_an_epoch_end_with_fewer_rows_than_processes_trains_them_as_one_process_does(tmp_path):
+    """One epoch of 11 rows: one process runs 6 micro-batches of 2 rows (the last holds 1) over 3 steps; 2
+    processes the same 6 global micro-batches, rank 1 running a row with no target token in the last one. Before,
+    2 processes skipped that row: a step less, another schedule, losses apart from the step it fell in."""
+    epoch = ["--set", "train.max_steps=null", "--set", "train.epochs=1", "--set", "data.sources.0.limit=20"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli(one, *ONE, *epoch)
+    torchrun(two, *TWO, *epoch, "--set", "parallel.strategy=ddp")
+    ref, got = losses(one), losses(two)
+    assert sorted(ref) == sorted(got) == [1, 2, 3]
+    assert_same_losses(got, ref, [1, 2, 3])
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (one, two)]
+    assert summaries[0]["tokens"] == summaries[1]["tokens"]  # the idle row's tokens are not counted
+    assert_same_weights(one / "final", two / "final")
+
+
 def test_ddp_two_processes_equal_one(one_proc, tmp_path):
     out = tmp_path / "run"
     train_cli(out, *TWO, "--set", "parallel.strategy=ddp", nproc=2)
