@@ -43,14 +43,15 @@ def torchrun_command(nproc: int, argv: list[str], module: str = "novatune") -> l
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Run `novatune <argv>` under torchrun with `nproc` processes on this host; returns its exit code.
 
-    This process only waits. Ctrl-C reaches torchrun and the workers from the terminal (one process group), so it
-    is not sent again (a second SIGINT aborts a worker mid-step); a SIGTERM sent to this process alone is passed
-    to torchrun, which passes it to the workers: they finish the step, save and exit."""
+    This process only waits. Ctrl-C in a terminal reaches torchrun and the workers from the terminal (the
+    foreground process group), so it is not sent again (a second SIGINT aborts a worker mid-step); a SIGINT sent to
+    this process alone (a job manager, an IDE, `kill -INT`, or no terminal at all) and a SIGTERM are passed to
+    torchrun, which passes them to the workers: they finish the step, save and exit."""
     with tempfile.TemporaryDirectory(prefix="novatune-exit-") as exit_dir:
         proc = subprocess.Popen(torchrun_command(nproc, argv), env={**os.environ, EXIT_DIR_ENV: exit_dir})
 
         def on_signal(signum, frame) -> None:
-            if signum != signal.SIGINT:
+            if signum != signal.SIGINT or not _in_terminal_foreground():
                 proc.send_signal(signum)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -60,6 +61,21 @@ def relaunch(nproc: int, argv: list[str]) -> int:
             for s, handler in old.items():
                 signal.signal(s, handler)
         return rank_exit_code(Path(exit_dir), launcher_code, nproc)
+
+
+def _in_terminal_foreground() -> bool:
+    """Whether this process is in its terminal's foreground process group: where Ctrl-C signals every process of
+    the group, torchrun and the workers included."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:  # no controlling terminal
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def record_rank_exit(code: int) -> None:
