@@ -39,13 +39,15 @@ class PackStats:
         return self.tokens / max(1, self.rows * self.max_length)
 
     def summary(self) -> str:
-        s = (f"{self.docs} documents -> {self.rows} rows of {self.max_length} tokens, packing efficiency "
+        pieces = f" ({self.docs} pieces)" if self.docs != self.docs_in else ""
+        s = (f"{self.docs_in} documents{pieces} -> {self.rows} rows of {self.max_length} tokens, packing efficiency "
              f"{100 * self.efficiency:.1f}%, {self.tokens:,} tokens ({self.targets:,} with loss)")
         extra = [f"{n} {what}" for n, what in ((self.split, "over-long documents split"),
                                                 (self.row_end_cuts, "documents cut at a row end (greedy packing)"),
                                                 (self.dropped, "over-long documents dropped"),
                                                 (self.truncated, "over-long documents truncated"),
-                                                (self.empty, "empty documents skipped")) if n]
+                                                (self.empty, "documents or pieces with nothing to train "
+                                                             "(under 2 tokens, or no target token) skipped")) if n]
         return s + ("; " + ", ".join(extra) if extra else "")
 
     def to_dict(self) -> dict:
