@@ -96,8 +96,9 @@ class BatchStream:
     computed from the rows on every rank without communication: the loss of a step is normalised by the target
     tokens of all ranks. The state (epoch, index) is global, so a checkpoint resumes under another world size. A
     global micro-batch at an epoch's end with fewer rows than ranks still trains them, as one process would: a
-    rank left without a row runs a copy of one with no target token (`_idle_row`), so every rank runs the step's
-    forward, backward and collectives while adding nothing to the loss, the gradients or the global counts."""
+    rank left without a row runs a copy of one with no target token (`_idle_row`, marked `idle`: its loss is
+    multiplied by 0), so every rank runs the step's forward, backward and collectives while adding nothing to the
+    loss, the gradients or the counts."""
 
     def __init__(self, rows: list[list[Doc]], micro_batch: int, seed: int = 0, shuffle: bool = True,
                  pad_id: int = 0, rank: int = 0, world: int = 1, pad_to: int | None = None):
@@ -133,8 +134,10 @@ class BatchStream:
         self.index += len(take)
         if self.world == 1:
             return collate([self.rows[i] for i in take], self.pad_id, self.pad_to)
-        mine = [self.rows[i] for i in take[self.rank::self.world]] or [self._idle_row(self.rows[take[0]])]
-        batch = collate(mine, self.pad_id, self.pad_to)
+        mine = [self.rows[i] for i in take[self.rank::self.world]]
+        batch = collate(mine or [self._idle_row(self.rows[take[0]])], self.pad_id, self.pad_to)
+        if not mine:  # counted nowhere: no token of it is trained, its loss is multiplied by 0 (forward_backward)
+            batch.update(idle=True, num_tokens=0, attn_keys=0.0)
         if self._counts is None:  # the rows never change after packing: count them once, not per micro-batch
             self._counts = [row_counts(r) for r in self.rows]
         counts = [self._counts[i] for i in take]

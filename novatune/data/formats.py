@@ -22,6 +22,7 @@ reasoning_content, name, tool_call_id, ...), not only role and content.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from novatune.data.sources import DataError
@@ -107,10 +108,28 @@ def _normalise_messages(msgs) -> list[dict]:
         if not isinstance(content, str):  # null or a parts list: templates need text
             raise DataError(f"message {i} ({m['role']}) has content {content!r}; chat data needs text content in "
                             f"every message: fill it in or drop that message from the data")
-        # every other key stays: templates render tool_calls, reasoning_content, name, tool_call_id ...
-        out.append({**{k: v for k, v in m.items() if k not in ("from", "value")}, "role": m["role"],
-                    "content": content})
+        # every other key stays: templates render tool_calls, reasoning_content, name, tool_call_id ... (not the
+        # None a Parquet or datasets row gives every key it lacks: templates test `'tool_calls' in message`)
+        kept = {k: v for k, v in m.items() if k not in ("from", "value") and v is not None}
+        if kept.get("tool_calls"):
+            kept["tool_calls"] = [_call_with_parsed_arguments(c) for c in kept["tool_calls"]]
+        out.append({**kept, "role": m["role"], "content": content})
     return out
+
+
+def _call_with_parsed_arguments(call):
+    """OpenAI's data keeps a call's arguments as a JSON string; chat templates write them with `| tojson`
+    (Llama 3.1, Qwen2.5), which would encode the string a second time: a dict, as transformers' tool-use docs
+    give them. A string that is not a JSON object stays as it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _render_prefix(render, msgs: list[dict]) -> str:
@@ -123,9 +142,10 @@ def _render_prefix(render, msgs: list[dict]) -> str:
 
 
 def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None, prompt_turns: int | None = None) -> Doc:
-    """The conversation rendered by the chat template, with its loss mask: every token, the assistant turns, or
-    (`prompt_turns`: TRL's conversational prompt/completion) everything after the first `prompt_turns` messages
-    and the generation prompt."""
+    """The conversation rendered by the chat template, with its loss mask: every token, or the assistant turns;
+    with `prompt_turns` (TRL's conversational prompt/completion: the first `prompt_turns` messages are the prompt),
+    loss_on completion trains everything after the prompt and its generation prompt, loss_on assistant only the
+    completion's assistant turns (not a tool's output inside it)."""
     def render(ms, gen=False):
         from jinja2 import TemplateError
 
@@ -148,10 +168,11 @@ def messages_doc(tok, msgs: list[dict], loss_on: str, template: str | None, prom
             raise DataError("data.chat_template: this template does not render the prompt messages as a prefix of "
                             "the whole conversation (so the completion cannot be located); set data.chat_template "
                             "to a template without history rewriting, or data.loss_on: all")
-        return ids, [start >= len(before) for start, _ in enc["offset_mapping"]]
-    spans = []
+        if loss_on == "completion":
+            return ids, [start >= len(before) for start, _ in enc["offset_mapping"]]
+    spans = []  # assistant turns (of the completion, with prompt_turns): TRL's completion and assistant masks
     for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < (prompt_turns or 0):
             continue
         before, upto = _render_prefix(render, msgs[:i]), render(msgs[: i + 1])
         if not (full.startswith(upto) and upto.startswith(before)):
@@ -219,8 +240,7 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
                 raise DataError("data.chat_template: conversational prompt/completion records need a chat "
                                 "template and the tokenizer has none; set data.chat_template (text or a .jinja path)")
             prompt, completion = _normalise_messages(r["prompt"]), _normalise_messages(r["completion"])
-            return messages_doc(tok, prompt + completion, loss_on, chat_template,
-                                prompt_turns=len(prompt) if partial else None)
+            return messages_doc(tok, prompt + completion, loss_on, chat_template, prompt_turns=len(prompt))
         return f
     if fmt == "messages":
         if chat_template is None and not getattr(tok, "chat_template", None):

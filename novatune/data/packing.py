@@ -39,7 +39,7 @@ class PackStats:
         return self.tokens / max(1, self.rows * self.max_length)
 
     def summary(self) -> str:
-        pieces = f" ({self.docs} pieces)" if self.docs != self.docs_in else ""
+        pieces = f" ({self.docs} pieces)" if self.split or self.row_end_cuts else ""
         s = (f"{self.docs_in} documents{pieces} -> {self.rows} rows of {self.max_length} tokens, packing efficiency "
              f"{100 * self.efficiency:.1f}%, {self.tokens:,} tokens ({self.targets:,} with loss)")
         extra = [f"{n} {what}" for n, what in ((self.split, "over-long documents split"),

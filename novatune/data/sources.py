@@ -53,7 +53,7 @@ SPLIT_WORDS = {"train": ("train", "training"), "test": ("test", "testing", "eval
 
 def split_of(file: Path) -> str | None:
     """The split a data file's name says (a whole word of its name: `train.jsonl`, `data-test-00.parquet`)."""
-    words = set(re.split(r"[^a-z0-9]+", file.name.lower()))
+    words = set(re.split(r"[^a-z]+", file.name.lower()))  # digits separate words too, as in datasets: train0
     return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
 
 
@@ -70,15 +70,14 @@ def _files(path: Path, kind: str, split: str = "train") -> list[Path]:
             raise DataError(f"{path}: no file name says a split (train / test / validation), so every file is "
                             f"train; set split: train, or name the files by split (e.g. test.jsonl)")
         return files
-    chosen = [f for f, sp in named.items() if sp == split]
-    if not chosen:
-        found = sorted({sp or "train (no split in the name)" for sp in named.values()})
-        raise DataError(f"{path}: no {split} files (the names give: {', '.join(found)}); set split: to one of "
-                        f"them, or name the files by split")
     unnamed = [f.name for f, sp in named.items() if sp is None]
     if unnamed:
         raise DataError(f"{path}: some file names say a split and {', '.join(unnamed[:3])} do not; name every "
                         f"file by its split, or move the others out of the folder")
+    chosen = [f for f, sp in named.items() if sp == split]
+    if not chosen:
+        raise DataError(f"{path}: no {split} files (the names give: {', '.join(sorted(set(named.values())))}); "
+                        f"set split: to one of them, or name the files by split")
     return chosen
 
 
@@ -139,13 +138,17 @@ def read_datasets(path: Path, split: str) -> Iterator[dict]:
         import datasets
     except ImportError:
         raise DataError("type: datasets needs the `datasets` package: pip install datasets") from None
-    if path.is_file() or detect_type(path) not in (None, "datasets"):
-        kind = detect_type(path) or path.suffix.lstrip(".")
+    plain = {f.suffix.lower().lstrip(".") for f in path.iterdir() if f.is_file()} & {"csv", "txt"} \
+        if path.is_dir() and detect_type(path) is None else set()
+    if path.is_file() or detect_type(path) not in (None, "datasets") or len(plain) == 1:
+        kind = detect_type(path) or (plain.pop() if plain else path.suffix.lstrip("."))
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv", "txt": "text"}.get(kind)
         if builder is None:
             raise DataError(f"{path}: datasets cannot read .{kind} files here; use jsonl, json, parquet, csv or txt")
         files = [str(f) for f in _files(path, kind, split)] if path.is_dir() else [str(path)]
-        options = {"features": _text_columns(datasets, files[0])} if builder == "csv" and files else {}
+        # CSV: every column as text, and "None" / "N/A" / "nan" kept as the texts they are
+        options = {"features": _text_columns(datasets, files[0]), "keep_default_na": False} \
+            if builder == "csv" and files else {}
         yield from datasets.load_dataset(builder, data_files=files, split="train", **options)
         return
     ds = datasets.load_from_disk(str(path))
@@ -162,11 +165,10 @@ def read_datasets(path: Path, split: str) -> Iterator[dict]:
 def _text_columns(datasets, csv_file: str):
     """Every column of a CSV file as text: `datasets` infers column types otherwise, and a completion "007" would
     train as 7.0, "1.50" as 1.5."""
-    import csv
+    import pandas as pd
 
-    with open(csv_file, newline="", encoding="utf-8-sig") as f:
-        header = next(csv.reader(f), [])
-    return datasets.Features({name: datasets.Value("string") for name in header})
+    header = pd.read_csv(csv_file, nrows=0, encoding="utf-8-sig").columns  # pandas' names ("Unnamed: 0" ...)
+    return datasets.Features({str(name): datasets.Value("string") for name in header})
 
 
 def synthetic_docs(num_docs: int, vocab_size: int, median_length: int = 600, sigma: float = 0.7,

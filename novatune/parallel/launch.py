@@ -44,9 +44,11 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     """Run `novatune <argv>` under torchrun with `nproc` processes on this host; returns its exit code.
 
     This process only waits. Ctrl-C in a terminal reaches torchrun and the workers from the terminal (the
-    foreground process group), so it is not sent again (a second SIGINT aborts a worker mid-step); a SIGINT sent to
-    this process alone (a job manager, an IDE, `kill -INT`, or no terminal at all) and a SIGTERM are passed to
-    torchrun, which passes them to the workers: they finish the step, save and exit."""
+    foreground process group), so a SIGINT that finds this process in its terminal's foreground group is not sent
+    again (a second SIGINT aborts a worker mid-step); one sent while it has no terminal or runs in the background
+    (a job manager, an IDE, `nohup ... &`), and a SIGTERM, are passed to torchrun, which passes them to the
+    workers: they finish the step, save and exit. (A `kill -INT` from another shell to a launcher in the
+    foreground reaches it alone and is not passed on: send SIGTERM there.)"""
     with tempfile.TemporaryDirectory(prefix="novatune-exit-") as exit_dir:
         proc = subprocess.Popen(torchrun_command(nproc, argv), env={**os.environ, EXIT_DIR_ENV: exit_dir})
 

@@ -90,6 +90,11 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         stream.load_state_dict(state["data"])
         step, tokens_seen = state["step"], state.get("tokens", 0)
         console.print(f"resumed from {resume_from} at step {step}", highlight=False)
+        saved_total = state.get("total_steps")
+        if saved_total is not None and saved_total != total:  # train.max_steps or epochs changed, or their count
+            console.print(f"[bold yellow]the run is now {total} optimizer steps long, the checkpoint's run was "
+                          f"{saved_total}: the learning-rate schedule follows {total} from step {step}[/]",
+                          highlight=False)
     if dist.main:
         run_dir.mark(out_dir, "running", total_steps=total)
 

@@ -106,9 +106,13 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
         with ctx:
             out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
                         num_items_in_batch=n_items, use_cache=False)
-            # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean
-            (out.loss * loss_scale if loss_scale != 1.0 else out.loss).backward()
-        total += out.loss.detach().float()
+            # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean. An idle micro-batch
+            # (a rank with no row left at an epoch's end, data/dataset.py) runs for the collectives only: x 0 also
+            # drops what is not a token loss (an MoE router's aux loss)
+            scale = 0.0 if mb.get("idle") else loss_scale
+            (out.loss * scale if scale != 1.0 else out.loss).backward()
+        if not mb.get("idle"):
+            total += out.loss.detach().float()
     return total
 
 

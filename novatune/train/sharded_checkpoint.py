@@ -176,11 +176,9 @@ def load(path: Path, model, optimizer, scheduler, dist: Dist | None = None) -> d
 
 
 def read_model_weights(path: Path, model) -> dict[str, torch.Tensor]:
-    """The model part of a verified DCP checkpoint, read into a plain one-process `model` (`novatune eval` on a
-    multi-process run's checkpoint): the model's own tensors are filled in place and returned by parameter name."""
-    problems = ckpt.verify(path)
-    if problems:
-        raise ckpt.CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    """The model part of a DCP checkpoint the caller has verified (checkpoint.verify), read into a plain
+    one-process `model` (`novatune eval` on a multi-process run's checkpoint): the model's own tensors are filled in
+    place and returned by parameter name."""
     model_sd = get_model_state_dict(model)
     try:
         dcp.load({"model": model_sd}, checkpoint_id=str(path / "dcp"))

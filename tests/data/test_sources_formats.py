@@ -316,3 +316,38 @@ def test_a_byte_order_mark_opens_a_file_without_error(tmp_path):
         p = tmp_path / name
         p.write_bytes(b"\xef\xbb\xbf" + body.encode())
         assert load_source(SourceConfig(path=str(p))) == [{"text": "hi"}]
+
+
+def test_conversational_assistant_only_trains_the_completions_assistant_turns_not_a_tool_output(tok):
+    rec = {"prompt": [{"role": "user", "content": "Weather?"}],
+           "completion": [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "SECRET 12 C"},
+                          {"role": "assistant", "content": "It is 12 C."}]}
+    trained = _trained_text(tok, make_tokenize("prompt_completion", tok, loss_on="assistant")(rec))
+    assert "calling" in trained and "It is 12 C." in trained and "SECRET" not in trained
+    everything = _trained_text(tok, make_tokenize("prompt_completion", tok, loss_on="completion")(rec))
+    assert "SECRET" in everything and "Weather" not in everything
+
+
+def test_tool_call_arguments_given_as_a_json_string_reach_the_template_as_a_dict_and_none_keys_are_dropped():
+    from novatune.data.formats import _normalise_messages
+
+    msgs = _normalise_messages([
+        {"role": "assistant", "content": None, "reasoning_content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "user", "content": "x", "tool_calls": None, "name": None}])
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1} and "reasoning_content" not in msgs[0]
+    assert msgs[1] == {"role": "user", "content": "x"}
+
+
+def test_split_names_with_digits_and_csv_folders(tmp_path):
+    """train0 / test1 name their splits (digits separate words, as in datasets); a folder of CSV files reads
+    through type: datasets with every column as text and "N/A" kept as text."""
+    folder = tmp_path / "csvs"
+    folder.mkdir()
+    (folder / "train0.csv").write_text('prompt,completion\n"Agent?",007\n"Missing?",N/A\n')
+    (folder / "test1.csv").write_text('prompt,completion\n"Test?",1\n')
+    pytest.importorskip("datasets")
+    train = load_source(SourceConfig(path=str(folder), type="datasets"))
+    assert [r["completion"] for r in train] == ["007", "N/A"]
+    assert [r["prompt"] for r in load_source(SourceConfig(path=str(folder), type="datasets", split="test"))] == \
+        ["Test?"]

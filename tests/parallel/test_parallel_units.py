@@ -62,7 +62,8 @@ def test_an_epoch_end_with_fewer_rows_than_ranks_trains_them_and_idles_the_rank_
     alone = collate([data[4]])
     assert torch.equal(last[0]["input_ids"], alone["input_ids"]) and torch.equal(last[0]["labels"], alone["labels"])
     assert torch.equal(last[1]["input_ids"], alone["input_ids"]) and last[1]["num_target_tokens"] == 0
-    assert (last[1]["labels"] == -100).all()
+    assert (last[1]["labels"] == -100).all() and last[1]["idle"] and last[1]["num_tokens"] == 0
+    assert "idle" not in last[0]  # forward_backward multiplies an idle micro-batch's loss by 0
     for b in last:
         assert b["global_target_tokens"] == alone["num_target_tokens"] and b["global_tokens"] == alone["num_tokens"]
     assert ranks[1].left_in_epoch() == 2  # the epoch is used up: the next one's
