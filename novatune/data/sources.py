@@ -76,8 +76,9 @@ def _files(path: Path, kind: str, split: str = "train") -> list[Path]:
                         f"file by its split, or move the others out of the folder")
     chosen = [f for f, sp in named.items() if sp == split]
     if not chosen:
-        raise DataError(f"{path}: no {split} files (the names give: {', '.join(sorted(set(named.values())))}); "
-                        f"set split: to one of them, or name the files by split")
+        found = sorted({sp for sp in named.values() if sp})
+        raise DataError(f"{path}: no {split} files (the names give: {', '.join(found)}); set split: to one of "
+                        f"them, or name the files by split")
     return chosen
 
 
