@@ -173,8 +173,8 @@ def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monke
 
     monkeypatch.setattr(group_mod.FSDPParamGroup, "unshard", unshard)
 
-    def gathers_per_step(extra):
-        cfg, base = load_with_base(None, TINY + ["parallel.strategy=fsdp2", "model.dtype=bf16"] + extra)
+    def gathers_per_step(extra, dtype="fp32"):  # bf16 where the policy's dtypes are checked (slower on CPUs)
+        cfg, base = load_with_base(None, TINY + ["parallel.strategy=fsdp2", f"model.dtype={dtype}"] + extra)
         session = build(cfg, base)
         try:
             session.step(session.next_micro_batches())  # warm-up: lazy init
@@ -190,7 +190,7 @@ def test_fsdp2_over_one_process_gathers_once_per_step_in_the_weights_dtype(monke
 
     from torch.distributed.tensor import DTensor
 
-    kept, sharded, layers, reduce_dtypes = gathers_per_step(["parallel.layers_per_unit=1"])
+    kept, sharded, layers, reduce_dtypes = gathers_per_step(["parallel.layers_per_unit=1"], "bf16")
     assert reduce_dtypes == {None}, reduce_dtypes  # None: the parameters' dtype (bf16)
     assert sharded, "the step ends resharded: the optimizer updates the shards, the next gather copies them"
     assert kept == layers + 1, f"{kept} gathers for {layers} layers + the root over 2 micro-batches"
