@@ -55,9 +55,10 @@ def reshards_after_forward(setting: bool | None, world: int) -> bool:
 
 # Decoder layers per FSDP2 unit across 2+ ranks when the layers stay gathered for the step. A unit there gathers
 # and reduces once per step; what it costs every micro-batch is host time (FSDP2 hooks each unit's forward,
-# recompute and backward), and the seed's step is host-bound. On 2 H200s (session19-2, seed workload): units of 1
-# layer 25,524 tok/s, of 4 28,812, of 12 28,711. Units of 4 leave only the first unit's all-gather and the last
-# one's reduce-scatter outside the compute.
+# recompute and backward), and the seed's step is host-bound. Seed workload on 2 H200s, FSDP2 beside one process
+# (bench/results/bench.jsonl): 1.600x with units of 1 layer (session19-1), 1.838x with units of 4 (session19-3);
+# units of 12 ran as fast as 4 in an experiment (bench/results/traces/session19-2). Units of 4 leave only the first
+# unit's all-gather and the last one's reduce-scatter outside the compute.
 KEPT_GATHERED_UNIT = 4
 
 
@@ -88,9 +89,9 @@ def fsdp2_reduce_dtype(setting: str, world: int, trained_dtypes=frozenset({torch
     the trained parameters' own. With bf16 weights (full fine-tuning) that is bf16: 2 ranks x 4 micro-batches round
     as often as 1 process x 8. With fp32 trained parameters (LoRA adapters over a bf16 base) it is fp32, since
     FSDP2's bf16 compute would otherwise hand them bf16 gradients to accumulate. fp32 always accumulates and
-    reduces in fp32, at a cost in memory (whole fp32 gradients between reductions) and time: on 2 H200s
-    (session19-3 / -4) fp32 added ~47 ms of GPU adds per step, and FSDP2's host work per unit, to a ~1.1 s
-    host-bound step (1.838x one process; 1.905x in bf16)."""
+    reduces in fp32, at a cost in memory (whole fp32 gradients between reductions) and time: on 2 H200s fp32
+    added ~47 ms of GPU adds per step to a ~1.1 s host-bound step (bench/results/traces/session19-2), and the seed
+    ran at 1.838x one process in fp32 (session19-3), 1.905x in bf16 (session19-4)."""
     if setting not in ("auto", "fp32"):
         raise ValueError(f"parallel.reduce_dtype must be auto or fp32 (got {setting!r})")
     if world < 2:

@@ -170,9 +170,9 @@ class ParallelConfig:
     # reshard after forward, 4 across 2+ processes where they stay gathered for the step; with one process the root
     # is the only unit (the layers stay gathered: a unit only costs host time). parallel/wrap.py unit_size
     layers_per_unit: int | None = None
-    # fsdp2 across 2+ processes: the dtype gradients are accumulated and reduced in. auto: the gradients' own dtype,
-    # as one process accumulates them and DDP all-reduces them (bf16 weights: bf16); fp32: whole fp32 gradients
-    # between reductions (4 bytes per parameter with gradient_sync step) and an fp32 reduce-scatter
+    # fsdp2 across 2+ processes: the dtype gradients are accumulated and reduced in. auto: the trained parameters'
+    # own, as one process accumulates them and DDP all-reduces them (bf16 weights: bf16; LoRA's fp32 adapters:
+    # fp32); fp32: always fp32 (4 bytes per parameter between reductions with gradient_sync step)
     reduce_dtype: Literal["auto", "fp32"] = "auto"
 
 

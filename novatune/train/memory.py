@@ -279,9 +279,10 @@ def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:
         return int(est["weights"]) if keep else 0
     gathered = est["weights"] if keep else root * per_param * (1 - 1 / shards)
     grad_elem = est["gradients"] / max(1, est["trainable"])  # bytes per trained element of a gradient
-    # the reduce dtype: fp32 where asked, else the trained parameters' own (grad_elem: 2 for bf16 weights, 4 for
-    # fp32 adapters), as parallel/wrap.py fsdp2_reduce_dtype chooses
-    reduce_elem = 4 if cfg.parallel.reduce_dtype == "fp32" else grad_elem
+    # the reduce dtype as parallel/wrap.py chooses it from the trained parameters' (grad_elem: 2 for bf16 weights,
+    # 4 for fp32 adapters)
+    trained = frozenset({torch.float32 if grad_elem >= 4 else torch.bfloat16})
+    reduce_elem = 4 if pwrap.fsdp2_reduce_dtype(cfg.parallel.reduce_dtype, shards, trained) is not None else grad_elem
     unit = pwrap.unit_size(cfg.parallel.layers_per_unit, shards, keep)
     layer = (est["weights"] - root * per_param) / max(1, mconf.num_hidden_layers)
     layer_trained = layer / per_param * est["trainable"] / max(1, est["params"])
