@@ -111,7 +111,9 @@ class TrainConfig:
     # adamw (torch) | adamw_kahan (fp32 moments, compensated bf16 weight update: bf16 updates that do not vanish)
     # | adamw_8bit | paged_adamw | paged_adamw_8bit (bitsandbytes); novatune/train/optim.py
     optimizer: Literal["adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = "adamw"
-    fused_adamw: bool | None = None  # adamw only; null: fused on CUDA, foreach on CPU
+    # adamw only; null or true: one fused pass on CUDA (novatune's kernel where adamw_kernel takes it, else torch's
+    # fused), false: torch's foreach
+    fused_adamw: bool | None = None
     # adamw only: torch (torch.optim.AdamW) | novatune (the same update through novatune's kernel, with the clipping
     # scale applied inside it: one pass over the gradients fewer) | auto (novatune for a patched model's full
     # fine-tuning on CUDA, DDP and FSDP2 included; else torch); novatune/train/optim.py

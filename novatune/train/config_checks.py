@@ -99,12 +99,12 @@ def _check_optimizer(cfg: Config) -> None:
     if t.optimizer != "adamw" and t.fused_adamw is not None:
         raise ConfigError("train.fused_adamw", f"applies to train.optimizer: adamw, not {t.optimizer}",
                           "drop train.fused_adamw, or set train.optimizer: adamw")
-    if t.adamw_kernel == "novatune" and (t.optimizer != "adamw" or t.fused_adamw is not None):
-        fused = f", fused_adamw {t.fused_adamw}" if t.fused_adamw is not None else ""
+    if t.adamw_kernel == "novatune" and (t.optimizer != "adamw" or t.fused_adamw is False):
+        foreach = ", fused_adamw false (torch's foreach AdamW)" if t.fused_adamw is False else ""
         raise ConfigError("train.adamw_kernel", f"novatune's kernel runs train.optimizer adamw in place of torch's "
-                          f"(here {t.optimizer}{fused})",
-                          "set train.adamw_kernel: torch (torch's fused or foreach AdamW), or drop train.fused_adamw "
-                          "and set train.optimizer: adamw")
+                          f"(here {t.optimizer}{foreach})",
+                          "set train.adamw_kernel: torch (torch's fused or foreach AdamW), or set train.optimizer: "
+                          "adamw and drop train.fused_adamw: false")
     if t.optimizer != "adamw" and cfg.parallel.strategy == "fsdp2":
         raise ConfigError("train.optimizer", f"{t.optimizer} does not take FSDP2's sharded (DTensor) parameters",
                           "set train.optimizer: adamw with parallel.strategy: fsdp2, or parallel.strategy: ddp")

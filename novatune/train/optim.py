@@ -158,13 +158,14 @@ def adamw_kernel(tcfg, device: torch.device, patched: bool, full: bool) -> str:
     """train.adamw_kernel resolved: "novatune" or "torch". auto takes novatune's kernel for a patched model's adamw
     on CUDA when most of its weights train (`full`: full fine-tuning, where the update is one long pass over large
     tensors; LoRA's many small adapters suit torch's multi-tensor launches and have not been measured with it).
-    torch's stays where the user set fused_adamw (a request for torch's fused or foreach AdamW), on the CPU, and for
-    stock models."""
+    fused_adamw true asks for a one-pass AdamW, which the kernel is (torch's fused one with adamw_kernel: torch);
+    fused_adamw false asks for torch's foreach AdamW and keeps it. torch's also stays on the CPU and for stock
+    models."""
     choice = getattr(tcfg, "adamw_kernel", "torch")
     if choice != "auto":
         return choice
     usable = (getattr(tcfg, "optimizer", "adamw") == "adamw" and device.type == "cuda" and patched and full
-              and tcfg.fused_adamw is None)
+              and tcfg.fused_adamw is not False)
     return "novatune" if usable else "torch"
 
 

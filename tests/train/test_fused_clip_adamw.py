@@ -139,8 +139,9 @@ def test_config_refuses_what_the_kernel_does_not_run(make_cfg):
 
     with pytest.raises(ConfigError, match="(?s)adamw_kernel.*adamw_kahan.*train.adamw_kernel: torch"):
         make_cfg(train={"adamw_kernel": "novatune", "optimizer": "adamw_kahan"})
-    with pytest.raises(ConfigError, match="(?s)adamw_kernel.*fused_adamw True.*drop train.fused_adamw"):
-        make_cfg(train={"adamw_kernel": "novatune", "fused_adamw": True})
+    with pytest.raises(ConfigError, match="(?s)adamw_kernel.*foreach.*drop train.fused_adamw: false"):
+        make_cfg(train={"adamw_kernel": "novatune", "fused_adamw": False})
+    make_cfg(train={"adamw_kernel": "novatune", "fused_adamw": True})  # one fused pass: the kernel is one
 
 
 @pytest.mark.parametrize("device,patched,full,changes,want", [
@@ -149,7 +150,7 @@ def test_config_refuses_what_the_kernel_does_not_run(make_cfg):
     ("cuda", False, True, {}, "torch"),  # a stock model keeps stock's optimizer
     ("cpu", True, True, {}, "torch"),
     ("cuda", True, True, {"fused_adamw": False}, "torch"),  # the user asked for torch's foreach AdamW
-    ("cuda", True, True, {"fused_adamw": True}, "torch"),  # ... or for torch's fused one
+    ("cuda", True, True, {"fused_adamw": True}, "novatune"),  # a one-pass AdamW: the kernel is one (the examples')
     ("cuda", True, True, {"optimizer": "adamw_kahan"}, "torch"),
     ("cpu", False, False, {"adamw_kernel": "novatune"}, "novatune"),  # asked for: the CPU runs its fp32 reference
     ("cuda", True, True, {"adamw_kernel": "torch"}, "torch"),
