@@ -4,7 +4,6 @@ modules' own calls (fp32 on the CPU)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import novatune
 import novatune.ops.linear as L
