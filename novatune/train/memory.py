@@ -211,7 +211,13 @@ def loss_transient_bytes(cfg, mconf) -> int:
     fp32 = cfg.model.dtype == "fp32"
     e = 4 if fp32 else 2
     grad_weight = cfg.method.type not in ("lora", "qlora")  # lm_head trains in full fine-tuning only
-    mode, size = plan_mode(tokens, vocab, hidden, torch.float32 if fp32 else torch.bfloat16, grad_weight)
+    # the mode the patch will run: model.patch_options.cross_entropy_mode (auto plans as the kernel does; a final
+    # logit soft-cap, Gemma 2's, never runs in place)
+    asked = str((cfg.model.patch_options or {}).get("cross_entropy_mode", "auto"))
+    softcap = getattr(mconf, "final_logit_softcapping", None)
+    mode, size = plan_mode(tokens, vocab, hidden, torch.float32 if fp32 else torch.bfloat16, grad_weight,
+                           mode=asked if asked in ("auto", "tokens", "vocab", "inplace") else "auto",
+                           softcap=softcap if asked != "inplace" else None)
     if mode == "inplace":
         return tokens * vocab * e
     if mode == "vocab":

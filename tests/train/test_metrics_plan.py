@@ -152,6 +152,10 @@ def test_the_loss_logits_buffer_is_a_transient_of_its_own():
     long = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["data.max_length=65536"])
     mode, cols = plan_mode(65536, V, H, torch.bfloat16, grad_weight=True)
     assert mode == "vocab" and loss_transient_bytes(long, mconf) == 65536 * cols * 2 + 65536 * H * 4
+    # the mode the patch is told to run: vocab slices instead of the in-place logits
+    sliced = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch_options.cross_entropy_mode=vocab"])
+    mode, cols = plan_mode(T, V, H, torch.bfloat16, grad_weight=True, mode="vocab")
+    assert loss_transient_bytes(sliced, mconf) == T * cols * 2 + T * H * 4 < T * V * 2 // 4
     stock = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch=false"])
     assert loss_transient_bytes(stock, mconf) == 0  # stock HF's logits are counted as static
     est = plan(seed, gpu_mem_gib=141)
