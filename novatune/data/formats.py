@@ -23,6 +23,7 @@ reasoning_content, name, tool_call_id, ...), not only role and content.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 
 from novatune.data.sources import DataError
@@ -132,6 +133,31 @@ def _call_with_parsed_arguments(call):
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def prompt_completion_doc(tok, prompt: str, completion: str, partial: bool, add_eos: bool):
+    """(ids, trained mask) of a prompt/completion pair as TRL's SFTTrainer tokenises it: the prompt alone and the
+    pair as ONE text, the completion starting where the two token lists part. Encoding the completion on its own
+    would differ where the tokenizer prefixes every text (SentencePiece's "▁") or merges across the boundary (a
+    prompt ending in a space): tokens the model never sees at inference. `partial`: the prompt is not trained."""
+    p = _encode(tok, prompt, True)
+    whole = _eos(tok, _encode(tok, prompt + completion, True), add_eos)
+    n = common_prefix_length(p, whole)
+    if n < len(p):
+        warnings.warn(f"novatune data: the tokenized prompt is not a prefix of the tokenized prompt + completion "
+                      f"(tokens merge across the boundary: {tok.decode(p[n:])!r}); the completion starts where they "
+                      "part, as in TRL. End prompts on a token boundary (e.g. without a trailing space) to train on "
+                      "the context the model sees at inference", UserWarning, stacklevel=2)
+    return whole, [not partial] * n + [True] * (len(whole) - n)
+
+
 def _render_prefix(render, msgs: list[dict]) -> str:
     try:
         return render(msgs, gen=True)
@@ -231,9 +257,7 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
                 return _conversational(r)
             else:
                 prompt, completion = _text(r, "prompt", fmt), _text(r, "completion", fmt)
-            p = _encode(tok, prompt, True)
-            c = _eos(tok, _encode(tok, completion, False), add_eos)
-            return p + c, [not partial] * len(p) + [True] * len(c)
+            return prompt_completion_doc(tok, prompt, completion, partial, add_eos)
 
         def _conversational(r):  # TRL's conversational prompt/completion: the chat template renders both
             if chat_template is None and not getattr(tok, "chat_template", None):

@@ -351,3 +351,47 @@ def test_split_names_with_digits_and_csv_folders(tmp_path):
     assert [r["completion"] for r in train] == ["007", "N/A"]
     assert [r["prompt"] for r in load_source(SourceConfig(path=str(folder), type="datasets", split="test"))] == \
         ["Test?"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like():
+    """A tokenizer that prefixes every encoded text with "▁" (SentencePiece's dummy prefix, as Llama 2, Mistral
+    and Gemma tokenizers do), trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.Unigram())
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    t.train_from_iterator(["What is two plus three? The answer is five.", "Answer: four. Answer: five."] * 20,
+                          trainers.UnigramTrainer(vocab_size=120, special_tokens=["<s>", "</s>", "<unk>"],
+                                                  unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("prompt,completion", [("The answer is five", "."),
+                                               ("What is two plus three? The answer is", " five.")])
+def test_prompt_completion_is_tokenised_whole_as_trl_does(sentencepiece_like, prompt, completion):
+    """The pair is the tokens of prompt + completion as one text (what the model reads at inference, and TRL's
+    SFTTrainer's input_ids); encoding the completion alone put a "▁" before "." that the text does not have."""
+    tok = sentencepiece_like
+    ids, mask = make_tokenize("prompt_completion", tok, loss_on="completion")({"prompt": prompt,
+                                                                              "completion": completion})
+    assert ids == tok(prompt + completion)["input_ids"] + [tok.eos_token_id]
+    prompt_ids = tok(prompt)["input_ids"]
+    assert mask == [False] * len(prompt_ids) + [True] * (len(ids) - len(prompt_ids))
+    assert tok.decode(ids[len(prompt_ids):]) == tok.decode(tok(prompt + completion)["input_ids"][len(prompt_ids):]
+                                                           + [tok.eos_token_id])
+
+
+def test_a_prompt_that_merges_into_the_completion_warns_and_trains_from_where_they_part(sentencepiece_like):
+    tok = sentencepiece_like
+    # the prompt's trailing space is its own "▁" alone, and part of "▁f" in the whole text
+    prompt, completion = "What is two plus three? The answer is ", "five."
+    whole = tok(prompt + completion)["input_ids"]
+    part = next(i for i, (a, b) in enumerate(zip(tok(prompt)["input_ids"], whole)) if a != b)
+    with pytest.warns(UserWarning, match="not a prefix"):
+        ids, mask = make_tokenize("prompt_completion", tok, loss_on="completion")({"prompt": prompt,
+                                                                                  "completion": completion})
+    assert ids == whole + [tok.eos_token_id]
+    assert mask == [False] * part + [True] * (len(ids) - part)
