@@ -143,19 +143,23 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 
 def prompt_completion_doc(tok, prompt: str, completion: str, partial: bool, add_eos: bool):
-    """(ids, trained mask) of a prompt/completion pair as TRL's SFTTrainer tokenises it: the prompt alone and the
-    pair as ONE text, the completion starting where the two token lists part. Encoding the completion on its own
-    would differ where the tokenizer prefixes every text (SentencePiece's "▁") or merges across the boundary (a
-    prompt ending in a space): tokens the model never sees at inference. `partial`: the prompt is not trained."""
+    """(ids, trained mask, the prompt's tokens left out) of a prompt/completion pair as TRL's SFTTrainer tokenises
+    it: the prompt alone and the pair as ONE text, the completion starting where the two token lists part.
+    Encoding the completion on its own would differ where the tokenizer prefixes every text (SentencePiece's "▁")
+    or merges across the boundary (a prompt ending in a space): tokens the model never sees at inference. The third
+    item is the prompt's tail that is not a prefix of the whole (empty when the prompt is one). `partial`: the
+    prompt is not trained."""
     p = _encode(tok, prompt, True)
     whole = _eos(tok, _encode(tok, prompt + completion, True), add_eos)
     n = common_prefix_length(p, whole)
-    if n < len(p):
-        warnings.warn(f"novatune data: the tokenized prompt is not a prefix of the tokenized prompt + completion "
-                      f"(tokens merge across the boundary: {tok.decode(p[n:])!r}); the completion starts where they "
-                      "part, as in TRL. End prompts on a token boundary (e.g. without a trailing space) to train on "
-                      "the context the model sees at inference", UserWarning, stacklevel=2)
-    return whole, [not partial] * n + [True] * (len(whole) - n)
+    return whole, [not partial] * n + [True] * (len(whole) - n), p[n:]
+
+
+def _warn_merged(tok, tail: list[int]) -> None:
+    warnings.warn(f"novatune data: a tokenized prompt is not a prefix of its tokenized prompt + completion (here "
+                  f"{tok.decode(tail)!r} merges with the completion's start); the completion starts where they part, "
+                  "as in TRL. End prompts on a token boundary (e.g. without a trailing space) to train on the context "
+                  "the model sees at inference. Shown once per data source", UserWarning, stacklevel=3)
 
 
 def _render_prefix(render, msgs: list[dict]) -> str:
@@ -244,6 +248,8 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
             return ids, [True] * len(ids)
         return f
     if fmt in ("alpaca", "prompt_completion"):
+        warned: list[bool] = []  # the merge warning, once per data source
+
         def f(r):
             if fmt == "alpaca":
                 inp = r.get("input") or ""
@@ -257,7 +263,11 @@ def make_tokenize(fmt: str, tok, loss_on: str = "all", chat_template: str | None
                 return _conversational(r)
             else:
                 prompt, completion = _text(r, "prompt", fmt), _text(r, "completion", fmt)
-            return prompt_completion_doc(tok, prompt, completion, partial, add_eos)
+            ids, mask, tail = prompt_completion_doc(tok, prompt, completion, partial, add_eos)
+            if tail and not warned:
+                warned.append(True)
+                _warn_merged(tok, tail)
+            return ids, mask
 
         def _conversational(r):  # TRL's conversational prompt/completion: the chat template renders both
             if chat_template is None and not getattr(tok, "chat_template", None):

@@ -112,7 +112,7 @@ class TrainConfig:
     # | adamw_8bit | paged_adamw | paged_adamw_8bit (bitsandbytes); novatune/train/optim.py
     optimizer: Literal["adamw", "adamw_kahan", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"] = "adamw"
     # adamw only; null or true: one fused pass on CUDA (novatune's kernel where adamw_kernel takes it, else torch's
-    # fused), false: torch's foreach
+    # fused); on the CPU true is torch's fused CPU AdamW and null its foreach; false: torch's foreach
     fused_adamw: bool | None = None
     # adamw only: torch (torch.optim.AdamW) | novatune (the same update through novatune's kernel, with the clipping
     # scale applied inside it: one pass over the gradients fewer) | auto (novatune for a patched model's full

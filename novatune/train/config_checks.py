@@ -101,10 +101,10 @@ def _check_optimizer(cfg: Config) -> None:
                           "drop train.fused_adamw, or set train.optimizer: adamw")
     if t.adamw_kernel == "novatune" and (t.optimizer != "adamw" or t.fused_adamw is False):
         foreach = ", fused_adamw false (torch's foreach AdamW)" if t.fused_adamw is False else ""
+        fix = "drop train.fused_adamw: false" if t.optimizer == "adamw" else "set train.optimizer: adamw"
         raise ConfigError("train.adamw_kernel", f"novatune's kernel runs train.optimizer adamw in place of torch's "
                           f"(here {t.optimizer}{foreach})",
-                          "set train.adamw_kernel: torch (torch's fused or foreach AdamW), or set train.optimizer: "
-                          "adamw and drop train.fused_adamw: false")
+                          f"set train.adamw_kernel: torch (torch's fused or foreach AdamW), or {fix}")
     if t.optimizer != "adamw" and cfg.parallel.strategy == "fsdp2":
         raise ConfigError("train.optimizer", f"{t.optimizer} does not take FSDP2's sharded (DTensor) parameters",
                           "set train.optimizer: adamw with parallel.strategy: fsdp2, or parallel.strategy: ddp")
@@ -233,6 +233,10 @@ def validate(cfg: Config, base_dir: Path | None = None) -> Config:
     if cfg.memory.tiled_mlp is True and not m.patch:
         raise ConfigError("memory.tiled_mlp", "the tiled MLP is part of novatune's patch, and model.patch is false",
                           "set model.patch: true, or memory.tiled_mlp: auto / false")
+    ce_mode = (m.patch_options or {}).get("cross_entropy_mode", "auto")
+    if ce_mode not in ("auto", "tokens", "vocab", "inplace"):
+        raise ConfigError("model.patch_options.cross_entropy_mode", f"{ce_mode!r} is not a mode of the fused loss",
+                          "choose auto, tokens, vocab or inplace (or leave it unset: auto)")
     if "tiled_mlp" in (m.patch_options or {}):
         raise ConfigError("model.patch_options.tiled_mlp", "the MLP tiling is a memory setting",
                           "set memory.tiled_mlp (auto, true or false) instead")

@@ -198,6 +198,11 @@ def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) ->
                                buffers=3 * tokens * mconf.hidden_size * dtype_bytes)
 
 
+def fused_loss(cfg) -> bool:
+    """Whether the run's loss is novatune's fused cross-entropy (model.patch, and its cross_entropy option on)."""
+    return bool(cfg.model.patch) and bool((cfg.model.patch_options or {}).get("cross_entropy", True))
+
+
 def loss_transient_bytes(cfg, mconf) -> int:
     """The loss's working memory beyond the static terms, at the end of the forward: novatune's fused
     cross-entropy's logits buffer, as its kernel plans it (one (chunk x vocab) block; the (tokens x vocab) logits
@@ -205,19 +210,19 @@ def loss_transient_bytes(cfg, mconf) -> int:
     gradient in its vocab-slice mode). Stock HF's logits are static already (est["logits_stock"])."""
     from novatune.kernels.linear_cross_entropy import plan_mode
 
-    if not cfg.model.patch:
+    if not fused_loss(cfg):
         return 0
     tokens, vocab, hidden = cfg.train.micro_batch * cfg.data.max_length, mconf.vocab_size, mconf.hidden_size
     fp32 = cfg.model.dtype == "fp32"
     e = 4 if fp32 else 2
     grad_weight = cfg.method.type not in ("lora", "qlora")  # lm_head trains in full fine-tuning only
-    # the mode the patch will run: model.patch_options.cross_entropy_mode (auto plans as the kernel does; a final
-    # logit soft-cap, Gemma 2's, never runs in place)
+    # the mode the patch will run: model.patch_options.cross_entropy_mode (config_checks refuses other strings).
+    # A final logit soft-cap (Gemma 2; 0 or None: none, as the patch reads it) never runs in place: "auto" plans
+    # around it, and the patch refuses "inplace" with one
     asked = str((cfg.model.patch_options or {}).get("cross_entropy_mode", "auto"))
-    softcap = getattr(mconf, "final_logit_softcapping", None)
+    softcap = getattr(mconf, "final_logit_softcapping", None) or None
     mode, size = plan_mode(tokens, vocab, hidden, torch.float32 if fp32 else torch.bfloat16, grad_weight,
-                           mode=asked if asked in ("auto", "tokens", "vocab", "inplace") else "auto",
-                           softcap=softcap if asked != "inplace" else None)
+                           mode="auto" if softcap is not None and asked == "inplace" else asked, softcap=softcap)
     if mode == "inplace":
         return tokens * vocab * e
     if mode == "vocab":
@@ -260,7 +265,7 @@ def static_bytes(est: dict, shards: int = 1) -> int:
     """Everything but the decoder layers' activations: weights, gradients, optimizer states (split over FSDP2's
     `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off."""
     sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
-    return int(sharded + est["dequant"] + (0 if est["patch"] else est["logits_stock"]))
+    return int(sharded + est["dequant"] + (0 if est["fused_loss"] else est["logits_stock"]))
 
 
 def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:

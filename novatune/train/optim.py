@@ -8,7 +8,7 @@
                       (FusedClipAdamW: one pass per parameter, the gradient-clipping scale applied inside it, so the
                       separate pass that scales every gradient goes away); its state_dict is torch.optim.AdamW's.
                       `auto` (the default) takes it for a patched model's full fine-tuning on CUDA, torch's
-                      otherwise (LoRA, stock models, the CPU, or fused_adamw set). Over FSDP2's DTensor parameters
+                      otherwise (LoRA, stock models, the CPU, or fused_adamw false). Over FSDP2's DTensor parameters
                       it updates each rank's local shards, as ShardLocalAdamW does; DDP's are plain tensors.
     adamw_kahan       AdamW with fp32 moments and a compensated (Kahan) bf16 weight update (novatune.ops.adamw_kahan):
                       the weights follow an fp32-master AdamW's, rounded to bf16, for 2 extra bytes per bf16

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from novatune.train.memory import MARGIN, host_message
+from novatune.train.memory import MARGIN, fused_loss, host_message
 from novatune.train.optim import state_bytes
 
 GiB = 2**30
@@ -141,7 +141,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "optimizer": state_bytes(optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
-        "grad_accum": cfg.train.grad_accum,
+        "fused_loss": fused_loss(cfg), "grad_accum": cfg.train.grad_accum,
     }
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     est["peak_stock"] = static + (act_ckpt if cfg.memory.gradient_checkpointing else act_full) + logits_stock
@@ -191,6 +191,9 @@ def _advice(cfg, est: dict) -> list[str]:
         tips.append(f"--set memory.gradient_checkpointing=true (saves ~{saved:.1f} GiB)")
     if not cfg.model.patch:
         tips.append(f"--set model.patch=true (fused cross-entropy saves ~{est['logits_stock'] / GiB:.1f} GiB)")
+    elif not est["fused_loss"]:
+        tips.append(f"drop model.patch_options.cross_entropy: false (the fused loss saves "
+                    f"~{est['logits_stock'] / GiB:.1f} GiB)")
     if cfg.method.type == "full":
         tips.append("--set method.type=lora (gradients and optimizer states for the adapters only)")
     if cfg.method.type == "lora":
@@ -250,7 +253,7 @@ def render(est: dict) -> str:
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"] if est["qlora"] else []),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"
-             + ("   (~0 with novatune.patch's fused cross-entropy)" if est["patch"] else "   <- this run"),
+             + ("   (~0 with novatune.patch's fused cross-entropy)" if est["fused_loss"] else "   <- this run"),
              "  per decoder layer and micro-batch (kept until its backward / forward + backward time):",
              *[f"    {p:<10} {g(c.bytes[p])}  {1e3 * c.seconds[p]:7.2f} ms" for c in est["layer_costs"][:1]
                for p in ("keep", "selective", "recompute", "offload")],

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import warnings
 
 import pytest
 
@@ -390,8 +391,30 @@ def test_a_prompt_that_merges_into_the_completion_warns_and_trains_from_where_th
     prompt, completion = "What is two plus three? The answer is ", "five."
     whole = tok(prompt + completion)["input_ids"]
     part = next(i for i, (a, b) in enumerate(zip(tok(prompt)["input_ids"], whole)) if a != b)
+    tokenize = make_tokenize("prompt_completion", tok, loss_on="completion")
     with pytest.warns(UserWarning, match="not a prefix"):
-        ids, mask = make_tokenize("prompt_completion", tok, loss_on="completion")({"prompt": prompt,
-                                                                                  "completion": completion})
+        ids, mask = tokenize({"prompt": prompt, "completion": completion})
     assert ids == whole + [tok.eos_token_id]
     assert mask == [False] * part + [True] * (len(ids) - part)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per data source: the next such record is quiet
+        tokenize({"prompt": "What is two plus three? The answer is ", "completion": "four."})
+
+
+def test_prompt_completion_with_a_bos_tokenizer_alpaca_and_loss_on_all(tok):
+    """The demo tokenizer's own case (no BOS), alpaca's prompt, and loss_on all: one text, every token trained."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    backend = copy.deepcopy(tok.backend_tokenizer)  # the module's demo tokenizer stays as it is
+    start = ("<|im_start|>", tok.convert_tokens_to_ids("<|im_start|>"))
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[start])
+    bos = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token=tok.eos_token)
+    ids, mask = make_tokenize("prompt_completion", bos, loss_on="completion")({"prompt": "Q? ", "completion": "A."})
+    assert ids == bos("Q? A.")["input_ids"] + [bos.eos_token_id] and ids[0] == bos.bos_token_id
+    assert mask == [False] * len(bos("Q? ")["input_ids"]) + [True] * (len(ids) - len(bos("Q? ")["input_ids"]))
+    rec = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "2 + 3 = 5."}
+    ids, mask = make_tokenize("alpaca", bos, loss_on="all")(rec)
+    assert all(mask) and ids[-1] == bos.eos_token_id and ids[0] == bos.bos_token_id

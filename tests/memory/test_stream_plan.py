@@ -81,7 +81,7 @@ def test_the_run_streams_only_lora_over_its_budget(make_tiny_cfg):
     mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
                             intermediate_size=9728, num_hidden_layers=36, vocab_size=151936)
     est = {"weights": 7.55 * 2**30, "gradients": 0.06 * 2**30, "optimizer": 0.12 * 2**30, "dequant": 0,
-           "patch": True, "logits_stock": 0}
+           "patch": True, "fused_loss": True, "logits_stock": 0}
     lora = make_tiny_cfg(method="lora", budget=8.0)
     plan = resolve(lora, est, mconf, ASSUMED, int(8.0 * 2**30))
     assert plan.fits and 3 <= len(plan.streamed) <= 12 and plan.peak_bytes <= 8 * 2**30
@@ -106,7 +106,7 @@ def test_graphed_lora_layers_count_the_pool_instead_of_the_eager_transient(make_
     mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
                             intermediate_size=9728, num_hidden_layers=36, vocab_size=151936)
     est = {"weights": 7.55 * 2**30, "gradients": 0.06 * 2**30, "optimizer": 0.12 * 2**30, "dequant": 0,
-           "patch": True, "logits_stock": 0}
+           "patch": True, "fused_loss": True, "logits_stock": 0}
     lora = make_tiny_cfg(method="lora")
     no_graphs = dataclasses.replace(lora, model=dataclasses.replace(lora.model, patch_options={"cuda_graphs": False}))
     cost = layer_costs(lora, mconf, ASSUMED)[0]
@@ -200,7 +200,7 @@ def test_a_lora_run_that_streaming_cannot_save_says_so(make_tiny_cfg):
     mconf = SimpleNamespace(hidden_size=2560, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
                             intermediate_size=9728, num_hidden_layers=36, vocab_size=151936)
     est = {"weights": 7.55 * 2**30, "gradients": 0.06 * 2**30, "optimizer": 0.12 * 2**30, "dequant": 0,
-           "patch": True, "logits_stock": 0}
+           "patch": True, "fused_loss": True, "logits_stock": 0}
     plan = resolve(make_tiny_cfg(method="lora", budget=1.0), est, mconf, ASSUMED, 2**30)
     assert not plan.fits and plan.streamed == []
     assert "streaming the frozen weights of all 36 recomputed layers would not fit either" in \

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from novatune.train.arch import arch_config, count_matmul_params
-from novatune.train.config import load
+from novatune.train.config import ConfigError, load
 from novatune.train.metrics import PEAK_BF16_TFLOPS, MetricsLog, flops_per_token, peak_tflops
 from novatune.train.optim import lr_lambda, warmup_steps
 from novatune.train.plan import GiB, plan, render
@@ -158,9 +158,42 @@ def test_the_loss_logits_buffer_is_a_transient_of_its_own():
     assert loss_transient_bytes(sliced, mconf) == T * cols * 2 + T * H * 4 < T * V * 2 // 4
     stock = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch=false"])
     assert loss_transient_bytes(stock, mconf) == 0  # stock HF's logits are counted as static
+    with pytest.raises(ConfigError, match="cross_entropy_mode"):
+        load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch_options.cross_entropy_mode=chunks"])
     est = plan(seed, gpu_mem_gib=141)
     mp = est["memory_plan"]
     assert mp.outside_transient_bytes == T * V * 2 and mp.transient_bytes == T * V * 2
     assert est["peak"] == mp.static_bytes + mp.activation_bytes + T * V * 2
     assert 31.995 * 0.99 * GiB <= est["peak"] <= 31.995 * 1.04 * GiB
     assert "loss working memory" in render(est)
+
+
+def test_the_loss_plan_follows_gemma2s_final_soft_cap():
+    """A soft-capped loss never runs in place (its gradient needs the logits): planned as the kernel plans it;
+    a cap of 0 is no cap, as the patch reads it."""
+    from novatune.kernels.linear_cross_entropy import plan_mode
+    from novatune.train.memory import loss_transient_bytes
+    from novatune.train.model import model_config
+
+    capped = load(REPO / "examples" / "gemma-2-2b.yaml")
+    mconf = model_config(capped.model, None, None)
+    T, V, H = capped.data.max_length, mconf.vocab_size, mconf.hidden_size
+    assert mconf.final_logit_softcapping
+    mode, size = plan_mode(T, V, H, torch.bfloat16, grad_weight=True, softcap=mconf.final_logit_softcapping)
+    assert mode == "vocab" and loss_transient_bytes(capped, mconf) == T * size * 2 + T * H * 4
+    asked_inplace = load(REPO / "examples" / "gemma-2-2b.yaml", ["model.patch_options.cross_entropy_mode=inplace"])
+    assert loss_transient_bytes(asked_inplace, mconf) == T * size * 2 + T * H * 4  # the patch refuses it anyway
+    mconf.final_logit_softcapping = 0.0
+    assert loss_transient_bytes(capped, mconf) == T * V * 2  # no cap: in place
+
+
+def test_the_fused_loss_switched_off_plans_stock_logits():
+    """model.patch_options.cross_entropy false keeps HF's loss: its logits are static, no fused buffer."""
+    from novatune.train.memory import loss_transient_bytes
+    from novatune.train.model import model_config
+
+    off = load(REPO / "examples" / "qwen3-4b-seed.yaml", ["model.patch_options.cross_entropy=false"])
+    on = load(REPO / "examples" / "qwen3-4b-seed.yaml")
+    assert loss_transient_bytes(off, model_config(off.model, None, None)) == 0
+    est_off, est_on = plan(off, gpu_mem_gib=141), plan(on, gpu_mem_gib=141)
+    assert est_off["memory_plan"].static_bytes - est_on["memory_plan"].static_bytes == est_off["logits_stock"]
