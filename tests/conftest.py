@@ -15,6 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# pytest-xdist workers share the machine's cores: one intra-op thread pool per worker sized to its share, so that
+# two workers on two cores do not run four busy threads
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):
