@@ -65,6 +65,10 @@ class LayerShape:
     trained_share: float = 1.0  # share of the layer's matmul weights that get gradients (LoRA: ~0)
     fused: bool = True  # novatune.patch's fused modules (False: stock HF modules)
     mlp_chunk_tokens: int | None = None  # the MLP tiled along the sequence in chunks of this many tokens
+    # a routed expert MLP (sparse MoE layer): `intermediate` is what one token multiplies by (top-k x the expert's
+    # intermediate size); novatune's expert op keeps its gate/up output only, and `selective` keeps none of the
+    # experts' products (grouped GEMMs inside one autograd op): their forward runs again in the backward
+    routed: bool = False
 
     @property
     def gemm_params(self) -> int:
@@ -97,6 +101,9 @@ def saved_elements_per_token(s: LayerShape) -> dict:
     # products' outputs are cached by the policy itself, inside the chunks' checkpoints too, so gate and up stay
     ki = 0 if s.mlp_chunk_tokens else i
     keep = 4 * h + 3 * q + 3 * kv + 3 * ki if s.fused else 8 * h + 5 * q + 5 * kv + 4 * ki
+    if s.routed:
+        return {"keep": keep - (ki if s.fused else 0), "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
+                "offload": 0}
     return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
 
 
@@ -120,7 +127,9 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
         backward += 2 * s.tokens * 3 * s.hidden * s.intermediate / rate
         transient += 5 * s.mlp_chunk_tokens * s.intermediate * s.dtype_bytes
     keep = forward + backward
-    seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise,
+    # a routed MLP's experts run again under `selective` (their products are not among the ops it keeps)
+    routed_again = 2 * s.tokens * 3 * s.hidden * s.intermediate / rate if s.routed else 0.0
+    seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise + routed_again,
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
     # transient already) and the MLP input's two partial ones

@@ -168,14 +168,14 @@ def count_matmul_params(config) -> int:
     total = 0
     for layer in range(config.num_hidden_layers):
         mlp = dense_mlp
-        if experts and _is_sparse_layer(config, layer):
+        if experts and is_sparse_layer(config, layer):
             inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
             mlp = h * experts + config.num_experts_per_tok * 3 * h * inter
         total += attention + mlp
     return total + h * config.vocab_size
 
 
-def _is_sparse_layer(config, layer: int) -> bool:
+def is_sparse_layer(config, layer: int) -> bool:
     """Qwen-MoE's rule (mlp_only_layers, decoder_sparse_step); families without those keys are sparse throughout."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0

@@ -19,6 +19,7 @@ from novatune.memory.policy import install as install_policies
 from novatune.memory.stream import FrozenWeightStreamer, StreamingRefused, install_streaming, uninstall_streaming
 from novatune.parallel import wrap as pwrap
 from novatune.patch.tiled import MLPTiling
+from novatune.train.arch import is_sparse_layer
 from novatune.train.config import memory_policy
 from novatune.train.errors import SetupError
 
@@ -90,8 +91,18 @@ def layer_shape(cfg, mconf, trained_share: float) -> planner.LayerShape:
 
 
 def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
+    """One cost per decoder layer. A sparse MoE layer is planned as what one token multiplies by: its top-k
+    experts' intermediate size (Mixtral's and GPT-OSS's intermediate_size is one expert's), routed."""
     trained = 0.0 if cfg.method.type in ("lora", "qlora") else 1.0
-    return [planner.layer_cost(layer_shape(cfg, mconf, trained), hw)] * mconf.num_hidden_layers
+    shape = layer_shape(cfg, mconf, trained)
+    dense = planner.layer_cost(shape, hw)
+    experts = getattr(mconf, "num_experts", None) or getattr(mconf, "num_local_experts", None)
+    if not experts:
+        return [dense] * mconf.num_hidden_layers
+    per_expert = getattr(mconf, "moe_intermediate_size", None) or mconf.intermediate_size
+    sparse = planner.layer_cost(replace(shape, intermediate=mconf.num_experts_per_tok * per_expert, routed=True,
+                                        mlp_chunk_tokens=None), hw)
+    return [sparse if is_sparse_layer(mconf, layer) else dense for layer in range(mconf.num_hidden_layers)]
 
 
 def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, shards: int = 1) -> planner.Plan:

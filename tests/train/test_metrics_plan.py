@@ -133,6 +133,41 @@ def test_moe_matmul_params_count_the_active_experts():
                                                 + h * 151936)
 
 
+@pytest.mark.parametrize("overrides,measured", [([], 43.205), (["memory.policy=auto"], 45.204)])
+def test_the_moe_cut_plans_its_measured_peaks(overrides, measured):
+    """The Qwen3-30B-A3B cut (H200, `session20-3`): checkpointing 43.205 GiB, auto (every layer kept) 45.204.
+    A sparse layer is planned as routed: the expert op keeps its gate/up output and no product."""
+    cfg = load(REPO / "examples" / "qwen3-30b-a3b-moe.yaml", overrides)
+    est = plan(cfg, gpu_mem_gib=141)
+    assert est["peak"] == pytest.approx(measured * GiB, rel=0.01)
+
+
+@pytest.mark.parametrize("arch,per_expert", [("gpt-oss-20b", 2880), ("qwen3-30b-a3b", 768)])
+def test_sparse_layers_are_planned_at_their_top_k_experts(arch, per_expert):
+    """A token multiplies by top-k experts (GPT-OSS's intermediate_size is one expert's; Qwen3-MoE's is the unused
+    dense size, moe_intermediate_size the expert's). Under
+    `selective` the routed experts run again (their grouped GEMMs are not among the ops it keeps)."""
+    from dataclasses import replace
+
+    from novatune.memory import planner
+    from novatune.train.memory import ASSUMED, layer_costs, layer_shape
+    from novatune.train.model import model_config
+
+    cfg = load(REPO / "examples" / "qwen3-4b-seed.yaml", [f"model.arch={arch}",
+                                                         "model.arch_overrides.num_hidden_layers=2"])
+    mconf = model_config(cfg.model, None, None)
+    costs = layer_costs(cfg, mconf, ASSUMED)
+    shape = replace(layer_shape(cfg, mconf, 1.0), intermediate=mconf.num_experts_per_tok * per_expert, routed=True,
+                    mlp_chunk_tokens=None)
+    assert costs == [planner.layer_cost(shape, ASSUMED)] * 2
+    dense = planner.layer_cost(replace(shape, routed=False), ASSUMED)
+    experts_forward = 2 * shape.tokens * 3 * shape.hidden * shape.intermediate / (
+        ASSUMED.matmul_tflops * 1e12 * planner.GEMM_EFFICIENCY)
+    assert costs[0].seconds["selective"] - costs[0].seconds["keep"] >= experts_forward
+    assert dense.seconds["selective"] - dense.seconds["keep"] < experts_forward / 4
+    assert costs[0].bytes["keep"] < dense.bytes["keep"]  # the product is not kept
+
+
 def test_the_loss_logits_buffer_is_a_transient_of_its_own():
     """The fused loss runs at the end of the forward, apart from any layer's recompute: its logits buffer (as the
     kernel plans it) is one transient, the recomputed layer's another, and the peak takes the larger. The seed's
