@@ -14,6 +14,9 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   tensors. The fused row keeps each norm's input and its per-row statistics, the projections' outputs,
   attention's output, and SwiGLU's gate, up and product. Both rows match the saved-tensor bytes counted on a tiny
   Qwen3 (tests/memory/test_planner.py) within a few percent.
+  A sparse MoE layer is planned as routed, i = top-k x the expert's intermediate size: novatune's expert op keeps
+  its gate/up output (2i, no product), and `selective` keeps none of the experts' products (their grouped GEMMs
+  run inside one autograd op), so it keeps 3h + 2q + 2kv and runs the experts' forward again.
   Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
   two device slots of the input's size. A tiled MLP (novatune/patch/tiled.py) keeps no (T x i) tensor: only one
@@ -31,7 +34,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
     recompute  keep + F (the forward again)
-    selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth)
+    selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
+               experts' forward GEMMs
     offload    recompute + the part of each copy (input bytes at the host link's rate) that the layer's own
                forward (out) or the next layer's backward (back) does not hide, + a fixed cost per copy
 

@@ -145,8 +145,8 @@ def test_the_moe_cut_plans_its_measured_peaks(overrides, measured):
 @pytest.mark.parametrize("arch,per_expert", [("gpt-oss-20b", 2880), ("qwen3-30b-a3b", 768)])
 def test_sparse_layers_are_planned_at_their_top_k_experts(arch, per_expert):
     """A token multiplies by top-k experts (GPT-OSS's intermediate_size is one expert's; Qwen3-MoE's is the unused
-    dense size, moe_intermediate_size the expert's). Under
-    `selective` the routed experts run again (their grouped GEMMs are not among the ops it keeps)."""
+    dense size, moe_intermediate_size the expert's). Under `selective` the routed experts run again (their grouped
+    GEMMs are not among the ops it keeps)."""
     from dataclasses import replace
 
     from novatune.memory import planner
