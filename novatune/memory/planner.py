@@ -15,8 +15,11 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   attention's output, and SwiGLU's gate, up and product. Both rows match the saved-tensor bytes counted on a tiny
   Qwen3 (tests/memory/test_planner.py) within a few percent.
   A sparse MoE layer is planned as routed, i = top-k x the expert's intermediate size: novatune's expert op keeps
-  its gate/up output (2i, no product), and `selective` keeps none of the experts' products (their grouped GEMMs
-  run inside one autograd op), so it keeps 3h + 2q + 2kv and runs the experts' forward again.
+  its gate/up output (2i, no product; stock HF's grouped_mm path keeps 2 k h more: the gathered inputs and the
+  expert outputs), and `selective` keeps none of the experts' products (their grouped GEMMs run inside one
+  autograd op), so it keeps 3h + 2q + 2kv and runs the experts' forward again. A recomputed routed layer's
+  backward also holds the experts' workspace on k rows per token (the larger of k h + 4i fp32 bytes + 3i and
+  2i + 2 k h elements).
   Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
   two device slots of the input's size. A tiled MLP (novatune/patch/tiled.py) keeps no (T x i) tensor: only one
@@ -73,6 +76,7 @@ class LayerShape:
     # intermediate size); novatune's expert op keeps its gate/up output only, and `selective` keeps none of the
     # experts' products (grouped GEMMs inside one autograd op): their forward runs again in the backward
     routed: bool = False
+    top_k: int = 1  # experts per token (routed layers): the rows gathered per token in the experts' backward
 
     @property
     def gemm_params(self) -> int:
@@ -106,8 +110,9 @@ def saved_elements_per_token(s: LayerShape) -> dict:
     ki = 0 if s.mlp_chunk_tokens else i
     keep = 4 * h + 3 * q + 3 * kv + 3 * ki if s.fused else 8 * h + 5 * q + 5 * kv + 4 * ki
     if s.routed:
-        return {"keep": keep - (ki if s.fused else 0), "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
-                "offload": 0}
+        # fused: no product kept; stock HF's grouped_mm experts also keep the gathered inputs and expert outputs
+        keep = keep - ki if s.fused else keep + 2 * s.top_k * h
+        return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h, "offload": 0}
     return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
 
 
@@ -137,8 +142,17 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
     # transient already) and the MLP input's two partial ones
-    mlp_grads = (0 if s.mlp_chunk_tokens else s.tokens * s.intermediate) + 2 * s.tokens * s.hidden
-    pool = transient + mlp_grads * s.dtype_bytes
+    mlp_grads = ((0 if s.mlp_chunk_tokens else s.tokens * s.intermediate) + 2 * s.tokens * s.hidden) * s.dtype_bytes
+    if s.routed:
+        # the experts' backward works on k rows per token (novatune/ops/moe.py): the gathered output gradient
+        # (k h), the down GEMM's input gradient in fp32 (i), the GLU's gradient (2i) and weighted activation (i);
+        # then the re-gathered inputs and their gradient (2 k h) beside the GLU's gradient
+        b, kh = s.dtype_bytes, s.top_k * s.hidden
+        workspace = s.tokens * max(kh * b + 4 * s.intermediate + 3 * s.intermediate * b,
+                                   2 * s.intermediate * b + 2 * kh * b)
+        transient += workspace
+        mlp_grads = 2 * s.tokens * s.hidden * b
+    pool = transient + mlp_grads
     return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool)
 
 

@@ -101,7 +101,7 @@ def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
         return [dense] * mconf.num_hidden_layers
     per_expert = getattr(mconf, "moe_intermediate_size", None) or mconf.intermediate_size
     sparse = planner.layer_cost(replace(shape, intermediate=mconf.num_experts_per_tok * per_expert, routed=True,
-                                        mlp_chunk_tokens=None), hw)
+                                        top_k=mconf.num_experts_per_tok, mlp_chunk_tokens=None), hw)
     return [sparse if is_sparse_layer(mconf, layer) else dense for layer in range(mconf.num_hidden_layers)]
 
 
