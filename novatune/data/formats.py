@@ -23,6 +23,7 @@ reasoning_content, name, tool_call_id, ...), not only role and content.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable
 
@@ -133,15 +134,6 @@ def _call_with_parsed_arguments(call):
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
-def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    n = 0
-    for a, b in zip(ids, other):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def prompt_completion_doc(tok, prompt: str, completion: str, partial: bool, add_eos: bool):
     """(ids, trained mask, the prompt's tokens left out) of a prompt/completion pair as TRL's SFTTrainer tokenises
     it: the prompt alone and the pair as ONE text, the completion starting where the two token lists part.
@@ -151,7 +143,7 @@ def prompt_completion_doc(tok, prompt: str, completion: str, partial: bool, add_
     prompt is not trained."""
     p = _encode(tok, prompt, True)
     whole = _eos(tok, _encode(tok, prompt + completion, True), add_eos)
-    n = common_prefix_length(p, whole)
+    n = len(os.path.commonprefix([p, whole]))  # elementwise on lists: the shared leading tokens
     return whole, [not partial] * n + [True] * (len(whole) - n), p[n:]
 
 

@@ -164,15 +164,25 @@ def count_matmul_params(config) -> int:
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     attention = h * (q + 2 * kv) + q * h
     dense_mlp = 3 * h * config.intermediate_size
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    experts = routed_experts(config)
     total = 0
     for layer in range(config.num_hidden_layers):
         mlp = dense_mlp
         if experts and is_sparse_layer(config, layer):
-            inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-            mlp = h * experts + config.num_experts_per_tok * 3 * h * inter
+            count, inter = experts
+            mlp = h * count + config.num_experts_per_tok * 3 * h * inter
         total += attention + mlp
     return total + h * config.vocab_size
+
+
+def routed_experts(config) -> tuple[int, int] | None:
+    """(experts per sparse layer, one expert's intermediate size) of an MoE config, else None. Qwen-MoE stores the
+    expert's size as moe_intermediate_size (its intermediate_size is the dense layers'); Mixtral and GPT-OSS store it
+    as intermediate_size."""
+    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not count:
+        return None
+    return count, getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
 
 def is_sparse_layer(config, layer: int) -> bool:

@@ -19,7 +19,7 @@ from novatune.memory.policy import install as install_policies
 from novatune.memory.stream import FrozenWeightStreamer, StreamingRefused, install_streaming, uninstall_streaming
 from novatune.parallel import wrap as pwrap
 from novatune.patch.tiled import MLPTiling
-from novatune.train.arch import is_sparse_layer
+from novatune.train.arch import is_sparse_layer, routed_experts
 from novatune.train.config import memory_policy
 from novatune.train.errors import SetupError
 
@@ -96,10 +96,10 @@ def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
     trained = 0.0 if cfg.method.type in ("lora", "qlora") else 1.0
     shape = layer_shape(cfg, mconf, trained)
     dense = planner.layer_cost(shape, hw)
-    experts = getattr(mconf, "num_experts", None) or getattr(mconf, "num_local_experts", None)
-    if not experts:
+    experts = routed_experts(mconf)
+    if experts is None:
         return [dense] * mconf.num_hidden_layers
-    per_expert = getattr(mconf, "moe_intermediate_size", None) or mconf.intermediate_size
+    per_expert = experts[1]
     sparse = planner.layer_cost(replace(shape, intermediate=mconf.num_experts_per_tok * per_expert, routed=True,
                                         top_k=mconf.num_experts_per_tok, mlp_chunk_tokens=None), hw)
     return [sparse if is_sparse_layer(mconf, layer) else dense for layer in range(mconf.num_hidden_layers)]

@@ -141,7 +141,8 @@ SELECTIVE_X5 = ["memory.policy=per-layer", "memory.layers=[recompute,recompute,r
     ("qwen3-30b-a3b-moe", [], 43.205, 0.01),  # checkpointing
     ("qwen3-30b-a3b-moe", ["memory.policy=auto"], 45.204, 0.01),  # every layer kept
     ("qwen3-30b-a3b-moe", SELECTIVE_X5, 43.178, 0.01),  # a recomputed layer's backward is the peak
-    ("qwen3-30b-a3b-moe-lora", [], 13.14, 0.02),  # LoRA on every expert, checkpointing and CUDA graphs
+    # LoRA on every expert, checkpointing and CUDA graphs: 2%, the graphs' pool is sized by a formula, not captured
+    ("qwen3-30b-a3b-moe-lora", [], 13.14, 0.02),
 ])
 def test_the_moe_cut_plans_its_measured_peaks(config, overrides, measured, rel):
     """The Qwen3-30B-A3B cut (H200, `session20-3`, `session20-4`). A sparse layer is planned as routed: the
