@@ -18,7 +18,9 @@ loss_max_rel_diff_vs_one_process). One process at grad_accum x N amortises its o
 than one rank does, so the scaling it gives is, if anything, low.
 
 Figures (docs/BENCHMARKS.md): tokens/s = real (non-padding) tokens of the timed steps / their wall time; peak GiB =
-torch.cuda.max_memory_allocated() over the timed steps (reset after warm-up); FLOPs/token = 6 x matmul params
+torch.cuda.max_memory_allocated() over the timed steps (reset after warm-up) plus what CUDA graphs' private pools
+hold beyond it (novatune/measure/gpu_memory.py: a graph's temporaries are not counted as allocated after capture);
+FLOPs/token = 6 x matmul params
 + attention causal within documents (novatune.train.metrics.flops_per_token, from the timed batches' own
 document lengths); MFU = tokens/s x FLOPs/token / the bf16 rate: on a GPU the driver measures an 8192^3 bf16
 matmul once and hands the same figure to every stack (logging.peak_tflops in the config overrides it).

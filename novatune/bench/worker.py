@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from novatune.measure.gc_freeze import LongLivedFreeze
+from novatune.measure.gpu_memory import graph_pool_idle_bytes, peak_bytes
 
 RUN_OVERRIDES = ["checkpoint.resume=never", "checkpoint.save_every=0", "checkpoint.export=false",
                  "logging.progress=false", "logging.tensorboard=false"]
@@ -84,7 +85,7 @@ class WarmClock:
         elif step > self.warm:
             self.t1 = time.perf_counter()
             if self.cuda:
-                self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.peak_gib = peak_bytes(self.device) / 2**30
 
     @property
     def timed_s(self) -> float | None:
@@ -169,7 +170,8 @@ def timed_steps(session, spec: dict, log=print) -> dict:
     return {"timed_s": wall, "tokens_per_step": tokens, "keys": keys, "losses": losses,
             "grad_norms": [float(g) for g in norms], "step_ms": clock.step_ms(),
             "step_s": [round(x, 4) for x in step_s],
-            "peak_bytes": torch.cuda.max_memory_allocated() if clock.cuda else None,
+            "peak_bytes": peak_bytes() if clock.cuda else None,
+            "graph_pool_bytes": graph_pool_idle_bytes() if clock.cuda else None,
             "reserved_bytes": torch.cuda.max_memory_reserved() if clock.cuda else None}
 
 
@@ -291,7 +293,9 @@ def run_stack(spec: dict, log=print) -> dict:
         "nproc": nproc, "tok_s_per_proc": round(tps / nproc, 1),
         "peak_gib_per_rank": [gib(b) for b in m["peak_bytes_per_rank"]] if m["peak_bytes"] is not None else None,
         "peak_tflops": peak, "peak_tflops_source": source, "peak_gib": gib(m["peak_bytes"]),
-        "peak_reserved_gib": gib(m["reserved_bytes"]), "weights_gib": gib(session.weights_bytes),
+        "peak_reserved_gib": gib(m["reserved_bytes"]),
+        "graph_pool_gib": gib(m["graph_pool_bytes"]) if m.get("graph_pool_bytes") is not None else None,
+        "weights_gib": gib(session.weights_bytes),
         "losses": m["losses"], "grad_norms": m["grad_norms"], "gc_freeze": spec.get("gc_freeze", True),
         "method": cfg.method.type, "model_class": type(session.inner_model).__name__,
         "model_type": session.base_config.model_type, "params": n_total, "trainable_params": n_train,

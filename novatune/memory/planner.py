@@ -33,6 +33,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   capture: the layer's keep set plus the gradients alive at the MLP's backward (the SwiGLU product's gradient,
   T x i, since SwiGLU writes its own gradients over gate and up; the MLP input's two partial gradients, 2 x T x h).
   Measured on the seed LoRA r16 run: a 548 MiB pool against 544 MiB from this sum (428 MiB of it the keep set).
+  Forward graphs only (full fine-tuning): the pool holds a no-grad forward, bounded by the layer's keep set, and
+  stays reserved beside the eager recompute's transient: static + buffers + pool + kept + max(transient, outside).
 
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
@@ -215,11 +217,12 @@ def _recomputed(policy: str) -> bool:
 @dataclass(frozen=True)
 class LayerGraphs:
     """The decoder layers' CUDA graphs (patch/graphs.py) as the planner sees them: `pool`, the graphs' shared
-    memory pool (the largest layer's recompute + backward: LayerCost.graph_pool), and `buffers`, the static
-    tensors they keep outside it beyond the layers' inputs (one more input buffer and the two gradient buffers
-    the layers hand each other: three (T x h) tensors)."""
+    memory pool (the largest layer's recompute + backward: LayerCost.graph_pool; forward graphs only: its keep
+    set), and `buffers`, the static tensors they keep outside it beyond the layers' inputs (one more input buffer,
+    and with backward graphs the two gradient buffers the layers hand each other: three (T x h) tensors)."""
     pool: int
     buffers: int
+    forward_only: bool = False  # the recompute + backward run eagerly: their transient stays (module docstring)
 
 
 def runs_as_graphs(policies: list[str], graphs: LayerGraphs | None) -> bool:
@@ -243,7 +246,11 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     graphed = runs_as_graphs(policies, graphs)
     pool = graphs.pool if graphed else 0
     static_bytes += graphs.buffers if graphed else 0
-    own = [pool if graphed else c.transient if _recomputed(p) else 0 for c, p in zip(costs, policies)]
+    eager_backward = graphs is None or not graphed or graphs.forward_only
+    if graphs is not None and graphed and graphs.forward_only:
+        static_bytes += pool  # reserved beside the eager backward's transient
+    own = [c.transient if eager_backward and _recomputed(p) else pool if not eager_backward else 0
+           for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
     transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots

@@ -137,10 +137,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     adapter, plain nn.Linear base; dropout > 0 keeps PEFT's exact random draws); anything else stays PEFT's and
     is listed as skipped (novatune/patch/lora.py). PEFT LoRA on the routed experts' weights (target_parameters)
     runs inside the grouped GEMMs of novatune's expert MLP (novatune/patch/moe_lora.py).
-    cuda_graphs: "auto" (default): with fused LoRA/QLoRA layers, gradient checkpointing and novatune's attention
-    on CUDA, each checkpointed decoder layer's forward and recompute+backward replay from CUDA graphs (an adapter
-    step is host-bound: novatune/patch/graphs.py); True also for full fine-tuning, and raises when it cannot
-    apply; False never. Batches the graphs cannot take run the stock checkpointed layers, named in the report.
+    cuda_graphs: with gradient checkpointing and novatune's attention on CUDA, each checkpointed decoder layer's
+    forward replays from a CUDA graph instead of op by op from Python (novatune/patch/graphs.py). "auto"
+    (default): with fused LoRA/QLoRA layers its recompute+backward too (an adapter step is host-bound), otherwise
+    the forward only (the backward then recomputes eagerly, as the stock checkpoint does); "forward": the forward
+    only; True: both for any layers; True and "forward" raise when they cannot apply; False never. Batches the
+    graphs cannot take run the stock checkpointed layers, named in the report.
     tiled_mlp: "auto" (default) | True | False: the MLP runs on row chunks of a long batch, each recomputed in the
     backward, so its (tokens x intermediate) activations never exist whole (novatune/patch/tiled.py); "auto" tiles
     batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than
@@ -212,15 +214,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     if strict and report.skipped():
         report.revert()
         raise RuntimeError("novatune.patch(strict=True) could not patch everything:\n" + str(report))
-    if cuda_graphs not in (True, False, "auto"):
-        raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose 'auto', True or False")
+    if cuda_graphs not in (True, False, "auto", "forward"):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose 'auto', 'forward', True or False")
     state = _find_state(model)
     if cuda_graphs and state is not None:
         from novatune.patch import graphs
 
         graphs.install(model, state[0], state[1], report, cuda_graphs)
-    elif cuda_graphs is True:
-        raise ValueError("cuda_graphs=True needs novatune's attention forward (attention != False)")
+    elif cuda_graphs in (True, "forward"):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} needs novatune's attention forward (attention != False)")
     if selection is not None:
         selection.apply(model, report)
     model._novatune_report = report

@@ -1,5 +1,5 @@
-"""CUDA graphs for gradient-checkpointed adapter layers (LoRA / QLoRA): each decoder layer's forward, and its
-recompute + backward, replayed from a captured graph instead of being launched op by op from Python.
+"""CUDA graphs for gradient-checkpointed decoder layers: each layer's forward, and for adapter layers (LoRA / QLoRA)
+its recompute + backward, replayed from a captured graph instead of being launched op by op from Python.
 
 Why: a QLoRA micro-step (Qwen3-8B, 2048 tokens, H200) took 372 ms of wall time for 180 ms of GPU work
 (LOG.md run 30): the host could not issue ~40 launches per layer per pass through autograd fast enough. A graph
@@ -21,12 +21,18 @@ MAX_BUCKETS; both max_seqlen buckets of a slot count are captured in the same ba
 graph inside an autograd Function whose backward replays the backward graph and returns fresh gradient tensors,
 so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mode.
 
+Forward graphs only (cuda_graphs="forward", and "auto" for full fine-tuning): layer i replays its no-grad forward
+from a graph, and its backward recomputes the layer eagerly from xs[i] with the same static inputs the graph read
+(the same kernels, so the same values), then runs autograd through it. The parameters' gradients reach .grad by
+the AccumulateGrad additions the stock checkpoint makes (no static gradient set, no copies out of a graph: what
+cost full fine-tuning its backward graphs, LOG.md session 6); a torch.autograd.grad() caller gets them returned.
+
 A batch runs the stock checkpointed layers instead (said once per reason in the report) when: the tensors are
 not on CUDA, grad is off, the attention is not novatune's varlen path for every layer, a module in the layers has
 hooks or an active dropout (random draws), a memory policy other than recompute is on a layer, most of a layer
-trains (full fine-tuning: GPU-bound, nothing to gain), the batch shape differs from the first capture's, a layer
-keyword is a tensor the graphs would freeze, a parameter was replaced, or an earlier batch's backward is still
-pending (a second forward before backward).
+trains under adapter graphs (their gradient copies cost full fine-tuning more than they save), the batch shape
+differs from the first capture's, a layer keyword is a tensor the graphs would freeze, a parameter was replaced,
+or an earlier batch's backward is still pending (a second forward before backward).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from torch import Tensor, nn
 
 from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
+from novatune.ops.moe_wgrad import engine_accumulates
 from novatune.patch.forwards import PACKED_KWARG
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
@@ -74,19 +81,20 @@ class _LayerGraphs:
     """One layer's captured forward and backward for one bucket, and the static tensors they read and write."""
 
     def __init__(self, fwd, bwd, out: Tensor, gout: Tensor, gx: Tensor, x_grad: bool, grads: list[Tensor],
-                 grad_index: list[int], n_params: int):
+                 grad_index: list[int], n_params: int, recompute=None):
         self.fwd, self.bwd, self.out, self.gout, self.gx, self.x_grad = fwd, bwd, out, gout, gx, x_grad
         self.grads, self.grad_index, self.n_params = grads, grad_index, n_params
+        self.recompute = recompute  # forward graphs only (bwd None): the layer's call on the static inputs
         self.before = None  # called before each replay (a streamed layer's weights: memory/stream.py)
 
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, x, *params):
+    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, index: int, x, *params):
         if lg.before is not None:
             lg.before()
         lg.fwd.replay()
-        ctx.runner, ctx.lg, ctx.batch_id, ctx.token = runner, lg, batch_id, token
+        ctx.runner, ctx.lg, ctx.batch_id, ctx.token, ctx.index = runner, lg, batch_id, token, index
         return lg.out.detach()  # a new tensor object over the static buffer: the next layer's xs[i+1]
 
     @staticmethod
@@ -96,10 +104,14 @@ class _GraphedLayer(torch.autograd.Function):
             raise RuntimeError("novatune CUDA graphs: a layer's backward ran after a newer batch's forward had "
                                "overwritten the graphs' static inputs (a second backward with retain_graph=True "
                                "after another forward?); patch with cuda_graphs=False for that pattern")
-        if gout.data_ptr() != lg.gout.data_ptr() or gout.stride() != lg.gout.stride():
-            lg.gout.copy_(gout)
         if lg.before is not None:
             lg.before()
+        if lg.bwd is None:
+            ctx.token = None
+            gx, grads = _recompute_backward(lg, runner.xs[ctx.index], runner.layer_params[ctx.index], gout)
+            return (None, None, None, None, None, gx, *grads)
+        if gout.data_ptr() != lg.gout.data_ptr() or gout.stride() != lg.gout.stride():
+            lg.gout.copy_(gout)
         lg.bwd.replay()
         # fresh tensors: the static ones are overwritten by the next layer's replay
         fresh = torch._foreach_mul(lg.grads, 1.0) if lg.grads else []
@@ -107,7 +119,26 @@ class _GraphedLayer(torch.autograd.Function):
         for j, g in zip(lg.grad_index, fresh):
             grads[j] = g
         ctx.token = None
-        return (None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
+        return (None, None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
+
+
+def _recompute_backward(lg: _LayerGraphs, src: Tensor, params: list[Tensor], gout: Tensor):
+    """A forward-graphed layer's backward: the stock checkpoint's recompute and backward, eagerly, on the inputs
+    its graph read. Where the running backward accumulates the parameters' gradients into .grad (a .backward()
+    call), the nested backward does the same additions itself, so in-place weight-gradient paths
+    (ops/moe_wgrad.py) and AccumulateGrad's steal-or-add work as in eager mode; under torch.autograd.grad (or
+    create_graph) the gradients are returned to the caller's graph instead."""
+    xin = src.detach().requires_grad_(lg.x_grad)
+    inputs = ([xin] if lg.x_grad else []) + list(params)
+    create = torch.is_grad_enabled()
+    with torch.enable_grad():
+        y = lg.recompute(xin)
+    if not create and all(engine_accumulates(p) for p in params):
+        torch.autograd.backward(y, gout, inputs=inputs)
+        return (xin.grad if lg.x_grad else None), [None] * len(params)
+    grads = list(torch.autograd.grad(y, inputs, gout, allow_unused=True, create_graph=create))
+    gx = grads.pop(0) if lg.x_grad else None
+    return gx, grads
 
 
 class _Bucket:
@@ -132,8 +163,9 @@ class _CheckpointHook:
 class LayerGraphRunner:
     """The graphs of one model's decoder layers (novatune.patch(cuda_graphs=...) installs one per model)."""
 
-    def __init__(self, layers: list[nn.Module], state, full_training: bool):
+    def __init__(self, layers: list[nn.Module], state, full_training: bool, forward_only: bool = False):
         self.layers, self.state, self.full_training = layers, state, full_training
+        self.forward_only = forward_only  # graphs of the no-grad forward only; recompute + backward eager
         self.batch_id = 0
         self.mode = "eager"
         self.current_packed = None
@@ -329,7 +361,7 @@ class LayerGraphRunner:
     def _allocate(self, x: Tensor) -> None:
         self.shape = (x.shape, x.dtype)
         self.xs = [torch.empty_like(x) for _ in range(len(self.layers) + 1)]
-        self.gbufs = [torch.empty_like(x), torch.empty_like(x)]
+        self.gbufs = [x[:0], x[:0]] if self.forward_only else [torch.empty_like(x), torch.empty_like(x)]
         self.pool, self.pool_graphs = torch.cuda.graph_pool_handle(), 0
         self.stream = torch.cuda.Stream(device=x.device)
 
@@ -376,7 +408,7 @@ class LayerGraphRunner:
         elif lg.x_grad != x.requires_grad:
             raise _Unsupported("a layer input's requires_grad changed between batches")
         lg.before = before
-        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, x, *self.layer_params[i])
+        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, i, x, *self.layer_params[i])
         if i == len(self.layers) - 1:
             self.token = None  # from here only the layers' autograd nodes keep the batch alive
         return out
@@ -412,7 +444,7 @@ class LayerGraphRunner:
             return torch.autograd.grad(y, ([xin] if x_grad else []) + alias, grad_outputs=gout,
                                        allow_unused=True)
 
-        statics = self._grad_set(params)
+        statics = [] if self.forward_only else self._grad_set(params)
         stage = "warm-up"
         with backends.isolated_choices() as seen:
             for attempt in (1, 2):
@@ -420,12 +452,15 @@ class LayerGraphRunner:
                     self._release_cache()
                 try:
                     if not self.warmed:
-                        self._warm_up(call, src, backward_pass)
+                        self._warm_up(call, src, None if self.forward_only else backward_pass)
                     fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                     stage = "forward"
                     with self._capturing(fwd):
                         with torch.no_grad():
                             out.copy_(call(src))
+                    if self.forward_only:
+                        self.pool_graphs += 1
+                        break
                     stage = "backward"
                     with self._capturing(bwd):
                         grads = list(backward_pass())
@@ -454,6 +489,8 @@ class LayerGraphRunner:
             raise _Unsupported(f"the captured attention ran {sorted(ran) or 'nothing'}, not FlashAttention-2's "
                                f"varlen kernels ({sorted(GRAPH_BACKENDS)}: only they read the padded static "
                                "document offsets)")
+        if self.forward_only:
+            return _LayerGraphs(fwd, None, out, gout, gx, x_grad, [], [], len(params), recompute=call)
         return _LayerGraphs(fwd, bwd, out, gout, gx, x_grad, [statics[j] for j in index], index, len(params))
 
     def _release_cache(self) -> None:
@@ -491,7 +528,8 @@ class LayerGraphRunner:
         with torch.cuda.stream(self.stream):
             with torch.no_grad():
                 call(src)
-            backward_pass()
+            if backward_pass is not None:
+                backward_pass()
         current.wait_stream(self.stream)
         self.warmed = True
 
@@ -539,7 +577,9 @@ def keep_layers_eager(model: nn.Module, reason: str) -> int:
 
 # ---------------------------------------------------------------------------------------------- patch entry
 def install(model: nn.Module, stack: nn.Module, state, report, requested) -> None:
-    """Attach a LayerGraphRunner to the decoder stack (novatune.patch's cuda_graphs option)."""
+    """Attach a LayerGraphRunner to the decoder stack (novatune.patch's cuda_graphs option): "auto" captures the
+    forward and the recompute+backward of LoRA/QLoRA layers and the forward only of fully trained ones; True both
+    for any layers; "forward" the forward only."""
     layers = list(getattr(stack, "layers", []) or [])
     why = None
     if not torch.cuda.is_available():
@@ -548,19 +588,20 @@ def install(model: nn.Module, stack: nn.Module, state, report, requested) -> Non
         why = "the decoder layers are not HF GradientCheckpointingLayers"
     elif not state.all_attention_patched:
         why = "not every attention layer is novatune's (the graphs need the packed varlen path)"
-    elif requested == "auto" and not report.replaced("lora"):
-        why = "no fused LoRA layers (full fine-tuning is GPU-bound; pass cuda_graphs=True to force)"
     if why is not None:
-        if requested is True:
-            raise ValueError(f"cuda_graphs=True cannot apply: {why}")
+        if requested in (True, "forward"):
+            raise ValueError(f"cuda_graphs={requested!r} cannot apply: {why}")
         report.add("", "cuda_graphs", "note", f"CUDA graphs not used: {why}")  # auto: nothing was asked for
         return
-    runner = LayerGraphRunner(layers, state, full_training=requested is True)
+    forward_only = requested == "forward" or (requested == "auto" and not report.replaced("lora"))
+    runner = LayerGraphRunner(layers, state, full_training=requested != "auto" or forward_only,
+                              forward_only=forward_only)
     state.graphs = runner
+    what = ("its no-grad forward from a CUDA graph, its recompute+backward eagerly" if forward_only else
+            "its forward and its recompute+backward from CUDA graphs")
     report.add("", "cuda_graphs", "replaced",
-               f"each gradient-checkpointed decoder layer ({len(layers)}) replays its forward and its "
-               "recompute+backward from CUDA graphs (captured after one eager batch; one set per "
-               "(documents, longest document) power-of-two bucket)")
+               f"each gradient-checkpointed decoder layer ({len(layers)}) replays {what} (captured after one "
+               "eager batch; one set per (documents, longest document) power-of-two bucket)")
 
     def undo():
         runner.uninstall()

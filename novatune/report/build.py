@@ -128,8 +128,9 @@ class Report:
             self.add("note", f"From {g.source} ({g.kind} rows), device {r0.get('device', '?')}, torch "
                              f"{r0.get('torch', '?')}, transformers {r0.get('transformers', '?')}, git "
                              f"`{r0.get('git_sha', '?')}`. tok/s = trained tokens / wall time of the timed steps; "
-                             f"peak GiB = torch.cuda.max_memory_allocated over them; ratios are tok/s over tok/s "
-                             f"of the same run (docs/BENCHMARKS.md).")
+                             f"peak GiB = torch.cuda.max_memory_allocated over them (with CUDA graphs' pools "
+                             f"from session 21 on); ratios are tok/s over tok/s of the same run "
+                             f"(docs/BENCHMARKS.md).")
             if g is self.head:
                 bench_x = cand.get("x_stock")
                 if bench_x is not None:

@@ -226,7 +226,8 @@ def render_stacks(rows: list[dict]) -> list[str]:
             by_section.setdefault(section_of(row), []).append(line)
     out = ["## Training speed, side by side", "",
            "Each stack runs in its own process inside one call; `x stock`, `x peer` and the loss difference are "
-           "taken against rows of the same call and workload. Peak is `torch.cuda.max_memory_allocated()`.", ""]
+           "taken against rows of the same call and workload. Peak is `torch.cuda.max_memory_allocated()`, plus the "
+           "CUDA graphs' pools from the rows of session 21 on.", ""]
     for name in SECTION_ORDER:
         if name in by_section:
             out += [f"### {name}", ""] + table(STACK_HEADER, by_section[name])

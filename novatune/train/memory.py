@@ -192,9 +192,14 @@ OUTSIDE_LAYERS_HIDDEN = 8
 
 def layer_graphs_asked(cfg) -> bool:
     """The run asks for novatune's CUDA graphs of the decoder layers (patch/graphs.py): novatune.patch on and
-    model.patch_options.cuda_graphs not false; its "auto" captures LoRA/QLoRA layers only."""
+    model.patch_options.cuda_graphs not false."""
+    return bool(cfg.model.patch) and dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto") is not False
+
+
+def layer_graphs_forward_only(cfg) -> bool:
+    """The layers' graphs hold their forward only (cuda_graphs "forward", or "auto" without LoRA/QLoRA)."""
     graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-    return bool(cfg.model.patch) and graphs is not False and (graphs is True or cfg.method.type in ("lora", "qlora"))
+    return graphs == "forward" or (graphs == "auto" and cfg.method.type not in ("lora", "qlora"))
 
 
 def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
@@ -205,6 +210,9 @@ def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) ->
     if not layer_graphs_asked(cfg) or cfg.model.device == "cpu" or shards != 1 or cfg.parallel.strategy == "fsdp2":
         return None
     tokens, dtype_bytes = cfg.train.micro_batch * cfg.data.max_length, 4 if cfg.model.dtype == "fp32" else 2
+    if layer_graphs_forward_only(cfg):
+        return planner.LayerGraphs(pool=max((c.bytes["keep"] for c in costs), default=0),
+                                   buffers=tokens * mconf.hidden_size * dtype_bytes, forward_only=True)
     return planner.LayerGraphs(pool=max((c.graph_pool for c in costs), default=0),
                                buffers=3 * tokens * mconf.hidden_size * dtype_bytes)
 

@@ -32,12 +32,14 @@ SEQ = 256
 LAYOUTS = [[100, 156], [256], [10] * 25 + [6], [60, 60, 136], [7, 249]]
 
 
-def _model(device, dtype=torch.bfloat16):
+def _model(device, dtype=torch.bfloat16, lora=True):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(**ARCH), dtype=dtype).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not lora:
+        return model.train()
     cfg = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules="all-linear")
     return peft.get_peft_model(model, cfg).train()
 
@@ -66,7 +68,7 @@ def _train(model, layouts, ga=2):
 
 
 def _runner(model) -> graphs.LayerGraphRunner:
-    state = _find_state(model.get_base_model())[1]
+    state = _find_state(model.get_base_model() if hasattr(model, "get_base_model") else model)[1]
     return state.graphs
 
 
@@ -118,10 +120,18 @@ def test_graphed_layers_train_like_eager():
     _compare_graphed_with_eager(False, tol=None)
 
 
-def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto"):
+@pytest.mark.gpu
+def test_forward_graphs_train_a_full_fine_tuning_like_eager(padded_eager_attention):
+    """Full fine-tuning under cuda_graphs="auto": each layer's forward from a graph, its recompute + backward
+    eager on the graph's static inputs, every weight's gradient accumulated by autograd into .grad over the
+    micro-batches. Deterministic, eager attending over the padded offsets: equal to eager to 1e-6."""
+    _compare_graphed_with_eager(True, tol=1e-6, lora=False)
+
+
+def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto", lora: bool = True):
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
-        eager = _model("cuda")
+        eager = _model("cuda", lora=lora)
         eager2, graphed = copy.deepcopy(eager), copy.deepcopy(eager)
         rep_e = novatune.patch(eager, cuda_graphs=False, tune=False, attention=attention)
         novatune.patch(eager2, cuda_graphs=False, tune=False, attention=attention)
@@ -133,8 +143,9 @@ def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto
         lg, gg = _train(graphed, layouts)
     finally:
         torch.use_deterministic_algorithms(False)
+    trained = sum(p.requires_grad for p in graphed.parameters())
     for a, b in zip(gg, ge):
-        assert a.keys() == b.keys() and len(a) == 2 * 7 * ARCH["num_hidden_layers"]
+        assert a.keys() == b.keys() and len(a) == (2 * 7 * ARCH["num_hidden_layers"] if lora else trained)
     noise, err = _max_err(ge2, ge), _max_err(gg, ge)
     loss_noise = max(abs(float(a - b)) for a, b in zip(le2, le))
     loss_err = max(abs(float(a - b)) for a, b in zip(lg, le))
@@ -144,7 +155,9 @@ def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto
         assert noise == 0.0 and loss_noise == 0.0  # the yardstick: eager is bitwise repeatable here
     assert err <= (tol if tol is not None else 3 * noise + 2e-2), (err, noise)
     assert loss_err <= (tol if tol is not None else 3 * loss_noise + 1e-3), (loss_err, loss_noise)
-    st = _runner(graphed).stats()
+    runner = _runner(graphed)
+    assert runner.forward_only is not lora
+    st = runner.stats()
     assert st["broken"] is None, st
     # 1 warm-up; 2 capture batches (slots 16 and 32), each capturing both max_seqlen buckets of its slot count
     assert st["captured_batches"] == 2 and st["replayed_batches"] == len(layouts) - 3, st
@@ -231,7 +244,9 @@ def test_auto_says_why_it_is_off_without_cuda_and_true_raises():
     assert any(e.kind == "cuda_graphs" and "CUDA is not available" in e.detail for e in rep.entries)
     with pytest.raises(ValueError, match="cuda_graphs=True cannot apply"):
         novatune.patch(_cpu_model(), cuda_graphs=True, tune=False)
-    with pytest.raises(ValueError, match="choose 'auto', True or False"):
+    with pytest.raises(ValueError, match="cuda_graphs='forward' cannot apply"):
+        novatune.patch(_cpu_model(), cuda_graphs="forward", tune=False)
+    with pytest.raises(ValueError, match="choose 'auto', 'forward', True or False"):
         novatune.patch(_cpu_model(), cuda_graphs="yes", tune=False)
 
 
@@ -330,3 +345,98 @@ def test_a_capture_out_of_memory_releases_the_cache_and_captures_again(monkeypat
     assert failed and st["broken"] is None and st["cache_releases"] == st["captured_batches"] + 1, st
     assert st["replayed_batches"] == 2 * len(LAYOUTS) - 3, st
     assert max(abs(float(a - b)) for a, b in zip(lg, le)) < 2e-2
+
+
+class _ReplayOnCPU:
+    """Stands in for a captured forward graph on the CPU: replay() runs the layer into its static output."""
+
+    def __init__(self, layer, src, out):
+        self.layer, self.src, self.out = layer, src, out
+
+    def replay(self):
+        with torch.no_grad():
+            self.out.copy_(self.layer(self.src))
+
+
+class _WatchedLinear(torch.autograd.Function):
+    """x @ w^T whose backward records whether it may add w's gradient into .grad itself (ops/moe_wgrad.py)."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        from novatune.ops.moe_wgrad import accumulates_into_grad
+
+        x, w = ctx.saved_tensors
+        _WatchedLinear.seen.append(accumulates_into_grad(w))
+        return g @ w, g.t() @ x
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(h, 2 * h), torch.nn.Parameter(torch.randn(h, 2 * h) / h)
+
+    def forward(self, x):
+        return x + _WatchedLinear.apply(torch.nn.functional.silu(self.up(x)), self.down)
+
+
+def _forward_graphed(layers, xs, x0):
+    """The runner's forward-graph path on the CPU: layer i's "graph" writes xs[i + 1]; its backward recomputes."""
+    runner = graphs.LayerGraphRunner(layers, state=None, full_training=True, forward_only=True)
+    runner.xs, runner.batch_id, runner.token = xs, 1, graphs._Token()
+    runner.layer_params = [[p for p in layer.parameters()] for layer in layers]
+    xs[0].copy_(x0)
+    h = x0
+    for i, layer in enumerate(layers):
+        lg = graphs._LayerGraphs(_ReplayOnCPU(layer, xs[i], xs[i + 1]), None, xs[i + 1], x0[:0], x0[:0], True,
+                                 [], [], len(runner.layer_params[i]), recompute=layer)
+        h = graphs._GraphedLayer.apply(runner, lg, 1, runner.token, i, h, *runner.layer_params[i])
+    return h
+
+
+def test_forward_graphs_recompute_and_accumulate_like_the_stock_checkpoint():
+    """The forward-only graphs' backward (graphs._recompute_backward), driven on the CPU with a stand-in replay:
+    over three micro-batches of gradient accumulation every parameter's .grad and the input's gradient equal
+    plain autograd's; the nested backward lets in-place weight-gradient paths add into .grad as autograd would
+    (ops/moe_wgrad.accumulates_into_grad true from the second micro-batch); torch.autograd.grad() gets the
+    gradients returned and leaves .grad alone."""
+    torch.manual_seed(0)
+    h, t = 12, 7
+    layers = torch.nn.ModuleList([_Layer(h) for _ in range(3)])
+    ref = copy.deepcopy(layers)
+    xs = [torch.empty(t, h) for _ in range(4)]
+    inputs = [torch.randn(t, h, requires_grad=True) for _ in range(3)]
+    _WatchedLinear.seen = []
+    for k, x in enumerate(inputs):
+        for buf in xs:  # poisoned static buffers: a read before the replay writes them would show
+            buf.fill_(torch.nan)
+        out = _forward_graphed(list(layers), xs, x)
+        (out.square().sum() * (k + 1)).backward()
+    assert _WatchedLinear.seen == [False] * 3 + [True] * 6
+    ref_inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    for k, x in enumerate(ref_inputs):
+        h_ = x
+        for layer in ref:
+            h_ = layer(h_)
+        (h_.square().sum() * (k + 1)).backward()
+    for (n, p), q in zip(layers.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, 1e-5, n)
+    for x, r in zip(inputs, ref_inputs):
+        assert_close(x.grad, r.grad, 1e-5, "input")
+    before = [p.grad.clone() for p in layers.parameters()]
+    x = torch.randn(t, h, requires_grad=True)
+    out = _forward_graphed(list(layers), xs, x)
+    got = torch.autograd.grad(out.square().sum(), [x, *layers.parameters()])
+    h_ = x.detach().requires_grad_(True)
+    ref_out = h_
+    for layer in ref:
+        ref_out = layer(ref_out)
+    want = torch.autograd.grad(ref_out.square().sum(), [h_, *ref.parameters()])
+    for a, b in zip(got, want):
+        assert_close(a, b, 1e-5, "autograd.grad")
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, layers.parameters()))
