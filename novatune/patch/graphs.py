@@ -22,8 +22,11 @@ graph inside an autograd Function whose backward replays the backward graph and 
 so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mode.
 
 Forward graphs only (cuda_graphs="forward", and "auto" for full fine-tuning): layer i replays its no-grad forward
-from a graph, and its backward recomputes the layer eagerly from xs[i] with the same static inputs the graph read
-(the same kernels, so the same values), then runs autograd through it. The parameters' gradients reach .grad by
+from a graph, and its backward recomputes the layer eagerly from xs[i], then runs autograd through it. The
+recompute attends over the batch's own document offsets, as eager layers do (the same values as the graph's padded
+ones, test_padded_offsets_attend_like_the_batch; FlashAttention's backward grid then spans the batch's documents,
+not the padded slots and the rounded max_seqlen); a one-document row, where eager
+attention picks another kernel, recomputes on the graph's static inputs. The parameters' gradients reach .grad by
 the AccumulateGrad additions the stock checkpoint makes (no static gradient set, no copies out of a graph: what
 cost full fine-tuning its backward graphs, LOG.md session 6); a torch.autograd.grad() caller gets them returned.
 
@@ -52,10 +55,11 @@ from novatune.patch.forwards import PACKED_KWARG
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
-# coarse buckets, so a run captures once or twice: 16 document slots hold a 4096-token row of median-600-token
-# documents; max_seqlen is T/2 or T (T = tokens per batch). Unused slots and blocks past a document's end cost
-# FlashAttention only early-exiting programs.
-MIN_SLOTS = 16
+# coarse buckets, so a run captures a few times: 8 or 16 document slots hold most 4096-token rows of
+# median-600-token documents; max_seqlen is T/2 or T (T = tokens per batch). Unused slots and blocks past a
+# document's end are early-exiting FlashAttention programs, each a little GPU time: at 16 slots for ~7 documents
+# per row they are ~2x the programs eager attention launches (LOG.md, session 21), so the floor stays low.
+MIN_SLOTS = 8
 MAX_TRAINABLE_FRACTION = 0.25
 # "thread_local" lets other threads (a data loader's pin-memory thread) make CUDA calls during a capture
 CAPTURE_MODE = os.environ.get("NOVATUNE_GRAPH_CAPTURE_MODE", "thread_local")
@@ -90,11 +94,12 @@ class _LayerGraphs:
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, index: int, x, *params):
+    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, index: int, eager_call, x, *params):
         if lg.before is not None:
             lg.before()
         lg.fwd.replay()
         ctx.runner, ctx.lg, ctx.batch_id, ctx.token, ctx.index = runner, lg, batch_id, token, index
+        ctx.eager_call = eager_call  # forward graphs only: the recompute's call (None: lg.recompute)
         return lg.out.detach()  # a new tensor object over the static buffer: the next layer's xs[i+1]
 
     @staticmethod
@@ -108,8 +113,10 @@ class _GraphedLayer(torch.autograd.Function):
             lg.before()
         if lg.bwd is None:
             ctx.token = None
-            gx, grads = _recompute_backward(lg, runner.xs[ctx.index], runner.layer_params[ctx.index], gout)
-            return (None, None, None, None, None, gx, *grads)
+            gx, grads = _recompute_backward(ctx.eager_call or lg.recompute, lg.x_grad, runner.xs[ctx.index],
+                                            runner.layer_params[ctx.index], gout)
+            ctx.eager_call = None
+            return (None, None, None, None, None, None, gx, *grads)
         if gout.data_ptr() != lg.gout.data_ptr() or gout.stride() != lg.gout.stride():
             lg.gout.copy_(gout)
         lg.bwd.replay()
@@ -119,25 +126,25 @@ class _GraphedLayer(torch.autograd.Function):
         for j, g in zip(lg.grad_index, fresh):
             grads[j] = g
         ctx.token = None
-        return (None, None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
+        return (None, None, None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
 
 
-def _recompute_backward(lg: _LayerGraphs, src: Tensor, params: list[Tensor], gout: Tensor):
+def _recompute_backward(call, x_grad: bool, src: Tensor, params: list[Tensor], gout: Tensor):
     """A forward-graphed layer's backward: the stock checkpoint's recompute and backward, eagerly, on the inputs
     its graph read. Where the running backward accumulates the parameters' gradients into .grad (a .backward()
     call), the nested backward does the same additions itself, so in-place weight-gradient paths
     (ops/moe_wgrad.py) and AccumulateGrad's steal-or-add work as in eager mode; under torch.autograd.grad (or
     create_graph) the gradients are returned to the caller's graph instead."""
-    xin = src.detach().requires_grad_(lg.x_grad)
-    inputs = ([xin] if lg.x_grad else []) + list(params)
+    xin = src.detach().requires_grad_(x_grad)
+    inputs = ([xin] if x_grad else []) + list(params)
     create = torch.is_grad_enabled()
     with torch.enable_grad():
-        y = lg.recompute(xin)
+        y = call(xin)
     if not create and all(engine_accumulates(p) for p in params):
         torch.autograd.backward(y, gout, inputs=inputs)
-        return (xin.grad if lg.x_grad else None), [None] * len(params)
+        return (xin.grad if x_grad else None), [None] * len(params)
     grads = list(torch.autograd.grad(y, inputs, gout, allow_unused=True, create_graph=create))
-    gx = grads.pop(0) if lg.x_grad else None
+    gx = grads.pop(0) if x_grad else None
     return gx, grads
 
 
@@ -408,7 +415,9 @@ class LayerGraphRunner:
         elif lg.x_grad != x.requires_grad:
             raise _Unsupported("a layer input's requires_grad changed between batches")
         lg.before = before
-        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, i, x, *self.layer_params[i])
+        # forward graphs only: the recompute takes the batch's own offsets, except a one-document row (docstring)
+        eager = fn if self.forward_only and not self.current_packed.one_doc_per_row else None
+        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, i, eager, x, *self.layer_params[i])
         if i == len(self.layers) - 1:
             self.token = None  # from here only the layers' autograd nodes keep the batch alive
         return out
