@@ -138,11 +138,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     is listed as skipped (novatune/patch/lora.py). PEFT LoRA on the routed experts' weights (target_parameters)
     runs inside the grouped GEMMs of novatune's expert MLP (novatune/patch/moe_lora.py).
     cuda_graphs: with gradient checkpointing and novatune's attention on CUDA, each checkpointed decoder layer's
-    forward replays from a CUDA graph instead of op by op from Python (novatune/patch/graphs.py). "auto"
-    (default): with fused LoRA/QLoRA layers its recompute+backward too (an adapter step is host-bound), otherwise
-    the forward only (the backward then recomputes eagerly, as the stock checkpoint does); "forward": the forward
-    only; True: both for any layers; True and "forward" raise when they cannot apply; False never. Batches the
-    graphs cannot take run the stock checkpointed layers, named in the report.
+    forward, and its recompute+backward, replay from CUDA graphs instead of op by op from Python
+    (novatune/patch/graphs.py). "auto" (default): with fused LoRA/QLoRA layers (an adapter step is host-bound);
+    True: for any layers; "forward": the forward only, the backward recomputing eagerly (for a host too slow for
+    its GPU: on a fast one it measured 3-4% slower than eager full fine-tuning); True and "forward" raise when they
+    cannot apply; False never. Batches the graphs cannot take run the stock checkpointed layers, named in the
+    report.
     tiled_mlp: "auto" (default) | True | False: the MLP runs on row chunks of a long batch, each recomputed in the
     backward, so its (tokens x intermediate) activations never exist whole (novatune/patch/tiled.py); "auto" tiles
     batches whose intermediate activation exceeds 1 GiB (Qwen3-4B: from 55k tokens), True any batch longer than

@@ -21,14 +21,16 @@ MAX_BUCKETS; both max_seqlen buckets of a slot count are captured in the same ba
 graph inside an autograd Function whose backward replays the backward graph and returns fresh gradient tensors,
 so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mode.
 
-Forward graphs only (cuda_graphs="forward", and "auto" for full fine-tuning): layer i replays its no-grad forward
-from a graph, and its backward recomputes the layer eagerly from xs[i], then runs autograd through it. The
-recompute attends over the batch's own document offsets, as eager layers do (the same values as the graph's padded
-ones, test_padded_offsets_attend_like_the_batch; FlashAttention's backward grid then spans the batch's documents,
-not the padded slots and the rounded max_seqlen); a one-document row, where eager
-attention picks another kernel, recomputes on the graph's static inputs. The parameters' gradients reach .grad by
-the AccumulateGrad additions the stock checkpoint makes (no static gradient set, no copies out of a graph: what
-cost full fine-tuning its backward graphs, LOG.md session 6); a torch.autograd.grad() caller gets them returned.
+Forward graphs only (cuda_graphs="forward", opt-in): layer i replays its no-grad forward from a graph; its backward
+recomputes the layer eagerly from xs[i] and runs autograd through it, so the parameters' gradients reach .grad by
+the stock checkpoint's AccumulateGrad additions (no static gradient set, no copies out of a graph; a
+torch.autograd.grad() caller gets them returned). The recompute attends over the batch's own document offsets
+(the same values as the padded ones, test_padded_offsets_attend_like_the_batch, and FlashAttention's backward grid
+spans the batch's documents, not the padded slots); a one-document row, where eager attention picks another
+kernel, recomputes on the graph's static inputs. On the seed workload (H200) they removed the forward's host idle
+and still ran 3-4% slower than eager layers (LOG.md, session 21): the recompute runs the whole layer, where the
+stock checkpoint stops after the last tensor its backward needs (one down-projection GEMM per layer fewer). So
+"auto" keeps full fine-tuning eager; a host too slow for its GPU may gain from them.
 
 A batch runs the stock checkpointed layers instead (said once per reason in the report) when: the tensors are
 not on CUDA, grad is off, the attention is not novatune's varlen path for every layer, a module in the layers has
@@ -587,8 +589,7 @@ def keep_layers_eager(model: nn.Module, reason: str) -> int:
 # ---------------------------------------------------------------------------------------------- patch entry
 def install(model: nn.Module, stack: nn.Module, state, report, requested) -> None:
     """Attach a LayerGraphRunner to the decoder stack (novatune.patch's cuda_graphs option): "auto" captures the
-    forward and the recompute+backward of LoRA/QLoRA layers and the forward only of fully trained ones; True both
-    for any layers; "forward" the forward only."""
+    forward and the recompute+backward of LoRA/QLoRA layers; True both for any layers; "forward" the forward only."""
     layers = list(getattr(stack, "layers", []) or [])
     why = None
     if not torch.cuda.is_available():
@@ -597,14 +598,15 @@ def install(model: nn.Module, stack: nn.Module, state, report, requested) -> Non
         why = "the decoder layers are not HF GradientCheckpointingLayers"
     elif not state.all_attention_patched:
         why = "not every attention layer is novatune's (the graphs need the packed varlen path)"
+    elif requested == "auto" and not report.replaced("lora"):
+        why = "no fused LoRA layers (full fine-tuning: the forward-only graphs measured slower, cuda_graphs='forward')"
     if why is not None:
         if requested in (True, "forward"):
             raise ValueError(f"cuda_graphs={requested!r} cannot apply: {why}")
         report.add("", "cuda_graphs", "note", f"CUDA graphs not used: {why}")  # auto: nothing was asked for
         return
-    forward_only = requested == "forward" or (requested == "auto" and not report.replaced("lora"))
-    runner = LayerGraphRunner(layers, state, full_training=requested != "auto" or forward_only,
-                              forward_only=forward_only)
+    forward_only = requested == "forward"
+    runner = LayerGraphRunner(layers, state, full_training=requested != "auto", forward_only=forward_only)
     state.graphs = runner
     what = ("its no-grad forward from a CUDA graph, its recompute+backward eagerly" if forward_only else
             "its forward and its recompute+backward from CUDA graphs")

@@ -192,14 +192,14 @@ OUTSIDE_LAYERS_HIDDEN = 8
 
 def layer_graphs_asked(cfg) -> bool:
     """The run asks for novatune's CUDA graphs of the decoder layers (patch/graphs.py): novatune.patch on and
-    model.patch_options.cuda_graphs not false."""
-    return bool(cfg.model.patch) and dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto") is not False
+    model.patch_options.cuda_graphs not false; its "auto" captures LoRA/QLoRA layers only."""
+    graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
+    return bool(cfg.model.patch) and graphs is not False and (graphs != "auto" or cfg.method.type in ("lora", "qlora"))
 
 
 def layer_graphs_forward_only(cfg) -> bool:
-    """The layers' graphs hold their forward only (cuda_graphs "forward", or "auto" without LoRA/QLoRA)."""
-    graphs = dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto")
-    return graphs == "forward" or (graphs == "auto" and cfg.method.type not in ("lora", "qlora"))
+    """The layers' graphs hold their forward only (cuda_graphs "forward")."""
+    return dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto") == "forward"
 
 
 def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:

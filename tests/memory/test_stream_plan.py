@@ -125,14 +125,14 @@ def test_graphed_lora_layers_count_the_pool_instead_of_the_eager_transient(make_
     assert resolve(mixed, est, mconf, ASSUMED, None).graph_pool_bytes == 0
     on_cpu = dataclasses.replace(lora, model=dataclasses.replace(lora.model, device="cpu"))
     assert resolve(on_cpu, est, mconf, ASSUMED, None).graph_pool_bytes == 0  # graphs need a GPU
-    # full fine-tuning: "auto" captures the forward only; its pool (bounded by the keep set) and one input buffer
-    # stand beside the eager recompute's transient
+    # full fine-tuning: "auto" captures nothing; "forward" the forward only: its pool (bounded by the keep set) and
+    # one input buffer stand beside the eager recompute's transient
     full = make_tiny_cfg(method="full")
     full_est = {**est, "gradients": 7.5 * 2**30, "optimizer": 15 * 2**30}
-    fwd = resolve(full, full_est, mconf, ASSUMED, None)
+    full_eager = resolve(full, full_est, mconf, ASSUMED, None)
     full_cost = layer_costs(full, mconf, ASSUMED)[0]
-    no_full = dataclasses.replace(full, model=dataclasses.replace(full.model, patch_options={"cuda_graphs": False}))
-    full_eager = resolve(no_full, full_est, mconf, ASSUMED, None)
+    forward = dataclasses.replace(full, model=dataclasses.replace(full.model, patch_options={"cuda_graphs": "forward"}))
+    fwd = resolve(forward, full_est, mconf, ASSUMED, None)
     assert fwd.graph_pool_bytes == full_cost.bytes["keep"] and full_eager.graph_pool_bytes == 0
     assert fwd.static_bytes == full_eager.static_bytes + tokens * h * 2 + full_cost.bytes["keep"]
     assert fwd.peak_bytes - full_eager.peak_bytes == tokens * h * 2 + full_cost.bytes["keep"]
