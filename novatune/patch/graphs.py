@@ -57,11 +57,11 @@ from novatune.patch.forwards import PACKED_KWARG
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
-# coarse buckets, so a run captures a few times: 8 or 16 document slots hold most 4096-token rows of
-# median-600-token documents; max_seqlen is T/2 or T (T = tokens per batch). Unused slots and blocks past a
-# document's end are early-exiting FlashAttention programs, each a little GPU time: at 16 slots for ~7 documents
-# per row they are ~2x the programs eager attention launches (LOG.md, session 21), so the floor stays low.
-MIN_SLOTS = 8
+# coarse buckets, so a run captures once or twice: 16 document slots hold a 4096-token row of median-600-token
+# documents; max_seqlen is T/2 or T (T = tokens per batch). Unused slots and blocks past a document's end cost
+# FlashAttention only early-exiting programs. (At 8 slots the MoE LoRA bench captured twice, once inside its
+# timed steps: 57,768 tok/s in session21-3 against 62,700 in session20-4, another call.)
+MIN_SLOTS = 16
 MAX_TRAINABLE_FRACTION = 0.25
 # "thread_local" lets other threads (a data loader's pin-memory thread) make CUDA calls during a capture
 CAPTURE_MODE = os.environ.get("NOVATUNE_GRAPH_CAPTURE_MODE", "thread_local")

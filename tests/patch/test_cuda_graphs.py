@@ -28,7 +28,7 @@ peft = pytest.importorskip("peft")
 ARCH = dict(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, use_cache=False, max_position_embeddings=1024)
 SEQ = 256
-# docs per row -> slots 8, 8, 32, 8, 8; max_seqlen 256 (> half the row) but for the 26 short documents (128)
+# docs per row -> slots 16, 16, 32, 16, 16; max_seqlen 256 (> half the row) but for the 26 short documents (128)
 LAYOUTS = [[100, 156], [256], [10] * 25 + [6], [60, 60, 136], [7, 249]]
 
 
@@ -166,9 +166,9 @@ def _compare_graphed_with_eager(deterministic: bool, tol, attention: str = "auto
     assert runner.forward_only is not lora
     st = runner.stats()
     assert st["broken"] is None, st
-    # 1 warm-up; 2 capture batches (slots 8 and 32), each capturing both max_seqlen buckets of its slot count
+    # 1 warm-up; 2 capture batches (slots 16 and 32), each capturing both max_seqlen buckets of its slot count
     assert st["captured_batches"] == 2 and st["replayed_batches"] == len(layouts) - 3, st
-    assert sorted(tuple(b) for b in st["buckets"]) == [(8, 128), (8, 256), (32, 128), (32, 256)], st
+    assert sorted(tuple(b) for b in st["buckets"]) == [(16, 128), (16, 256), (32, 128), (32, 256)], st
 
 
 @pytest.mark.gpu
