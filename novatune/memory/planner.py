@@ -28,13 +28,15 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   peak (evaluate)  static + kept + the largest transient, where the transients are a recomputed layer's and the
   work outside the decoder layers (the loss's logits buffer: `outside`), each at its own moment. When the layers
   run as CUDA graphs (patch/graphs.py: LoRA/QLoRA, every layer `recompute`), the graphs' shared pool takes the
-  place of the eager layer transient: it holds the recompute and backward of whichever layer replays, so the peak
-  is static + the graphs' buffers + kept + max(pool, outside), never pool + transient. The pool is sized by its
+  place of the eager layer transient: it holds the recompute and backward of whichever layer replays. It is a
+  private pool, reserved for the graphs whatever runs, so the peak is static + the graphs' buffers + pool + kept
+  + outside (measured with the pool counted, session 21: the MoE LoRA cut 13.91 GiB, of it 0.77 the pool;
+  max(pool, outside) had planned 12.99). The pool is sized by its
   capture: the layer's keep set plus the gradients alive at the MLP's backward (the SwiGLU product's gradient,
   T x i, since SwiGLU writes its own gradients over gate and up; the MLP input's two partial gradients, 2 x T x h).
   Measured on the seed LoRA r16 run: a 548 MiB pool against 544 MiB from this sum (428 MiB of it the keep set).
-  Forward graphs only (full fine-tuning): the pool holds a no-grad forward, bounded by the layer's keep set, and
-  stays reserved beside the eager recompute's transient: static + buffers + pool + kept + max(transient, outside).
+  Forward graphs only (cuda_graphs="forward"): the pool holds a no-grad forward, bounded by the layer's keep set,
+  beside the eager recompute's transient: static + buffers + pool + kept + max(transient, outside).
 
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
@@ -244,13 +246,10 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     kept_each = [c.bytes[p] for c, p in zip(costs, policies)]
     kept = sum(kept_each)
     graphed = runs_as_graphs(policies, graphs)
-    pool = graphs.pool if graphed else 0
-    static_bytes += graphs.buffers if graphed else 0
-    eager_backward = graphs is None or not graphed or graphs.forward_only
-    if graphs is not None and graphed and graphs.forward_only:
-        static_bytes += pool  # reserved beside the eager backward's transient
-    own = [c.transient if eager_backward and _recomputed(p) else pool if not eager_backward else 0
-           for c, p in zip(costs, policies)]
+    pool = graphs.pool if graphs is not None and graphed else 0
+    static_bytes += graphs.buffers + pool if graphs is not None and graphed else 0  # the pool is reserved throughout
+    eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
+    own = [c.transient if eager_backward and _recomputed(p) else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
     transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots

@@ -141,8 +141,6 @@ SELECTIVE_X5 = ["memory.policy=per-layer", "memory.layers=[recompute,recompute,r
     ("qwen3-30b-a3b-moe", [], 43.205, 0.01),  # checkpointing
     ("qwen3-30b-a3b-moe", ["memory.policy=auto"], 45.204, 0.01),  # every layer kept
     ("qwen3-30b-a3b-moe", SELECTIVE_X5, 43.178, 0.01),  # a recomputed layer's backward is the peak
-    # LoRA on every expert, checkpointing and CUDA graphs: 2%, the graphs' pool is sized by a formula, not captured
-    ("qwen3-30b-a3b-moe-lora", [], 13.14, 0.02),
 ])
 def test_the_moe_cut_plans_its_measured_peaks(config, overrides, measured, rel):
     """The Qwen3-30B-A3B cut (H200, `session20-3`, `session20-4`). A sparse layer is planned as routed: the
@@ -150,6 +148,29 @@ def test_the_moe_cut_plans_its_measured_peaks(config, overrides, measured, rel):
     cfg = load(REPO / "examples" / f"{config}.yaml", overrides)
     est = plan(cfg, gpu_mem_gib=141)
     assert est["peak"] == pytest.approx(measured * GiB, rel=rel)
+
+
+# Graphed LoRA/QLoRA runs, measured with the CUDA graphs' pool counted (session21-4, H200; novatune/measure/
+# gpu_memory.py): (config, peak GiB, of it the pool). The plans stand 5-10% under: the pool coexists with the eager
+# memory (now planned so), but the planned pool is short on QLoRA (0.34 GiB planned: its dequantised weights live
+# in the pool) and on the MoE cut (0.65), and the allocated part stands ~0.4-0.6 GiB above the plan's: not yet
+# explained (LOG.md, session 21).
+GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.91, 0.77), ("lora", 10.605, 0.535), ("qlora", 7.843, 0.691)]
+
+
+@pytest.mark.parametrize("config,measured,pool", GRAPHED_PEAKS)
+def test_graphed_plans_stand_within_ten_percent_under_their_peaks(config, measured, pool):
+    est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
+    assert 0.9 * measured * GiB <= est["peak"] < measured * GiB
+    assert 0.45 * pool * GiB <= est["memory_plan"].graph_pool_bytes <= 1.01 * pool * GiB
+
+
+@pytest.mark.xfail(strict=True, reason="graphed plans stand under their measured peaks (the constants' comment)")
+@pytest.mark.parametrize("config,measured,pool", GRAPHED_PEAKS)
+def test_graphed_plans_stand_at_or_above_their_peaks(config, measured, pool):
+    est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
+    assert est["peak"] >= measured * GiB
+
 
 
 @pytest.mark.parametrize("arch,per_expert", [("gpt-oss-20b", 2880), ("qwen3-30b-a3b", 768)])
