@@ -42,7 +42,9 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
     recompute  keep + F (the forward again)
     selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
-               experts' forward GEMMs
+               experts' forward GEMMs; + SELECTIVE_DISPATCH_S, the host time of torch's selective checkpoint,
+               which runs every op of the forward and the recompute through a Python dispatch mode. With it,
+               selective is slower than recompute, as measured, so `auto` keeps it out of its choices by time.
     offload    recompute + the part of each copy (input bytes at the host link's rate) that the layer's own
                forward (out) or the next layer's backward (back) does not hide, + a fixed cost per copy
 
@@ -60,6 +62,11 @@ from novatune.memory.policy import POLICIES
 
 GiB = 2**30
 COPY_OVERHEAD_S = 30e-6  # events, stream switches and the copy launch of one offloaded tensor
+# host time of torch's selective checkpoint per layer and micro-batch (its dispatch mode runs every op of the
+# layer's forward and recompute through Python): the seed workload (Qwen3-4B, 4096-token rows, H200) measured
+# 1,379 ms per step with every layer selective against 971 with every layer recomputed (bench.jsonl session21-5),
+# where this model without the term planned selective 24% faster than recompute: 4.35 ms per layer per micro-batch
+SELECTIVE_DISPATCH_S = 4.35e-3
 GEMM_EFFICIENCY = 0.75  # share of the square-matmul rate a training step's GEMMs reach (thin LoRA ones less)
 
 @dataclass(frozen=True)
@@ -142,7 +149,8 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     keep = forward + backward
     # a routed MLP's experts run again under `selective` (their products are not among the ops it keeps)
     routed_again = 2 * s.tokens * 3 * s.hidden * s.intermediate / rate if s.routed else 0.0
-    seconds = {"keep": keep, "recompute": keep + forward, "selective": keep + elementwise + routed_again,
+    seconds = {"keep": keep, "recompute": keep + forward,
+               "selective": keep + elementwise + routed_again + SELECTIVE_DISPATCH_S,
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
     # transient already) and the MLP input's two partial ones

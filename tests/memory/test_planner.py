@@ -54,7 +54,9 @@ def test_times_order_and_offload_hides_its_copies_behind_the_layer():
                        dtype_bytes=2, attended_keys=300)
     fast = planner.layer_cost(shape, planner.Hardware(700, 3000, 50))
     t = fast.seconds
-    assert t["keep"] < t["selective"] < t["recompute"] < t["offload"]
+    assert t["keep"] < t["recompute"] < t["offload"]
+    # selective's dispatch-mode host time makes it the slowest on this layer, as measured (session21-5)
+    assert t["selective"] - planner.SELECTIVE_DISPATCH_S < t["recompute"] < t["selective"]
     assert t["offload"] - t["recompute"] == pytest.approx(2 * planner.COPY_OVERHEAD_S)  # 21 MB at 50 GB/s: hidden
     slow_link = planner.layer_cost(shape, planner.Hardware(700, 3000, 1))  # 1 GB/s: the copy shows
     assert slow_link.seconds["offload"] - slow_link.seconds["recompute"] > 10e-3
