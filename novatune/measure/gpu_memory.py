@@ -5,6 +5,8 @@ capture ends they are freed into the graph's private pool, where the replays kee
 allocated-bytes statistic no longer counts them. The memory stays reserved for the pool all the same, beside
 whatever the eager code allocates. So a run's peak is its allocated peak plus the bytes its graphs' private pools
 hold unallocated (read from the allocator's snapshot: segments whose pool id is not the default pool's).
+A capture inside the measured window counts its temporaries twice (allocated while capturing, then idle in the
+pool): the figure errs high, never low.
 """
 from __future__ import annotations
 

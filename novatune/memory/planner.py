@@ -44,7 +44,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
                experts' forward GEMMs; + SELECTIVE_DISPATCH_S, the host time of torch's selective checkpoint,
                which runs every op of the forward and the recompute through a Python dispatch mode. With it,
-               selective is slower than recompute, as measured, so `auto` keeps it out of its choices by time.
+               selective is slower than recompute on the seed's 4096-token rows, as measured, so `auto` does not
+               choose it there; on long, GPU-bound rows the GEMMs it saves can still outweigh it.
     offload    recompute + the part of each copy (input bytes at the host link's rate) that the layer's own
                forward (out) or the next layer's backward (back) does not hide, + a fixed cost per copy
 
@@ -177,7 +178,8 @@ class Plan:
     budget_bytes: int | None
     static_bytes: int
     activation_bytes: int  # kept between forward and backward, over all layers
-    transient_bytes: int  # the largest of a recomputed layer's (or the graphs' pool) and the outside work's
+    transient_bytes: int  # the largest of an eagerly recomputed layer's and the outside work's (the graphs' pool
+    # is in static_bytes)
     graph_pool_bytes: int = 0  # the CUDA graphs' pool, where the layers run as graphs (else 0; their buffers are
     # in static_bytes)
     outside_transient_bytes: int = 0  # the work outside the decoder layers (the loss's logits buffer)
@@ -246,16 +248,17 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
              graphs: LayerGraphs | None = None) -> Plan:
     """The peak and time of one assignment: static + every layer's kept bytes + the largest transient (a layer
     recomputed in the backward, or the `outside` work: the loss) + the offload slots. `graphs`: where the run
-    captures its layers as CUDA graphs (None: it never does); with every layer recomputed their pool replaces the
-    layers' eager transient and their buffers join the static bytes (module docstring). With `fresh` gradients
+    captures its layers as CUDA graphs (None: it never does); with every layer recomputed their pool and buffers
+    join the static bytes (a private pool is reserved throughout), and backward graphs take the layers' eager
+    transient into the pool (module docstring). With `fresh` gradients
     (static_bytes includes them), the peak is the largest of the end of the forward (no gradient yet; the loss
     runs then) and each layer's backward (the gradients of the layers above it born, the activations of the
     layers below it still kept). An assignment whose offloaded inputs pass the `host` budget does not fit."""
     kept_each = [c.bytes[p] for c, p in zip(costs, policies)]
     kept = sum(kept_each)
     graphed = runs_as_graphs(policies, graphs)
-    pool = graphs.pool if graphs is not None and graphed else 0
-    static_bytes += graphs.buffers + pool if graphs is not None and graphed else 0  # the pool is reserved throughout
+    pool = graphs.pool if graphed else 0
+    static_bytes += graphs.buffers + pool if graphed else 0  # the pool is reserved throughout
     eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
     own = [c.transient if eager_backward and _recomputed(p) else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0

@@ -54,12 +54,6 @@ def accumulates_into_grad(param: Tensor | None) -> bool:
         return False
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return False
-    return engine_accumulates(param)
-
-
-def engine_accumulates(param: Tensor) -> bool:
-    """The running backward will run `param`'s AccumulateGrad (a .backward() call, or backward(inputs=...) naming
-    it), rather than capture its gradient for torch.autograd.grad()."""
     try:
         return bool(torch._C._will_engine_execute_node(get_gradient_edge(param).node))
     except RuntimeError:  # torch.autograd.grad(): the engine captures leaf gradients instead of accumulating them

@@ -1,5 +1,5 @@
-"""CUDA graphs for gradient-checkpointed decoder layers: each layer's forward, and for adapter layers (LoRA / QLoRA)
-its recompute + backward, replayed from a captured graph instead of being launched op by op from Python.
+"""CUDA graphs for gradient-checkpointed decoder layers: each layer's forward, and (unless only the forward is asked
+for) its recompute + backward, replayed from a captured graph instead of being launched op by op from Python.
 
 Why: a QLoRA micro-step (Qwen3-8B, 2048 tokens, H200) took 372 ms of wall time for 180 ms of GPU work
 (LOG.md run 30): the host could not issue ~40 launches per layer per pass through autograd fast enough. A graph
@@ -52,8 +52,8 @@ from torch import Tensor, nn
 
 from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
-from novatune.ops.moe_wgrad import engine_accumulates
 from novatune.patch.forwards import PACKED_KWARG
+from novatune.patch.graph_recompute import Recompute, recompute_backward
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
@@ -96,12 +96,12 @@ class _LayerGraphs:
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, index: int, eager_call, x, *params):
+    def forward(ctx, runner, lg: _LayerGraphs, batch_id: int, token: _Token, recompute: Recompute | None, x,
+                *params):
         if lg.before is not None:
             lg.before()
         lg.fwd.replay()
-        ctx.runner, ctx.lg, ctx.batch_id, ctx.token, ctx.index = runner, lg, batch_id, token, index
-        ctx.eager_call = eager_call  # forward graphs only: the recompute's call (None: lg.recompute)
+        ctx.runner, ctx.lg, ctx.batch_id, ctx.token, ctx.recompute = runner, lg, batch_id, token, recompute
         return lg.out.detach()  # a new tensor object over the static buffer: the next layer's xs[i+1]
 
     @staticmethod
@@ -115,10 +115,8 @@ class _GraphedLayer(torch.autograd.Function):
             lg.before()
         if lg.bwd is None:
             ctx.token = None
-            gx, grads = _recompute_backward(ctx.eager_call or lg.recompute, lg.x_grad, runner.xs[ctx.index],
-                                            runner.layer_params[ctx.index], gout)
-            ctx.eager_call = None
-            return (None, None, None, None, None, None, gx, *grads)
+            gx, grads = recompute_backward(ctx.recompute, gout)
+            return (None, None, None, None, None, gx, *grads)
         if gout.data_ptr() != lg.gout.data_ptr() or gout.stride() != lg.gout.stride():
             lg.gout.copy_(gout)
         lg.bwd.replay()
@@ -128,26 +126,7 @@ class _GraphedLayer(torch.autograd.Function):
         for j, g in zip(lg.grad_index, fresh):
             grads[j] = g
         ctx.token = None
-        return (None, None, None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
-
-
-def _recompute_backward(call, x_grad: bool, src: Tensor, params: list[Tensor], gout: Tensor):
-    """A forward-graphed layer's backward: the stock checkpoint's recompute and backward, eagerly, on the inputs
-    its graph read. Where the running backward accumulates the parameters' gradients into .grad (a .backward()
-    call), the nested backward does the same additions itself, so in-place weight-gradient paths
-    (ops/moe_wgrad.py) and AccumulateGrad's steal-or-add work as in eager mode; under torch.autograd.grad (or
-    create_graph) the gradients are returned to the caller's graph instead."""
-    xin = src.detach().requires_grad_(x_grad)
-    inputs = ([xin] if x_grad else []) + list(params)
-    create = torch.is_grad_enabled()
-    with torch.enable_grad():
-        y = call(xin)
-    if not create and all(engine_accumulates(p) for p in params):
-        torch.autograd.backward(y, gout, inputs=inputs)
-        return (xin.grad if x_grad else None), [None] * len(params)
-    grads = list(torch.autograd.grad(y, inputs, gout, allow_unused=True, create_graph=create))
-    gx = grads.pop(0) if x_grad else None
-    return gx, grads
+        return (None, None, None, None, None, lg.gx.detach() if lg.x_grad else None, *grads)
 
 
 class _Bucket:
@@ -417,9 +396,11 @@ class LayerGraphRunner:
         elif lg.x_grad != x.requires_grad:
             raise _Unsupported("a layer input's requires_grad changed between batches")
         lg.before = before
-        # forward graphs only: the recompute takes the batch's own offsets, except a one-document row (docstring)
-        eager = fn if self.forward_only and not self.current_packed.one_doc_per_row else None
-        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, i, eager, x, *self.layer_params[i])
+        rc = None
+        if self.forward_only:  # the recompute takes the batch's own offsets, except a one-document row (docstring)
+            rc = Recompute(lg.recompute if self.current_packed.one_doc_per_row else fn, self.xs[i],
+                            self.layer_params[i], self.layer_slots[i], lg.x_grad)
+        out = _GraphedLayer.apply(self, lg, self.batch_id, self.token, rc, x, *self.layer_params[i])
         if i == len(self.layers) - 1:
             self.token = None  # from here only the layers' autograd nodes keep the batch alive
         return out

@@ -225,9 +225,9 @@ def _transient_lines(mp, g) -> list[str]:
     """The peak's transient: the CUDA graphs' pool where the layers run as graphs, else the eager layer's."""
     loss = f"  loss working memory          {g(mp.outside_transient_bytes)}   (the fused loss's logits buffer)"
     if mp.graph_pool_bytes:
-        return [f"  CUDA-graph pool              {g(mp.graph_pool_bytes)}   (one layer's recompute + backward, "
-                "replayed; counted instead of the eager transient)", loss,
-                f"  backward transient           {g(mp.transient_bytes)}   (the larger of the pool and the loss)"]
+        return [f"  CUDA-graph pool              {g(mp.graph_pool_bytes)}   (a layer's replayed work; a private pool, "
+                "reserved beside everything else)", loss,
+                f"  backward transient           {g(mp.transient_bytes)}   (the loss, or an eagerly recomputed layer)"]
     return [loss, f"  backward transient           {g(mp.transient_bytes)}   (one recomputed layer, or the loss; "
                   "offload slots)"]
 

@@ -120,13 +120,16 @@ def row_padding(cfg) -> int | None:
     """Tokens per row every micro-batch is padded to (data.pad_rows), or None for its longest row. auto pads packed
     rows to max_length where the layers run as CUDA graphs (patch/graphs.py): a graph set serves one batch shape,
     and best-fit rows end a few tokens short of max_length in varying amounts (measured on the LoRA example's
-    rows: 44 of 160 exactly 4096), so without it most batches run eagerly. The graphs take checkpointed layers
-    only, on a GPU (a full fine-tuning's other memory policies keep them eager); LoRA dropout keeps the layers
-    eager (its random draws), and rows of their own length keep PEFT's draws."""
+    rows: 44 of 160 exactly 4096), so without it most batches run eagerly. The graphs take recomputed layers only,
+    on a GPU: a full fine-tuning (cuda_graphs True or "forward") pads under the policies that may recompute every
+    layer; LoRA dropout keeps the layers eager (its random draws), and rows of their own length keep PEFT's
+    draws."""
     mode = cfg.data.pad_rows
     if mode == "auto":
         lora = cfg.method.type in ("lora", "qlora")
-        recomputed = memory_policy(cfg.memory) == "checkpoint" and pick_device(cfg.model.device).type == "cuda"
+        # auto and per-layer plans may recompute every layer too (the graphs then run): padding costs a few tokens
+        recomputed = (memory_policy(cfg.memory) in ("checkpoint", "auto", "per-layer")
+                      and pick_device(cfg.model.device).type == "cuda")
         graphed = layer_graphs_asked(cfg) and (not cfg.method.dropout if lora else recomputed)
         mode = "max_length" if cfg.data.packing and graphed else "longest"
     return cfg.data.max_length if mode == "max_length" else None

@@ -97,7 +97,8 @@ def test_the_run_streams_only_lora_over_its_budget(make_tiny_cfg):
 
 def test_graphed_lora_layers_count_the_pool_instead_of_the_eager_transient(make_tiny_cfg):
     """Graphed LoRA layers run their recompute and backward inside the graphs' pool: the peak counts the pool (and
-    the graphs' buffers) in place of the eager layer's transient, never both, and only where the graphs run."""
+    the graphs' buffers) in place of the eager layer's transient, beside the loss's working memory (a private pool
+    is never lent to it), and only where the graphs run."""
     import dataclasses
     from types import SimpleNamespace
 

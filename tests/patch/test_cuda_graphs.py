@@ -1,4 +1,4 @@
-"""CUDA graphs for checkpointed adapter layers (novatune/patch/graphs.py).
+"""CUDA graphs for checkpointed decoder layers (novatune/patch/graphs.py, graph_recompute.py).
 
 GPU: a graphed model trains as the same model patched with cuda_graphs=False: per micro-batch losses and every
 LoRA gradient after gradient accumulation, over batches whose document layouts change bucket, whose first batch
@@ -20,7 +20,7 @@ import novatune
 from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
 from novatune.measure.numerics import assert_close
-from novatune.patch import graphs
+from novatune.patch import graph_recompute, graphs
 from novatune.patch.apply import _find_state
 
 peft = pytest.importorskip("peft")
@@ -392,17 +392,21 @@ class _Layer(torch.nn.Module):
         return x + _WatchedLinear.apply(torch.nn.functional.silu(self.up(x)), self.down)
 
 
-def _forward_graphed(layers, xs, x0):
+def _forward_graphed(layers, xs, x0, runner=None):
     """The runner's forward-graph path on the CPU: layer i's "graph" writes xs[i + 1]; its backward recomputes."""
-    runner = graphs.LayerGraphRunner(layers, state=None, full_training=True, forward_only=True)
+    runner = runner or graphs.LayerGraphRunner(layers, state=None, full_training=True, forward_only=True)
     runner.xs, runner.batch_id, runner.token = xs, 1, graphs._Token()
-    runner.layer_params = [[p for p in layer.parameters()] for layer in layers]
+    runner.layer_slots = [[(m, k) for m in layer.modules() for k, p in m._parameters.items() if p is not None]
+                          for layer in layers]
+    runner.layer_params = [[m._parameters[k] for m, k in slots] for slots in runner.layer_slots]
     xs[0].copy_(x0)
     h = x0
     for i, layer in enumerate(layers):
+        params = runner.layer_params[i]
         lg = graphs._LayerGraphs(_ReplayOnCPU(layer, xs[i], xs[i + 1]), None, xs[i + 1], x0[:0], x0[:0], True,
-                                 [], [], len(runner.layer_params[i]), recompute=layer)
-        h = graphs._GraphedLayer.apply(runner, lg, 1, runner.token, i, None, h, *runner.layer_params[i])
+                                 [], [], len(params), recompute=layer)
+        rc = graph_recompute.Recompute(layer, xs[i], params, runner.layer_slots[i], True)
+        h = graphs._GraphedLayer.apply(runner, lg, 1, runner.token, rc, h, *params)
     return h
 
 
@@ -447,3 +451,35 @@ def test_forward_graphs_recompute_and_accumulate_like_the_stock_checkpoint():
     for a, b in zip(got, want):
         assert_close(a, b, 1e-5, "autograd.grad")
     assert all(torch.equal(a, p.grad) for a, p in zip(before, layers.parameters()))
+
+
+def test_forward_graphs_backward_survives_a_broken_batch_and_fires_hooks_once():
+    """A capture failing later in the batch drops the runner's static buffers (_break): the layers already replayed
+    still recompute from the buffers their backward holds. A gradient hook on a parameter fires once per
+    micro-batch with the gradient autograd would give it (the hooked layer's gradients are returned, not added
+    by the nested backward)."""
+    torch.manual_seed(1)
+    h, t = 8, 5
+    layers = torch.nn.ModuleList([_Layer(h) for _ in range(2)])
+    ref = copy.deepcopy(layers)
+    seen = []
+    layers[1].down.register_hook(lambda g: seen.append(g.clone()))
+    xs = [torch.empty(t, h) for _ in range(3)]
+    runner = graphs.LayerGraphRunner(list(layers), state=None, full_training=True, forward_only=True)
+    inputs = [torch.randn(t, h, requires_grad=True) for _ in range(2)]
+    for x in inputs:
+        out = _forward_graphed(list(layers), xs, x, runner)
+        runner.xs = None  # as _break leaves it
+        out.square().sum().backward()
+    ref_seen = []
+    ref[1].down.register_hook(lambda g: ref_seen.append(g.clone()))
+    for x in inputs:
+        h_ = x.detach()
+        for layer in ref:
+            h_ = layer(h_)
+        h_.square().sum().backward()
+    assert len(seen) == len(ref_seen) == 2
+    for a, b in zip(seen, ref_seen):
+        assert_close(a, b, 1e-5, "hooked gradient")
+    for (n, p), q in zip(layers.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, 1e-5, n)

@@ -159,9 +159,9 @@ GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.91, 0.77), ("lora", 10.605, 0.535
 
 
 @pytest.mark.parametrize("config,measured,pool", GRAPHED_PEAKS)
-def test_graphed_plans_stand_within_ten_percent_under_their_peaks(config, measured, pool):
+def test_graphed_plans_stand_within_ten_percent_of_their_peaks(config, measured, pool):
     est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
-    assert 0.9 * measured * GiB <= est["peak"] < measured * GiB
+    assert 0.9 * measured * GiB <= est["peak"] <= 1.1 * measured * GiB
     assert 0.45 * pool * GiB <= est["memory_plan"].graph_pool_bytes <= 1.01 * pool * GiB
 
 
@@ -170,7 +170,6 @@ def test_graphed_plans_stand_within_ten_percent_under_their_peaks(config, measur
 def test_graphed_plans_stand_at_or_above_their_peaks(config, measured, pool):
     est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
     assert est["peak"] >= measured * GiB
-
 
 
 @pytest.mark.parametrize("arch,per_expert", [("gpt-oss-20b", 2880), ("qwen3-30b-a3b", 768)])
