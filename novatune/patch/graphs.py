@@ -22,9 +22,10 @@ graph inside an autograd Function whose backward replays the backward graph and 
 so AccumulateGrad, gradient accumulation and parameter hooks work as in eager mode.
 
 Forward graphs only (cuda_graphs="forward", opt-in): layer i replays its no-grad forward from a graph; its backward
-recomputes the layer eagerly from xs[i] and runs autograd through it, so the parameters' gradients reach .grad by
-the stock checkpoint's AccumulateGrad additions (no static gradient set, no copies out of a graph; a
-torch.autograd.grad() caller gets them returned). The recompute attends over the batch's own document offsets
+recomputes the layer eagerly from xs[i] and runs autograd through it (graph_recompute.py): the parameters'
+gradients go back to autograd as eager mode's do, or, where autograd would add them into an existing .grad with
+nothing watching, a nested backward adds them there (no static gradient set, no copies out of a graph). The
+recompute attends over the batch's own document offsets
 (the same values as the padded ones, test_padded_offsets_attend_like_the_batch, and FlashAttention's backward grid
 spans the batch's documents, not the padded slots); a one-document row, where eager attention picks another
 kernel, recomputes on the graph's static inputs. On the seed workload (H200) they removed the forward's host idle
