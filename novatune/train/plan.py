@@ -221,6 +221,38 @@ def _parallel_lines(est: dict) -> list[str]:
             f"parallel.strategy fsdp2 or ddp)"]
 
 
+def _layer_cost_lines(costs: list, g) -> list[str]:
+    """Each policy's kept bytes and time for a layer; one block per kind of layer where they differ (an MoE model
+    with dense layers among its routed ones: Qwen-MoE's mlp_only_layers / decoder_sparse_step)."""
+    kinds: list[tuple] = []  # (cost, layer indices)
+    for i, c in enumerate(costs):
+        for cost, layers in kinds:
+            if cost == c:
+                layers.append(i)
+                break
+        else:
+            kinds.append((c, [i]))
+    lines = []
+    for cost, layers in kinds:
+        pad = "    "
+        if len(kinds) > 1:
+            lines.append(f"    layers {_ranges(layers)}:")
+            pad = "      "
+        lines += [f"{pad}{p:<10} {g(cost.bytes[p])}  {1e3 * cost.seconds[p]:7.2f} ms"
+                  for p in ("keep", "selective", "recompute", "offload")]
+    return lines
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], indices[0]
+    for prev, cur in zip(indices, [*indices[1:], None]):
+        if cur is None or cur != prev + 1:  # a run ends at prev
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = cur
+    return ", ".join(out)
+
+
 def _transient_lines(mp, g) -> list[str]:
     """The peak's transient: the CUDA graphs' pool where the layers run as graphs, else the eager layer's."""
     loss = f"  loss working memory          {g(mp.outside_transient_bytes)}   (the fused loss's logits buffer)"
@@ -255,8 +287,7 @@ def render(est: dict) -> str:
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"
              + ("   (~0 with novatune.patch's fused cross-entropy)" if est["fused_loss"] else "   <- this run"),
              "  per decoder layer and micro-batch (kept until its backward / forward + backward time):",
-             *[f"    {p:<10} {g(c.bytes[p])}  {1e3 * c.seconds[p]:7.2f} ms" for c in est["layer_costs"][:1]
-               for p in ("keep", "selective", "recompute", "offload")],
+             *_layer_cost_lines(est["layer_costs"], g),
              f"  memory policy {est['policy']}: {mp.describe()}",
              f"  activations kept             {g(mp.activation_bytes)}",
              *_transient_lines(mp, g),

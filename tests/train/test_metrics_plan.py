@@ -263,3 +263,16 @@ def test_the_fused_loss_switched_off_plans_stock_logits():
     assert loss_transient_bytes(off, model_config(off.model, None, None)) == 0
     est_off, est_on = plan(off, gpu_mem_gib=141), plan(on, gpu_mem_gib=141)
     assert est_off["memory_plan"].static_bytes - est_on["memory_plan"].static_bytes == est_off["logits_stock"]
+
+
+def test_plan_prints_each_kind_of_layer():
+    """A Qwen-MoE config with dense layers among the routed ones (mlp_only_layers): `novatune plan` prints one cost
+    block per kind of layer, each naming its layers; a uniform model prints one block, as before."""
+    from novatune.train.plan import render
+
+    mixed = render(plan(load(REPO / "examples" / "qwen3-30b-a3b-moe.yaml",
+                             ["model.arch_overrides.mlp_only_layers=[0,1,2,5]"]), gpu_mem_gib=141))
+    assert "    layers 0-2, 5:\n      keep" in mixed and "    layers 3-4, 6-7:\n      keep" in mixed
+    uniform = render(plan(load(REPO / "examples" / "qwen3-30b-a3b-moe.yaml", []), gpu_mem_gib=141))
+    assert "layers " not in uniform.split("per decoder layer")[1].split("memory policy")[0]
+    assert uniform.count("    recompute  ") == 1
