@@ -414,7 +414,8 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
 
     with torch.no_grad():
         for name, t in weights.items():
-            params[name].copy_(t)
+            if t.data_ptr() != params[name].data_ptr():  # DCP already read a sharded checkpoint into these tensors
+                params[name].copy_(t)
     if cfg.method.type == "qlora":  # dense merge (NF4 dequantised + delta): decoding then runs plain GEMMs
         from novatune.train.qlora import merged_model
 
