@@ -235,6 +235,7 @@ class LayerGraphs:
     pool: int
     buffers: int
     forward_only: bool = False  # the recompute + backward run eagerly: their transient stays (module docstring)
+    from_static: int = 0  # static bytes that live in the pool when the layers replay (QLoRA's dequantised weights)
 
 
 def runs_as_graphs(policies: list[str], graphs: LayerGraphs | None) -> bool:
@@ -257,8 +258,8 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     kept_each = [c.bytes[p] for c, p in zip(costs, policies)]
     kept = sum(kept_each)
     graphed = runs_as_graphs(policies, graphs)
-    pool = graphs.pool if graphed else 0
-    static_bytes += graphs.buffers + pool if graphed else 0  # the pool is reserved throughout
+    pool = graphs.pool + graphs.from_static if graphed else 0
+    static_bytes += graphs.buffers + graphs.pool if graphed else 0  # the pool is reserved throughout
     eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
     own = [c.transient if eager_backward and _recomputed(p) else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0

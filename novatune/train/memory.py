@@ -115,7 +115,8 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
-    transients = {"outside": loss_transient_bytes(cfg, mconf), "graphs": layer_graphs(cfg, mconf, costs, shards)}
+    transients = {"outside": loss_transient_bytes(cfg, mconf),
+                  "graphs": layer_graphs(cfg, mconf, costs, shards, int(est["dequant"]))}
 
     def policies_plan(saved: int = 0, allowed: tuple[str, ...] = POLICIES) -> planner.Plan:
         """memory.policy's plan with `saved` bytes fewer static (the room frozen-weight streaming makes)."""
@@ -202,11 +203,13 @@ def layer_graphs_forward_only(cfg) -> bool:
     return dict(cfg.model.patch_options or {}).get("cuda_graphs", "auto") == "forward"
 
 
-def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) -> planner.LayerGraphs | None:
+def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1,
+                 dequant: int = 0) -> planner.LayerGraphs | None:
     """The decoder layers' CUDA graphs, where the run captures them: asked for (layer_graphs_asked), a GPU, one
     process without FSDP2 (the run keeps the layers eager under it: patch/graphs.py keep_layers_eager). None where
     the layers always run eagerly. The planner counts them only for an assignment the graphs take (every layer
-    recomputed)."""
+    recomputed). `dequant`: QLoRA's dequantised weights of one layer, which the static bytes count; a backward
+    graph holds them in its pool (session21-4: the QLoRA example's pool 0.69 GiB, 0.34 planned without them)."""
     if not layer_graphs_asked(cfg) or cfg.model.device == "cpu" or shards != 1 or cfg.parallel.strategy == "fsdp2":
         return None
     tokens, dtype_bytes = cfg.train.micro_batch * cfg.data.max_length, 4 if cfg.model.dtype == "fp32" else 2
@@ -214,7 +217,7 @@ def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1) ->
         return planner.LayerGraphs(pool=max((c.bytes["keep"] for c in costs), default=0),
                                    buffers=tokens * mconf.hidden_size * dtype_bytes, forward_only=True)
     return planner.LayerGraphs(pool=max((c.graph_pool for c in costs), default=0),
-                               buffers=3 * tokens * mconf.hidden_size * dtype_bytes)
+                               buffers=3 * tokens * mconf.hidden_size * dtype_bytes, from_static=dequant)
 
 
 def fused_loss(cfg) -> bool:

@@ -283,7 +283,8 @@ def render(est: dict) -> str:
              f"  weights                      {g(est['weights'])}",
              f"  gradients                    {g(est['gradients'])}",
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
-             *([f"  dequantised weights (live)   {g(est['dequant'])}"] if est["qlora"] else []),
+             *([f"  dequantised weights (live)   {g(est['dequant'])}"
+                + ("   (held in the CUDA-graph pool below)" if mp.graph_pool_bytes else "")] if est["qlora"] else []),
              f"  logits (stock HF loss)       {g(est['logits_stock'])}"
              + ("   (~0 with novatune.patch's fused cross-entropy)" if est["fused_loss"] else "   <- this run"),
              "  per decoder layer and micro-batch (kept until its backward / forward + backward time):",

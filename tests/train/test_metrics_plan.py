@@ -152,9 +152,9 @@ def test_the_moe_cut_plans_its_measured_peaks(config, overrides, measured, rel):
 
 # Graphed LoRA/QLoRA runs, measured with the CUDA graphs' pool counted (session21-4, H200; novatune/measure/
 # gpu_memory.py): (config, peak GiB, of it the pool). The plans stand 5-10% under: the pool coexists with the eager
-# memory (now planned so), but the planned pool is short on QLoRA (0.34 GiB planned: its dequantised weights live
-# in the pool) and on the MoE cut (0.65), and the allocated part stands ~0.4-0.6 GiB above the plan's: not yet
-# explained (LOG.md, session 21).
+# memory (now planned so) and is planned within 15% (QLoRA's with its dequantised weights in it; the MoE cut's
+# 0.65 against 0.77), but the allocated part stands ~0.4-0.8 GiB above the plan's: not yet explained (LOG.md,
+# session 21).
 GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.91, 0.77), ("lora", 10.605, 0.535), ("qlora", 7.843, 0.691)]
 
 
@@ -162,7 +162,7 @@ GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.91, 0.77), ("lora", 10.605, 0.535
 def test_graphed_plans_stand_within_ten_percent_of_their_peaks(config, measured, pool):
     est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
     assert 0.9 * measured * GiB <= est["peak"] <= 1.1 * measured * GiB
-    assert 0.45 * pool * GiB <= est["memory_plan"].graph_pool_bytes <= 1.01 * pool * GiB
+    assert 0.8 * pool * GiB <= est["memory_plan"].graph_pool_bytes <= 1.1 * pool * GiB
 
 
 @pytest.mark.xfail(strict=True, reason="graphed plans stand under their measured peaks (the constants' comment)")
