@@ -126,11 +126,11 @@ def row_padding(cfg) -> int | None:
     draws."""
     mode = cfg.data.pad_rows
     if mode == "auto":
-        lora = cfg.method.type in ("lora", "qlora")
-        # auto and per-layer plans may recompute every layer too (the graphs then run): padding costs a few tokens
-        recomputed = (memory_policy(cfg.memory) in ("checkpoint", "auto", "per-layer")
-                      and pick_device(cfg.model.device).type == "cuda")
-        graphed = layer_graphs_asked(cfg) and (not cfg.method.dropout if lora else recomputed)
+        if cfg.method.type in ("lora", "qlora"):
+            graphed = layer_graphs_asked(cfg) and not cfg.method.dropout
+        else:  # auto and per-layer plans may recompute every layer too (the graphs then run): a few padded tokens
+            graphed = (layer_graphs_asked(cfg) and memory_policy(cfg.memory) in ("checkpoint", "auto", "per-layer")
+                       and pick_device(cfg.model.device).type == "cuda")
         mode = "max_length" if cfg.data.packing and graphed else "longest"
     return cfg.data.max_length if mode == "max_length" else None
 

@@ -74,6 +74,13 @@ def test_rows_are_padded_to_max_length_where_lora_layers_run_as_cuda_graphs(make
     assert row_padding(make_cfg(model={"patch": True}, method=lora, data={"packing": False})) is None
     assert row_padding(make_cfg(model={"patch": True}, method={**lora, "dropout": 0.1})) is None  # eager layers
     assert row_padding(make_cfg(data={"pad_rows": "max_length"})) == 128
+    # full fine-tuning asks for graphs only explicitly, and they take recomputed layers on a GPU
+    forward = {"patch": True, "patch_options": {"cuda_graphs": "forward"}}
+    assert row_padding(make_cfg(model=forward, memory={"gradient_checkpointing": True})) is None  # the CPU
+    if torch.cuda.is_available():
+        gpu = {**forward, "device": "cuda"}
+        assert row_padding(make_cfg(model=gpu, memory={"gradient_checkpointing": True})) == 128
+        assert row_padding(make_cfg(model=gpu, memory={"policy": "none"})) is None
 
     def losses(pad_rows):
         s = build(make_cfg(pad_rows, data={"pad_rows": pad_rows}))
