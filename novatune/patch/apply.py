@@ -219,9 +219,9 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose 'auto', 'forward', True or False")
     state = _find_state(model)
     if cuda_graphs and state is not None:
-        from novatune.patch import graphs
+        from novatune.patch import graph_install
 
-        graphs.install(model, state[0], state[1], report, cuda_graphs)
+        graph_install.install(model, state[0], state[1], report, cuda_graphs)
     elif cuda_graphs in (True, "forward"):
         raise ValueError(f"cuda_graphs={cuda_graphs!r} needs novatune's attention forward (attention != False)")
     if selection is not None:

@@ -3,6 +3,8 @@ novatune/patch/graphs.py): the stock checkpoint's recompute and backward, run ea
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,19 @@ class Recompute:
                              cache_enabled=torch.is_autocast_cache_enabled())
 
 
+@contextlib.contextmanager
+def parameters_as(slots: list[tuple], params: list[Tensor], stand_ins: list[Tensor]):
+    """The modules' parameters at `slots` ((module, name) pairs, holding `params`) replaced by `stand_ins` (fresh
+    leaves over the same storage) for the block, then put back."""
+    try:
+        for (m, k), t in zip(slots, stand_ins):
+            m._parameters[k] = t
+        yield
+    finally:
+        for (m, k), p in zip(slots, params):
+            m._parameters[k] = p
+
+
 def recompute_backward(rc: Recompute, gout: Tensor):
     """A forward-graphed layer's backward: the stock checkpoint's recompute and backward, eagerly, on the inputs
     its graph read. Where autograd would add every parameter's gradient into an existing .grad itself, with no hook
@@ -38,16 +53,9 @@ def recompute_backward(rc: Recompute, gout: Tensor):
     leaves = list(rc.params) if nested else [p.detach().requires_grad_(True) for p in rc.params]
     inputs = ([xin] if rc.x_grad else []) + leaves
     create = torch.is_grad_enabled()
-    try:
-        if not nested:
-            for (m, k), leaf in zip(rc.slots, leaves):
-                m._parameters[k] = leaf
-        with torch.enable_grad(), torch.autocast(rc.device_type, **rc.autocast):
-            y = rc.call(xin)
-    finally:
-        if not nested:
-            for (m, k), p in zip(rc.slots, rc.params):
-                m._parameters[k] = p
+    with parameters_as(rc.slots, rc.params, leaves), torch.enable_grad(), \
+            torch.autocast(rc.device_type, **rc.autocast):
+        y = rc.call(xin)
     if nested:
         torch.autograd.backward(y, gout, inputs=inputs)
         return (xin.grad if rc.x_grad else None), [None] * len(rc.params)

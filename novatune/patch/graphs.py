@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
 from novatune.patch.forwards import PACKED_KWARG
-from novatune.patch.graph_recompute import Recompute, recompute_backward
+from novatune.patch.graph_recompute import Recompute, parameters_as, recompute_backward
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
@@ -426,14 +426,8 @@ class LayerGraphRunner:
             # on the default stream by eager batches; an event on that stream would invalidate the capture.
             xin = src.detach().requires_grad_(x_grad)
             alias = [p.detach().requires_grad_(True) for p in params]
-            try:
-                for (m, k), a in zip(slots, alias):
-                    m._parameters[k] = a
-                with torch.enable_grad():
-                    y = call(xin)
-            finally:
-                for (m, k), p in zip(slots, params):
-                    m._parameters[k] = p
+            with parameters_as(slots, params, alias), torch.enable_grad():
+                y = call(xin)
             return torch.autograd.grad(y, ([xin] if x_grad else []) + alias, grad_outputs=gout,
                                        allow_unused=True)
 
@@ -553,51 +547,3 @@ def _global_hooks() -> bool:
 
     return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_hooks
                 or getattr(m, "_global_backward_pre_hooks", None))
-
-
-def keep_layers_eager(model: nn.Module, reason: str) -> int:
-    """The decoder layers of a patched `model` never replayed from CUDA graphs, for `reason` (what wraps the model
-    knows, the layers' own check cannot see: FSDP2 over one rank hooks only the root, and re-allocates the layers'
-    gathered parameters each step). Returns how many graph runners were told."""
-    told = 0
-    for module in model.modules():
-        runner = getattr(getattr(module, "_novatune_state", None), "graphs", None)
-        if isinstance(runner, LayerGraphRunner):
-            runner.refused = reason
-            told += 1
-    return told
-
-
-# ---------------------------------------------------------------------------------------------- patch entry
-def install(model: nn.Module, stack: nn.Module, state, report, requested) -> None:
-    """Attach a LayerGraphRunner to the decoder stack (novatune.patch's cuda_graphs option): "auto" captures the
-    forward and the recompute+backward of LoRA/QLoRA layers; True both for any layers; "forward" the forward only."""
-    layers = list(getattr(stack, "layers", []) or [])
-    why = None
-    if not torch.cuda.is_available():
-        why = "CUDA is not available"
-    elif not layers or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
-        why = "the decoder layers are not HF GradientCheckpointingLayers"
-    elif not state.all_attention_patched:
-        why = "not every attention layer is novatune's (the graphs need the packed varlen path)"
-    elif requested == "auto" and not report.replaced("lora"):
-        why = "no fused LoRA layers (full fine-tuning: the forward-only graphs measured slower, cuda_graphs='forward')"
-    if why is not None:
-        if requested in (True, "forward"):
-            raise ValueError(f"cuda_graphs={requested!r} cannot apply: {why}")
-        report.add("", "cuda_graphs", "note", f"CUDA graphs not used: {why}")  # auto: nothing was asked for
-        return
-    forward_only = requested == "forward"
-    runner = LayerGraphRunner(layers, state, full_training=requested != "auto", forward_only=forward_only)
-    state.graphs = runner
-    what = ("its no-grad forward from a CUDA graph, its recompute+backward eagerly" if forward_only else
-            "its forward and its recompute+backward from CUDA graphs")
-    report.add("", "cuda_graphs", "replaced",
-               f"each gradient-checkpointed decoder layer ({len(layers)}) replays {what} (captured after one "
-               "eager batch; one set per (documents, longest document) power-of-two bucket)")
-
-    def undo():
-        runner.uninstall()
-        state.graphs = None
-
-    report._undo.append(undo)

@@ -206,8 +206,8 @@ def layer_graphs_forward_only(cfg) -> bool:
 def layer_graphs(cfg, mconf, costs: list[planner.LayerCost], shards: int = 1,
                  dequant: int = 0) -> planner.LayerGraphs | None:
     """The decoder layers' CUDA graphs, where the run captures them: asked for (layer_graphs_asked), a GPU, one
-    process without FSDP2 (the run keeps the layers eager under it: patch/graphs.py keep_layers_eager). None where
-    the layers always run eagerly. The planner counts them only for an assignment the graphs take (every layer
+    process without FSDP2 (the run keeps the layers eager under it: patch/graph_install.py keep_layers_eager). None
+    where the layers always run eagerly. The planner counts them only for an assignment the graphs take (every layer
     recomputed). `dequant`: QLoRA's dequantised weights of one layer, which the static bytes count; a backward
     graph holds them in its pool (session21-4: the QLoRA example's pool 0.69 GiB, 0.34 planned without them)."""
     if not layer_graphs_asked(cfg) or cfg.model.device == "cpu" or shards != 1 or cfg.parallel.strategy == "fsdp2":

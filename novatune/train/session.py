@@ -45,7 +45,7 @@ from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
-from novatune.patch.graphs import keep_layers_eager
+from novatune.patch.graph_install import keep_layers_eager
 from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets
 from novatune.train.config import memory_policy
 from novatune.train.memory import (

@@ -332,8 +332,9 @@ def test_gradients_the_hand_over_cannot_find_stop_the_step(monkeypatch):
 
 def test_a_wrapper_keeps_the_patched_layers_eager_with_its_reason():
     """FSDP2 re-allocates the gathered layers each step and, over one rank, hooks only the root: the layers' own
-    check cannot see it, so the run tells the graph runner (patch/graphs.py keep_layers_eager)."""
-    from novatune.patch.graphs import LayerGraphRunner, keep_layers_eager
+    check cannot see it, so the run tells the graph runner (patch/graph_install.py keep_layers_eager)."""
+    from novatune.patch.graph_install import keep_layers_eager
+    from novatune.patch.graphs import LayerGraphRunner
 
     class State:
         graphs = None
