@@ -47,29 +47,31 @@ def install_diagnostics() -> None:
     gc.callbacks.append(gc_cb)
 
 
-def memory_peak_report(model, batch: dict, path: str, finish=None) -> dict:
+def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
     peak falls in the forward or the backward. Blocks allocated with no Python frame of ours (the autograd
-    thread's C++ nodes: AccumulateGrad, embedding backward, ...) are named by their C++ frames. `finish` (the session's
-    finish_backward) runs after the backward, before the gradients are dropped."""
+    thread's C++ nodes: AccumulateGrad, embedding backward, ...) are named by their C++ frames. Blocks live before
+    the recording are named by the tensors that own them (tensor_owners: weights, gradients, optimizer states,
+    other tensors Python can reach). `finish` (the session's finish_backward) runs after the backward, before the
+    gradients are dropped."""
     import torch
 
     model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=500000, stacks="all")
-    loss = model(**batch).loss
-    torch.cuda.synchronize()
-    n_fwd = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])  # events up to the backward
-    loss.backward()
-    del loss
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    owners = tensor_owners(model, optimizer)
+    try:
+        stacks = "all"
+        snap, n_fwd = _recorded_micro_step(model, batch, stacks)
+    except SystemError:
+        # torch 2.11's recorder with C++ frames breaks autograd Functions under checkpointing (pytorch#179536):
+        # the micro-step again with Python frames only (the report says so)
+        stacks = "python"
+        snap, n_fwd = _recorded_micro_step(model, batch, stacks)
     if finish is not None:
         finish()
     model.zero_grad(set_to_none=True)
-    best, best_live, best_at, n_events = replay_to_peak(snap)
+    best, best_live, best_at, n_events = replay_to_peak(snap, owners)
     phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
              else f"backward, event {best_at - n_fwd} of {n_events - n_fwd}")
     top = largest_live(best_live)
@@ -77,28 +79,83 @@ def memory_peak_report(model, batch: dict, path: str, finish=None) -> dict:
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".txt", "w") as f:
-        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}\n")
+        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}"
+                f"{'' if stacks == 'all' else ' (Python frames only: pytorch#179536)'}\n")
         for where, (size, n) in top:
             f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:260]}\n")
-    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase,
+    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase, "stacks": stacks,
             "top": [(round(size / 2**30, 3), where[:200]) for where, (size, _) in top[:8]]}
 
 
-def replay_to_peak(snap: dict) -> tuple[int, dict, int, int]:
+def _recorded_micro_step(model, batch: dict, stacks: str) -> tuple[dict, int]:
+    """Forward and backward under the allocation recorder: (the snapshot, the number of trace events up to the
+    backward). The recorder is off again when this returns or raises."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=500000, stacks=stacks)
+    try:
+        loss = model(**batch).loss
+        torch.cuda.synchronize()
+        n_fwd = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])  # events up to the backward
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        return torch.cuda.memory._snapshot(), n_fwd
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def tensor_owners(model, optimizer=None) -> dict[int, str]:
+    """{storage address: what it is} for the tensors Python can reach: the model's weights (trainable or frozen)
+    and gradients, the optimizer's states, and every other live tensor (named by dtype and shape), so blocks that
+    predate a recording can be told apart. A block no tensor here owns is held by C++ alone (autograd's saved
+    tensors, CUDA-graph pools, library workspaces)."""
+    import gc
+
+    import torch
+
+    owners: dict[int, str] = {}
+
+    def own(t, what: str) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes():
+            owners.setdefault(t.untyped_storage().data_ptr(), what)
+
+    for p in model.parameters():
+        own(p, "weights (trainable)" if p.requires_grad else "weights (frozen)")
+        own(p.grad, "gradients")
+    for b in model.buffers():
+        own(b, "buffers")
+    for state in (optimizer.state.values() if optimizer is not None else ()):
+        for v in state.values():
+            own(v, "optimizer states")
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            own(o, f"other tensors {str(o.dtype).removeprefix('torch.')} {tuple(o.shape)}")
+    return owners
+
+
+def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[int, dict, int, int]:
     """A memory snapshot with its allocation trace replayed to the moment of peak allocated memory: (peak bytes,
     the blocks live then {address: (bytes, allocating frames)}, the trace index of the peak (-1: before the trace),
     the trace's length). Blocks allocated with no Python frame of ours (the autograd thread's C++ nodes:
-    AccumulateGrad, embedding backward, ...) are named by their C++ frames."""
+    AccumulateGrad, embedding backward, ...) are named by their C++ frames; blocks live before the trace by
+    `owners` (tensor_owners) where it names them."""
     trace = [e for dev_trace in snap["device_traces"] for e in dev_trace]
     events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
+    owners = owners or {}
+
+    def before(addr: int) -> str:
+        return f"before the recorded micro-step: {owners.get(addr, 'no tensor Python can reach')}"
+
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
-    live = {b["address"]: (b["size"], "before the recorded micro-step")
+    live = {b["address"]: (b["size"], "")
             for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"}
     for _, e in reversed(events):
         if e["action"] == "alloc":
             live.pop(e["addr"], None)
         else:
-            live[e["addr"]] = (e["size"], "before the recorded micro-step")
+            live[e["addr"]] = (e["size"], "")
+    live = {addr: (size, before(addr)) for addr, (size, _) in live.items()}
     cur = best = sum(v[0] for v in live.values())
     best_live, best_at = dict(live), -1
     for i, e in events:

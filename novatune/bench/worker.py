@@ -204,7 +204,7 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
     if spec.get("memory") and session.device.type == "cuda":
         try:
             extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / name),
-                                                       session.finish_backward)
+                                                       session.finish_backward, session.optimizer)
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if spec.get("profile"):
