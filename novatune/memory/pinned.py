@@ -18,6 +18,7 @@ import weakref
 import torch
 
 PAGE = mmap.PAGESIZE
+HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 
 
 def cuda_runtime() -> ctypes.CDLL | None:
@@ -51,9 +52,10 @@ def page_rounded(nbytes: int) -> int:
     return -(-int(nbytes) // PAGE) * PAGE
 
 
-def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+def pinned_empty(shape, dtype: torch.dtype, mapped: bool = False) -> torch.Tensor:
     """An uninitialised host tensor in page-locked memory of its own size (module docstring). The registered range
-    starts and ends on page boundaries, as cudaHostRegister asks."""
+    starts and ends on page boundaries, as cudaHostRegister asks. `mapped`: also mapped into the device's address
+    space (cudaHostRegisterMapped), so kernels can read it through its address (memory/host_embedding.py)."""
     numel = 1
     for n in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
         numel *= int(n)
@@ -65,7 +67,7 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     t = raw[start:start + nbytes].view(dtype)[:numel].view(shape)
     cudart = torch.cuda.cudart()
     try:
-        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, HOST_REGISTER_MAPPED if mapped else 0))
     except RuntimeError as e:  # torch's binding raises on a CUDA error (torch.AcceleratorError)
         err, detail = -1, str(e).splitlines()[0]
     else:

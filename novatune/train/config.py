@@ -150,6 +150,10 @@ class MemoryConfig:
     # to the GPU for each use (novatune/memory/stream.py), spread over the recomputed layers. auto: the fewest
     # that make a plan over memory.budget_gib fit (none when it fits); 0: never; N: N layers.
     stream_frozen_layers: Literal["auto"] | int = "auto"
+    # LoRA/QLoRA on one CUDA device: the frozen, untied input embedding table lives in mapped pinned host memory
+    # and the GPU gathers each micro-batch's rows from there (novatune/memory/host_embedding.py): vocab x hidden x
+    # 2 bytes less on the GPU for tokens x hidden x 2 bytes read over the host link per forward
+    embeddings_on_host: bool = False
 
 
 @dataclass

@@ -83,9 +83,27 @@ def _check_memory(cfg: Config) -> None:
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but no layer is recomputed "
                           "(memory.policy none): a streamed layer's weights come back for the recompute before its "
                           "backward", "set memory.policy: checkpoint (or auto), or memory.stream_frozen_layers: 0")
+    if mem.embeddings_on_host:
+        _check_embeddings_on_host(cfg)
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")
+
+
+def _check_embeddings_on_host(cfg: Config) -> None:
+    key, off = "memory.embeddings_on_host", "or set memory.embeddings_on_host: false"
+    if cfg.method.type not in ("lora", "qlora"):
+        raise ConfigError(key, "full fine-tuning trains the input embedding (only a frozen one moves to the host)",
+                          f"set method.type: lora or qlora, {off}")
+    if cfg.method.type == "qlora" and cfg.method.quantize_embeddings is not False:
+        raise ConfigError(key, "qlora quantises the input embedding to NF4 (method.quantize_embeddings, its "
+                          "default): that table is already 4-bit on the GPU", f"set method.quantize_embeddings: "
+                          f"false to keep it in bf16 on the host, {off}")
+    if cfg.parallel.strategy != "none":
+        raise ConfigError(key, f"parallel.strategy {cfg.parallel.strategy} wraps every parameter on the GPU",
+                          f"set parallel.strategy: none, {off}")
+    if cfg.model.device == "cpu":
+        raise ConfigError(key, "model.device is cpu: the table is in host memory already", f"{off}")
 
 
 def _check_optimizer(cfg: Config) -> None:

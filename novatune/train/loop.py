@@ -323,7 +323,8 @@ def _finish(cfg: Config, session, result: RunResult, out_dir: Path, step: int, s
         raise RunInterrupted(signum, msg)
     model, tokenizer, report, dtype = session.model, session.tokenizer, session.patch_report, session.dtype
     if cfg.checkpoint.export:
-        if session.memory_plan is not None and session.memory_plan.streamer is not None:
+        if (session.memory_plan is not None and session.memory_plan.streamer is not None) \
+                or cfg.memory.embeddings_on_host:
             session.release_optimizer_state()  # room for the streamed weights, which come back for the export
             session.stop_streaming()
         if report is not None:

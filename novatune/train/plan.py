@@ -118,6 +118,9 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     if qlora:
         weights = ((n_params - sum(quant) - emb_nf4) * b + sum(nf4_bytes(n) for n in quant)
                    + (nf4_bytes(emb_nf4) if emb_nf4 else 0) + adapters * tb)
+    # memory.embeddings_on_host: the frozen bf16 table lives in host memory (config_checks refuses it elsewhere)
+    host_embedding = emb.numel() * b if cfg.memory.embeddings_on_host and lora and not emb_nf4 else 0
+    weights -= host_embedding
     h, i_sz, L, V = mconf.hidden_size, mconf.intermediate_size, mconf.num_hidden_layers, mconf.vocab_size
     hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
     q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
@@ -137,7 +140,8 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
-        "weights": weights, "gradients": trainable * tb, "optimizer_name": optimizer,
+        "weights": weights, "host_embedding": host_embedding, "gradients": trainable * tb,
+        "optimizer_name": optimizer,
         "optimizer": state_bytes(optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,

@@ -41,6 +41,7 @@ import torch
 
 from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
+from novatune.memory import host_embedding
 from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
@@ -48,6 +49,7 @@ from novatune.parallel.dist import setup as setup_dist
 from novatune.patch.graph_install import keep_layers_eager
 from novatune.patch.host_offsets import HOST_OFFSETS_KWARG, HostOffsets
 from novatune.train.config import memory_policy
+from novatune.train.errors import SetupError
 from novatune.train.memory import (
     ASSUMED,
     MemoryPlan,
@@ -329,9 +331,11 @@ class Session:
         return out
 
     def stop_streaming(self) -> None:
-        """Every streamed frozen weight back in its own device storage (before an export or a merge reads them)."""
+        """Every streamed frozen weight, and a host-resident input embedding, back in device storage (before an
+        export or a merge reads them)."""
         if self.memory_plan is not None:
             stop_streaming(self.memory_plan, pwrap.decoder_layers(self.inner_model))
+        host_embedding.restore(self.inner_model)
 
     def release_optimizer_state(self) -> None:
         """Free the optimizer's moments (2x the trainable weights in fp32) once training is over; the model, data
@@ -379,6 +383,14 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         msg = start_streaming(memory_plan, pwrap.decoder_layers(model), device)
         if console is not None:
             console.print(msg, highlight=False, markup=False)
+    if cfg.memory.embeddings_on_host:
+        try:
+            freed = host_embedding.place_on_host(model)
+        except host_embedding.HostEmbeddingRefused as e:
+            raise SetupError(str(e)) from None
+        if console is not None:
+            console.print(f"memory: input embedding table in mapped host memory ({freed / 2**30:.2f} GiB off the "
+                          f"GPU; memory.embeddings_on_host)", highlight=False, markup=False)
     return model, report
 
 
