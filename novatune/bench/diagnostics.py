@@ -129,9 +129,37 @@ def tensor_owners(model, optimizer=None) -> dict[int, str]:
         for v in state.values():
             own(v, "optimizer states")
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor):
-            own(o, f"other tensors {str(o.dtype).removeprefix('torch.')} {tuple(o.shape)}")
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in owners:
+            # the holder's search walks every object the collector tracks: only for tensors that weigh
+            held = f" held by {_holder(o)}" if o.untyped_storage().nbytes() >= 1 << 20 else ""
+            own(o, f"other tensors {str(o.dtype).removeprefix('torch.')} {tuple(o.shape)}{held}")
     return owners
+
+
+def _holder(t) -> str:
+    """The attribute that holds `t`, as `Type.attribute` (through one list, tuple or dict), or '?'."""
+    import gc
+    import types
+
+    def named(owner, value) -> str | None:
+        """`Type.attribute` where `owner` is an object holding `value` as an attribute (its __dict__ may be inline,
+        so the object itself is the referrer) or the __dict__ of one."""
+        if isinstance(owner, (list, tuple, types.FrameType)):
+            return None
+        if isinstance(owner, dict):
+            key = next((k for k, v in owner.items() if v is value), None)
+            holders = [o for o in gc.get_referrers(owner) if getattr(o, "__dict__", None) is owner]
+            return f"{type(holders[0]).__name__}.{key}" if key is not None and holders else None
+        key = next((k for k, v in getattr(owner, "__dict__", {}).items() if v is value), None)
+        return None if key is None else f"{type(owner).__name__}.{key}"
+
+    for ref in gc.get_referrers(t):
+        found = named(ref, t)
+        if found is None and isinstance(ref, (list, tuple)):
+            found = next((f + "[]" for o in gc.get_referrers(ref) if (f := named(o, ref))), None)
+        if found:
+            return found
+    return "?"
 
 
 def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[int, dict, int, int]:
@@ -144,8 +172,15 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
     owners = owners or {}
 
+    pools = {b["address"]: (seg.get("segment_pool_id"), seg.get("stream")) for seg in snap["segments"]
+             for b in seg["blocks"]}
+
     def before(addr: int) -> str:
-        return f"before the recorded micro-step: {owners.get(addr, 'no tensor Python can reach')}"
+        if addr in owners:
+            return f"before the recorded micro-step: {owners[addr]}"
+        pool, stream = pools.get(addr, (None, None))
+        where = "a CUDA-graph pool" if pool and tuple(pool) != (0, 0) else "the eager pool"
+        return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {stream})"
 
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
     live = {b["address"]: (b["size"], "")
