@@ -47,6 +47,15 @@ def install_diagnostics() -> None:
     gc.callbacks.append(gc_cb)
 
 
+def remember_allocation_frames() -> None:
+    """From here on every live CUDA block remembers the Python frames that allocated it (torch's allocator history
+    in its "state" mode: no event trace, little overhead), so --memory can name blocks allocated before its
+    recorded micro-step (weights, graph buffers, workspaces) that no Python tensor owns."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
+
+
 def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
@@ -172,15 +181,17 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
     owners = owners or {}
 
-    pools = {b["address"]: (seg.get("segment_pool_id"), seg.get("stream")) for seg in snap["segments"]
-             for b in seg["blocks"]}
+    blocks = {b["address"]: (seg, b) for seg in snap["segments"] for b in seg["blocks"]}
 
     def before(addr: int) -> str:
         if addr in owners:
             return f"before the recorded micro-step: {owners[addr]}"
-        pool, stream = pools.get(addr, (None, None))
+        seg, block = blocks.get(addr, ({}, {}))
+        pool = seg.get("segment_pool_id")
         where = "a CUDA-graph pool" if pool and tuple(pool) != (0, 0) else "the eager pool"
-        return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {stream})"
+        frames = " <- ".join(_our_frames(block.get("frames", []))[:4])  # remember_allocation_frames' record
+        return (f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')})"
+                + (f", allocated at {frames}" if frames else ""))
 
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
     live = {b["address"]: (b["size"], "")
@@ -195,20 +206,23 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     best_live, best_at = dict(live), -1
     for i, e in events:
         if e["action"] == "alloc":
-            frames = e.get("frames", [])
-            ours = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
-                    for f in frames if f["filename"].endswith(".py")
-                    and ("torch/" not in f["filename"] or "nn/modules" in f["filename"])]
-            if not ours:  # C++ only (or torch internals): the autograd node / aten op that allocated it
-                ours = [f"[c++] {f['name'][:70]}" for f in frames
-                        if any(k in f["name"] for k in ("autograd", "at::native", "_backward", "Accumulate"))]
-            live[e["addr"]] = (e["size"], " <- ".join(ours[:4]))
+            live[e["addr"]] = (e["size"], " <- ".join(_our_frames(e.get("frames", []))[:4]))
             cur += e["size"]
             if cur > best:
                 best, best_live, best_at = cur, dict(live), i
         elif e["addr"] in live:
             cur -= live.pop(e["addr"])[0]
     return best, best_live, best_at, len(trace)
+
+
+def _our_frames(frames: list[dict]) -> list[str]:
+    """The Python frames of an allocation outside torch's internals (nn.Module calls kept), innermost first; for an
+    allocation with none (the autograd thread's C++ nodes) the autograd node or aten op that made it."""
+    ours = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+            for f in frames if f["filename"].endswith(".py")
+            and ("torch/" not in f["filename"] or "nn/modules" in f["filename"])]
+    return ours or [f"[c++] {f['name'][:70]}" for f in frames
+                    if any(k in f["name"] for k in ("autograd", "at::native", "_backward", "Accumulate"))]
 
 
 def largest_live(live: dict, top: int = 25) -> list:
