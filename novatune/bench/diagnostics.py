@@ -184,14 +184,14 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     blocks = {b["address"]: (seg, b) for seg in snap["segments"] for b in seg["blocks"]}
 
     def before(addr: int) -> str:
-        if addr in owners:
-            return f"before the recorded micro-step: {owners[addr]}"
         seg, block = blocks.get(addr, ({}, {}))
+        frames = " <- ".join(_our_frames(block.get("frames", []))[:4])  # remember_allocation_frames' record
+        at = f", allocated at {frames}" if frames else ""
+        if addr in owners:  # weights, gradients and optimizer states say enough; other tensors get their frames
+            return f"before the recorded micro-step: {owners[addr]}" + (at if "other tensors" in owners[addr] else "")
         pool = seg.get("segment_pool_id")
         where = "a CUDA-graph pool" if pool and tuple(pool) != (0, 0) else "the eager pool"
-        frames = " <- ".join(_our_frames(block.get("frames", []))[:4])  # remember_allocation_frames' record
-        return (f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')})"
-                + (f", allocated at {frames}" if frames else ""))
+        return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')}){at}"
 
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
     live = {b["address"]: (b["size"], "")
