@@ -47,9 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # hf_default: sdpa, or eager where sdpa cannot compute the family's attention (GPT-OSS, Gemma 2)
-# stock and the peers train with torch's AdamW whatever the config chose (novatune's kernel is novatune's)
+# stock and the peers train with torch's AdamW whatever the config chose (novatune's kernel is novatune's), with
+# every weight on the GPU (memory.embeddings_on_host is novatune's)
 STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false",
-         "train.adamw_kernel=torch"]
+         "train.adamw_kernel=torch", "memory.embeddings_on_host=false"]
 NOVATUNE = ["model.patch=true"]
 
 # modules that register more stacks when imported (a stack defined outside this file)

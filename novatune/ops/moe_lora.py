@@ -7,11 +7,13 @@ MLP (novatune.ops.moe) computes, on the rows sorted by expert (S rows, cumulativ
 
     y = grouped(u, W) + s * grouped(grouped(u, A^T), B^T)
 
-so the adapter costs two thin grouped GEMMs (S x in x r and S x r x out) instead of PEFT's W + s * B A
-(E x out x in, formed at every forward and again for its backward). The frozen base gets no gradient; the adapters'
+so the adapter costs a thin grouped GEMM (S x in x r) and an in-place low-rank add (novatune.kernels.moe_lora:
+y += s * (u A^T) B^T per row's expert, no S x out temporary) instead of PEFT's W + s * B A (E x out x in, formed at
+every forward and again for its backward). The frozen base gets no gradient; the adapters'
 gradients are grouped outer products of (S, r) tensors:
 
-    g = grouped(dy, B)               (S, r)     du += s * grouped(g, A)      (the LoRA path of the input's gradient)
+    g = grouped(dy, B)               (S, r)     du += s * g A                (the LoRA path of the input's gradient,
+                                                                              the same in-place low-rank add)
     dA_e = s * g_e^T u_e             (r, in)    dB_e = s * dy_e^T (u_e A_e^T)  (out, r)
 
 For the down projection dy = w * dout (the routing weight of each row): the weight is folded into the (S, r)
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from novatune.kernels.moe_lora import lowrank_add_
 from novatune.ops import moe as M
 
 Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
@@ -68,7 +71,7 @@ class _Side:
 
     def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
         self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
-        y.add_(M.grouped_mm(self.ua * self.scaling, self.b.transpose(-2, -1), r.ends))
+        lowrank_add_(y, self.ua, self.b.transpose(-2, -1), r.expert, self.scaling)
 
     def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua_scaled: Tensor, r: M.Routing) -> None:
         """dA = (s g)^T u and dB = dy^T (s u A^T) per group, cut back to the true rank."""
@@ -99,7 +102,7 @@ class ExpertsLoRA:
         side = self.down
         if side is not None:
             side.g = M.grouped_mm(dout_s, side.b, r.ends) * side.scaling
-            da_u.add_(M.grouped_mm(side.g, side.a, r.ends, out_dtype=torch.float32))
+            lowrank_add_(da_u, side.g, side.a, r.expert)
 
     def down_grads(self, aw: Tensor, dout_s: Tensor, w_row: Tensor, r: M.Routing) -> None:
         """aw = w * a from the activation backward; dy = w * dout_s enters through (s * w) * (a A^T)."""
@@ -125,7 +128,7 @@ class ExpertsLoRA:
         if side is None:
             return
         assert side.g is not None  # set by gate_up_grads
-        dxs.add_(M.grouped_mm(side.g, side.a, r.ends))
+        lowrank_add_(dxs, side.g, side.a, r.expert)
         side.g = None
 
     def saved(self) -> list[Tensor | None]:

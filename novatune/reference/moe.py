@@ -147,3 +147,11 @@ def grouped_outer_accumulate_ref(a: Tensor, b: Tensor, ends: Tensor, out: Tensor
             res[e] += a[start:end].to(acc.dtype).T @ b[start:end].to(acc.dtype)
         start = end
     return res.to(out.dtype)
+
+
+def lowrank_add(y: torch.Tensor, u: torch.Tensor, m: torch.Tensor, expert: torch.Tensor,
+                scale: float = 1.0) -> torch.Tensor:
+    """y + scale * u[r] @ m[expert[r]] per row in fp32, rounded once to y's dtype (novatune.kernels.moe_lora's
+    lowrank_add_, which writes it into y)."""
+    prod = torch.einsum("sr,srn->sn", u.float(), m.float()[expert.long()])
+    return (y.float() + scale * prod).to(y.dtype)
