@@ -93,6 +93,10 @@ from novatune.kernels.linear_cross_entropy_vocab import _grad_over_logits, _onli
 CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (bytes) when chunking is chosen
 VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
 AUTO_LOGITS_BYTES = 256 * 2**20  # mode="auto": the most logits allowed to exist at once (else split)
+# ... when lm_head is frozen (LoRA, QLoRA): nothing accumulates across token chunks, and the chunk sits at the top of
+# the forward's memory (measured: the peak of the MoE LoRA cut, session 22), so the chunks are halved: 128 MiB is
+# 416 tokens of Qwen3's 151,936-entry vocabulary, GEMMs still large enough to fill the GPU
+FROZEN_HEAD_LOGITS_BYTES = 128 * 2**20
 AUTO_INPLACE_EXTRA_BYTES = 2**30  # mode="auto": "inplace" while its logits exceed grad_W by <= this, (T-H)*V*e
 MODES = ("auto", "tokens", "vocab", "inplace")
 _VOCAB_ALIGN = 128  # slice width rounded to a multiple of this (GEMM tile / 16-byte leading-dimension friendly)
@@ -260,6 +264,7 @@ def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mod
         raise ValueError("linear_cross_entropy: final logit soft-capping runs in modes 'tokens' and 'vocab' (its "
                          "in-place plan overwrites the logits the capped gradient needs); use mode='auto'")
     e = torch.finfo(dtype).bits // 8
+    budget = AUTO_LOGITS_BYTES if grad_weight else FROZEN_HEAD_LOGITS_BYTES
     if mode == "auto":
         if chunk_tokens:
             mode = "tokens"
@@ -267,15 +272,15 @@ def plan_mode(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: bool, mod
             mode = "vocab"
         elif grad_weight and T >= H and (T - H) * V * e <= AUTO_INPLACE_EXTRA_BYTES and softcap is None:
             mode = "inplace"  # 3 GEMMs, grad_W written over the logits: less memory than one token chunk
-        elif T * V * e <= AUTO_LOGITS_BYTES:
+        elif T * V * e <= budget:
             return "tokens", max(T, 1)  # the whole logits are small: one chunk, 3 GEMMs
         elif grad_weight:
             mode = "vocab"
         else:  # nothing to accumulate over chunks: token chunks within the budget, no recompute
-            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=AUTO_LOGITS_BYTES)
+            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=budget)
     if mode == "inplace":
         if not grad_weight:  # no grad_W to write into the logits' memory: token chunks as "auto" does
-            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=AUTO_LOGITS_BYTES)
+            return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight, budget=budget)
         if T < H:  # the logits are smaller than grad_W: no room for it in them
             return "tokens", plan_chunk_tokens(T, V, H, dtype, grad_weight)
         return "inplace", int(vocab_slice) if vocab_slice else plan_inplace_block(V, H, dtype)
