@@ -47,15 +47,6 @@ def install_diagnostics() -> None:
     gc.callbacks.append(gc_cb)
 
 
-def remember_allocation_frames() -> None:
-    """From here on every live CUDA block remembers the Python frames that allocated it (torch's allocator history
-    in its "state" mode: no event trace, little overhead), so --memory can name blocks allocated before its
-    recorded micro-step (weights, graph buffers, workspaces) that no Python tensor owns."""
-    import torch
-
-    torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
-
-
 def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
@@ -70,13 +61,13 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     torch.cuda.synchronize()
     owners = tensor_owners(model, optimizer)
     try:
-        stacks = "all"
-        snap, n_fwd = _recorded_micro_step(model, batch, stacks)
-    except SystemError:
-        # torch 2.11's recorder with C++ frames breaks autograd Functions under checkpointing (pytorch#179536):
-        # the micro-step again with Python frames only (the report says so)
-        stacks = "python"
-        snap, n_fwd = _recorded_micro_step(model, batch, stacks)
+        snap, n_fwd = _recorded_micro_step(model, batch)
+    except SystemError as e:
+        # torch 2.11's recorder breaks autograd Functions run under eager checkpointing (pytorch#179536), C++ or
+        # Python frames alike (session 22); graphed layers replay outside it
+        raise RuntimeError(f"torch {torch.__version__}'s allocation recorder fails inside this stack's checkpointed "
+                           f"autograd Functions (pytorch#179536: {e}); record a stack with CUDA graphs, or another "
+                           f"torch") from e
     if finish is not None:
         finish()
     model.zero_grad(set_to_none=True)
@@ -88,20 +79,19 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".txt", "w") as f:
-        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}"
-                f"{'' if stacks == 'all' else ' (Python frames only: pytorch#179536)'}\n")
+        f.write(f"peak allocated in the recorded micro-step: {best / 2**30:.3f} GiB, in the {phase}\n")
         for where, (size, n) in top:
             f.write(f"{size / 2**30:8.3f} GiB {n:5d} blocks  {where[:260]}\n")
-    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase, "stacks": stacks,
+    return {"peak_replayed_gib": round(best / 2**30, 3), "phase": phase,
             "top": [(round(size / 2**30, 3), where[:200]) for where, (size, _) in top[:8]]}
 
 
-def _recorded_micro_step(model, batch: dict, stacks: str) -> tuple[dict, int]:
+def _recorded_micro_step(model, batch: dict) -> tuple[dict, int]:
     """Forward and backward under the allocation recorder: (the snapshot, the number of trace events up to the
     backward). The recorder is off again when this returns or raises."""
     import torch
 
-    torch.cuda.memory._record_memory_history(max_entries=500000, stacks=stacks)
+    torch.cuda.memory._record_memory_history(max_entries=500000, stacks="all")
     try:
         loss = model(**batch).loss
         torch.cuda.synchronize()
@@ -181,17 +171,15 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     events = [(i, e) for i, e in enumerate(trace) if e["action"] in ("alloc", "free_completed")]
     owners = owners or {}
 
-    blocks = {b["address"]: (seg, b) for seg in snap["segments"] for b in seg["blocks"]}
+    segments = {b["address"]: seg for seg in snap["segments"] for b in seg["blocks"]}
 
     def before(addr: int) -> str:
-        seg, block = blocks.get(addr, ({}, {}))
-        frames = " <- ".join(_our_frames(block.get("frames", []))[:4])  # remember_allocation_frames' record
-        at = f", allocated at {frames}" if frames else ""
-        if addr in owners:  # weights, gradients and optimizer states say enough; other tensors get their frames
-            return f"before the recorded micro-step: {owners[addr]}" + (at if "other tensors" in owners[addr] else "")
+        if addr in owners:
+            return f"before the recorded micro-step: {owners[addr]}"
+        seg = segments.get(addr, {})
         pool = seg.get("segment_pool_id")
         where = "a CUDA-graph pool" if pool and tuple(pool) != (0, 0) else "the eager pool"
-        return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')}){at}"
+        return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')})"
 
     # walk back from the blocks live at the end to those live at the start, then replay forward to the peak
     live = {b["address"]: (b["size"], "")

@@ -261,10 +261,6 @@ def run_stack(spec: dict, log=print) -> dict:
         from novatune.bench.diagnostics import install_diagnostics
 
         install_diagnostics()
-    if spec.get("memory") and torch.cuda.is_available():
-        from novatune.bench.diagnostics import remember_allocation_frames
-
-        remember_allocation_frames()  # --memory names blocks from before its recorded micro-step by these
     session = build(cfg, base, Console(soft_wrap=True), hooks.before_model, hooks.model_hook,
                     select=selection_for)
     m = over_ranks(session, timed_steps(session, spec, log))
