@@ -150,25 +150,34 @@ def test_the_moe_cut_plans_its_measured_peaks(config, overrides, measured, rel):
     assert est["peak"] == pytest.approx(measured * GiB, rel=rel)
 
 
-# Graphed LoRA/QLoRA runs, measured with the CUDA graphs' pool counted (session21-4, H200; novatune/measure/
-# gpu_memory.py): (config, peak GiB, of it the pool). The plans stand 5-10% under: the pool coexists with the eager
-# memory (now planned so) and is planned within 15% (QLoRA's with its dequantised weights in it; the MoE cut's
-# 0.65 against 0.77), but the allocated part stands ~0.4-0.8 GiB above the plan's: not yet explained (LOG.md,
-# session 21).
-GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.91, 0.77), ("lora", 10.605, 0.535), ("qlora", 7.843, 0.691)]
+# Graphed LoRA/QLoRA runs, measured with the CUDA graphs' pool counted (H200; novatune/measure/gpu_memory.py):
+# (config, peak GiB, of it the pool, the frozen-head loss chunk of the measured code). The plans stand 4-10% under:
+# the pool coexists with the eager memory (planned so) and is planned within 15% (QLoRA's with its dequantised
+# weights in it), but the allocated part stands ~0.4-0.8 GiB above the plan's: not yet explained (LOG.md,
+# sessions 21-22). The LoRA and QLoRA examples were measured (session21-4) before a frozen lm_head's loss chunks
+# went from 256 to 128 MiB, so they are planned with the chunk they ran; the MoE cut at this code (session22-6).
+GRAPHED_PEAKS = [("qwen3-30b-a3b-moe-lora", 13.085, 0.633, 128 << 20), ("lora", 10.605, 0.535, 256 << 20),
+                 ("qlora", 7.843, 0.691, 256 << 20)]
 
 
-@pytest.mark.parametrize("config,measured,pool", GRAPHED_PEAKS)
-def test_graphed_plans_stand_within_ten_percent_of_their_peaks(config, measured, pool):
-    est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
+def _graphed_plan(config: str, chunk_bytes: int, monkeypatch) -> dict:
+    from novatune.kernels import linear_cross_entropy
+
+    monkeypatch.setattr(linear_cross_entropy, "FROZEN_HEAD_LOGITS_BYTES", chunk_bytes)
+    return plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
+
+
+@pytest.mark.parametrize("config,measured,pool,chunk", GRAPHED_PEAKS)
+def test_graphed_plans_stand_within_ten_percent_of_their_peaks(config, measured, pool, chunk, monkeypatch):
+    est = _graphed_plan(config, chunk, monkeypatch)
     assert 0.9 * measured * GiB <= est["peak"] <= 1.1 * measured * GiB
     assert 0.8 * pool * GiB <= est["memory_plan"].graph_pool_bytes <= 1.1 * pool * GiB
 
 
 @pytest.mark.xfail(strict=True, reason="graphed plans stand under their measured peaks (the constants' comment)")
-@pytest.mark.parametrize("config,measured,pool", GRAPHED_PEAKS)
-def test_graphed_plans_stand_at_or_above_their_peaks(config, measured, pool):
-    est = plan(load(REPO / "examples" / f"{config}.yaml", []), gpu_mem_gib=141)
+@pytest.mark.parametrize("config,measured,pool,chunk", GRAPHED_PEAKS)
+def test_graphed_plans_stand_at_or_above_their_peaks(config, measured, pool, chunk, monkeypatch):
+    est = _graphed_plan(config, chunk, monkeypatch)
     assert est["peak"] >= measured * GiB
 
 
