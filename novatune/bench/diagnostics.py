@@ -104,11 +104,11 @@ def _recorded_micro_step(model, batch: dict) -> tuple[dict, int]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def tensor_owners(model, optimizer=None) -> dict[int, str]:
+def tensor_owners(model, optimizer=None, device_type: str = "cuda") -> dict[int, str]:
     """{storage address: what it is} for the tensors Python can reach: the model's weights (trainable or frozen)
     and gradients, the optimizer's states, and every other live tensor (named by dtype and shape), so blocks that
     predate a recording can be told apart. A block no tensor here owns is held by C++ alone (autograd's saved
-    tensors, CUDA-graph pools, library workspaces)."""
+    tensors, CUDA-graph pools, library workspaces). Only tensors on `device_type` (the report's device) count."""
     import gc
 
     import torch
@@ -116,8 +116,14 @@ def tensor_owners(model, optimizer=None) -> dict[int, str]:
     owners: dict[int, str] = {}
 
     def own(t, what: str) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes():
-            owners.setdefault(t.untyped_storage().data_ptr(), what)
+        if not (isinstance(t, torch.Tensor) and t.device.type == device_type):
+            return
+        try:  # a wrapper subclass (FSDP2's DTensor) or a sparse tensor has no plain storage: nothing to name
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if storage.nbytes():
+            owners.setdefault(storage.data_ptr(), what)
 
     for p in model.parameters():
         own(p, "weights (trainable)" if p.requires_grad else "weights (frozen)")
@@ -128,9 +134,15 @@ def tensor_owners(model, optimizer=None) -> dict[int, str]:
         for v in state.values():
             own(v, "optimizer states")
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in owners:
+        if not (isinstance(o, torch.Tensor) and o.device.type == device_type):
+            continue
+        try:
+            storage = o.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() not in owners:
             # the holder's search walks every object the collector tracks: only for tensors that weigh
-            held = f" held by {_holder(o)}" if o.untyped_storage().nbytes() >= 1 << 20 else ""
+            held = f" held by {_holder(o)}" if storage.nbytes() >= 1 << 20 else ""
             own(o, f"other tensors {str(o.dtype).removeprefix('torch.')} {tuple(o.shape)}{held}")
     return owners
 
@@ -176,7 +188,9 @@ def replay_to_peak(snap: dict, owners: dict[int, str] | None = None) -> tuple[in
     def before(addr: int) -> str:
         if addr in owners:
             return f"before the recorded micro-step: {owners[addr]}"
-        seg = segments.get(addr, {})
+        if addr not in segments:  # freed during the trace: its segment is not in the final snapshot
+            return "before the recorded micro-step: no tensor Python can reach (pool unknown)"
+        seg = segments[addr]
         pool = seg.get("segment_pool_id")
         where = "a CUDA-graph pool" if pool and tuple(pool) != (0, 0) else "the eager pool"
         return f"before the recorded micro-step: no tensor Python can reach ({where}, stream {seg.get('stream')})"

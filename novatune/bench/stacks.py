@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 # hf_default: sdpa, or eager where sdpa cannot compute the family's attention (GPT-OSS, Gemma 2)
 # stock and the peers train with torch's AdamW whatever the config chose (novatune's kernel is novatune's), with
 # every weight on the GPU (memory.embeddings_on_host is novatune's)
+HOST_TABLE_OFF = "memory.embeddings_on_host=false"  # also where a stack trains the table or wraps every parameter
 STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false",
-         "train.adamw_kernel=torch", "memory.embeddings_on_host=false"]
+         "train.adamw_kernel=torch", HOST_TABLE_OFF]
 NOVATUNE = ["model.patch=true"]
 
 # modules that register more stacks when imported (a stack defined outside this file)
@@ -214,7 +215,8 @@ register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best p
 register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_unsloth_unavailable))
 register(Stack("novatune", "novatune.patch(model, **model.patch_options)", NOVATUNE, patched=True))
 register(Stack("novatune_full", "novatune, full fine-tuning (beside a LoRA config)",
-               NOVATUNE + ["method.type=full"], unavailable=_full_refused_under_qlora, patched=True))
+               NOVATUNE + ["method.type=full", HOST_TABLE_OFF], unavailable=_full_refused_under_qlora,
+               patched=True))
 register(Stack("trl-sft", "TRL SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer",
                NOVATUNE, unavailable=_missing("trl", "trl"), run=run_from("novatune.bench.trl_stack:run"),
                patched=True))
@@ -241,7 +243,8 @@ for _policy, _what in (("offload", "checkpointing with each layer's input offloa
 for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per unit of decoder layers and the root; the root alone "
                                    "over one process)"),
                          ("ddp", "DistributedDataParallel (a replica per process)")):
-    register(Stack(f"novatune_{_strategy}", f"novatune under {_what}", NOVATUNE + [f"parallel.strategy={_strategy}"],
+    register(Stack(f"novatune_{_strategy}", f"novatune under {_what}",
+                   NOVATUNE + [f"parallel.strategy={_strategy}", HOST_TABLE_OFF],
                    unavailable=_parallel_refused_under_qlora(_strategy), patched=True, strategy=_strategy))
 
 

@@ -224,12 +224,15 @@ def generate_batch(model, tokenizer, prompts: list[str], max_new_tokens: int, st
     import torch
     from transformers import GenerationConfig
 
+    from novatune.memory.host_embedding import compute_device
+
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special)
-    enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+    device = compute_device(model)  # HF's model.device is the first parameter's: cpu for a host-resident table
+    enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
     gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, num_beams=1,
                             eos_token_id=eos_ids or None, pad_token_id=tokenizer.pad_token_id,
                             stop_strings=list(stops) if stops else None)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -388,7 +391,7 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     cfg = from_dict(yaml.safe_load(state["config"]))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attn, patch=False),
                               memory=dataclasses.replace(cfg.memory, gradient_checkpointing=False, policy=None,
-                                                layers=[], budget_gib=None))
+                                                layers=[], budget_gib=None, embeddings_on_host=False))
     mcfg = cfg.model
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
     model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd(), select=selection_for)

@@ -57,10 +57,11 @@ mode="inplace" (novatune.kernels.linear_cross_entropy_lowmem, with the placement
 
 mode="auto" (default; `plan_mode`): "inplace" when grad_W is wanted, T >= H and its logits exceed grad_W by at
 most AUTO_INPLACE_EXTRA_BYTES ((T-H)*V*e <= 1 GiB: Qwen3-4B up to ~6100 tokens). Otherwise, when the full logits are
-small (T*V*e <= AUTO_LOGITS_BYTES, 256 MiB) one token chunk; otherwise "vocab" when grad_W is wanted (the tokens
-plan would hold the full logits or an fp32 (V, H) accumulator), and "tokens" with chunks of <= AUTO_LOGITS_BYTES
-when it is not (eval, LoRA's frozen lm_head: no accumulator to avoid, so no recompute is worth paying). An explicit
-chunk_tokens means "tokens", an explicit vocab_slice "vocab" (with mode="inplace": the temp block's rows).
+small (T*V*e <= AUTO_LOGITS_BYTES, 256 MiB; FROZEN_HEAD_LOGITS_BYTES, 128 MiB, without grad_W) one token chunk;
+otherwise "vocab" when grad_W is wanted (the tokens plan would hold the full logits or an fp32 (V, H) accumulator),
+and "tokens" with chunks of about FROZEN_HEAD_LOGITS_BYTES when it is not (eval, LoRA's frozen lm_head: no
+accumulator to avoid, so no recompute is worth paying; the chunk sits at the top of a LoRA forward's memory). An
+explicit chunk_tokens means "tokens", an explicit vocab_slice "vocab" (with mode="inplace": the temp block's rows).
 
 Token statistics (`token_stats`, every mode): the same pass over the logits also gives per token the log-sum-exp,
 the entropy lse - sum_v p_v z_v (the online sum of exp(z - m) * z beside the sum-exp) and the first argmax, which
@@ -94,8 +95,8 @@ CHUNK_LOGITS_BYTES = 512 * 2**20  # mode="tokens": per-chunk logits budget (byte
 VOCAB_SLICE_BYTES = 128 * 2**20  # mode="vocab": budget of the one (T, Vc) logits slice
 AUTO_LOGITS_BYTES = 256 * 2**20  # mode="auto": the most logits allowed to exist at once (else split)
 # ... when lm_head is frozen (LoRA, QLoRA): nothing accumulates across token chunks, and the chunk sits at the top of
-# the forward's memory (measured: the peak of the MoE LoRA cut, session 22), so the chunks are halved: 128 MiB is
-# 416 tokens of Qwen3's 151,936-entry vocabulary, GEMMs still large enough to fill the GPU
+# the forward's memory (measured: the peak of the MoE LoRA cut, session 22), so the chunks are halved: 448 tokens
+# (rounded up to 64 rows, 130 MiB) of Qwen3's 151,936-entry vocabulary, GEMMs still large enough to fill the GPU
 FROZEN_HEAD_LOGITS_BYTES = 128 * 2**20
 AUTO_INPLACE_EXTRA_BYTES = 2**30  # mode="auto": "inplace" while its logits exceed grad_W by <= this, (T-H)*V*e
 MODES = ("auto", "tokens", "vocab", "inplace")

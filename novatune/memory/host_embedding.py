@@ -12,12 +12,18 @@ becomes a frozen parameter on the host (state dicts and exports read it as befor
 
 Refused with the reason: a trainable table (its gradient would need the device), a table tied to lm_head (the
 loss reads it on the device every micro-batch), a subclass of nn.Embedding (Gemma's scaled embedding multiplies
-its output: its forward is not a plain gather) and max_norm (renormalises the rows it reads). Token ids must lie
-in [0, vocab): the data pipeline checks them before training (an id past the table would read past the buffer).
+its output: its forward is not a plain gather) and max_norm (renormalises the rows it reads). The gather does not
+check the ids: an id past the table would read past the buffer, where nn.Embedding stops with a device assert. The
+run builder places the table only after checking that the model's vocab_size, which the data pipeline checks every
+token id against, and the padding id fit the table (train/session.py).
+
+While the table is on the host, HF's `model.device` (its first parameter's) says cpu: code that needs the device
+the model computes on asks `compute_device(model)`.
 """
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -30,18 +36,29 @@ class HostEmbeddingRefused(ValueError):
     """The input embedding cannot live on the host: the message says why and what to set instead."""
 
 
+def lookup_refusal(model: nn.Module) -> str | None:
+    """Why the input embedding cannot be replaced by a plain row lookup kept apart from lm_head (here: on the host;
+    train/qlora.py: in NF4), or None: a table tied to lm_head, or a subclass of nn.Embedding (Gemma's scaled one
+    multiplies its rows: its forward is more than a gather)."""
+    emb = model.get_input_embeddings()
+    head_weight = getattr(model.get_output_embeddings(), "weight", None)
+    shared = head_weight is not None and (head_weight is emb.weight or (
+        not emb.weight.is_meta and head_weight.untyped_storage().data_ptr() == emb.weight.untyped_storage().data_ptr()))
+    if getattr(model.config, "tie_word_embeddings", False) or shared:
+        return "tied to lm_head, which reads the same table"
+    if type(emb) is not nn.Embedding:
+        return f"{type(emb).__name__} is not a plain nn.Embedding (its forward may scale or transform the rows)"
+    return None
+
+
 def why_not(model: nn.Module, need_cuda: bool = True) -> str | None:
     """Why the model's input embedding cannot move to host memory, or None when it can."""
     emb = model.get_input_embeddings()
-    if type(emb) is not nn.Embedding:
-        return (f"the input embedding is {type(emb).__name__}, not a plain nn.Embedding (its forward does more "
-                f"than gather rows)")
+    why = lookup_refusal(model)
+    if why is not None:
+        return f"the input embedding: {why}"
     if emb.weight.requires_grad:
         return "the input embedding trains (full fine-tuning, or LoRA with it in modules_to_save)"
-    out = model.get_output_embeddings()
-    if out is not None and getattr(out, "weight", None) is not None \
-            and out.weight.untyped_storage().data_ptr() == emb.weight.untyped_storage().data_ptr():
-        return "the input embedding is tied to lm_head, which the loss reads on the device"
     if emb.max_norm is not None:
         return "the input embedding has max_norm (it renormalises the rows it reads)"
     if need_cuda and emb.weight.device.type != "cuda":
@@ -49,14 +66,11 @@ def why_not(model: nn.Module, need_cuda: bool = True) -> str | None:
     return None
 
 
-def _gather_forward(emb: nn.Embedding, device: torch.device, host: torch.Tensor):
-    def forward(input_ids: torch.Tensor) -> torch.Tensor:
-        table = emb.weight
-        out = torch.empty((input_ids.numel(), table.shape[1]), dtype=table.dtype, device=input_ids.device)
-        return gather_rows(table, input_ids.reshape(-1), out).view(*input_ids.shape, table.shape[1])
-    forward.host_embedding_device = device  # what `restore` moves the table back to
-    forward.host_buffer = host  # the registered tensor itself: its registration ends when it is collected
-    return forward
+def _gather_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The module's forward while its table is on the host: the GPU gathers the rows (module docstring)."""
+    table = self.weight
+    out = torch.empty((input_ids.numel(), table.shape[1]), dtype=table.dtype, device=input_ids.device)
+    return gather_rows(table, input_ids.reshape(-1), out).view(*input_ids.shape, table.shape[1])
 
 
 def place_on_host(model: nn.Module, pin=None) -> int:
@@ -70,20 +84,30 @@ def place_on_host(model: nn.Module, pin=None) -> int:
     weight = emb.weight
     host = (pin or functools.partial(pinned_empty, mapped=True))(weight.shape, weight.dtype)
     host.copy_(weight.detach())
-    emb.forward = _gather_forward(emb, weight.device, host)
+    # the registered tensor itself stays on the module (its registration ends when it is collected), with the
+    # device `restore` moves the table back to; a bound method, so a deep copy of the module gathers its own table
+    emb._novatune_host_table = (host, weight.device)
+    emb.forward = types.MethodType(_gather_forward, emb)
     emb.weight = nn.Parameter(host, requires_grad=False)
     return weight.numel() * weight.element_size()
 
 
 def is_on_host(model: nn.Module) -> bool:
-    return hasattr(model.get_input_embeddings().__dict__.get("forward"), "host_embedding_device")
+    return hasattr(model.get_input_embeddings(), "_novatune_host_table")
 
 
 def restore(model: nn.Module) -> None:
     """The table back in device memory and the module's own forward (nothing when it is not on the host)."""
     emb = model.get_input_embeddings()
-    forward = emb.__dict__.get("forward")
-    if not hasattr(forward, "host_embedding_device"):
+    if not hasattr(emb, "_novatune_host_table"):
         return
-    emb.weight = nn.Parameter(emb.weight.detach().to(forward.host_embedding_device), requires_grad=False)
-    del emb.forward
+    _, device = emb._novatune_host_table
+    emb.weight = nn.Parameter(emb.weight.detach().to(device), requires_grad=False)
+    del emb.forward, emb._novatune_host_table
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the model computes: the device of its parameters outside host memory (a host-resident embedding
+    table is the first parameter of most causal LMs, so `next(model.parameters()).device` and HF's `model.device`
+    say cpu), or the CPU when every parameter is there."""
+    return next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))

@@ -300,9 +300,10 @@ class ExpertLayout:
 # ----------------------------------------------------------------------------------------------- forward, backward
 def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_bias: Tensor | None,
                  dn_bias: Tensor | None, ids: Tensor, layout: ExpertLayout,
-                 lora=None) -> tuple[Tensor, Tensor, Routing]:
+                 lora=None, output_unread: bool = False) -> tuple[Tensor, Tensor, Routing]:
     """(out (T, H) in x's dtype, h (S, 2I), routing): what the backward needs besides the inputs. `lora`: the
-    adapters of the expert weights (novatune.ops.moe_lora.ExpertsLoRA), added inside the grouped GEMMs."""
+    adapters of the expert weights (novatune.ops.moe_lora.ExpertsLoRA), added inside the grouped GEMMs.
+    `output_unread` (moe_experts'): out is left uninitialised, and the down projection and the combine skipped."""
     act_fwd, _ = ACTIVATIONS[layout.activation]
     # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
     xs, r = dispatch(x.to(gate_up.dtype), ids, gate_up.shape[0])
@@ -311,6 +312,10 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
         lora.add_gate_up(xs, h, r)
     del xs
     a = act_fwd(h, layout.interleaved)
+    if output_unread:  # the backward reads h, the routing and the down adapter's u A^T: never y nor out
+        if lora is not None:
+            lora.down_factor_(a, r)
+        return torch.empty_like(x), h, r
     y = _linear(a, down, dn_bias, r, layout.transposed)  # (S, H)
     if lora is not None:
         lora.add_down(a, y, r)
@@ -436,8 +441,9 @@ class _ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout: ExpertLayout,
-                wgrad_in_place: bool = False):
-        out, h, r = _experts_fwd(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout)
+                wgrad_in_place: bool = False, output_unread: bool = False):
+        out, h, r = _experts_fwd(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout,
+                                 output_unread=output_unread)
         ctx.save_for_backward(x, weights, gate_up, down, gate_up_bias, down_bias, h, r.order, r.pos, r.ends,
                               r.expert)
         # the parameters themselves: under non-reentrant checkpointing the saved tensors unpack as detached copies
@@ -457,7 +463,7 @@ class _ExpertsFunction(torch.autograd.Function):
         x, weights, gate_up, down, gu_bias, dn_bias, h, order, pos, ends, expert = ctx.saved_tensors
         grads = _experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h, Routing(order, pos, ends, expert),
                              ctx.layout, ctx.needs_input_grad[:6], into=into)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, transposed: bool,
@@ -472,7 +478,7 @@ def check_experts_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor,
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                 gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *, transposed: bool = False,
                 interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False,
-                wgrad_in_place: bool = False) -> Tensor:
+                wgrad_in_place: bool = False, output_unread: bool = False) -> Tensor:
     """The routed expert MLP: out[t] = sum_k weights[t, k] * down_e(act(gate_up_e(x[t]))), e = ids[t, k].
 
     x (T, H); ids (T, K) integer expert ids in [0, E) (others raise: a ValueError on the CPU, a device-side
@@ -482,7 +488,11 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and (E, I, H) when `transposed`; biases (E, 2I), (E, H).
     Returns (T, H) in x's dtype; the GEMMs run in the weights' dtype. Differentiable in x, weights, the expert
     weights and biases. `wgrad_in_place`: expert weight gradients added into .grad where autograd would add
-    them (inside the grouped GEMM on the Triton path, by column slices elsewhere: ops/moe_wgrad.py)."""
+    them (inside the grouped GEMM on the Triton path, by column slices elsewhere: ops/moe_wgrad.py).
+    `output_unread`: the caller differentiates through the output but never reads its values (a checkpointed
+    layer's recompute, whose result only roots the backward: patch/graphs.py's captured backward), so the down
+    projection and the combine are skipped and the output is uninitialised; the gradients are unchanged (the
+    backward never reads the expert outputs). Ignored under torch.compile (the registered op computes it all)."""
     check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
                        ids_from_router=ids_from_router)
     if torch.compiler.is_compiling():  # traced: the registered op (optional biases as empty tensors)
@@ -491,7 +501,8 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
                                                   gate_up_bias, none if down_bias is None else down_bias, ids,
                                                   transposed, interleaved, activation)[0]
     layout = ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
-    return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout, wgrad_in_place)
+    return _ExpertsFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout, wgrad_in_place,
+                                  output_unread)
 
 
 # ----------------------------------------------------------------------------------------------- the contract

@@ -69,8 +69,11 @@ class _Side:
         self.da: Tensor | None = None
         self.db: Tensor | None = None
 
-    def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
+    def factor_(self, u: Tensor, r: M.Routing) -> None:
         self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
+
+    def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
+        self.factor_(u, r)
         lowrank_add_(y, self.ua, self.b.transpose(-2, -1), r.expert, self.scaling)
 
     def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua_scaled: Tensor, r: M.Routing) -> None:
@@ -95,6 +98,11 @@ class ExpertsLoRA:
     def add_down(self, a: Tensor, y: Tensor, r: M.Routing) -> None:
         if self.down is not None:
             self.down.add_(a, y, r)
+
+    def down_factor_(self, a: Tensor, r: M.Routing) -> None:
+        """Only the down adapter's u A^T, which its backward reads (an output nobody reads: output_unread)."""
+        if self.down is not None:
+            self.down.factor_(a, r)
 
     # backward, down side: dout_s is each row's token gradient without the routing weight w_row
     def down_dinput_(self, da_u: Tensor, dout_s: Tensor, r: M.Routing) -> None:
@@ -146,10 +154,12 @@ class ExpertsLoRA:
 
 class _ExpertsLoRAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, scalings, gu_a, gu_b, dn_a, dn_b):
+    def forward(ctx, x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, scalings, output_unread, gu_a, gu_b,
+                dn_a, dn_b):
         lora = ExpertsLoRA(None if gu_a is None else (gu_a, gu_b, scalings[0]),
                            None if dn_a is None else (dn_a, dn_b, scalings[1]), gate_up.dtype)
-        out, h, r = M._experts_fwd(x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, lora=lora)
+        out, h, r = M._experts_fwd(x, weights, gate_up, down, gu_bias, dn_bias, ids, layout, lora=lora,
+                                   output_unread=output_unread)
         ctx.save_for_backward(x, weights, gate_up, down, gu_bias, dn_bias, h, r.order, r.pos, r.ends, r.expert,
                               *lora.saved())
         ctx.layout, ctx.lora = layout, lora
@@ -171,7 +181,7 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
             if side is not None:
                 side.da = side.db = None
         lora.restore([None] * 6)  # back to the saved tensors only (a second backward restores them again)
-        return (*grads, None, None, None, *adapter_grads)
+        return (*grads, None, None, None, None, *adapter_grads)
 
 
 def _factors(name: str, lora: Factors | None, weight: Tensor, transposed: bool) -> Factors | None:
@@ -193,18 +203,21 @@ def _factors(name: str, lora: Factors | None, weight: Tensor, transposed: bool) 
 def moe_experts_lora(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                      gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None, *,
                      gate_up_lora: Factors | None = None, down_lora: Factors | None = None, transposed: bool = False,
-                     interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False) -> Tensor:
+                     interleaved: bool = False, activation: str = "silu", ids_from_router: bool = False,
+                     output_unread: bool = False) -> Tensor:
     """novatune.ops.moe.moe_experts with each expert weight W_e replaced by W_e + s * B_e A_e, computed without
     forming it (module docstring). gate_up_lora / down_lora: (A (E, r, in), B (E, out, r), scaling) or None, in
     the projection's own in/out (gate/up: in = H, out = 2I in the weight's gate/up column order; down: in = I,
     out = H), whatever `transposed` says about the base weights. Differentiable in x, the routing weights, the
-    factors, and the base weights and biases (frozen ones get no gradient). ids_from_router: as moe_experts'."""
+    factors, and the base weights and biases (frozen ones get no gradient). ids_from_router, output_unread: as
+    moe_experts'."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("moe_experts_lora runs eagerly only; keep the MoE block out of torch.compile "
                                   "(torch.compiler.disable) or let PEFT's forward run")
     if gate_up_lora is None and down_lora is None:  # checked there, once
         return M.moe_experts(x, ids, weights, gate_up, down, gate_up_bias, down_bias, transposed=transposed,
-                             interleaved=interleaved, activation=activation, ids_from_router=ids_from_router)
+                             interleaved=interleaved, activation=activation, ids_from_router=ids_from_router,
+                             output_unread=output_unread)
     M.check_experts_args(x, ids, weights, gate_up, down, transposed, activation, gate_up_bias, down_bias,
                          ids_from_router=ids_from_router)
     gu = _factors("gate_up", gate_up_lora, gate_up, transposed)
@@ -212,5 +225,5 @@ def moe_experts_lora(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, d
     layout = M.ExpertLayout(transposed=transposed, interleaved=interleaved, activation=activation)
     none = (None, None)
     return _ExpertsLoRAFunction.apply(x, weights, gate_up, down, gate_up_bias, down_bias, ids, layout,
-                                      (gu[2] if gu else 1.0, dn[2] if dn else 1.0), *(gu[:2] if gu else none),
-                                      *(dn[:2] if dn else none))
+                                      (gu[2] if gu else 1.0, dn[2] if dn else 1.0), output_unread,
+                                      *(gu[:2] if gu else none), *(dn[:2] if dn else none))

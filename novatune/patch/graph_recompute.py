@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from novatune.ops.moe_wgrad import accumulates_into_grad
+from novatune.patch.moe import outputs_unread
 
 
 class Recompute:
@@ -53,8 +54,9 @@ def recompute_backward(rc: Recompute, gout: Tensor):
     leaves = list(rc.params) if nested else [p.detach().requires_grad_(True) for p in rc.params]
     inputs = ([xin] if rc.x_grad else []) + leaves
     create = torch.is_grad_enabled()
+    # y only roots the backward: its values are never read (MoE experts may skip what produces nothing else)
     with parameters_as(rc.slots, rc.params, leaves), torch.enable_grad(), \
-            torch.autocast(rc.device_type, **rc.autocast):
+            torch.autocast(rc.device_type, **rc.autocast), outputs_unread():
         y = rc.call(xin)
     if nested:
         torch.autograd.backward(y, gout, inputs=inputs)

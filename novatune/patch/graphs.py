@@ -55,6 +55,7 @@ from novatune.attention import backends
 from novatune.attention.packed import PackedBatch
 from novatune.patch.forwards import PACKED_KWARG
 from novatune.patch.graph_recompute import Recompute, parameters_as, recompute_backward
+from novatune.patch.moe import outputs_unread
 
 WARMUP_BATCHES = 1      # eager batches before the first capture: Triton compiles, cuBLAS picks its kernels
 MAX_BUCKETS = 8         # (slots, max_seqlen) graph sets kept; batches beyond them run eagerly
@@ -426,7 +427,8 @@ class LayerGraphRunner:
             # on the default stream by eager batches; an event on that stream would invalidate the capture.
             xin = src.detach().requires_grad_(x_grad)
             alias = [p.detach().requires_grad_(True) for p in params]
-            with parameters_as(slots, params, alias), torch.enable_grad():
+            # y only roots the backward: its values are never read (MoE experts may skip what produces nothing else)
+            with parameters_as(slots, params, alias), torch.enable_grad(), outputs_unread():
                 y = call(xin)
             return torch.autograd.grad(y, ([xin] if x_grad else []) + alias, grad_outputs=gout,
                                        allow_unused=True)

@@ -12,6 +12,9 @@ the load-balancing loss work as in stock.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -49,11 +52,31 @@ def experts_arguments(self) -> tuple[tuple, dict]:
                          activation=self._novatune_activation)
 
 
+_OUTPUT_UNREAD = contextvars.ContextVar("novatune_moe_output_unread", default=False)
+
+
+@contextlib.contextmanager
+def outputs_unread():
+    """Inside it, the decoder layers run only to be differentiated through (patch/graphs.py's captured recompute,
+    whose result roots the backward and is never read): experts modules whose family declares that their output
+    feeds only residual adds (MoESpec.output_feeds_residual) skip their down projection and combine."""
+    token = _OUTPUT_UNREAD.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUT_UNREAD.reset(token)
+
+
+def output_unread(experts: nn.Module) -> bool:
+    """Whether this experts module's output goes unread now (outputs_unread and its family's declaration)."""
+    return _OUTPUT_UNREAD.get() and experts._novatune_moe.output_feeds_residual
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     tensors, layout = experts_arguments(self)
     # the ids are the router's top-k over E logits: in range by construction, so the op's range check is spared
     return moe_experts(hidden_states, top_k_index, top_k_weights, *tensors, **layout, ids_from_router=True,
-                       wgrad_in_place=self._novatune_wgrad_in_place)
+                       wgrad_in_place=self._novatune_wgrad_in_place, output_unread=output_unread(self))
 
 
 def experts_refusal(module: nn.Module, config, moe: MoESpec) -> tuple[str | None, str | None]:

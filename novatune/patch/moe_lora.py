@@ -23,7 +23,7 @@ from torch import nn
 
 from novatune.ops.moe_lora import moe_experts_lora
 from novatune.patch.lora import vanilla_adapter_refusal
-from novatune.patch.moe import experts_arguments, experts_forward
+from novatune.patch.moe import experts_arguments, experts_forward, output_unread
 from novatune.patch.report import PatchReport
 from novatune.patch.spec import FamilySpec
 
@@ -98,7 +98,8 @@ def experts_lora_forward(self, hidden_states, top_k_index=None, top_k_weights=No
     moe = experts._novatune_moe
     tensors, layout = experts_arguments(experts)
     return moe_experts_lora(hidden_states, top_k_index, top_k_weights, *tensors, gate_up_lora=lora.get(moe.gate_up),
-                            down_lora=lora.get(moe.down), **layout, ids_from_router=True)
+                            down_lora=lora.get(moe.down), **layout, ids_from_router=True,
+                            output_unread=output_unread(experts))
 
 
 def apply_moe_lora(model: nn.Module, spec: FamilySpec, report: PatchReport, bind, *, enabled: bool,

@@ -104,6 +104,11 @@ class MoESpec:
     bias: bool = False
     # module attributes that must hold these values for custom_gate_activation to compute the module's gate
     gate_constants: tuple[tuple[str, float], ...] = ()
+    # the experts' output reaches the decoder layer's output through reshapes and residual adds only (no
+    # post-MoE norm or product that saves it for its backward): a recompute whose result nobody reads may then
+    # skip the experts' down projection and combine (ops.moe's output_unread; patch/graphs.py). Qwen3-MoE,
+    # Mixtral and GPT-OSS in transformers 5: block = reshape(experts(...)), layer = residual + block.
+    output_feeds_residual: bool = False
 
 
 @dataclass(frozen=True)

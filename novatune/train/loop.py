@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from novatune.measure.gc_freeze import LongLivedFreeze
+from novatune.memory import host_embedding
 from novatune.train import checkpoint as ckpt
 from novatune.train import run_dir
 from novatune.train import sharded_checkpoint as sharded
@@ -268,6 +269,8 @@ def train(cfg: Config, base_dir: Path | None = None, console=None, stop_after: i
         finally:
             signals.__exit__()
     session.release_optimizer_state()  # the caller keeps the model (and the session), not the AdamW moments
+    # the caller's model computes where it reads its table: a host-resident one goes back to the device
+    host_embedding.restore(session.inner_model)
     result.model, result.session = model, session
     result.wall_s = time.perf_counter() - t_start
     losses = [result.losses[k] for k in sorted(result.losses)]

@@ -2,7 +2,8 @@
 
 The model is built on the meta device (no memory, exact parameter count). Estimates, per GPU:
 
-  weights      params x bytes(dtype)                      (LoRA: + adapter params)
+  weights      params x bytes(dtype)                      (LoRA: + adapter params; memory.embeddings_on_host:
+                                                          - the input embedding table, which lives on the host)
   gradients    trainable x bytes(dtype)
   optimizer    train.optimizer's state (novatune.train.optim.state_bytes): adamw 2 states x trainable x
                bytes(dtype) (torch's AdamW keeps states in the param dtype); adamw_kahan 8 + 2 (bf16) bytes per
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from novatune.memory.host_embedding import lookup_refusal
+from novatune.train.errors import ConfigError
 from novatune.train.memory import MARGIN, fused_loss, host_message
 from novatune.train.optim import state_bytes
 
@@ -118,9 +121,15 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     if qlora:
         weights = ((n_params - sum(quant) - emb_nf4) * b + sum(nf4_bytes(n) for n in quant)
                    + (nf4_bytes(emb_nf4) if emb_nf4 else 0) + adapters * tb)
-    # memory.embeddings_on_host: the frozen bf16 table lives in host memory (config_checks refuses it elsewhere)
-    host_embedding = emb.numel() * b if cfg.memory.embeddings_on_host and lora and not emb_nf4 else 0
-    weights -= host_embedding
+    # memory.embeddings_on_host: the frozen table lives in host memory (config_checks refuses the methods, parallel
+    # strategies and devices it cannot serve; the model's own refusals are found here, before any weight loads)
+    host_embedding = 0
+    if cfg.memory.embeddings_on_host:
+        why = lookup_refusal(model)
+        if why is not None:
+            raise ConfigError("memory.embeddings_on_host", f"the input embedding: {why}",
+                              "set memory.embeddings_on_host: false")
+        host_embedding = emb.numel() * b
     h, i_sz, L, V = mconf.hidden_size, mconf.intermediate_size, mconf.num_hidden_layers, mconf.vocab_size
     hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
     q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
@@ -140,7 +149,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
-        "weights": weights, "host_embedding": host_embedding, "gradients": trainable * tb,
+        "weights": weights - host_embedding, "host_embedding": host_embedding, "gradients": trainable * tb,
         "optimizer_name": optimizer,
         "optimizer": state_bytes(optimizer, trainable, tb),
         "activations_no_ckpt": act_full, "activations_ckpt": act_ckpt, "logits_stock": logits_stock,
@@ -148,7 +157,9 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "fused_loss": fused_loss(cfg), "grad_accum": cfg.train.grad_accum,
     }
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
-    est["peak_stock"] = static + (act_ckpt if cfg.memory.gradient_checkpointing else act_full) + logits_stock
+    # stock keeps the table on the device
+    est["peak_stock"] = (static + host_embedding + (act_ckpt if cfg.memory.gradient_checkpointing else act_full)
+                         + logits_stock)
     _memory_plan(cfg, est, mconf, gpu_mem_gib, hw, nproc)
     return est
 

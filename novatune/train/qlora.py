@@ -26,6 +26,7 @@ import copy
 import torch
 from torch import nn
 
+from novatune.memory.host_embedding import lookup_refusal
 from novatune.train.errors import SetupError
 
 BNB_FIX = "qlora needs bitsandbytes: pip install bitsandbytes"
@@ -87,14 +88,12 @@ def quantize_embeddings_(model: nn.Module, dtype: torch.dtype) -> str:
     name = next((n for n, m in model.named_modules() if m is emb), "input embeddings")
     if isinstance(emb, NF4Embedding):
         return f"embeddings: {name} already NF4"
-    head = model.get_output_embeddings()
-    shares_weight = getattr(head, "weight", None) is getattr(emb, "weight", 0)
-    if getattr(model.config, "tie_word_embeddings", False) or shares_weight:
-        return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: tied to lm_head, which "
-                f"stays dense (quantising the shared table would change lm_head's weights too)")
-    if type(emb) is not nn.Embedding:
-        return (f"embeddings: {name} kept dense: {type(emb).__name__} is not a plain nn.Embedding (its forward may "
-                f"scale or transform the rows, which NF4Embedding would drop)")
+    why = lookup_refusal(model)
+    if why is not None and why.startswith("tied"):
+        return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: {why}, which stays "
+                f"dense (quantising the shared table would change lm_head's weights too)")
+    if why is not None:
+        return f"embeddings: {name} kept dense: {why}, which NF4Embedding would drop"
     dense_mib = emb.weight.numel() * emb.weight.element_size() / 2**20
     q = NF4Embedding.from_embedding(emb, dtype)
     q.train(emb.training)

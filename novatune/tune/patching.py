@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from novatune.memory.host_embedding import compute_device
 from novatune.ops import dispatch
 from novatune.ops.dispatch import Selection
 from novatune.tune import model_choices
@@ -29,7 +30,7 @@ def selection_for(model: torch.nn.Module, tune, tokens: int) -> Selection:
     tuning its ops now when tune=True. Notes say what was not used and why; nothing is installed here."""
     if tune not in (True, "cache"):
         raise ValueError(f"tune={tune!r}: use 'cache' (default), True (tune now) or False")
-    device = next(model.parameters()).device
+    device = compute_device(model)
     notes: list[str] = []
     try:
         cache = TuneCache.load()
@@ -61,7 +62,7 @@ def tune_model(model: torch.nn.Module, cache: TuneCache, tokens: int, budget_s: 
     forward+backward (the model's .grad are restored afterwards); store the entries in `cache`. Returns notes."""
     from novatune.tune.engine import step_check, tune_op
 
-    device = next(model.parameters()).device
+    device = compute_device(model)
     batch = _synthetic_batch(model, tokens, device)
     with dispatch.recording() as rec, torch.no_grad():
         model(**batch, use_cache=False)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from novatune.memory.host_embedding import compute_device
+
 MODULE_PREFIX = "nt_module::"
 BWD_PREFIX = "autograd::engine::evaluate_function: "
 
@@ -261,7 +263,7 @@ def profile_steps(step, model: torch.nn.Module, steps: int = 2, trace: str | Non
     """Run `step()` `warmup` times unprofiled, then `steps` times under torch.profiler; write the trace if asked."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = next(model.parameters()).device.type
+    device = compute_device(model).type  # not the first parameter's: a host-resident embedding table's
     for _ in range(warmup):
         step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

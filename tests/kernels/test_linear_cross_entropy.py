@@ -350,9 +350,13 @@ def test_plan_vocab_slice_and_mode():
     assert K.plan_vocab_slice(8, 1000, bf16) == 1000  # small: one slice
     # small logits (<= AUTO_LOGITS_BYTES): one token chunk, whatever is wanted
     assert K.plan_mode(256, V, H, bf16, True) == ("tokens", 256)
-    # no weight gradient (eval, frozen lm_head): token chunks within the auto budget, no recompute
+    # no weight gradient (eval, frozen lm_head): token chunks within the frozen head's budget (one 64-row
+    # alignment step over at most), no recompute; so are whole logits between that budget and the auto one
     mode, c = K.plan_mode(4096, V, H, bf16, False)
-    assert mode == "tokens" and c < 4096 and c * V * 2 <= K.AUTO_LOGITS_BYTES + 64 * V * 2
+    assert mode == "tokens" and c < 4096 and c * V * 2 <= K.FROZEN_HEAD_LOGITS_BYTES + 64 * V * 2
+    assert (K.FROZEN_HEAD_LOGITS_BYTES // (V * 2)) < 800 < (K.AUTO_LOGITS_BYTES // (V * 2))
+    mode, c = K.plan_mode(800, V, H, bf16, False)
+    assert mode == "tokens" and c < 800 and c * V * 2 <= K.FROZEN_HEAD_LOGITS_BYTES + 64 * V * 2
     # explicit choices
     assert K.plan_mode(4096, V, H, bf16, True, "tokens") == ("tokens", 4096)  # the colleague's plan
     assert K.plan_mode(4096, V, H, bf16, True, chunk_tokens=512) == ("tokens", 512)
@@ -576,7 +580,7 @@ def test_plan_inplace_mode():
     assert K.plan_mode(4096, V, H, bf16, True, "inplace", vocab_slice=1000) == ("inplace", 1000)
     assert K.plan_mode(1024, V, H, bf16, True, "inplace") == ("tokens", 1024)  # T < H: the tokens plan
     mode, c = K.plan_mode(4096, V, H, bf16, False, "inplace")  # loss only / frozen lm_head: token chunks
-    assert mode == "tokens" and c * V * 2 <= K.AUTO_LOGITS_BYTES + 64 * V * 2
+    assert mode == "tokens" and c * V * 2 <= K.FROZEN_HEAD_LOGITS_BYTES + 64 * V * 2
     assert K.plan_mode(64, 1000, 16, torch.float32, True) == ("inplace", 1000)  # small problems too (T >= H)
 
 

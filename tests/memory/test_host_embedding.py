@@ -3,6 +3,8 @@ table through the gather kernel (Triton interpreter); every case it cannot serve
 run builder's side is tests/train/test_host_embedding_run.py."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +45,9 @@ def test_the_host_table_gives_the_same_logits_and_keeps_the_module_hooks():
     assert torch.equal(model(input_ids=ids).logits, ref)
     assert seen == [(2, 13, HIDDEN)]
     assert "model.embed_tokens.weight" in model.state_dict()  # exports read it as before
+    twin = copy.deepcopy(model)  # a copy gathers from its own table
+    twin.get_input_embeddings().weight.data.zero_()
+    assert torch.equal(model(input_ids=ids).logits, ref) and not torch.equal(twin(input_ids=ids).logits, ref)
     he.restore(model)
     assert not he.is_on_host(model) and "forward" not in emb.__dict__
     assert torch.equal(model(input_ids=ids).logits, ref)

@@ -169,3 +169,27 @@ def test_double_backward_raises_and_bad_ids_are_refused():
     bad[0, 0] = 7
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 7\)"):
         L.moe_experts_lora(x, bad, w, gu, dn, gate_up_lora=(ga, gb, 0.5), **layout)
+
+
+@pytest.mark.parametrize("name", ["qwen3 layout E5 r4", "gpt-oss layout E5 r2"])
+@pytest.mark.parametrize("adapters", [True, False], ids=["lora", "base-op"])
+def test_an_unread_output_gives_the_same_gradients(name, adapters):
+    """output_unread (a recompute whose result only roots the backward): the down projection and combine are
+    skipped, the output is uninitialised, and every gradient equals the full forward's bit for bit (the backward
+    never reads the expert outputs)."""
+    ids, tensors, gu, dn, layout = _inputs(CASES[name], torch.float32)
+    x, w, ga, gb, da, db, gub, dnb = tensors
+    live = [v for v in (tensors if adapters else [x, w, gub, dnb]) if v is not None]
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+
+    def grads(unread):
+        if adapters:
+            out = L.moe_experts_lora(x, ids, w, gu, dn, gub, dnb, gate_up_lora=(ga, gb, 2.0),
+                                     down_lora=(da, db, 0.5), output_unread=unread, **layout)
+        else:
+            out = M.moe_experts(x, ids, w, gu, dn, gub, dnb, output_unread=unread, **layout)
+        # the decoder layer's residual add: the only consumer a family declaring output_feeds_residual has
+        return torch.autograd.grad(x.detach() + out, live, dout)
+
+    for g, ref in zip(grads(True), grads(False)):
+        assert torch.equal(g, ref)

@@ -25,10 +25,11 @@ def test_config_checks_name_the_fix(make_cfg, sections, match):
 
 def test_the_plan_takes_the_table_off_the_device(make_cfg):
     from novatune.train.plan import plan
+    from tests.train.conftest import TINY_ARCH
 
-    def est(on):
-        cfg = make_cfg(method={"type": "lora"}, model={"device": "cuda", "dtype": "bf16"},
-                       memory={"embeddings_on_host": on})
+    def est(on, tied=False):
+        cfg = make_cfg(method={"type": "lora"}, memory={"embeddings_on_host": on}, model={
+            "device": "cuda", "dtype": "bf16", "arch_overrides": {**TINY_ARCH, "tie_word_embeddings": tied}})
         return plan(cfg, gpu_mem_gib=80)
 
     off, on = est(False), est(True)
@@ -36,6 +37,10 @@ def test_the_plan_takes_the_table_off_the_device(make_cfg):
     assert off["host_embedding"] == 0 and table > 0
     assert off["weights"] - on["weights"] == table
     assert off["memory_plan"].peak_bytes - on["memory_plan"].peak_bytes == table
+    assert on["peak_stock"] == off["peak_stock"]  # stock keeps its table on the device
+    # a table the build would refuse is refused by the plan, before any weight loads
+    with pytest.raises(ConfigError, match="tied to lm_head"):
+        est(True, tied=True)
 
 
 @pytest.mark.gpu

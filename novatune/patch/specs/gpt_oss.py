@@ -19,6 +19,7 @@ SPEC = FamilySpec(
     moe=MoESpec(router_classes=("GptOssTopKRouter",), experts_classes=("GptOssExperts",),
                 router=RouterSpec(scoring="topk_softmax", softmax_fp32=False, bias="bias"),
                 transposed=True, interleaved=True, bias=True, custom_gate_activation="gpt_oss",
-                gate_constants=(("alpha", ALPHA), ("limit", LIMIT))),
+                gate_constants=(("alpha", ALPHA), ("limit", LIMIT)),
+                output_feeds_residual=True),
     notes="attention sinks and the sliding window of each sliding layer are applied per document",
 )

@@ -13,5 +13,6 @@ SPEC = FamilySpec(
     attention=AttentionSpec(window_config="sliding_window"),
     honours=("sliding_window", "output_router_logits"),
     moe=MoESpec(router_classes=("MixtralTopKRouter",), experts_classes=("MixtralExperts",),
-                router=RouterSpec(scoring="softmax_topk", renormalize=True, weights_dtype="float32")),
+                router=RouterSpec(scoring="softmax_topk", renormalize=True, weights_dtype="float32"),
+                output_feeds_residual=True),
 )

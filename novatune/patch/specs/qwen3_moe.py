@@ -13,5 +13,6 @@ SPEC = FamilySpec(
     honours=("sliding_window", "output_router_logits"),
     attention=AttentionSpec(q_norm="q_norm", k_norm="k_norm", window_attr="sliding_window"),
     moe=MoESpec(router_classes=("Qwen3MoeTopKRouter",), experts_classes=("Qwen3MoeExperts",),
-                router=RouterSpec(scoring="softmax_topk", renormalize="norm_topk_prob", weights_dtype="logits")),
+                router=RouterSpec(scoring="softmax_topk", renormalize="norm_topk_prob", weights_dtype="logits"),
+                output_feeds_residual=True),
 )
