@@ -295,7 +295,9 @@ def render(est: dict) -> str:
              f"({est['trainable'] / 1e6:,.1f}M trainable), {wdesc}, "
              f"{est['tokens_per_micro_batch']:,} tokens per micro-batch",
              *_parallel_lines(est),
-             f"  weights                      {g(est['weights'])}",
+             f"  weights                      {g(est['weights'])}"
+             + (f"   (+ {g(est['host_embedding']).strip()} input embedding table on the host)"
+                if est.get("host_embedding") else ""),
              f"  gradients                    {g(est['gradients'])}",
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"

@@ -24,7 +24,7 @@ def test_config_checks_name_the_fix(make_cfg, sections, match):
 
 
 def test_the_plan_takes_the_table_off_the_device(make_cfg):
-    from novatune.train.plan import plan
+    from novatune.train.plan import plan, render
     from tests.train.conftest import TINY_ARCH
 
     def est(on, tied=False):
@@ -38,6 +38,7 @@ def test_the_plan_takes_the_table_off_the_device(make_cfg):
     assert off["weights"] - on["weights"] == table
     assert off["memory_plan"].peak_bytes - on["memory_plan"].peak_bytes == table
     assert on["peak_stock"] == off["peak_stock"]  # stock keeps its table on the device
+    assert "input embedding table on the host" in render(on) and "on the host" not in render(off)
     # a table the build would refuse is refused by the plan, before any weight loads
     with pytest.raises(ConfigError, match="tied to lm_head"):
         est(True, tied=True)
