@@ -69,12 +69,12 @@ class _Side:
         self.da: Tensor | None = None
         self.db: Tensor | None = None
 
-    def factor_(self, u: Tensor, r: M.Routing) -> None:
+    def factor_(self, u: Tensor, r: M.Routing) -> Tensor:
         self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
+        return self.ua
 
     def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
-        self.factor_(u, r)
-        lowrank_add_(y, self.ua, self.b.transpose(-2, -1), r.expert, self.scaling)
+        lowrank_add_(y, self.factor_(u, r), self.b.transpose(-2, -1), r.expert, self.scaling)
 
     def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua_scaled: Tensor, r: M.Routing) -> None:
         """dA = (s g)^T u and dB = dy^T (s u A^T) per group, cut back to the true rank."""
