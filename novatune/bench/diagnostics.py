@@ -115,15 +115,21 @@ def tensor_owners(model, optimizer=None, device_type: str = "cuda") -> dict[int,
 
     owners: dict[int, str] = {}
 
-    def own(t, what: str) -> None:
+    def storage_of(t) -> tuple[int, int] | None:
+        """(address, bytes) of a tensor's storage on the report's device; None for one without plain storage (a
+        wrapper subclass such as FSDP2's DTensor, a sparse tensor, a FakeTensor left by a trace)."""
         if not (isinstance(t, torch.Tensor) and t.device.type == device_type):
-            return
-        try:  # a wrapper subclass (FSDP2's DTensor) or a sparse tensor has no plain storage: nothing to name
+            return None
+        try:
             storage = t.untyped_storage()
+            return storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):
-            return
-        if storage.nbytes():
-            owners.setdefault(storage.data_ptr(), what)
+            return None
+
+    def own(t, what: str) -> None:
+        found = storage_of(t)
+        if found is not None and found[1]:
+            owners.setdefault(found[0], what)
 
     for p in model.parameters():
         own(p, "weights (trainable)" if p.requires_grad else "weights (frozen)")
@@ -134,15 +140,10 @@ def tensor_owners(model, optimizer=None, device_type: str = "cuda") -> dict[int,
         for v in state.values():
             own(v, "optimizer states")
     for o in gc.get_objects():
-        if not (isinstance(o, torch.Tensor) and o.device.type == device_type):
-            continue
-        try:
-            storage = o.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if storage.data_ptr() not in owners:
+        found = storage_of(o)
+        if found is not None and found[0] not in owners:
             # the holder's search walks every object the collector tracks: only for tensors that weigh
-            held = f" held by {_holder(o)}" if storage.nbytes() >= 1 << 20 else ""
+            held = f" held by {_holder(o)}" if found[1] >= 1 << 20 else ""
             own(o, f"other tensors {str(o.dtype).removeprefix('torch.')} {tuple(o.shape)}{held}")
     return owners
 

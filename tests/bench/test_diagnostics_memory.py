@@ -54,6 +54,10 @@ def test_tensor_owners_tells_weights_gradients_states_and_other_tensors_apart():
     holder = Holder()
     holder.buffers = [torch.randn(7, 11), torch.randn(1 << 18)]  # 28 bytes, 1 MiB
     holder.sparse = torch.eye(3).to_sparse()  # no plain storage (as FSDP2's DTensor): skipped, not an error
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a storage whose address cannot be read (a trace's leftover): skipped too
+        holder.fake = torch.empty(5)
     owners = tensor_owners(model, opt, device_type="cpu")
     ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert owners[ptr(model[0].weight)] == "weights (trainable)"
