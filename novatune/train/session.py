@@ -385,12 +385,12 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
             console.print(msg, highlight=False, markup=False)
     if cfg.memory.embeddings_on_host:
         # the gather checks no id: every id the data holds is < vocab_size (data/dataset.py), padding included here
-        rows = model.get_input_embeddings().num_embeddings
+        rows, pad = model.get_input_embeddings().num_embeddings, pad_id_of(tokenizer)
         vocab = getattr(model.config, "vocab_size", rows)
-        if vocab > rows or pad_id_of(tokenizer) >= rows:
+        if vocab > rows or pad >= rows:
             raise SetupError(f"memory.embeddings_on_host: the table has {rows} rows, but the data may hold ids up to "
-                             f"the config's vocab_size {vocab} and the padding id {pad_id_of(tokenizer)}; resize the "
-                             f"embeddings to the tokenizer, or set memory.embeddings_on_host: false")
+                             f"the config's vocab_size {vocab} and the padding id {pad}; resize the embeddings to the "
+                             f"tokenizer, or set memory.embeddings_on_host: false")
         try:
             freed = host_embedding.place_on_host(model)
         except host_embedding.HostEmbeddingRefused as e:

@@ -173,10 +173,13 @@ def test_double_backward_raises_and_bad_ids_are_refused():
 
 @pytest.mark.parametrize("name", ["qwen3 layout E5 r4", "gpt-oss layout E5 r2"])
 @pytest.mark.parametrize("adapters", [True, False], ids=["lora", "base-op"])
-def test_an_unread_output_gives_the_same_gradients(name, adapters):
+def test_an_unread_output_gives_the_same_gradients(name, adapters, monkeypatch):
     """output_unread (a recompute whose result only roots the backward): the down projection and combine are
-    skipped, the output is uninitialised, and every gradient equals the full forward's bit for bit (the backward
-    never reads the expert outputs)."""
+    skipped (counted), the output is uninitialised, and every gradient equals the full forward's bit for bit (the
+    backward never reads the expert outputs)."""
+    downs = []
+    real = M._linear
+    monkeypatch.setattr(M, "_linear", lambda a, w, *rest: downs.append(w) or real(a, w, *rest))
     ids, tensors, gu, dn, layout = _inputs(CASES[name], torch.float32)
     x, w, ga, gb, da, db, gub, dnb = tensors
     live = [v for v in (tensors if adapters else [x, w, gub, dnb]) if v is not None]
@@ -191,5 +194,8 @@ def test_an_unread_output_gives_the_same_gradients(name, adapters):
         # the decoder layer's residual add: the only consumer a family declaring output_feeds_residual has
         return torch.autograd.grad(x.detach() + out, live, dout)
 
-    for g, ref in zip(grads(True), grads(False)):
+    unread = grads(True)
+    assert [w is dn for w in downs] == [False]  # the gate/up projection only
+    for g, ref in zip(unread, grads(False)):
         assert torch.equal(g, ref)
+    assert [w is dn for w in downs] == [False, False, True]
