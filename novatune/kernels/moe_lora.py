@@ -48,6 +48,7 @@ def _lowrank_add_kernel(Y, U, M, EXPERT, S, N, R, stride_ys, stride_us, stride_m
         mine = tl.where((rmask & (e == ex))[:, None], u, tl.zeros_like(u))
         m = tl.load(M + ex * stride_me + ks[:, None] * stride_mr + cols[None, :] * stride_mn,
                     mask=m_mask, other=0.0)
+        m = _round_to(m.to(tl.float32), U.dtype.element_ty, SOFT_RNE)  # the factor in u's dtype, as a cast would
         if IEEE or SOFT_RNE:
             # fp32 operands (no TF32), or the CPU interpreter, whose bf16 dot is wrong (Triton 3.9): there bf16 is
             # widened first, exact (a bf16 x bf16 product fits fp32), the same math as the GPU's bf16 MMA
@@ -65,7 +66,8 @@ _LOWRANK_ADD = lean(_lowrank_add_kernel)
 def lowrank_add_(y: torch.Tensor, u: torch.Tensor, m: torch.Tensor, expert: torch.Tensor,
                  scale: float = 1.0) -> torch.Tensor:
     """y[r] += scale * u[r] @ m[expert[r]] in place (module docstring); returns y. y (S, N) with unit column
-    stride, u (S, R) with unit column stride, m (E, R, N) of any strides, expert (S,) integers in [0, E)."""
+    stride, u (S, R) bf16 or fp32 with unit column stride, m (E, R, N) of any strides and float dtype (read in u's
+    dtype, rounded to nearest even: a factor kept in fp32 needs no cast copy), expert (S,) integers in [0, E)."""
     s, n = y.shape
     r = u.shape[1]
     if u.shape[0] != s or m.dim() != 3 or m.shape[1:] != (r, n) or expert.shape != (s,):
@@ -73,8 +75,8 @@ def lowrank_add_(y: torch.Tensor, u: torch.Tensor, m: torch.Tensor, expert: torc
                          f"{tuple(expert.shape)} are not (S, N), (S, R), (E, R, N), (S,)")
     if y.stride(1) != 1 or u.stride(1) != 1:
         raise ValueError("lowrank_add_: y and u need unit column strides (y is written in place)")
-    if u.dtype != m.dtype:
-        raise ValueError(f"lowrank_add_: u is {u.dtype} and m {m.dtype}; cast the factors to one dtype")
+    if u.dtype not in (torch.bfloat16, torch.float32) or not m.dtype.is_floating_point:
+        raise ValueError(f"lowrank_add_: u is {u.dtype} and m {m.dtype}; u bf16 or fp32, m a float tensor")
     expert = expert.contiguous()
     if s and n:
         _LOWRANK_ADD[(cdiv(s, BLOCK_M), cdiv(n, BLOCK_N))](
@@ -82,3 +84,58 @@ def lowrank_add_(y: torch.Tensor, u: torch.Tensor, m: torch.Tensor, expert: torc
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_pow2(r)), IEEE=u.dtype == torch.float32,
             SOFT_RNE=not y.is_cuda)
     return y
+
+
+@triton.jit
+def _lowrank_project_kernel(X, M, OUT, EXPERT, S, K, R, stride_xs, stride_me, stride_mk, stride_mr, stride_os, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                            SOFT_RNE: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK_M
+    rows = start + tl.arange(0, BLOCK_M)
+    rmask = rows < S
+    rs = tl.arange(0, BLOCK_R)
+    e = tl.load(EXPERT + rows, mask=rmask, other=0).to(tl.int64)
+    first = tl.load(EXPERT + start).to(tl.int64)
+    last = tl.load(EXPERT + tl.minimum(start + BLOCK_M, S) - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_xs + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
+        m_mask = (ks < K)[:, None] & (rs < R)[None, :]
+        for ex in range(first, last + 1):
+            mine = tl.where((rmask & (e == ex))[:, None], x, tl.zeros_like(x))
+            m = tl.load(M + ex * stride_me + ks[:, None] * stride_mk + rs[None, :] * stride_mr, mask=m_mask, other=0.0)
+            m = _round_to(m.to(tl.float32), X.dtype.element_ty, SOFT_RNE)  # the factor in x's dtype, as a cast would
+            if IEEE or SOFT_RNE:  # as in _lowrank_add_kernel
+                acc += tl.dot(mine.to(tl.float32), m.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(mine, m)
+    out_ptrs = OUT + rows[:, None] * stride_os + rs[None, :]
+    tl.store(out_ptrs, _round_to(scale * acc, OUT.dtype.element_ty, SOFT_RNE), mask=rmask[:, None] & (rs < R)[None, :])
+
+
+_LOWRANK_PROJECT = lean(_lowrank_project_kernel)
+PROJECT_BLOCK_M, PROJECT_BLOCK_K = 64, 128
+
+
+def lowrank_project(x: torch.Tensor, m: torch.Tensor, expert: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """u[r] = scale * x[r] @ m[expert[r]] -> u (S, R) in x's dtype: the thin half of an adapter's product (the
+    forward's u A^T, the backward's s * dy B), one read of x. x (S, K) bf16 or fp32 with unit column stride, rows
+    sorted by expert; m (E, K, R) of any strides and float dtype (read in x's dtype, as lowrank_add_ reads its
+    factor); expert (S,) integers in [0, E). Tiles span experts as lowrank_add_'s do; fp32 accumulation, one
+    rounding at the store."""
+    s, k = x.shape
+    if m.dim() != 3 or m.shape[1] != k or expert.shape != (s,):
+        raise ValueError(f"lowrank_project: x {tuple(x.shape)}, m {tuple(m.shape)}, expert {tuple(expert.shape)} "
+                         "are not (S, K), (E, K, R), (S,)")
+    if x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32) or not m.dtype.is_floating_point:
+        raise ValueError(f"lowrank_project: x ({x.dtype}) bf16 or fp32 with a unit column stride, m ({m.dtype}) "
+                         "a float tensor")
+    r = m.shape[2]
+    out = x.new_empty(s, r)
+    if s and r:
+        _LOWRANK_PROJECT[(cdiv(s, PROJECT_BLOCK_M),)](
+            x, m, out, expert.contiguous(), s, k, r, x.stride(0), m.stride(0), m.stride(1), m.stride(2),
+            out.stride(0), float(scale), BLOCK_M=PROJECT_BLOCK_M, BLOCK_K=PROJECT_BLOCK_K,
+            BLOCK_R=max(16, next_pow2(r)), IEEE=x.dtype == torch.float32, SOFT_RNE=not x.is_cuda)
+    return out

@@ -1,6 +1,12 @@
 """The experts' weight gradient added into an existing gradient inside the grouped GEMM (Triton).
 
     grouped_outer_accumulate(a, b, ends, out)      out[e] += a[rows of e]^T @ b[rows of e]     for every expert e
+    grouped_outer(a, b, ends, out, scale)          out[e] = scale * a[rows of e]^T @ b[rows of e]   (written)
+
+The second form serves the expert adapters' factor gradients (novatune.ops.moe_lora): b is an (S, r) product, so
+the GEMM is one read of a; it writes each factor's gradient straight into a tensor of the factor's own dtype and
+strides (PEFT's fp32 (out, r * E) storage seen as (E, out, r)), where torch's grouped GEMM would return a bf16
+(E, out, r) result to be cast and laid out by two more passes.
 
 a (S, M) and b (S, N) hold the rows of every expert in expert order (group e is rows ends[e-1]:ends[e], cumulative
 int32 ends as grouped_mm takes them); out (E, M, N) is the weight's `.grad`. With a = dY and b = X this is dW = dY^T X
@@ -28,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novatune.kernels.launch import cdiv, lean
+from novatune.kernels.launch import cdiv, lean, next_pow2
 from novatune.kernels.rms_norm import _round_to  # fp32 -> dtype with round-to-nearest-even, interpreter too
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of bench/bench_moe_wgrad.py's seven on an H200 at
@@ -38,13 +44,15 @@ DEFAULT_CONFIG = (128, 128, 32, 4, 4)
 
 
 @triton.jit
-def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT_RNE: tl.constexpr):
+def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_oe, stride_om, stride_on, TILES_N,
+                              scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              ACCUMULATE: tl.constexpr, SOFT_RNE: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.program_id(1)
     end = tl.load(ENDS + e).to(tl.int64)
     start = tl.load(ENDS + e - 1, mask=e > 0, other=0).to(tl.int64)
-    if end > start:  # an expert without rows: its gradient slice stays as it is
+    # accumulating: an expert without rows leaves its slice as it is; writing: it gets zeros
+    if (end > start) or (not ACCUMULATE):
         pm = tile // TILES_N
         pn = tile % TILES_N
         cols_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,19 +68,34 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, TILES_N
                         other=0.0)  # (BLOCK_K, BLOCK_M)
             b = tl.load(B + rows[:, None] * stride_b + cols_n[None, :], mask=in_rows[:, None] & in_n[None, :],
                         other=0.0)  # (BLOCK_K, BLOCK_N)
-            if OUT.dtype.element_ty == tl.float32 or SOFT_RNE:
+            if A.dtype.element_ty == tl.float32 or SOFT_RNE:
                 # fp32 operands, or the CPU interpreter, whose bf16 dot is wrong (Triton 3.9): there bf16 is
                 # widened first, exact (a bf16 x bf16 product fits fp32), the same math as the GPU's bf16 MMA
                 acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(tl.trans(a), b, acc)
-        offs = e.to(tl.int64) * M * N + cols_m[:, None].to(tl.int64) * N + cols_n[None, :]
+        offs = e.to(tl.int64) * stride_oe + cols_m[:, None].to(tl.int64) * stride_om + cols_n[None, :] * stride_on
         mask = in_m[:, None] & in_n[None, :]
-        old = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + offs, _round_to(old + acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
+        acc = acc * scale
+        if ACCUMULATE:
+            acc += tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, _round_to(acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
 
 
 _KERNEL = lean(_grouped_outer_acc_kernel)
+
+
+def _check(a, b, ends, out, *, same_dtype: bool) -> None:
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"a (S, M) and b (S, N) with the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if (out.ndim != 3 or tuple(out.shape[1:]) != (a.shape[1], b.shape[1]) or tuple(ends.shape) != (out.shape[0],)
+            or ends.dtype != torch.int32):
+        raise ValueError(f"out (E, M, N) = (E, {a.shape[1]}, {b.shape[1]}) and int32 ends (E,), got out "
+                         f"{tuple(out.shape)} and ends {tuple(ends.shape)} {ends.dtype}")
+    if same_dtype and (not (a.dtype == b.dtype == out.dtype) or a.dtype not in (torch.bfloat16, torch.float32)):
+        raise TypeError(f"a, b and out of one dtype, bf16 or fp32; got {a.dtype}, {b.dtype}, {out.dtype}")
+    if not (a.device == b.device == out.device == ends.device):
+        raise ValueError("a, b, ends and out on one device")
 
 
 def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
@@ -80,27 +103,44 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     """out[e] += a[group e]^T @ b[group e] in place (the module docstring); returns out. a (S, M), b (S, N) with unit
     column stride (rows may be strided), ends (E,) int32 cumulative, out (E, M, N) contiguous; a, b and out of one
     dtype (bf16 or fp32) on one device."""
-    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
-        raise ValueError(f"a (S, M) and b (S, N) with the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if (out.ndim != 3 or tuple(out.shape[1:]) != (a.shape[1], b.shape[1]) or tuple(ends.shape) != (out.shape[0],)
-            or ends.dtype != torch.int32):
-        raise ValueError(f"out (E, M, N) = (E, {a.shape[1]}, {b.shape[1]}) and int32 ends (E,), got out "
-                         f"{tuple(out.shape)} and ends {tuple(ends.shape)} {ends.dtype}")
-    e, m, n = (int(d) for d in out.shape)
-    if not (a.dtype == b.dtype == out.dtype) or a.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"a, b and out of one dtype, bf16 or fp32; got {a.dtype}, {b.dtype}, {out.dtype}")
-    if not (a.device == b.device == out.device == ends.device):
-        raise ValueError("a, b, ends and out on one device")
+    _check(a, b, ends, out, same_dtype=True)
     if not out.is_contiguous():
         raise ValueError("out (the gradient being accumulated) must be contiguous")
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
     ends = ends.contiguous()  # read as ENDS + e
-    if e == 0 or m == 0 or n == 0 or a.shape[0] == 0:
-        return out
+    _launch(a, b, ends, out, config, accumulate=True, scale=1.0)
+    return out
+
+
+def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float) -> None:
+    e, m, n = (int(d) for d in out.shape)
+    if e == 0 or m == 0 or n == 0 or (a.shape[0] == 0 and accumulate):
+        return
     block_m, block_n, block_k, warps, stages = config
     tiles_n = cdiv(n, block_n)
     _KERNEL[(cdiv(m, block_m) * tiles_n, e)](
-        a, b, ends, out, m, n, a.stride(0), b.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, b, ends, out, m, n, a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2), tiles_n,
+        float(scale), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=accumulate,
         SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
+
+
+def _thin_config(n: int) -> tuple[int, int, int, int, int]:
+    """Tiles for a narrow b (an adapter's rank): the whole of b's columns in one tile, a's columns 128 at a time."""
+    return 128, max(16, next_pow2(n)), 64, 4, 3
+
+
+def grouped_outer(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                  scale: float = 1.0) -> torch.Tensor:
+    """out[e] = scale * a[group e]^T @ b[group e] written in place for every expert (zeros for an expert without
+    rows); returns out. For a narrow b (N up to a few dozen: an adapter's factor gradient, a (S, M) by (S, r)
+    product whose time is one read of a). a, b (S, M), (S, N) of one dtype (bf16 or fp32), unit column strides;
+    out (E, M, N) of any float dtype and any strides (a factor's gradient in its own dtype and layout): each tile
+    is accumulated in fp32 and rounded once at the store."""
+    _check(a, b, ends, out, same_dtype=False)
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"a and b of one dtype, bf16 or fp32; got {a.dtype}, {b.dtype}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("grouped_outer: a and b need unit column strides")
+    _launch(a, b, ends.contiguous(), out, _thin_config(int(out.shape[2])), accumulate=False, scale=scale)
     return out

@@ -22,10 +22,13 @@ routing weights' gradient <a, dout W'> as the base weight's does. Saved for the 
 the two (S, r) products u A^T (a few MB at S = 32k, r = 16).
 
 The factors are the layout PEFT's ParamWrapper uses for every expert layout (A (r, in), B (out, r) per expert,
-whatever the base weight's transposition); they are cast to the expert weights' dtype for the GEMMs, as PEFT casts
-them before forming its delta, and their gradients come back in their own dtype. On CUDA the rank is padded with
-zeros to a multiple of 8 (torch's grouped GEMM needs 16-byte strides on the (S, r) operands); zeros add nothing
-and their gradients are dropped. Eager only (an autograd Function); under torch.compile it raises.
+whatever the base weight's transposition), often fp32 on bf16 weights. On the Triton path (CUDA, or the CPU
+interpreter) the kernels read them where they are, rounding each element to the weights' dtype as they load it (the
+cast PEFT makes before forming its delta), at the true rank; the factor gradients are written in the factors' dtype
+and strides, so nothing is copied on either side. torch's path (CPU, or NOVATUNE_BACKEND=reference) casts them in
+one copy each, padded with zeros to a multiple of 8 on CUDA (its grouped GEMM needs 16-byte strides on the (S, r)
+operands; zeros add nothing and their gradients are dropped). Eager only (an autograd Function); under
+torch.compile it raises.
 """
 from __future__ import annotations
 
@@ -34,14 +37,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from novatune.kernels.moe_lora import lowrank_add_
+from novatune.kernels.moe_lora import lowrank_add_, lowrank_project
+from novatune.kernels.moe_wgrad import grouped_outer
 from novatune.ops import moe as M
+from novatune.ops._backend import use_triton
 
 Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
 
 
 def rank_multiple(t: Tensor) -> int:
-    """The rank the factors are padded to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r) operands)."""
+    """The rank torch's path pads the factors to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r)
+    operands)."""
     return 8 if t.is_cuda else 1
 
 
@@ -58,28 +64,51 @@ def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
 
 
 class _Side:
-    """One adapted projection for one call: padded factors, its (S, rp) product u A^T, and after the backward
-    the factors' gradients at the true rank."""
+    """One adapted projection for one call: its factors, its (S, r) product u A^T, and after the backward the
+    factors' gradients at the true rank in their own dtype.
+
+    On the Triton path the factors stay PEFT's views, in their own dtype: the kernels read them with their strides
+    and round them to the GEMMs' dtype as they load (novatune.kernels.moe_lora), and the factor gradients are
+    written straight into tensors laid out like the factors (novatune.kernels.moe_wgrad.grouped_outer), so
+    autograd's way back through PEFT's views copies nothing. Elsewhere torch's grouped GEMM takes padded copies."""
 
     def __init__(self, a: Tensor, b: Tensor, scaling: float, dtype: torch.dtype):
         self.rank, self.scaling = a.shape[1], float(scaling)
-        self.a, self.b = _pad_rank(a, b, dtype)
-        self.ua: Tensor | None = None  # u A^T (S, rp), unscaled
-        self.g: Tensor | None = None  # s * dy B (S, rp), from the input-gradient GEMM to the factor gradients
+        self.triton = use_triton(a)
+        self.a, self.b = (a, b) if self.triton else _pad_rank(a, b, dtype)
+        self.ua: Tensor | None = None  # u A^T (S, r), unscaled
+        self.g: Tensor | None = None  # s * dy B (S, r), from the input-gradient GEMM to the factor gradients
         self.da: Tensor | None = None
         self.db: Tensor | None = None
 
     def factor_(self, u: Tensor, r: M.Routing) -> Tensor:
-        self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
+        if self.triton:
+            self.ua = lowrank_project(u, self.a.transpose(-2, -1), r.expert)
+        else:
+            self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
         return self.ua
 
     def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
         lowrank_add_(y, self.factor_(u, r), self.b.transpose(-2, -1), r.expert, self.scaling)
 
-    def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua_scaled: Tensor, r: M.Routing) -> None:
-        """dA = (s g)^T u and dB = dy^T (s u A^T) per group, cut back to the true rank."""
+    def dinput_factor(self, dy: Tensor, r: M.Routing) -> Tensor:
+        """g = s * dy B (S, r): the input gradient's thin product, kept for the factor gradients."""
+        if self.triton:
+            self.g = lowrank_project(dy, self.b, r.expert, self.scaling)
+        else:
+            self.g = M.grouped_mm(dy, self.b, r.ends) * self.scaling
+        return self.g
+
+    def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua: Tensor, ua_scale: float, r: M.Routing) -> None:
+        """dA = (s g)^T u and dB = dy^T (ua_scale * u A^T) per group, at the true rank."""
+        if self.triton:
+            self.da = torch.empty_like(self.a)  # the factor's dtype and strides (PEFT's storage order)
+            self.db = torch.empty_like(self.b)
+            grouped_outer(u, g_scaled, r.ends, self.da.transpose(-2, -1))
+            grouped_outer(dy, ua, r.ends, self.db, ua_scale)
+            return
         self.da = M.grouped_outer(g_scaled, u, r.ends)[:, :self.rank]
-        self.db = M.grouped_outer(dy, ua_scaled, r.ends)[:, :, :self.rank]
+        self.db = M.grouped_outer(dy, ua * ua_scale, r.ends)[:, :, :self.rank]
 
 
 class ExpertsLoRA:
@@ -109,8 +138,7 @@ class ExpertsLoRA:
         """da_u (S, I) fp32 += s * (dout_s B) A: the adapted weight's part of dout_s @ W'."""
         side = self.down
         if side is not None:
-            side.g = M.grouped_mm(dout_s, side.b, r.ends) * side.scaling
-            lowrank_add_(da_u, side.g, side.a, r.expert)
+            lowrank_add_(da_u, side.dinput_factor(dout_s, r), side.a, r.expert)
 
     def down_grads(self, aw: Tensor, dout_s: Tensor, w_row: Tensor, r: M.Routing) -> None:
         """aw = w * a from the activation backward; dy = w * dout_s enters through (s * w) * (a A^T)."""
@@ -118,7 +146,7 @@ class ExpertsLoRA:
         if side is not None:
             assert side.ua is not None and side.g is not None  # set by add_down and down_dinput_
             ua_w = side.ua * (w_row[:, None] * side.scaling).to(side.ua.dtype)
-            side.grads(side.g, aw, dout_s, ua_w, r)
+            side.grads(side.g, aw, dout_s, ua_w, 1.0, r)
             side.g = side.ua = None
 
     # backward, gate/up side: dh is already weighted
@@ -127,8 +155,7 @@ class ExpertsLoRA:
         if side is None:
             return
         assert side.ua is not None  # set by add_gate_up
-        side.g = M.grouped_mm(dh, side.b, r.ends) * side.scaling
-        side.grads(side.g, xs, dh, side.ua * side.scaling, r)
+        side.grads(side.dinput_factor(dh, r), xs, dh, side.ua, side.scaling, r)
         side.ua = None
 
     def gate_up_dinput_(self, dxs: Tensor, r: M.Routing) -> None:
@@ -177,6 +204,7 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
                                M.Routing(order, pos, ends, expert), ctx.layout, ctx.needs_input_grad[:6], lora=lora)
         adapter_grads = []
         for side, dtypes in ((lora.gate_up, ctx.adapter_dtypes[:2]), (lora.down, ctx.adapter_dtypes[2:])):
+            # (the Triton path wrote them in the factors' dtypes already: `to` returns them as they are)
             adapter_grads += [None, None] if side is None else [side.da.to(dtypes[0]), side.db.to(dtypes[1])]
             if side is not None:
                 side.da = side.db = None

@@ -96,10 +96,57 @@ def test_one_adapted_projection(side):
     _check(CASES["qwen3 layout E5 r4"], torch.float32, sides=(side,))
 
 
-def test_rank_padding_adds_nothing(monkeypatch):
-    """The zero-padded rank of the CUDA path (r=3 -> 8), forced here on the CPU: same values and gradients."""
+def test_rank_padding_adds_nothing(monkeypatch, reference_backend):
+    """torch's path on CUDA pads the rank with zeros (r=3 -> 8), forced here on the CPU: same values and
+    gradients."""
+    reference_backend()
     monkeypatch.setattr(L, "rank_multiple", lambda t: 8)
     _check(CASES["odd sizes E7 top3 r3"], torch.float32)
+    _check(CASES["odd sizes E7 top3 r3"], torch.bfloat16)
+
+
+def test_peft_factors_are_read_and_their_gradients_written_in_place(device):
+    """PEFT's fp32 storage (lora_A (r*E, in), lora_B (out, r*E) seen as (E, out, r)) on bf16 weights, Triton path:
+    no factor-sized tensor is copied or cast in the forward or the backward (the kernels read the views and write
+    the gradients in their dtype and layout), and the leaves' gradients match the oracle's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ids, tensors, gu, dn, layout = _inputs(CASES["odd sizes E7 top3 r3"], torch.bfloat16)
+    ids, gu, dn = ids.to(device), gu.to(device), dn.to(device)
+    tensors = [None if v is None else v.detach().to(device).requires_grad_() for v in tensors]
+    e, r = gu.shape[0], 3
+    leaves, views = [], []
+    for j in (2, 4):  # A (E, r, in) from lora_A (r*E, in); B (E, out, r) from lora_B (out, r*E)
+        a = tensors[j].detach().float().reshape(e * r, -1).requires_grad_()
+        b = tensors[j + 1].detach().float().permute(1, 2, 0).reshape(-1, r * e).requires_grad_()
+        leaves += [a, b]
+        views += [a.view(e, r, -1), b.view(b.shape[0], r, e).permute(2, 0, 1)]
+    sizes = {v.numel() for v in views}
+
+    class FactorCopies(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            copy = func.overloadpacket.__name__ in ("_to_copy", "clone", "copy_", "contiguous", "_reshape_copy")
+            if copy and isinstance(out, torch.Tensor) and out.numel() in sizes:
+                FactorCopies.seen.append(func.overloadpacket.__name__)
+            return out
+
+    x, w = tensors[:2]
+    with FactorCopies():
+        out = L.moe_experts_lora(x, ids, w, gu, dn, gate_up_lora=(views[0], views[1], 2.0),
+                                 down_lora=(views[2], views[3], 0.5), **layout)
+        out.float().square().sum().backward()
+    assert FactorCopies.seen == []
+    ref_in = [x.detach().float(), w.detach().float(), *[v.detach() for v in views], None, None]
+    ref_in[2:6] = [v.requires_grad_() for v in ref_in[2:6]]
+    ref = _oracle(ids, ref_in, gu, dn, layout)
+    ref.square().sum().backward()
+    for leaf, view, name in zip(leaves, ref_in[2:6], NAMES[2:6]):
+        assert leaf.grad.dtype == torch.float32 and leaf.grad.is_contiguous()
+        assert_close(leaf.grad, view.grad.reshape(leaf.shape) if name.endswith("A") else
+                     view.grad.permute(1, 2, 0).reshape(leaf.shape), TOL[torch.bfloat16], name)
 
 
 def test_frozen_base_gets_no_gradient_and_fp32_adapters_on_bf16_weights():
