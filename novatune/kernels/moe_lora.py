@@ -87,55 +87,68 @@ def lowrank_add_(y: torch.Tensor, u: torch.Tensor, m: torch.Tensor, expert: torc
 
 
 @triton.jit
-def _lowrank_project_kernel(X, M, OUT, EXPERT, S, K, R, stride_xs, stride_me, stride_mk, stride_mr, stride_os, scale,
-                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                            SOFT_RNE: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK_M
-    rows = start + tl.arange(0, BLOCK_M)
-    rmask = rows < S
-    rs = tl.arange(0, BLOCK_R)
-    e = tl.load(EXPERT + rows, mask=rmask, other=0).to(tl.int64)
-    first = tl.load(EXPERT + start).to(tl.int64)
-    last = tl.load(EXPERT + tl.minimum(start + BLOCK_M, S) - 1).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * stride_xs + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
-        m_mask = (ks < K)[:, None] & (rs < R)[None, :]
-        for ex in range(first, last + 1):
-            mine = tl.where((rmask & (e == ex))[:, None], x, tl.zeros_like(x))
-            m = tl.load(M + ex * stride_me + ks[:, None] * stride_mk + rs[None, :] * stride_mr, mask=m_mask, other=0.0)
-            m = _round_to(m.to(tl.float32), X.dtype.element_ty, SOFT_RNE)  # the factor in x's dtype, as a cast would
+def _lowrank_project_kernel(X, M, OUT, ENDS, E, K, R, stride_xs, stride_me, stride_mk, stride_mr, stride_os, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_E: tl.constexpr, IEEE: tl.constexpr, SOFT_RNE: tl.constexpr):
+    # tile t of the grid -> (expert e, its block b of BLOCK_M rows), from the cumulative ends: each tile holds one
+    # expert's rows only, so the K loop is a plain pipelined GEMM (no per-expert masking inside it)
+    es = tl.arange(0, BLOCK_E)
+    ends = tl.load(ENDS + es, mask=es < E, other=0).to(tl.int64)
+    starts = tl.load(ENDS + es - 1, mask=(es > 0) & (es < E), other=0).to(tl.int64)
+    tiles = tl.where(es < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    before = tl.cumsum(tiles, 0) - tiles  # tiles of the experts before each
+    t = tl.program_id(0)
+    if t < tl.sum(tiles, 0):
+        e = tl.sum((before + tiles <= t).to(tl.int32), 0)  # the expert whose tiles hold t
+        mine = es == e
+        end = tl.sum(tl.where(mine, ends, 0), 0)
+        row0 = tl.sum(tl.where(mine, starts, 0), 0) + (t - tl.sum(tl.where(mine, before, 0), 0)) * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rs = tl.arange(0, BLOCK_R)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rows[:, None] * stride_xs + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :],
+                        other=0.0)
+            m = tl.load(M + e * stride_me + ks[:, None] * stride_mk + rs[None, :] * stride_mr,
+                        mask=(ks < K)[:, None] & (rs < R)[None, :], other=0.0)
+            m = _round_to(m.to(tl.float32), X.dtype.element_ty, SOFT_RNE)  # the factor in x's dtype, as a cast
             if IEEE or SOFT_RNE:  # as in _lowrank_add_kernel
-                acc += tl.dot(mine.to(tl.float32), m.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(x.to(tl.float32), m.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(mine, m)
-    out_ptrs = OUT + rows[:, None] * stride_os + rs[None, :]
-    tl.store(out_ptrs, _round_to(scale * acc, OUT.dtype.element_ty, SOFT_RNE), mask=rmask[:, None] & (rs < R)[None, :])
+                acc += tl.dot(x, m)
+        out_ptrs = OUT + rows[:, None] * stride_os + rs[None, :]
+        tl.store(out_ptrs, _round_to(scale * acc, OUT.dtype.element_ty, SOFT_RNE),
+                 mask=rmask[:, None] & (rs < R)[None, :])
 
 
 _LOWRANK_PROJECT = lean(_lowrank_project_kernel)
-PROJECT_BLOCK_M, PROJECT_BLOCK_K = 64, 128
+# (rows, K step, warps, stages): one expert's rows per tile, the K loop pipelined
+PROJECT_CONFIG = (64, 128, 4, 4)
 
 
-def lowrank_project(x: torch.Tensor, m: torch.Tensor, expert: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """u[r] = scale * x[r] @ m[expert[r]] -> u (S, R) in x's dtype: the thin half of an adapter's product (the
-    forward's u A^T, the backward's s * dy B), one read of x. x (S, K) bf16 or fp32 with unit column stride, rows
-    sorted by expert; m (E, K, R) of any strides and float dtype (read in x's dtype, as lowrank_add_ reads its
-    factor); expert (S,) integers in [0, E). Tiles span experts as lowrank_add_'s do; fp32 accumulation, one
-    rounding at the store."""
+def lowrank_project(x: torch.Tensor, m: torch.Tensor, ends: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """u[r] = scale * x[r] @ m[e] for the rows r of each expert e -> u (S, R) in x's dtype: the thin half of an
+    adapter's product (the forward's u A^T, the backward's s * dy B), one read of x, where torch's grouped GEMM
+    runs at half the memory bandwidth on these shapes. x (S, K) bf16 or fp32 with unit column stride, rows sorted by
+    expert; m (E, K, R) of any strides and float dtype (read in x's dtype, as lowrank_add_ reads its factor); ends
+    (E,) int32 cumulative group ends (grouped_mm's offsets; read on the device, no host sync). fp32 accumulation,
+    one rounding at the store."""
     s, k = x.shape
-    if m.dim() != 3 or m.shape[1] != k or expert.shape != (s,):
-        raise ValueError(f"lowrank_project: x {tuple(x.shape)}, m {tuple(m.shape)}, expert {tuple(expert.shape)} "
-                         "are not (S, K), (E, K, R), (S,)")
+    if m.dim() != 3 or m.shape[1] != k or ends.shape != (m.shape[0],) or ends.dtype != torch.int32:
+        raise ValueError(f"lowrank_project: x {tuple(x.shape)}, m {tuple(m.shape)}, ends {tuple(ends.shape)} "
+                         f"{ends.dtype} are not (S, K), (E, K, R), int32 (E,)")
     if x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32) or not m.dtype.is_floating_point:
         raise ValueError(f"lowrank_project: x ({x.dtype}) bf16 or fp32 with a unit column stride, m ({m.dtype}) "
                          "a float tensor")
-    r = m.shape[2]
+    e, r = m.shape[0], m.shape[2]
     out = x.new_empty(s, r)
-    if s and r:
-        _LOWRANK_PROJECT[(cdiv(s, PROJECT_BLOCK_M),)](
-            x, m, out, expert.contiguous(), s, k, r, x.stride(0), m.stride(0), m.stride(1), m.stride(2),
-            out.stride(0), float(scale), BLOCK_M=PROJECT_BLOCK_M, BLOCK_K=PROJECT_BLOCK_K,
-            BLOCK_R=max(16, next_pow2(r)), IEEE=x.dtype == torch.float32, SOFT_RNE=not x.is_cuda)
+    if s and r and e:
+        block_m, block_k, warps, stages = PROJECT_CONFIG
+        _LOWRANK_PROJECT[(cdiv(s, block_m) + e,)](  # at most one partial tile per expert beyond S / BLOCK_M
+            x, m, out, ends.contiguous(), e, k, r, x.stride(0), m.stride(0), m.stride(1), m.stride(2),
+            out.stride(0), float(scale), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, next_pow2(r)),
+            BLOCK_E=max(16, next_pow2(e)), IEEE=x.dtype == torch.float32, SOFT_RNE=not x.is_cuda,
+            num_warps=warps, num_stages=stages)
     return out

@@ -7,7 +7,8 @@ MLP (novatune.ops.moe) computes, on the rows sorted by expert (S rows, cumulativ
 
     y = grouped(u, W) + s * grouped(grouped(u, A^T), B^T)
 
-so the adapter costs a thin grouped GEMM (S x in x r) and an in-place low-rank add (novatune.kernels.moe_lora:
+so the adapter costs a thin grouped GEMM (S x in x r; novatune.kernels.moe_lora.lowrank_project on the Triton
+path) and an in-place low-rank add (novatune.kernels.moe_lora:
 y += s * (u A^T) B^T per row's expert, no S x out temporary) instead of PEFT's W + s * B A (E x out x in, formed at
 every forward and again for its backward). The frozen base gets no gradient; the adapters'
 gradients are grouped outer products of (S, r) tensors:
@@ -22,13 +23,11 @@ routing weights' gradient <a, dout W'> as the base weight's does. Saved for the 
 the two (S, r) products u A^T (a few MB at S = 32k, r = 16).
 
 The factors are the layout PEFT's ParamWrapper uses for every expert layout (A (r, in), B (out, r) per expert,
-whatever the base weight's transposition), often fp32 on bf16 weights. On the Triton path (CUDA, or the CPU
-interpreter) the kernels read them where they are, rounding each element to the weights' dtype as they load it (the
-cast PEFT makes before forming its delta), at the true rank; the factor gradients are written in the factors' dtype
-and strides, so nothing is copied on either side. torch's path (CPU, or NOVATUNE_BACKEND=reference) casts them in
-one copy each, padded with zeros to a multiple of 8 on CUDA (its grouped GEMM needs 16-byte strides on the (S, r)
-operands; zeros add nothing and their gradients are dropped). Eager only (an autograd Function); under
-torch.compile it raises.
+whatever the base weight's transposition); they are cast to the expert weights' dtype for the GEMMs, as PEFT casts
+them before forming its delta, and their gradients come back in their own dtype (on the Triton path written so by
+the kernel that computes them). On CUDA the rank is padded with zeros to a multiple of 8 (torch's grouped GEMM needs
+16-byte strides on the (S, r) operands); zeros add nothing and their gradients are dropped. Eager only (an autograd
+Function); under torch.compile it raises.
 """
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
 
 
 def rank_multiple(t: Tensor) -> int:
-    """The rank torch's path pads the factors to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r)
-    operands)."""
+    """The rank the factors are padded to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r) operands)."""
     return 8 if t.is_cuda else 1
 
 
@@ -63,52 +61,55 @@ def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
     return a, b
 
 
-class _Side:
-    """One adapted projection for one call: its factors, its (S, r) product u A^T, and after the backward the
-    factors' gradients at the true rank in their own dtype.
+def _thin(u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> Tensor:
+    """scale * u[rows of e] @ m[e] (S, rp): novatune.kernels.moe_lora.lowrank_project on the Triton path (one
+    read of u at about the memory bandwidth), torch's grouped GEMM elsewhere."""
+    if use_triton(u):
+        return lowrank_project(u, m, r.ends, scale)
+    out = M.grouped_mm(u, m, r.ends)
+    return out if scale == 1.0 else out * scale
 
-    On the Triton path the factors stay PEFT's views, in their own dtype: the kernels read them with their strides
-    and round them to the GEMMs' dtype as they load (novatune.kernels.moe_lora), and the factor gradients are
-    written straight into tensors laid out like the factors (novatune.kernels.moe_wgrad.grouped_outer), so
-    autograd's way back through PEFT's views copies nothing. Elsewhere torch's grouped GEMM takes padded copies."""
+
+class _Side:
+    """One adapted projection for one call: padded factors, its (S, rp) product u A^T, and after the backward
+    the factors' gradients at the true rank in the factors' own dtypes."""
 
     def __init__(self, a: Tensor, b: Tensor, scaling: float, dtype: torch.dtype):
         self.rank, self.scaling = a.shape[1], float(scaling)
-        self.triton = use_triton(a)
-        self.a, self.b = (a, b) if self.triton else _pad_rank(a, b, dtype)
-        self.ua: Tensor | None = None  # u A^T (S, r), unscaled
-        self.g: Tensor | None = None  # s * dy B (S, r), from the input-gradient GEMM to the factor gradients
+        self.grad_dtypes = (a.dtype, b.dtype)
+        self.a, self.b = _pad_rank(a, b, dtype)
+        self.ua: Tensor | None = None  # u A^T (S, rp), unscaled
+        self.g: Tensor | None = None  # s * dy B (S, rp), from the input-gradient GEMM to the factor gradients
         self.da: Tensor | None = None
         self.db: Tensor | None = None
 
     def factor_(self, u: Tensor, r: M.Routing) -> Tensor:
-        if self.triton:
-            self.ua = lowrank_project(u, self.a.transpose(-2, -1), r.expert)
-        else:
-            self.ua = M.grouped_mm(u, self.a.transpose(-2, -1), r.ends)
+        self.ua = _thin(u, self.a.transpose(-2, -1), r)
         return self.ua
 
     def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
         lowrank_add_(y, self.factor_(u, r), self.b.transpose(-2, -1), r.expert, self.scaling)
 
     def dinput_factor(self, dy: Tensor, r: M.Routing) -> Tensor:
-        """g = s * dy B (S, r): the input gradient's thin product, kept for the factor gradients."""
-        if self.triton:
-            self.g = lowrank_project(dy, self.b, r.expert, self.scaling)
-        else:
-            self.g = M.grouped_mm(dy, self.b, r.ends) * self.scaling
+        """g = s * dy B (S, rp): the input gradient's thin product, kept for the factor gradients."""
+        self.g = _thin(dy, self.b, r, self.scaling)
         return self.g
 
     def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua: Tensor, ua_scale: float, r: M.Routing) -> None:
-        """dA = (s g)^T u and dB = dy^T (ua_scale * u A^T) per group, at the true rank."""
-        if self.triton:
-            self.da = torch.empty_like(self.a)  # the factor's dtype and strides (PEFT's storage order)
-            self.db = torch.empty_like(self.b)
-            grouped_outer(u, g_scaled, r.ends, self.da.transpose(-2, -1))
-            grouped_outer(dy, ua, r.ends, self.db, ua_scale)
+        """dA = (s g)^T u and dB = dy^T (ua_scale * u A^T) per group, at the true rank, in the factors' dtypes.
+        On the Triton path one kernel each reads the wide operand once and writes the gradient in fp32 (or the
+        factor's dtype) directly (novatune.kernels.moe_wgrad.grouped_outer); torch's grouped GEMM would return a
+        bf16 result at the padded rank, cut and cast by two more passes."""
+        k = self.rank
+        if use_triton(u):
+            e = self.a.shape[0]
+            self.da = u.new_empty((e, k, u.shape[1]), dtype=self.grad_dtypes[0])
+            self.db = u.new_empty((e, dy.shape[1], k), dtype=self.grad_dtypes[1])
+            grouped_outer(u, g_scaled[:, :k], r.ends, self.da.transpose(-2, -1))
+            grouped_outer(dy, ua[:, :k], r.ends, self.db, ua_scale)
             return
-        self.da = M.grouped_outer(g_scaled, u, r.ends)[:, :self.rank]
-        self.db = M.grouped_outer(dy, ua * ua_scale, r.ends)[:, :, :self.rank]
+        self.da = M.grouped_outer(g_scaled, u, r.ends)[:, :k].to(self.grad_dtypes[0])
+        self.db = M.grouped_outer(dy, ua * ua_scale, r.ends)[:, :, :k].to(self.grad_dtypes[1])
 
 
 class ExpertsLoRA:
@@ -190,7 +191,6 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weights, gate_up, down, gu_bias, dn_bias, h, r.order, r.pos, r.ends, r.expert,
                               *lora.saved())
         ctx.layout, ctx.lora = layout, lora
-        ctx.adapter_dtypes = tuple(None if t is None else t.dtype for t in (gu_a, gu_b, dn_a, dn_b))
         lora.restore([None] * 6)  # the tensors live in ctx's saved tensors until the backward
         return out
 
@@ -203,9 +203,8 @@ class _ExpertsLoRAFunction(torch.autograd.Function):
         grads = M._experts_bwd(dout, x, weights, gate_up, down, gu_bias, dn_bias, h,
                                M.Routing(order, pos, ends, expert), ctx.layout, ctx.needs_input_grad[:6], lora=lora)
         adapter_grads = []
-        for side, dtypes in ((lora.gate_up, ctx.adapter_dtypes[:2]), (lora.down, ctx.adapter_dtypes[2:])):
-            # (the Triton path wrote them in the factors' dtypes already: `to` returns them as they are)
-            adapter_grads += [None, None] if side is None else [side.da.to(dtypes[0]), side.db.to(dtypes[1])]
+        for side in (lora.gate_up, lora.down):
+            adapter_grads += [None, None] if side is None else [side.da, side.db]
             if side is not None:
                 side.da = side.db = None
         lora.restore([None] * 6)  # back to the saved tensors only (a second backward restores them again)

@@ -88,6 +88,10 @@ def test_fp32_factor_read_in_bf16(device):
     assert_close(out.cpu(), ref, TOL[torch.bfloat16], "lowrank_add fp32 factor")
 
 
+def _ends(expert, e):
+    return torch.bincount(expert.long(), minlength=e).cumsum(0).to(torch.int32)
+
+
 def _project_ref(x, m, expert, scale, dtype):
     """scale * x[r] @ m[expert[r]] in fp32 with m rounded to x's dtype first, rounded once to `dtype`."""
     prod = torch.einsum("sk,skr->sr", x.float(), m.to(x.dtype).float()[expert.long()])
@@ -96,7 +100,7 @@ def _project_ref(x, m, expert, scale, dtype):
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s, k, r, e", [(1, 37, 3, 2), (37, 75, 5, 7), (70, 131, 16, 5), (130, 300, 8, 3),
-                                        (45, 50, 24, 4)], ids=lambda v: str(v))
+                                        (45, 50, 24, 4), (200, 70, 4, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("layout", ["A^T view of fp32 (E, R, K)", "PEFT's B view (fp32)", "contiguous bf16"])
 def test_lowrank_project_matches_the_reference(s, k, r, e, x_dtype, layout, device):
     gen = torch.Generator().manual_seed(s * 17 + k)
@@ -109,19 +113,19 @@ def test_lowrank_project_matches_the_reference(s, k, r, e, x_dtype, layout, devi
     else:
         m = torch.randn(e, k, r, generator=gen).bfloat16()
     ref = _project_ref(x, m, expert, -0.7, x_dtype)
-    out = lowrank_project(x.to(device), m.to(device), expert.to(device), -0.7)
+    out = lowrank_project(x.to(device), m.to(device), _ends(expert, e).to(device), -0.7)
     assert out.dtype == x_dtype and out.shape == (s, r)
     assert_close(out.cpu(), ref, TOL[x_dtype], f"lowrank_project {x_dtype}")
 
 
 def test_lowrank_project_no_rows_and_bad_shapes(device):
-    out = lowrank_project(torch.zeros(0, 8, device=device), torch.zeros(3, 8, 2, device=device),
-                          torch.zeros(0, dtype=torch.uint8, device=device))
+    ends = torch.zeros(3, dtype=torch.int32, device=device)
+    out = lowrank_project(torch.zeros(0, 8, device=device), torch.zeros(3, 8, 2, device=device), ends)
     assert out.shape == (0, 2)
-    with pytest.raises(ValueError, match=r"\(S, K\), \(E, K, R\), \(S,\)"):
-        lowrank_project(torch.zeros(4, 8), torch.zeros(3, 2, 8), torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\(S, K\), \(E, K, R\), int32 \(E,\)"):
+        lowrank_project(torch.zeros(4, 8), torch.zeros(3, 2, 8), ends.cpu())
     with pytest.raises(ValueError, match="unit column stride"):
-        lowrank_project(torch.zeros(8, 4).t(), torch.zeros(3, 8, 2), torch.zeros(4, dtype=torch.uint8))
+        lowrank_project(torch.zeros(8, 4).t(), torch.zeros(3, 8, 2), ends.cpu())
 
 
 def _outer_ref(a, b, counts, scale):
