@@ -40,6 +40,7 @@ from novatune.kernels.moe_lora import lowrank_add_, lowrank_project
 from novatune.kernels.moe_wgrad import grouped_outer
 from novatune.ops import moe as M
 from novatune.ops._backend import use_triton
+from novatune.reference import moe as _ref
 
 Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
 
@@ -70,6 +71,15 @@ def _thin(u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> Tensor:
     return out if scale == 1.0 else out * scale
 
 
+def _add(y: Tensor, u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> None:
+    """y += scale * u[row] @ m[expert of row], in place: novatune.kernels.moe_lora.lowrank_add_ on the Triton path,
+    its fp32 reference elsewhere."""
+    if use_triton(y):
+        lowrank_add_(y, u, m, r.expert, scale)
+    else:
+        y.copy_(_ref.lowrank_add(y, u, m, r.expert, scale))
+
+
 class _Side:
     """One adapted projection for one call: padded factors, its (S, rp) product u A^T, and after the backward
     the factors' gradients at the true rank in the factors' own dtypes."""
@@ -88,7 +98,7 @@ class _Side:
         return self.ua
 
     def add_(self, u: Tensor, y: Tensor, r: M.Routing) -> None:
-        lowrank_add_(y, self.factor_(u, r), self.b.transpose(-2, -1), r.expert, self.scaling)
+        _add(y, self.factor_(u, r), self.b.transpose(-2, -1), r, self.scaling)
 
     def dinput_factor(self, dy: Tensor, r: M.Routing) -> Tensor:
         """g = s * dy B (S, rp): the input gradient's thin product, kept for the factor gradients."""
@@ -139,7 +149,7 @@ class ExpertsLoRA:
         """da_u (S, I) fp32 += s * (dout_s B) A: the adapted weight's part of dout_s @ W'."""
         side = self.down
         if side is not None:
-            lowrank_add_(da_u, side.dinput_factor(dout_s, r), side.a, r.expert)
+            _add(da_u, side.dinput_factor(dout_s, r), side.a, r)
 
     def down_grads(self, aw: Tensor, dout_s: Tensor, w_row: Tensor, r: M.Routing) -> None:
         """aw = w * a from the activation backward; dy = w * dout_s enters through (s * w) * (a A^T)."""
@@ -164,7 +174,7 @@ class ExpertsLoRA:
         if side is None:
             return
         assert side.g is not None  # set by gate_up_grads
-        lowrank_add_(dxs, side.g, side.a, r.expert)
+        _add(dxs, side.g, side.a, r)
         side.g = None
 
     def saved(self) -> list[Tensor | None]:
