@@ -152,3 +152,40 @@ def lowrank_project(x: torch.Tensor, m: torch.Tensor, ends: torch.Tensor, scale:
             BLOCK_E=max(16, next_pow2(e)), IEEE=x.dtype == torch.float32, SOFT_RNE=not x.is_cuda,
             num_warps=warps, num_stages=stages)
     return out
+
+
+@triton.jit
+def _expert_major_kernel(SRC, DST, E, N, R, stride_se, stride_sn, stride_sr, BLOCK_E: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SOFT_RNE: tl.constexpr):
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.arange(0, BLOCK_R)
+    # a (BLOCK_N, BLOCK_R, BLOCK_E) block read along the source's fastest dimension (PEFT's: the expert)
+    src = (SRC + ns[:, None, None].to(tl.int64) * stride_sn + rs[None, :, None] * stride_sr
+           + es[None, None, :].to(tl.int64) * stride_se)
+    mask = (ns < N)[:, None, None] & (rs < R)[None, :, None] & (es < E)[None, None, :]
+    v = _round_to(tl.load(src, mask=mask, other=0.0).to(tl.float32), DST.dtype.element_ty, SOFT_RNE)
+    # written expert-major: each expert's (BLOCK_N, BLOCK_R) rows are one contiguous run; ranks R.. are zeros
+    v = tl.permute(v, (2, 0, 1))
+    dst = DST + (es[:, None, None].to(tl.int64) * N + ns[None, :, None]) * BLOCK_R + rs[None, None, :]
+    tl.store(dst, v, mask=(es < E)[:, None, None] & (ns < N)[None, :, None])
+
+
+_EXPERT_MAJOR = lean(_expert_major_kernel)
+
+
+def expert_major(m: torch.Tensor, dtype: torch.dtype, padded_rank: int) -> torch.Tensor:
+    """m (E, N, R) of any strides and float dtype -> (E, N, padded_rank) contiguous in `dtype`, ranks R.. zero: one
+    pass that reads PEFT's lora_B storage (out, r * E), whose fastest index is the expert, in its own order and
+    writes each expert's rows contiguously (torch's copy of that permuted view reads across the expert stride).
+    padded_rank: a power of two >= R."""
+    e, n, r = m.shape
+    if padded_rank < r or padded_rank & (padded_rank - 1):
+        raise ValueError(f"expert_major: padded_rank {padded_rank} must be a power of two >= the rank {r}")
+    out = torch.empty(e, n, padded_rank, dtype=dtype, device=m.device)
+    if out.numel():
+        block_e, block_n = 32, max(1, 512 // padded_rank)
+        _EXPERT_MAJOR[(cdiv(n, block_n), cdiv(e, block_e))](
+            m, out, e, n, r, m.stride(0), m.stride(1), m.stride(2), BLOCK_E=block_e, BLOCK_N=block_n,
+            BLOCK_R=padded_rank, SOFT_RNE=not m.is_cuda, num_warps=8)
+    return out

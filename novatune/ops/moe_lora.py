@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from novatune.kernels.moe_lora import lowrank_add_, lowrank_project
+from novatune.kernels.launch import next_pow2
+from novatune.kernels.moe_lora import expert_major, lowrank_add_, lowrank_project
 from novatune.kernels.moe_wgrad import grouped_outer
 from novatune.ops import moe as M
 from novatune.ops._backend import use_triton
@@ -51,15 +52,19 @@ def rank_multiple(t: Tensor) -> int:
 
 
 def _pad_rank(a: Tensor, b: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A (E, rp, in) and B (E, out, rp) contiguous in `dtype`, rp = r rounded up to rank_multiple (zeros)."""
+    """A (E, rp, in) and B (E, out, rp) contiguous in `dtype`, rp = the padded rank (zeros): r rounded up to
+    rank_multiple on torch's path, to a power of two on the Triton path (whose kernels mask the rank)."""
     # one copy each (cast and layout together; .to alone keeps B's strides: PEFT's B is a permuted view of its
     # (out, r * E) storage); .contiguous() does the layout when the dtype already matches (`to` returns the view)
     a = a.to(dtype, memory_format=torch.contiguous_format).contiguous()
-    b = b.to(dtype, memory_format=torch.contiguous_format).contiguous()
-    pad = (-a.shape[1]) % rank_multiple(a)
-    if pad:
-        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-    return a, b
+    if use_triton(b):  # B read in its storage's own order (the expert fastest) by one kernel
+        b = expert_major(b, dtype, next_pow2(a.shape[1]))
+    else:
+        b = b.to(dtype, memory_format=torch.contiguous_format).contiguous()
+        pad = (-a.shape[1]) % rank_multiple(a)
+        b = F.pad(b, (0, pad)) if pad else b
+    pad = b.shape[2] - a.shape[1]
+    return (F.pad(a, (0, 0, 0, pad)) if pad else a), b
 
 
 def _thin(u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> Tensor:

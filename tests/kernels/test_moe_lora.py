@@ -12,7 +12,7 @@ fp32 factors read by a bf16 kernel are rounded to bf16 as they load; the referen
 import pytest
 import torch
 
-from novatune.kernels.moe_lora import lowrank_add_, lowrank_project
+from novatune.kernels.moe_lora import expert_major, lowrank_add_, lowrank_project
 from novatune.kernels.moe_wgrad import grouped_outer
 from novatune.measure.numerics import assert_close
 from novatune.reference import moe as R
@@ -168,3 +168,29 @@ def test_grouped_outer_refuses_mixed_operands():
         grouped_outer(torch.zeros(4, 3), torch.zeros(4, 2).bfloat16(), ends, torch.zeros(2, 3, 2))
     with pytest.raises(ValueError, match=r"out \(E, M, N\)"):
         grouped_outer(torch.zeros(4, 3), torch.zeros(4, 2), ends, torch.zeros(2, 2, 3))
+
+
+@pytest.mark.parametrize("e, n, r, rp", [(1, 1, 1, 1), (5, 37, 3, 4), (33, 70, 16, 16), (130, 45, 5, 32)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("layout", ["PEFT's B view", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_expert_major_casts_and_lays_out_the_factor(e, n, r, rp, layout, dtype, device):
+    """The factor in expert-major order, rounded to `dtype` as torch's cast rounds it (bit for bit), the padded
+    ranks zero (the output is a fresh tensor: the zeros are written, not inherited)."""
+    gen = torch.Generator().manual_seed(e * 7 + n)
+    if layout.startswith("PEFT"):
+        m = torch.randn(n, r * e, generator=gen).view(n, r, e).permute(2, 0, 1)
+    else:
+        m = torch.randn(e, n, r, generator=gen)
+    out = expert_major(m.to(device), dtype, rp)
+    ref = torch.zeros(e, n, rp, dtype=dtype)
+    ref[:, :, :r] = m.to(dtype)
+    assert out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out.cpu(), ref)
+
+
+def test_expert_major_needs_a_power_of_two_rank():
+    with pytest.raises(ValueError, match="power of two >= the rank 3"):
+        expert_major(torch.zeros(2, 4, 3), torch.bfloat16, 6)
+    with pytest.raises(ValueError, match="power of two >= the rank 3"):
+        expert_major(torch.zeros(2, 4, 3), torch.bfloat16, 2)

@@ -180,10 +180,15 @@ def test_bad_factor_shapes_name_the_mismatch():
 
 
 @pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16], ids=["fp32-factors", "bf16-factors"])
-def test_factors_are_cast_and_laid_out_in_one_copy_each(factor_dtype):
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_factors_are_cast_and_laid_out_in_one_pass_each(factor_dtype, path, reference_backend, device):
     """PEFT's B is a permuted view of its (out, r * E) storage and its factors are often fp32: the padded factors
-    for the bf16 GEMMs come from one copy per factor (cast and layout together), not a cast and then a copy."""
+    for the bf16 GEMMs come from one pass per factor (cast and layout together), not a cast and then a copy. On
+    the Triton path B's pass is one kernel reading the storage in its own order (no torch copy at all)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    if path == "torch":
+        reference_backend()
 
     class Copies(TorchDispatchMode):
         n = 0
@@ -194,13 +199,16 @@ def test_factors_are_cast_and_laid_out_in_one_copy_each(factor_dtype):
             return func(*args, **(kwargs or {}))
 
     e, r, i, o = 3, 8, 16, 12
-    a = torch.randn(e * r, i).to(factor_dtype).view(e, r, i)
-    b = torch.randn(o, r * e).to(factor_dtype).view(o, r, e).permute(2, 0, 1)
+    a = torch.randn(e * r, i).to(factor_dtype).view(e, r, i).to(device)
+    b = torch.randn(o, r * e).to(factor_dtype).view(o, r, e).permute(2, 0, 1).to(device)
     with Copies():
         pa, pb = L._pad_rank(a, b, torch.bfloat16)
     assert pa.is_contiguous() and pb.is_contiguous() and pa.dtype == pb.dtype == torch.bfloat16
     assert torch.equal(pa, a.to(torch.bfloat16)) and torch.equal(pb, b.to(torch.bfloat16))
-    assert Copies.n == (2 if factor_dtype == torch.float32 else 1), "one copy per factor that needs one"
+    a_casts = 1 if factor_dtype == torch.float32 else 0
+    if path == "triton" and device == "cpu":
+        return  # Triton's CPU interpreter copies every argument in and out itself: only the GPU counts
+    assert Copies.n == a_casts + (1 if path == "torch" else 0), "one pass per factor that needs one"
 
 
 def test_double_backward_raises_and_bad_ids_are_refused():
