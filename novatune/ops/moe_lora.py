@@ -8,8 +8,8 @@ MLP (novatune.ops.moe) computes, on the rows sorted by expert (S rows, cumulativ
     y = grouped(u, W) + s * grouped(grouped(u, A^T), B^T)
 
 so the adapter costs a thin grouped GEMM (S x in x r; novatune.kernels.moe_lora.lowrank_project on the Triton
-path) and an in-place low-rank add (novatune.kernels.moe_lora:
-y += s * (u A^T) B^T per row's expert, no S x out temporary) instead of PEFT's W + s * B A (E x out x in, formed at
+path) and an in-place low-rank add (novatune.kernels.moe_lora.lowrank_add_: y += s * (u A^T) B^T per row's
+expert, no S x out temporary) instead of PEFT's W + s * B A (E x out x in, formed at
 every forward and again for its backward). The frozen base gets no gradient; the adapters'
 gradients are grouped outer products of (S, r) tensors:
 
@@ -25,9 +25,10 @@ the two (S, r) products u A^T (a few MB at S = 32k, r = 16).
 The factors are the layout PEFT's ParamWrapper uses for every expert layout (A (r, in), B (out, r) per expert,
 whatever the base weight's transposition); they are cast to the expert weights' dtype for the GEMMs, as PEFT casts
 them before forming its delta, and their gradients come back in their own dtype (on the Triton path written so by
-the kernel that computes them). On CUDA the rank is padded with zeros to a multiple of 8 (torch's grouped GEMM needs
-16-byte strides on the (S, r) operands); zeros add nothing and their gradients are dropped. Eager only (an autograd
-Function); under torch.compile it raises.
+the kernel that computes them). The rank is padded with zeros: to a power of two on the Triton path (its kernels'
+tile width; they mask the rest), to a multiple of 8 for torch's grouped GEMM on CUDA (16-byte strides on the (S, r)
+operands); zeros add nothing and their gradients are dropped. Eager only (an autograd Function); under
+torch.compile it raises.
 """
 from __future__ import annotations
 
@@ -41,13 +42,13 @@ from novatune.kernels.moe_lora import expert_major, lowrank_add_, lowrank_projec
 from novatune.kernels.moe_wgrad import grouped_outer
 from novatune.ops import moe as M
 from novatune.ops._backend import use_triton
-from novatune.reference import moe as _ref
 
 Factors = tuple[Tensor, Tensor, float]  # (A (E, r, in), B (E, out, r), scaling)
 
 
 def rank_multiple(t: Tensor) -> int:
-    """The rank the factors are padded to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r) operands)."""
+    """The rank torch's path pads the factors to a multiple of: 8 on CUDA (16-byte strides of bf16 (S, r)
+    operands)."""
     return 8 if t.is_cuda else 1
 
 
@@ -78,11 +79,12 @@ def _thin(u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> Tensor:
 
 def _add(y: Tensor, u: Tensor, m: Tensor, r: M.Routing, scale: float = 1.0) -> None:
     """y += scale * u[row] @ m[expert of row], in place: novatune.kernels.moe_lora.lowrank_add_ on the Triton path,
-    its fp32 reference elsewhere."""
+    torch's grouped GEMM and an fp32 add elsewhere."""
     if use_triton(y):
         lowrank_add_(y, u, m, r.expert, scale)
-    else:
-        y.copy_(_ref.lowrank_add(y, u, m, r.expert, scale))
+    else:  # an (S, N) fp32 product, not the reference's per-row gather of m
+        prod = M.grouped_mm(u, m, r.ends, out_dtype=torch.float32)
+        y.copy_((y.float() + scale * prod.float()).to(y.dtype))
 
 
 class _Side:
@@ -111,10 +113,12 @@ class _Side:
         return self.g
 
     def grads(self, g_scaled: Tensor, u: Tensor, dy: Tensor, ua: Tensor, ua_scale: float, r: M.Routing) -> None:
-        """dA = (s g)^T u and dB = dy^T (ua_scale * u A^T) per group, at the true rank, in the factors' dtypes.
-        On the Triton path one kernel each reads the wide operand once and writes the gradient in fp32 (or the
-        factor's dtype) directly (novatune.kernels.moe_wgrad.grouped_outer); torch's grouped GEMM would return a
-        bf16 result at the padded rank, cut and cast by two more passes."""
+        """dA = g^T u (g_scaled = s dy B) and dB = dy^T (ua_scale * u A^T) per group, at the true rank, in the
+        factors' dtypes. On the Triton path one kernel each reads the wide operand once and writes the gradient in
+        fp32 (or the factor's dtype) directly, the scale applied in fp32 (novatune.kernels.moe_wgrad.grouped_outer);
+        torch's path rounds the scaled products to the GEMMs' dtype first and returns a result at the padded rank,
+        cut and cast afterwards. dB is contiguous: autograd lays it out for PEFT's view (a write in PEFT's order
+        scatters, and measured slower than that copy)."""
         k = self.rank
         if use_triton(u):
             e = self.a.shape[0]

@@ -100,11 +100,15 @@ def _project_ref(x, m, expert, scale, dtype):
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s, k, r, e", [(1, 37, 3, 2), (37, 75, 5, 7), (70, 131, 16, 5), (130, 300, 8, 3),
-                                        (45, 50, 24, 4), (200, 70, 4, 2)], ids=lambda v: str(v))
+                                        (45, 50, 24, 4), (200, 70, 4, 2), (300, 40, 5, 40)], ids=lambda v: str(v))
 @pytest.mark.parametrize("layout", ["A^T view of fp32 (E, R, K)", "PEFT's B view (fp32)", "contiguous bf16"])
 def test_lowrank_project_matches_the_reference(s, k, r, e, x_dtype, layout, device):
     gen = torch.Generator().manual_seed(s * 17 + k)
-    expert = _sorted_experts(s, e, gen)
+    # 40 experts: more than one 16-wide block of ends, a run of empty experts before one that spans several tiles
+    expert = _sorted_experts(s, e, gen, empty=(0, 1, 2, 5, 6, 7, 8) if e == 40 else (1,))
+    if e == 40:
+        expert[:150] = 9
+        expert = expert.sort().values
     x = torch.randn(s, k + 6, generator=gen).to(x_dtype)[:, 3:3 + k]  # strided rows
     if layout.startswith("A^T"):
         m = torch.randn(e, r, k, generator=gen).transpose(1, 2)
@@ -141,7 +145,7 @@ def _outer_ref(a, b, counts, scale):
 def test_grouped_outer_writes_the_factor_gradient_in_its_layout(dtype, out_layout, device):
     """Uneven groups, an expert without rows (it gets zeros, whatever was there), odd M and N, any out strides."""
     gen = torch.Generator().manual_seed(11)
-    counts, m, n = [5, 0, 70, 1, 33], 75, 5
+    counts, m, n = [5, 0, 70, 1, 33], 200, 5  # m: two tiles of a's columns
     e, s = len(counts), sum(counts)
     a = torch.randn(s, m, generator=gen).to(dtype)
     b = torch.randn(s, n + 2, generator=gen).to(dtype)[:, :n]  # strided rows
@@ -172,7 +176,7 @@ def test_grouped_outer_refuses_mixed_operands():
 
 @pytest.mark.parametrize("e, n, r, rp", [(1, 1, 1, 1), (5, 37, 3, 4), (33, 70, 16, 16), (130, 45, 5, 32)],
                          ids=lambda v: str(v))
-@pytest.mark.parametrize("layout", ["PEFT's B view", "contiguous"])
+@pytest.mark.parametrize("layout", ["PEFT's B view", "contiguous", "PEFT's B view, bf16 storage"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_expert_major_casts_and_lays_out_the_factor(e, n, r, rp, layout, dtype, device):
     """The factor in expert-major order, rounded to `dtype` as torch's cast rounds it (bit for bit), the padded
@@ -182,6 +186,8 @@ def test_expert_major_casts_and_lays_out_the_factor(e, n, r, rp, layout, dtype, 
         m = torch.randn(n, r * e, generator=gen).view(n, r, e).permute(2, 0, 1)
     else:
         m = torch.randn(e, n, r, generator=gen)
+    if layout.endswith("bf16 storage"):
+        m = m.bfloat16()
     out = expert_major(m.to(device), dtype, rp)
     ref = torch.zeros(e, n, rp, dtype=dtype)
     ref[:, :, :r] = m.to(dtype)
