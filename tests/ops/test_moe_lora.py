@@ -21,6 +21,7 @@ CASES = {  # name: (tokens, hidden, intermediate, experts, top-k, rank, transpos
     "odd sizes E7 top3 r3": (11, 37, 19, 7, 3, 3, False, False, False, "silu"),
     "gpt-oss layout E5 r2": (9, 32, 16, 5, 2, 2, True, True, True, "gpt_oss"),
     "one token top1 r1": (1, 16, 8, 3, 1, 1, False, False, False, "silu"),
+    "aligned sizes E5 r3": (13, 64, 32, 5, 2, 3, False, False, False, "silu"),  # odd rank, CUDA-friendly rows
 }
 NAMES = ("x", "weights", "gate_up A", "gate_up B", "down A", "down B", "gate_up_bias", "down_bias")
 
@@ -112,7 +113,7 @@ def test_peft_factor_gradients_are_written_in_their_dtype(device):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     # CUDA's grouped GEMM needs 16-byte row strides (hidden 37 has none): an aligned case there, odd sizes here
-    case = CASES["odd sizes E7 top3 r3" if device == "cpu" else "qwen3 layout E5 r4"]
+    case = CASES["odd sizes E7 top3 r3" if device == "cpu" else "aligned sizes E5 r3"]
     ids, tensors, gu, dn, layout = _inputs(case, torch.bfloat16)
     ids, gu, dn = ids.to(device), gu.to(device), dn.to(device)
     tensors = [None if v is None else v.detach().to(device).requires_grad_() for v in tensors]
