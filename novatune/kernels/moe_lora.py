@@ -21,11 +21,12 @@ tile reads and writes once, so the kernel runs at about the speed of a pass over
 lowrank_project forms the thin half (the forward's u A^T, the backward's s dy B): one read of x. Its tiles hold one
 expert's rows each (the tile's expert found in the kernel from the cumulative ends, no host sync), so the K loop is
 a plain pipelined GEMM: on an H200 at S = 32,768 it reads x at ~70% of the card's copy bandwidth where torch's
-grouped GEMM reaches ~50% (session23-4: 43 against 60 us at K = 2,048).
+grouped GEMM reaches ~50% (experiments.jsonl moe_lora_thin, session23-4: 43 against 60 us at K = 2,048).
 
 expert_major casts PEFT's lora_B ((out, r * E) storage, B_e's column j at j * E + e) for the GEMMs: torch's copy of
 that permuted view reads across the expert stride; this kernel reads (out, r, E) blocks along the expert and writes
-each expert's rows as one run (21-22 us against 23-29 for torch's copy at Qwen3-30B-A3B's shapes, session23-5).
+each expert's rows as one run (21-22 us against 23-29 for torch's copy at Qwen3-30B-A3B's shapes:
+experiments.jsonl moe_lora_thin, session23-5).
 """
 from __future__ import annotations
 

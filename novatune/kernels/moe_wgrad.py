@@ -5,9 +5,10 @@
 
 The second form serves the expert adapters' factor gradients (novatune.ops.moe_lora): b is an (S, r) product, so
 the GEMM is one read of a; it writes the gradient in fp32 (the factor's dtype) from bf16 operands, where torch's
-grouped GEMM returns a bf16 result at the padded rank to be cut and cast by more passes (session23-4: 41 against
-127 us at Qwen3-30B-A3B's gate/up width, S = 32,768). out may have any strides, but the op writes contiguous tiles:
-stores into PEFT's own (out, r * E) order (the expert fastest) scatter and measured 93 us.
+grouped GEMM returns a bf16 result at the padded rank to be cut and cast by more passes (experiments.jsonl
+moe_lora_thin, session23-4: 41 against 127 us at Qwen3-30B-A3B's gate/up width, S = 32,768). out may have any
+strides, but the op writes contiguous tiles: stores into PEFT's own (out, r * E) order (the expert fastest) scatter
+and measured 93 us.
 
 a (S, M) and b (S, N) hold the rows of every expert in expert order (group e is rows ends[e-1]:ends[e], cumulative
 int32 ends as grouped_mm takes them); out (E, M, N) is the weight's `.grad`. With a = dY and b = X this is dW = dY^T X

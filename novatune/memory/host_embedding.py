@@ -36,16 +36,22 @@ class HostEmbeddingRefused(ValueError):
     """The input embedding cannot live on the host: the message says why and what to set instead."""
 
 
-def lookup_refusal(model: nn.Module) -> str | None:
-    """Why the input embedding cannot be replaced by a plain row lookup kept apart from lm_head (here: on the host;
-    train/qlora.py: in NF4), or None: a table tied to lm_head, or a subclass of nn.Embedding (Gemma's scaled one
-    multiplies its rows: its forward is more than a gather)."""
+def tied_to_head(model: nn.Module) -> bool:
+    """Whether the input embedding shares its table with lm_head (declared in the config, or one tensor)."""
     emb = model.get_input_embeddings()
     head_weight = getattr(model.get_output_embeddings(), "weight", None)
     shared = head_weight is not None and (head_weight is emb.weight or (
         not emb.weight.is_meta and head_weight.untyped_storage().data_ptr() == emb.weight.untyped_storage().data_ptr()))
-    if getattr(model.config, "tie_word_embeddings", False) or shared:
+    return bool(getattr(model.config, "tie_word_embeddings", False)) or shared
+
+
+def lookup_refusal(model: nn.Module) -> str | None:
+    """Why the input embedding cannot be replaced by a plain row lookup kept apart from lm_head (here: on the host;
+    train/qlora.py: in NF4), or None: a table tied to lm_head, or a subclass of nn.Embedding (Gemma's scaled one
+    multiplies its rows: its forward is more than a gather)."""
+    if tied_to_head(model):
         return "tied to lm_head, which reads the same table"
+    emb = model.get_input_embeddings()
     if type(emb) is not nn.Embedding:
         return f"{type(emb).__name__} is not a plain nn.Embedding (its forward may scale or transform the rows)"
     return None

@@ -26,7 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from novatune.memory.host_embedding import lookup_refusal
+from novatune.memory.host_embedding import lookup_refusal, tied_to_head
 from novatune.train.errors import SetupError
 
 BNB_FIX = "qlora needs bitsandbytes: pip install bitsandbytes"
@@ -89,7 +89,7 @@ def quantize_embeddings_(model: nn.Module, dtype: torch.dtype) -> str:
     if isinstance(emb, NF4Embedding):
         return f"embeddings: {name} already NF4"
     why = lookup_refusal(model)
-    if why is not None and why.startswith("tied"):
+    if tied_to_head(model):
         return (f"embeddings: {name} kept in {str(emb.weight.dtype).replace('torch.', '')}: {why}, which stays "
                 f"dense (quantising the shared table would change lm_head's weights too)")
     if why is not None:

@@ -48,11 +48,11 @@ def test_a_patched_layer_recomputed_unread_gives_the_same_gradients(family, monk
         with outputs_unread() if unread else torch.enable_grad():
             y = layer(x, position_embeddings=cos_sin, position_ids=pos)
         y = y[0] if isinstance(y, tuple) else y
-        return y.detach().clone(), torch.autograd.grad(y, [x, *params], gout)
+        return torch.autograd.grad(y, [x, *params], gout)
 
-    _, g_full = run(False)
+    g_full = run(False)
     assert len(combines) == 1
-    _, g_unread = run(True)
+    g_unread = run(True)
     assert len(combines) == 1  # the experts' output was never computed
     for a, b in zip(g_unread, g_full):
         assert torch.equal(a, b)
