@@ -13,6 +13,12 @@ the published anchor figures were measured, so `novatune bench` measures the sam
   row's `applied` says so: Liger's kernels with HF's attention are what a Liger user trains such a model with.
   The varlen function itself raises PeerUnavailable on such a call (or on a window that binds, under a torch
   whose varlen_attn takes no window_size) instead of computing something else.
+* Flex (the `hf-flex` stack): transformers' own flex_attention, which computes what varlen cannot (sinks through
+  the log-sum-exp, soft-caps in its score_mod, windows in its block mask), with per-document block masks. Most
+  families build their masks from position_ids and so detect packed rows themselves; some (GPT-OSS in transformers
+  5.17-5.24) build them without, and their packed documents would attend to each other. `document_masks` builds
+  the layer-type -> mask mapping from position_ids before the decoder runs, as the model's forward accepts it
+  ready-made, so every family's flex row trains the per-document function.
 """
 from __future__ import annotations
 
@@ -158,3 +164,65 @@ def use_peer_attention(model) -> str:
         raise PeerUnavailable(f"{type(model).__name__} kept attention {model.config._attn_implementation!r}: it "
                               f"cannot switch its attention implementation dynamically")
     return f"attention={PEER_ATTENTION}"
+
+
+# the mask builders of transformers.masking_utils, by the layer type a decoder layer declares
+MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+
+
+def _mask_for(builder, config, like, position_ids):
+    """One layer type's mask through transformers' builder, whatever its keyword names in this release
+    (inputs_embeds / input_embeds, cache / past_key_values, cache_position where it still exists)."""
+    import torch
+
+    params = inspect.signature(builder).parameters
+    kw = {"config": config, "attention_mask": None, "position_ids": position_ids,
+          ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): like,
+          ("cache" if "cache" in params else "past_key_values"): None}
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(like.shape[1], device=like.device)
+    return builder(**kw)
+
+
+def document_masks(model):
+    """Give the decoder (the base model under the causal LM) the mask of every layer type built from position_ids,
+    so that packed documents never attend to each other whichever attention the config names. Acts only on a
+    forward with position_ids and no attention_mask (a padded batch keeps the model's own masks). Returns the hook
+    handle. A layer type without a builder here is refused: its mask would be guessed."""
+    import torch
+    from transformers import masking_utils
+
+    config = model.config
+    types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+    unknown = [t for t in types if t not in MASK_BUILDERS]
+    if unknown:
+        raise PeerUnavailable(f"{config.model_type} has layers of type {unknown}: the peer builds masks for "
+                              f"{sorted(MASK_BUILDERS)} only")
+    builders = {t: getattr(masking_utils, MASK_BUILDERS[t]) for t in types}
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+
+    def before_decoder(module, args, kwargs):
+        pos = kwargs.get("position_ids")
+        if pos is None or kwargs.get("attention_mask") is not None:
+            return None
+        embeds = kwargs.get("inputs_embeds")
+        like = embeds if embeds is not None else torch.empty(pos.shape[0], pos.shape[1], 1, device=pos.device,
+                                                             dtype=module.dtype)
+        masks = {t: _mask_for(b, config, like, pos) for t, b in builders.items()}
+        # one layer type: the mask itself (a ready 4D mask or BlockMask passes every family's mask code as it is);
+        # several: the mapping that the families with mixed layers accept ready-made
+        kwargs["attention_mask"] = masks if len(masks) > 1 else next(iter(masks.values()))
+        return args, kwargs
+
+    return decoder.register_forward_pre_hook(before_decoder, with_kwargs=True)
+
+
+def use_flex_attention(model) -> str:
+    """Switch a built model to transformers' flex_attention with per-document masks (`document_masks`); returns
+    what the row records."""
+    model.set_attn_implementation("flex_attention")
+    if model.config._attn_implementation != "flex_attention":
+        raise PeerUnavailable(f"{type(model).__name__} kept attention {model.config._attn_implementation!r}: it "
+                              f"cannot switch to flex_attention")
+    document_masks(model)
+    return "attention=flex_attention (per-document block masks from position_ids)"

@@ -1,7 +1,7 @@
 """`novatune bench CONFIG`: the configured workload trained by each stack in its own process, side by side.
 
 Stacks (bench/stacks.py; same config, same seed -> same init and same data; only the kernels differ): stock,
-liger-peer, hf-varlen, unsloth, novatune, novatune_full, novatune_eager. A stack that cannot run here (Liger or
+liger-peer, hf-varlen, hf-flex, unsloth, novatune, novatune_full, novatune_eager. A stack that cannot run here (Liger or
 Unsloth not installed, novatune_full under QLoRA) gets a row with status "absent" and the reason; it is never
 dropped.
 
@@ -93,7 +93,7 @@ from pathlib import Path
 from novatune.bench.stacks import STACKS, load_plugins
 from novatune.parallel.launch import torchrun_command
 
-PEERS = ("liger-peer", "unsloth", "hf-varlen")  # the stacks x_peer compares with (the fastest that ran)
+PEERS = ("liger-peer", "unsloth", "hf-varlen", "hf-flex")  # the stacks x_peer compares with (the fastest that ran)
 DIAGNOSTICS = ("profile", "trace", "memory")  # a worker row's --profile / --memory fields (bench/worker.py)
 
 

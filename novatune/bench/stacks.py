@@ -19,6 +19,9 @@ with the function named by its module, imported only in that stack's worker:
                   the reason, where varlen_attn cannot compute the family's attention) and, on MoE
                   models, transformers' grouped_mm experts (the MoE table's best HF row; `stock` runs grouped_mm
                   experts too, with sdpa)
+  hf-flex         Hugging Face's best where varlen cannot compute the family's attention (GPT-OSS's sinks, Gemma 2's
+                  soft-cap): transformers' flex_attention with per-document block masks built from position_ids
+                  (bench/peer.py) and, on MoE models, grouped_mm experts; CUDA only (sinks through flex need CUDA)
   unsloth         Unsloth: its row says why it did not run (not installed; or installed but not yet built by the
                   run builder: Unsloth loads its own model through FastLanguageModel.from_pretrained from a saved
                   folder, with its own checkpointing and packed-attention setup, and a row from plain HF classes
@@ -142,6 +145,27 @@ def _hf_varlen_hooks(cfg, base_dir) -> Hooks:
     return hooks
 
 
+def _hf_flex_hooks(cfg, base_dir) -> Hooks:
+    from novatune.bench.peer import use_flex_attention
+
+    hooks = Hooks()
+
+    def model_hook(model) -> None:
+        hooks.applied = ", ".join(filter(None, [use_flex_attention(model), _grouped_mm_experts(model)]))
+
+    hooks.model_hook = model_hook
+    return hooks
+
+
+def _flex_unavailable(cfg) -> str | None:
+    import torch
+
+    if cfg.model.device == "cpu" or not torch.cuda.is_available():
+        return ("the flex stack runs on CUDA only (transformers adds attention sinks through flex's log-sum-exp, "
+                "which it does not return on the CPU): this stack did not run")
+    return None
+
+
 def _hf_config(cfg):
     """The run's transformers config without building anything (None when it cannot be read here)."""
     from novatune.train.errors import SetupError
@@ -210,6 +234,8 @@ def register(stack: Stack) -> Stack:
 register(Stack("stock", "HF stock, attn_implementation=sdpa (MoE: grouped_mm experts)", STOCK, _stock_hooks))
 register(Stack("hf-varlen", "HF + torch varlen attention (MoE: grouped_mm experts)", STOCK, _hf_varlen_hooks,
                _varlen_unavailable))
+register(Stack("hf-flex", "HF + flex_attention with per-document masks (MoE: grouped_mm experts)", STOCK,
+               _hf_flex_hooks, _flex_unavailable))
 register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best peer)", STOCK, _liger_hooks,
                _missing("liger_kernel", "liger-kernel")))
 register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_unsloth_unavailable))

@@ -253,3 +253,79 @@ def test_gemma_2_example_stock_and_novatune_rows(tmp_path):
     assert len(stock["losses"]) == len(nova["losses"]) == 2
     for a, b in zip(nova["losses"], stock["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (nova["losses"], stock["losses"])
+
+
+def _gpt_oss():
+    from tiny_models import tiny_gpt_oss
+
+    return tiny_gpt_oss().train()
+
+
+def _with_own_attention(arch):
+    return _gpt_oss() if arch == "gpt-oss" else tiny_arch(arch).train()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCH) + ["gpt-oss"])
+def test_document_masks_make_hf_attention_per_document(arch):
+    """The hf-flex stack's masks, built from position_ids for every layer type, under the family's own CPU
+    attention (eager / sdpa take the same mask mapping as flex): packed rows compute the stock model one document at
+    a time, GPT-OSS included, whose own forward builds its masks without position_ids and lets documents attend to
+    each other (checked first, so the test sees the hook change something there)."""
+    ids, pos, lab = packed_batch(ROWS)
+    model = _with_own_attention(arch)
+    loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    leaked, _ = packed_loss_and_grads(model, ids, pos, lab)
+    if arch == "gpt-oss":
+        assert abs(float(leaked - loss_ref)) > 1e-5, "GPT-OSS's own masks cross documents (the trap fixed here)"
+    handle = peer.document_masks(model)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], 1e-5, name)
+    handle.remove()
+    again, _ = packed_loss_and_grads(model, ids, pos, lab)
+    assert torch.equal(again, leaked), "without the hook the model builds its own masks again"
+
+
+def test_document_masks_leave_a_padded_batch_to_the_model():
+    """A forward with an attention_mask (a padded batch) keeps the model's own masks: the hook only acts on packed
+    rows described by position_ids alone."""
+    model = _gpt_oss()
+    ids, pos, _ = packed_batch([[9, 7]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        peer.document_masks(model)
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(got, want)
+
+
+def test_document_masks_refuse_a_layer_type_without_a_builder():
+    model = tiny_arch("olmo-2-7b")
+    model.config.layer_types = ["chunked_attention"] * model.config.num_hidden_layers
+    with pytest.raises(peer.PeerUnavailable, match="chunked_attention"):
+        peer.document_masks(model)
+
+
+def test_flex_stack_is_absent_on_the_cpu_with_the_reason():
+    from novatune.train.config import load
+
+    cfg = load(EXAMPLES / "gpt-oss-20b-cut.yaml", ["model.device=cpu"])
+    why = stacks.STACKS["hf-flex"].unavailable(cfg)
+    assert why is not None and "CUDA only" in why and "did not run" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma-2-2b"])
+def test_flex_attention_computes_the_stock_function_on_cuda(arch):
+    """hf-flex on CUDA: flex_attention with the sinks (GPT-OSS) or the soft-cap (Gemma 2) and per-document block
+    masks against the stock model one document at a time, both fp32 on the GPU (flex's fp32 kernels: summation
+    order only, 1e-4 relative through 2 layers)."""
+    ids, pos, lab = (t.cuda() for t in packed_batch(ROWS))
+    model = _with_own_attention(arch).cuda()
+    loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    assert peer.use_flex_attention(model).startswith("attention=flex_attention")
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, 1e-4, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], 1e-4, name)
