@@ -257,6 +257,10 @@ register(Stack("novatune_torch_adamw", "novatune with torch's fused AdamW (train
 register(Stack("novatune_wgrad_returned", "novatune, MoE expert weight gradients returned to autograd "
                "(model.patch_options.moe_wgrad_in_place=false)",
                NOVATUNE + ["model.patch_options.moe_wgrad_in_place=false"], patched=True))
+# the same A/B for the dense projections' weight gradients (novatune.ops.linear; returned by default): in place
+register(Stack("novatune_linear_wgrad_in_place", "novatune, dense projection weight gradients added into .grad "
+               "inside the GEMM (model.patch_options.linear_wgrad_in_place=true)",
+               NOVATUNE + ["model.patch_options.linear_wgrad_in_place=true"], patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),

@@ -25,6 +25,7 @@ from novatune.kernels import swiglu as K
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled, triton_reason, variant_grid
+from novatune.ops.linear import project
 from novatune.ops.swiglu import gated_floor_bytes, gated_poison_call, make_function, require_float
 from novatune.reference import geglu as _ref
 
@@ -103,9 +104,11 @@ def geglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor
 
 
 def geglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
-              inplace_backward: bool = True) -> Tensor:
-    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): Gemma's MLP forward with the fused activation."""
-    return down_proj(geglu(gate_proj(x), up_proj(x), inplace_backward=inplace_backward))
+              inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): Gemma's MLP forward with the fused activation.
+    wgrad_in_place: as swiglu_mlp's."""
+    gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
+    return project(down_proj, geglu(gate, up, inplace_backward=inplace_backward), wgrad_in_place)
 
 
 # ----------------------------------------------------------------------------------------------- the contract

@@ -45,6 +45,7 @@ from novatune.ops.contract import (
     triton_reason,
     variant_grid,
 )
+from novatune.ops.linear import project
 from novatune.reference import swiglu as _ref
 
 
@@ -205,11 +206,14 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
 
 
 def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
-               inplace_backward: bool = True) -> Tensor:
+               inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) - HF's LlamaMLP / Qwen3MLP forward with the fused activation.
-    The projections are called (not their weights read), so LoRA / quantised wrappers keep working."""
+    The projections are called (not their weights read), so LoRA / quantised wrappers keep working.
+    wgrad_in_place: a plain nn.Linear projection runs novatune.ops.linear (its weight gradient added into .grad
+    inside the GEMM where autograd would add it)."""
     # gate and up are fresh projection outputs read by nothing else: their memory can take the gradients
-    return down_proj(swiglu(gate_proj(x), up_proj(x), inplace_backward=inplace_backward))
+    gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
+    return project(down_proj, swiglu(gate, up, inplace_backward=inplace_backward), wgrad_in_place)
 
 
 def _gate_up_fwd(gate_up: Tensor) -> Tensor:
@@ -267,11 +271,13 @@ def swiglu_gate_up(gate_up: Tensor, *, inplace_backward: bool = False) -> Tensor
 
 
 def swiglu_gate_up_mlp(x: Tensor, gate_up_proj: nn.Module, down_proj: nn.Module,
-                       inplace_backward: bool = True) -> Tensor:
+                       inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
     """down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x) - HF's Phi3MLP forward with the fused
     activation reading the halves in place. The projections are called, so LoRA / quantised wrappers keep
-    working; gate_up is a fresh projection output read by nothing else, so its memory can take the gradient."""
-    return down_proj(swiglu_gate_up(gate_up_proj(x), inplace_backward=inplace_backward))
+    working; gate_up is a fresh projection output read by nothing else, so its memory can take the gradient.
+    wgrad_in_place: as swiglu_mlp's."""
+    act = swiglu_gate_up(project(gate_up_proj, x, wgrad_in_place), inplace_backward=inplace_backward)
+    return project(down_proj, act, wgrad_in_place)
 
 
 class NovaSwiGLUMLP(nn.Module):

@@ -118,7 +118,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
-          selection=None, moe: bool = True, moe_wgrad_in_place: bool = True) -> PatchReport:
+          selection=None, moe: bool = True, moe_wgrad_in_place: bool = True,
+          linear_wgrad_in_place: bool = False) -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
     Gemma 3 text, Phi-3 / Phi-4-mini, OLMo 2), a PEFT model wrapping one, or a Trainer.
 
@@ -157,6 +158,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     them there itself (one process, no hooks on them: novatune/ops/moe_wgrad.py), inside the grouped GEMM on a GPU
     (novatune/kernels/moe_wgrad.py): micro-batches after the first write no fresh gradient (1.1 GiB per
     Qwen3-30B-A3B layer) and skip autograd's separate add. On by default; False returns them to autograd.
+    linear_wgrad_in_place: the same for the dense projections that are plain nn.Linear modules (attention and MLP):
+    the weight gradient is added into the existing .grad by the GEMM itself (novatune/ops/linear.py), one pass
+    instead of a fresh gradient and autograd's add. Off by default: each projection then costs a Python autograd
+    Function, which measured 2% slower on a host-bound Qwen3-4B step (session20-2); True asks for it.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
@@ -205,6 +210,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
+                wgrad_in_place=linear_wgrad_in_place,
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_moe(model, spec, report, _bind, enabled=moe, wgrad_in_place=moe_wgrad_in_place)
     apply_moe_lora(model, spec, report, _bind, enabled=lora)
@@ -282,7 +288,7 @@ def _recheck_lm_head(model: nn.Module, report: PatchReport) -> None:
 
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
-               swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None) -> None:
+               swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None, wgrad_in_place: bool) -> None:
     act = str(getattr(config, spec.mlp.act_config, "?"))
     tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
     why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
@@ -290,10 +296,12 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
            if act not in spec.mlp.activations else quirks.mlp_refusal(module, spec))
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
-              _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling)
+              _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling,
+              _novatune_wgrad_in_place=wgrad_in_place)
         gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
         report.add(path, "mlp", "replaced", f"{gate_up} + novatune {spec.mlp.glu} + down GEMM"
-                   + (" (gradients written over gate/up)" if swiglu_inplace else "") + tiled)
+                   + (" (gradients written over gate/up)" if swiglu_inplace else "")
+                   + ("; weight gradients accumulated inside the GEMMs" if wgrad_in_place else "") + tiled)
         return
     report.add(path, "mlp", "skipped", why)
     if tiling is not None and "mlp" not in refused:
@@ -320,7 +328,7 @@ def _tiling_words(tiling: MLPTiling) -> str:
 
 
 def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, *, backend,
-                    qk_eps: float | None) -> None:
+                    qk_eps: float | None, wgrad_in_place: bool) -> None:
     window = quirks.layer_window(module, config, spec)
     # sinks / soft-capping: only the backends that apply them may be set on this module later (a tuned selection
     # included)
@@ -330,7 +338,7 @@ def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, repo
     split = quirks.qkv_split(module) if spec.attention.qkv_proj is not None else None
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
           _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window,
-          _novatune_qkv_split=split, **allowed)
+          _novatune_qkv_split=split, _novatune_wgrad_in_place=wgrad_in_place, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
     extra += f"; fused {spec.attention.qkv_proj} split {list(split)}" if split else ""
     extra += ("; q/k norms over the whole projection" if spec.attention.q_norm is not None
@@ -358,7 +366,7 @@ def _find_state(model: nn.Module):
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
                 swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
-                tiled_mlp="auto", trainer_refusal=None) -> None:
+                tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = True) -> None:
     """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
     spec cannot honour."""
     config = model.config
@@ -384,7 +392,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
                 _patch_norm(module, path, kind, spec, report)
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
-                       tiling=tiling)
+                       tiling=tiling, wgrad_in_place=wgrad_in_place)
         elif cls in stock_kept:
             kind, why = stock_kept[cls]
             report.add(path, kind, "skipped", why)
@@ -397,7 +405,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
                 continue
             _bind_attention(module, path, spec, config, report, backend=attention,
                             qk_eps=_shared_qk_eps(module, spec) if rms_norm and fuse_qk and "rms_norm" not in refused
-                            else None)
+                            else None, wgrad_in_place=wgrad_in_place)
             attn_done += 1
     # only when every layer reads the PackedBatch may HF's mask construction be skipped (attention dropout sends
     # training forwards to the stock attention, which needs the mask)
