@@ -117,8 +117,9 @@ def _glu_fwd_kernel(HB, A, n, N_INTER, INTERLEAVED: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _glu_routed_bwd_kernel(DA, HB, WROW, ORDER, DH, AW, DWROW, N_INTER, INTERLEAVED: tl.constexpr,
-                           BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr, BY_ORDER: tl.constexpr):
+def _glu_routed_bwd_kernel(DA, HB, WROW, ORDER, DH, AW, DWROW, N_INTER, alpha, limit, INTERLEAVED: tl.constexpr,
+                           BLOCK: tl.constexpr, SOFT_RNE: tl.constexpr, BY_ORDER: tl.constexpr,
+                           CLAMPED: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # one row: the dot over the intermediate axis stays in the program
     if BY_ORDER:  # WROW holds the (token, choice) pairs' weights; row r is pair ORDER[r]
         w = tl.load(WROW + tl.load(ORDER + r)).to(tl.float32)
@@ -130,16 +131,27 @@ def _glu_routed_bwd_kernel(DA, HB, WROW, ORDER, DH, AW, DWROW, N_INTER, INTERLEA
         mask = c < N_INTER
         gi, ui = _gate_up_index(r, c, N_INTER, INTERLEAVED)
         da = tl.load(DA + r * N_INTER + c, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)  # recomputed from the saved gate_up output
-        silu = g * sig
-        a = silu * u
+        gate = tl.load(HB + gi, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(HB + ui, mask=mask, other=0.0).to(tl.float32)
+        dwa = w * da
+        if CLAMPED:  # GPT-OSS: a = (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+            g = tl.where(gate > limit, limit, gate)
+            u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+            sig = tl.sigmoid(alpha * g)
+            glu = g * sig
+            a = (u + 1.0) * glu
+            dgate = tl.where(gate <= limit, dwa * (u + 1.0) * (sig + alpha * glu * (1.0 - sig)), 0.0)
+            dup = tl.where((up >= -limit) & (up <= limit), dwa * glu, 0.0)
+        else:
+            sig = tl.sigmoid(gate)  # recomputed from the saved gate_up output
+            silu = gate * sig
+            a = silu * up
+            dgate = dwa * up * (sig + silu * (1.0 - sig))
+            dup = dwa * silu
         dot += a * da
         tl.store(AW + r * N_INTER + c, _round_to(w * a, AW.dtype.element_ty, SOFT_RNE), mask=mask)
-        dwa = w * da
-        tl.store(DH + ui, _round_to(dwa * silu, DH.dtype.element_ty, SOFT_RNE), mask=mask)
-        tl.store(DH + gi, _round_to(dwa * u * (sig + silu * (1.0 - sig)), DH.dtype.element_ty, SOFT_RNE), mask=mask)
+        tl.store(DH + ui, _round_to(dup, DH.dtype.element_ty, SOFT_RNE), mask=mask)
+        tl.store(DH + gi, _round_to(dgate, DH.dtype.element_ty, SOFT_RNE), mask=mask)
     tl.store(DWROW + r, tl.sum(dot, axis=0))
 
 
@@ -270,11 +282,12 @@ def glu_fwd(h: torch.Tensor, interleaved: bool, out: torch.Tensor | None = None)
 
 def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, interleaved: bool,
                    dh: torch.Tensor | None = None, aw: torch.Tensor | None = None,
-                   dw_row: torch.Tensor | None = None, *,
-                   order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dw_row: torch.Tensor | None = None, *, order: torch.Tensor | None = None,
+                   clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh (S, 2I) and aw (S, I) in h's dtype, dw_row (S,) fp32) from da (S, I) without the routing weight,
     h (S, 2I) and each row's routing weight: w_row (S,), or with `order` (S,) the (T*K,) weights of the
-    (token, choice) pairs, row r's being w_row[order[r]]."""
+    (token, choice) pairs, row r's being w_row[order[r]]. `clamp` = (alpha, limit): GPT-OSS's clamped SwiGLU
+    (novatune.kernels.clamped_swiglu's formulas; gate/up interleaved) instead of silu(gate) * up."""
     da, h, w_row = da.contiguous(), h.contiguous(), w_row.contiguous()
     s, i = h.shape[0], h.shape[1] // 2
     idx = w_row if order is None else order.contiguous()  # unused without an order
@@ -282,8 +295,10 @@ def glu_routed_bwd(da: torch.Tensor, h: torch.Tensor, w_row: torch.Tensor, inter
     aw = _out(aw, (s, i), h)
     dw_row = _out(dw_row, (s,), h, torch.float32)
     if s:
-        _GLU_ROUTED_BWD[(s,)](da, h, w_row, idx, dh, aw, dw_row, i, INTERLEAVED=interleaved, BLOCK=default_block(i),
-                              SOFT_RNE=not h.is_cuda, BY_ORDER=order is not None)
+        alpha, limit = clamp if clamp is not None else (0.0, 0.0)
+        _GLU_ROUTED_BWD[(s,)](da, h, w_row, idx, dh, aw, dw_row, i, float(alpha), float(limit),
+                              INTERLEAVED=interleaved, BLOCK=default_block(i), SOFT_RNE=not h.is_cuda,
+                              BY_ORDER=order is not None, CLAMPED=clamp is not None)
     return dh, aw, dw_row
 
 

@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from novatune.kernels import moe as K
+from novatune.kernels import moe_bias as KB
 from novatune.kernels.moe_wgrad import grouped_outer_accumulate
 from novatune.ops._backend import use_triton
 from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
@@ -197,7 +198,11 @@ def grouped_outer(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: bool) -> Tensor:
     y = grouped_mm(x, w if transposed else w.transpose(-2, -1), r.ends)
-    return y if bias is None else y.add_(bias[r.expert_index()])
+    if bias is None:
+        return y
+    if use_triton(y) and bias.dtype == y.dtype and bias.is_contiguous():
+        return KB.expert_bias_add_(y, r.expert, bias)  # no gathered (S, N) copy of the bias
+    return y.add_(bias[r.expert_index()])
 
 
 def _linear_dinput(dy: Tensor, w: Tensor, r: Routing, transposed: bool, out_dtype=None) -> Tensor:
@@ -221,10 +226,13 @@ def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor |
                        2 if transposed else 1)  # the weights' output-feature dim: dY's columns
 
 
-def _bias_grad(dy: Tensor, r: Routing, bias: Tensor) -> Tensor:
-    """Per expert, the sum of its rows' gradients (fp32 accumulation)."""
+def _bias_grad(dy: Tensor, r: Routing, bias: Tensor, scale: Tensor | None = None) -> Tensor:
+    """Per expert, the sum of its rows' gradients, each row times scale[r] when given (fp32 accumulation)."""
+    if use_triton(dy):
+        return KB.expert_column_sums(dy.contiguous(), r.expert, bias.shape[0], scale=scale).to(bias.dtype)
+    rows = dy.float() if scale is None else dy.float() * scale[:, None]
     acc = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
-    return acc.index_add_(0, r.expert_index(), dy.float()).to(bias.dtype)
+    return acc.index_add_(0, r.expert_index(), rows).to(bias.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- data movement
@@ -278,6 +286,8 @@ def _gpt_oss_glu_routed_bwd(da: Tensor, h: Tensor, w_pairs: Tensor, order: Tenso
     """The silu entry's contract from the clamped SwiGLU op: a recomputed from h, <a, da_u> in fp32, and the
     routing weight folded into the gradient before the activation's backward (dh = act'(h) * w * da_u)."""
     _needs_interleaved(interleaved)
+    if use_triton(h):  # one launch: the silu entry's kernel with the clamped activation
+        return K.glu_routed_bwd(da, h, w_pairs, True, order=order, clamp=(CLAMP_ALPHA, CLAMP_LIMIT))
     a = clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT)
     w = w_pairs[order].float()[:, None]
     dot = (a.float() * da.float()).sum(-1)
@@ -348,10 +358,14 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     del aw
     d_dn_bias = None
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
-        dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
-        if needs[5]:
-            assert w_row is not None  # computed above whenever there is a down bias
-            d_dn_bias = _bias_grad(dout_s.float() * w_row[:, None], r, dn_bias)
+        assert w_row is not None  # computed above whenever there is a down bias
+        if use_triton(dout_s) and dn_bias.is_contiguous():  # one pass over dout_s: both, dw_row added in place
+            sums = KB.expert_column_sums(dout_s, r.expert, dn_bias.shape[0], scale=w_row, dot_with=dn_bias,
+                                         dot_into=dw_row)
+            d_dn_bias = sums.to(dn_bias.dtype) if needs[5] else None
+        else:
+            dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
+            d_dn_bias = _bias_grad(dout_s, r, dn_bias, w_row) if needs[5] else None
     del dout_s
     d_gate_up = None
     lora_gu = lora is not None and lora.gate_up is not None

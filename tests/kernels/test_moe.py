@@ -179,3 +179,35 @@ def test_route_bwd_against_autograd(t, e, k, dtype, recipe, device):
         assert out.abs().max() <= 1e-6 and ref.abs().max() <= 1e-6
         return
     assert_close(out, ref, TOL[dtype], "dlogits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,inter", [(1, 1), (37, 33), (3, 1100)])
+def test_clamped_routed_backward(rows, inter, dtype, device):
+    """GPT-OSS's routed backward (clamp=(alpha, limit)) against autograd through the fp32 clamped SwiGLU reference:
+    sum(w * (act(h) * da)); inputs spread past the limit on both sides so both clamps bind (their gradient is
+    exactly zero there)."""
+    from novatune.reference.clamped_swiglu import GPT_OSS_ALPHA, GPT_OSS_LIMIT, clamped_swiglu_ref
+
+    gen = torch.Generator().manual_seed(7)
+    h = 6 * torch.randn(rows, 2 * inter, generator=gen)  # |x| > limit (7) for ~24%
+    h[0, 0], h[-1, 1] = 9.0, -9.0  # at least one clamped gate and one clamped up, whatever the shape
+    h = h.to(dtype).to(device)
+    da = torch.randn(rows, inter, generator=gen).to(device)  # fp32: the down GEMM's fp32 input gradient
+    w = torch.rand(rows, generator=gen).to(device)
+    h32, w32 = h.float().requires_grad_(), w.clone().requires_grad_()
+    a32 = clamped_swiglu_ref(h32)
+    ref_dh, ref_dw = torch.autograd.grad((w32[:, None] * a32 * da).sum(), (h32, w32))
+    bufs = (poison_(torch.empty_like(h)), poison_(torch.empty(rows, inter, dtype=dtype, device=device)),
+            poison_(torch.empty(rows, dtype=torch.float32, device=device)))
+    order = torch.randperm(rows, generator=gen).to(device)
+    w_pairs = torch.empty_like(w)
+    w_pairs[order] = w
+    dh, aw, dw = K.glu_routed_bwd(da, h, w_pairs, True, *bufs, order=order, clamp=(GPT_OSS_ALPHA, GPT_OSS_LIMIT))
+    assert dh is bufs[0] and aw is bufs[1] and dw is bufs[2]
+    assert_close(dh, ref_dh, TOL[dtype], "dh")
+    assert_close(aw, w[:, None] * a32.detach(), TOL[dtype], "w * a")
+    assert_close(dw, ref_dw, 1e-5, "dw")
+    clamped = (h.float()[:, 0::2] > GPT_OSS_LIMIT)
+    assert clamped.any() and (dh[:, 0::2][clamped] == 0).all(), "a clamped gate has exactly zero gradient"
+    assert dh[-1, 1] == 0, "a clamped up has exactly zero gradient"
