@@ -133,28 +133,20 @@ def _stock_hooks(cfg, base_dir) -> Hooks:
     return hooks
 
 
-def _hf_varlen_hooks(cfg, base_dir) -> Hooks:
-    from novatune.bench.peer import use_peer_attention
+def _hf_attention_hooks(switch: str) -> Callable:
+    """Hooks of an HF stack: the attention switch named in novatune.bench.peer (imported in the worker only), then
+    grouped_mm experts on MoE models."""
+    def hooks_for(cfg, base_dir) -> Hooks:
+        from novatune.bench import peer
 
-    hooks = Hooks()
+        hooks = Hooks()
 
-    def model_hook(model) -> None:
-        hooks.applied = ", ".join(filter(None, [use_peer_attention(model), _grouped_mm_experts(model)]))
+        def model_hook(model) -> None:
+            hooks.applied = ", ".join(filter(None, [getattr(peer, switch)(model), _grouped_mm_experts(model)]))
 
-    hooks.model_hook = model_hook
-    return hooks
-
-
-def _hf_flex_hooks(cfg, base_dir) -> Hooks:
-    from novatune.bench.peer import use_flex_attention
-
-    hooks = Hooks()
-
-    def model_hook(model) -> None:
-        hooks.applied = ", ".join(filter(None, [use_flex_attention(model), _grouped_mm_experts(model)]))
-
-    hooks.model_hook = model_hook
-    return hooks
+        hooks.model_hook = model_hook
+        return hooks
+    return hooks_for
 
 
 def _flex_unavailable(cfg) -> str | None:
@@ -232,10 +224,10 @@ def register(stack: Stack) -> Stack:
 
 
 register(Stack("stock", "HF stock, attn_implementation=sdpa (MoE: grouped_mm experts)", STOCK, _stock_hooks))
-register(Stack("hf-varlen", "HF + torch varlen attention (MoE: grouped_mm experts)", STOCK, _hf_varlen_hooks,
-               _varlen_unavailable))
+register(Stack("hf-varlen", "HF + torch varlen attention (MoE: grouped_mm experts)", STOCK,
+               _hf_attention_hooks("use_peer_attention"), _varlen_unavailable))
 register(Stack("hf-flex", "HF + flex_attention with per-document masks (MoE: grouped_mm experts)", STOCK,
-               _hf_flex_hooks, _flex_unavailable))
+               _hf_attention_hooks("use_flex_attention"), _flex_unavailable))
 register(Stack("liger-peer", "Liger kernels + torch varlen attention (the best peer)", STOCK, _liger_hooks,
                _missing("liger_kernel", "liger-kernel")))
 register(Stack("unsloth", "Unsloth (FastLanguageModel)", STOCK, unavailable=_unsloth_unavailable))
