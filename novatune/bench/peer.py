@@ -193,7 +193,10 @@ def document_masks(model):
     from transformers import masking_utils
 
     config = model.config
-    types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+    # a family without layer_types takes the sliding-window mask wherever its config sets a window (transformers'
+    # own rule for Mistral, Mixtral, Phi-3, Qwen3-MoE), else the causal one
+    default = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    types = sorted(set(getattr(config, "layer_types", None) or [default]))
     unknown = [t for t in types if t not in MASK_BUILDERS]
     if unknown:
         raise PeerUnavailable(f"{config.model_type} has layers of type {unknown}: the peer builds masks for "

@@ -57,8 +57,11 @@ class _LinearFunction(torch.autograd.Function):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), differentiable; the weight's gradient goes into its existing `.grad` inside the
-    GEMM where autograd would add it there itself (module docstring). Traced (torch.compile): F.linear."""
-    if torch.compiler.is_compiling():
+    GEMM where autograd would add it there itself (module docstring). Traced (torch.compile) or under autocast:
+    F.linear."""
+    # traced, or under autocast (its casts happen inside F.linear; this Function's backward would meet the autocast
+    # dtype of dy and the weight's own): F.linear itself
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
     return _LinearFunction.apply(x, weight, bias)
 

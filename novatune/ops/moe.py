@@ -200,7 +200,7 @@ def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: b
     y = grouped_mm(x, w if transposed else w.transpose(-2, -1), r.ends)
     if bias is None:
         return y
-    if use_triton(y) and bias.dtype == y.dtype and bias.is_contiguous():
+    if use_triton(y) and bias.is_contiguous() and y.stride(1) == 1:
         return KB.expert_bias_add_(y, r.expert, bias)  # no gathered (S, N) copy of the bias
     return y.add_(bias[r.expert_index()])
 
@@ -359,13 +359,11 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     d_dn_bias = None
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
         assert w_row is not None  # computed above whenever there is a down bias
-        if use_triton(dout_s) and dn_bias.is_contiguous():  # one pass over dout_s: both, dw_row added in place
-            sums = KB.expert_column_sums(dout_s, r.expert, dn_bias.shape[0], scale=w_row, dot_with=dn_bias,
-                                         dot_into=dw_row)
-            d_dn_bias = sums.to(dn_bias.dtype) if needs[5] else None
+        if use_triton(dout_s) and dn_bias.is_contiguous():  # no gathered bias, no fp32 copy of dout_s
+            dw_row = KB.expert_row_dot_(dw_row.float().contiguous().clone(), dout_s, r.expert, dn_bias)
         else:
             dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
-            d_dn_bias = _bias_grad(dout_s, r, dn_bias, w_row) if needs[5] else None
+        d_dn_bias = _bias_grad(dout_s, r, dn_bias, w_row) if needs[5] else None
     del dout_s
     d_gate_up = None
     lora_gu = lora is not None and lora.gate_up is not None

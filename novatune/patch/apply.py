@@ -366,7 +366,7 @@ def _find_state(model: nn.Module):
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
                 swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
-                tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = True) -> None:
+                tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = False) -> None:
     """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
     spec cannot honour."""
     config = model.config

@@ -162,13 +162,14 @@ def expert_bias_add_ref(y: Tensor, expert: Tensor, bias: Tensor) -> Tensor:
     return y.float() + bias.float()[expert.long()]
 
 
-def expert_column_sums_ref(dy: Tensor, expert: Tensor, num_experts: int, scale: Tensor | None = None,
-                           dot_with: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """fp32 (per-expert sums of scale[r] * dy[r] (E, N), per-row <dy[r], dot_with[expert[r]]> (S,) or None): the
-    oracle of novatune.kernels.moe_bias.expert_column_sums (rows in any order here)."""
-    d = dy.float()
-    rows = d if scale is None else d * scale.float()[:, None]
+def expert_column_sums_ref(dy: Tensor, expert: Tensor, num_experts: int, scale: Tensor | None = None) -> Tensor:
+    """fp32 per-expert sums of scale[r] * dy[r] (E, N): the oracle of novatune.kernels.moe_bias.expert_column_sums
+    (rows in any order here)."""
+    rows = dy.float() if scale is None else dy.float() * scale.float()[:, None]
     sums = torch.zeros(num_experts, dy.shape[1], dtype=torch.float32, device=dy.device)
-    sums.index_add_(0, expert.long(), rows)
-    dot = None if dot_with is None else (d * dot_with.float()[expert.long()]).sum(-1)
-    return sums, dot
+    return sums.index_add_(0, expert.long(), rows)
+
+
+def expert_row_dot_ref(dy: Tensor, expert: Tensor, bias: Tensor) -> Tensor:
+    """fp32 <dy[r], bias[expert[r]]> per row (S,): the oracle of novatune.kernels.moe_bias.expert_row_dot_."""
+    return (dy.float() * bias.float()[expert.long()]).sum(-1)

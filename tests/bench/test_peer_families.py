@@ -329,3 +329,19 @@ def test_flex_attention_computes_the_stock_function_on_cuda(arch):
     assert_close(loss, loss_ref, 1e-4, "loss")
     for name in grads_ref:
         assert_close(grads[name], grads_ref[name], 1e-4, name)
+
+
+def test_document_masks_keep_the_window_of_a_family_without_layer_types():
+    """Mistral keeps its window in `sliding_window` alone (no layer_types): the masks handed to it slide too, so a
+    document longer than the window computes what the model computes on it alone."""
+    from tiny_models import tiny_model
+
+    ids, pos, lab = packed_batch(ROWS)
+    model = tiny_model("mistral", sliding_window=5, attn="eager").train()
+    assert getattr(model.config, "layer_types", None) is None, "the case under test: no layer_types"
+    loss_ref, grads_ref = stock_per_document(model, ids, pos, lab)
+    peer.document_masks(model)
+    loss, grads = packed_loss_and_grads(model, ids, pos, lab)
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], 1e-5, name)

@@ -122,3 +122,18 @@ def test_project_calls_wrapped_or_hooked_modules_as_modules():
     torch.testing.assert_close(project(frozen, x), frozen(x))
     assert project(nn.Linear(4, 3), x, wgrad_in_place=False).grad_fn.name() != "_LinearFunctionBackward"
     assert project(nn.Linear(4, 3), x).grad_fn.name() == "_LinearFunctionBackward"
+
+
+def test_under_autocast_it_is_f_linear():
+    """Under autocast the projection is F.linear itself (autocast casts inside it; this Function's backward would
+    meet a bf16 dy and an fp32 weight): fp32 weights, bf16 autocast, an existing .grad, as HF Trainer(bf16=True)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = L.project(layer, x)
+        want = F.linear(x, layer.weight, layer.bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    y.float().sum().backward()
+    assert layer.weight.grad.abs().sum() > 0
