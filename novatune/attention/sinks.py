@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from novatune.attention.flash import flash_bwd, flash_fwd
 from novatune.attention.packed import PackedBatch
+from novatune.kernels.sinks import sink_scale_bwd, sink_scale_fwd
 
 __all__ = ["sink_attention", "SINK_IMPLS"]
 
@@ -90,8 +91,26 @@ def _reference_bwd(dout, q, k, v, out, lse, packed: PackedBatch, scale: float, w
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-SINK_IMPLS = {"flash": SimpleNamespace(fwd=flash_fwd, bwd=flash_bwd),
-              "reference": SimpleNamespace(fwd=_reference_fwd, bwd=_reference_bwd)}
+def _scale_fwd(out, lse, sinks):
+    """out' = out * sigmoid(L - s_h), in fp32, rounded once to out's dtype."""
+    c = torch.sigmoid(lse - sinks.float())                        # (tokens, hq) fp32
+    return (out.float() * c.unsqueeze(-1)).to(out.dtype)
+
+
+def _scale_bwd(g, out_sunk, lse, sinks):
+    """(d out = c g in g's dtype, d s_h = -sum_i (1 - c) rowsum(g * out') in fp32)."""
+    c = torch.sigmoid(lse - sinks.float()).unsqueeze(-1)         # (tokens, hq, 1)
+    gf = g.float()
+    dout = (gf * c).to(g.dtype).contiguous()
+    return dout, -((1.0 - c.squeeze(-1)) * (gf * out_sunk.float()).sum(-1)).sum(0)
+
+
+# fwd/bwd: the plain attention and its backward; scale_fwd/scale_bwd: the sink's scale around it (torch ops, or
+# one Triton pass each way on CUDA: novatune/kernels/sinks.py)
+SINK_IMPLS = {"flash": SimpleNamespace(fwd=flash_fwd, bwd=flash_bwd, scale_fwd=sink_scale_fwd,
+                                       scale_bwd=sink_scale_bwd),
+              "reference": SimpleNamespace(fwd=_reference_fwd, bwd=_reference_bwd, scale_fwd=_scale_fwd,
+                                           scale_bwd=_scale_bwd)}
 
 
 # ------------------------------------------------------------------------------------------------ the sink
@@ -99,8 +118,7 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, packed, scale, window, impl):
         out, lse = impl.fwd(q, k, v, packed, scale, window)
-        c = torch.sigmoid(lse - sinks.float())                        # (tokens, hq) fp32
-        out_sunk = (out.float() * c.unsqueeze(-1)).to(q.dtype)
+        out_sunk = impl.scale_fwd(out, lse, sinks)
         ctx.save_for_backward(q, k, v, sinks, out_sunk, lse)
         ctx.meta = (packed, scale, window, impl)
         return out_sunk
@@ -110,11 +128,8 @@ class _SinkAttention(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, sinks, out_sunk, lse = ctx.saved_tensors
         packed, scale, window, impl = ctx.meta
-        c = torch.sigmoid(lse - sinks.float()).unsqueeze(-1)         # (tokens, hq, 1)
-        gf = g.float()
-        dout = (gf * c).to(q.dtype).contiguous()
+        dout, dsinks = impl.scale_bwd(g.to(q.dtype), out_sunk, lse, sinks)
         dq, dk, dv = impl.bwd(dout, q, k, v, out_sunk, lse, packed, scale, window)
-        dsinks = -((1.0 - c.squeeze(-1)) * (gf * out_sunk.float()).sum(-1)).sum(0)   # (hq,)
         return dq, dk, dv, dsinks.to(sinks.dtype), None, None, None, None
 
 
