@@ -297,7 +297,7 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling,
-              _novatune_wgrad_in_place=wgrad_in_place)
+              _novatune_linear_wgrad=wgrad_in_place)
         gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
         report.add(path, "mlp", "replaced", f"{gate_up} + novatune {spec.mlp.glu} + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "")
@@ -338,7 +338,7 @@ def _bind_attention(module: nn.Module, path: str, spec: FamilySpec, config, repo
     split = quirks.qkv_split(module) if spec.attention.qkv_proj is not None else None
     _bind(module, forwards.attention_forward, report, _novatune_attn=spec.attention, _novatune_attn_backend=backend,
           _novatune_fuse_qk_norm=qk_eps is not None, _novatune_qk_eps=qk_eps, _novatune_window=window,
-          _novatune_qkv_split=split, _novatune_wgrad_in_place=wgrad_in_place, **allowed)
+          _novatune_qkv_split=split, _novatune_linear_wgrad=wgrad_in_place, **allowed)
     extra = "; q/k-norm + RoPE fused in one kernel" if qk_eps is not None else ""
     extra += f"; fused {spec.attention.qkv_proj} split {list(split)}" if split else ""
     extra += ("; q/k norms over the whole projection" if spec.attention.q_norm is not None

@@ -48,10 +48,10 @@ def _swiglu_mlp(self, x):
         # Phi-3: one projection whose output is [gate | up] (HF chunks it in two); a SiLU gate (the spec's glu)
         return swiglu_gate_up_mlp(x, getattr(self, names.gate_up_proj), getattr(self, names.down_proj),
                                   inplace_backward=self._novatune_swiglu_inplace,
-                                  wgrad_in_place=self._novatune_wgrad_in_place)
+                                  wgrad_in_place=self._novatune_linear_wgrad)
     return _GLU_MLPS[names.glu](x, getattr(self, names.gate_proj), getattr(self, names.up_proj),
                                 getattr(self, names.down_proj), inplace_backward=self._novatune_swiglu_inplace,
-                                wgrad_in_place=self._novatune_wgrad_in_place)
+                                wgrad_in_place=self._novatune_linear_wgrad)
 
 
 def swiglu_mlp_forward(self, x):
@@ -113,7 +113,7 @@ def attention_forward(self, hidden_states, position_embeddings=None, attention_m
                            scale=self.scaling, backend=self._novatune_attn_backend,
                            window=self._novatune_window, sinks=sinks, softcap=softcap)  # (b*s, hq, d)
     # flex may return a strided view
-    return project(getattr(self, names.o_proj), out.reshape(b, s, hq * d), self._novatune_wgrad_in_place), None
+    return project(getattr(self, names.o_proj), out.reshape(b, s, hq * d), self._novatune_linear_wgrad), None
 
 
 def _project_qkv(self, names, hidden_states):
@@ -121,7 +121,7 @@ def _project_qkv(self, names, hidden_states):
     if names.qkv_proj is not None:
         # Phi-3: one fused projection [q | k | v]; torch.split's backward writes the three gradients into one
         # buffer. v is copied so the fused output can go once RoPE has read q and k (the attention saves v)
-        qkv = project(getattr(self, names.qkv_proj), hidden_states, self._novatune_wgrad_in_place)
+        qkv = project(getattr(self, names.qkv_proj), hidden_states, self._novatune_linear_wgrad)
         q, k, v = torch.split(qkv, self._novatune_qkv_split, dim=-1)
         return q, k, v.contiguous()
     projections = (getattr(self, names.q_proj), getattr(self, names.k_proj), getattr(self, names.v_proj))
@@ -132,7 +132,7 @@ def _project_qkv(self, names, hidden_states):
         # q/k/v are blocks of one buffer; the attention saves v, and without the fused q/k-norm nothing else keeps
         # q and k (RoPE saves cos/sin only): a copy of v lets the buffer go after RoPE
         qkv = (qkv[0], qkv[1], qkv[2].contiguous())
-    return qkv or tuple(project(p, hidden_states, self._novatune_wgrad_in_place) for p in projections)
+    return qkv or tuple(project(p, hidden_states, self._novatune_linear_wgrad) for p in projections)
 
 
 def decoder_pre_hook(module, args, kwargs):
