@@ -37,13 +37,29 @@ def _load_pair(gu_ptr, offs, n, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _clamped_swiglu_fwd_kernel(gu_ptr, y_ptr, n, alpha, limit, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-                               I64: tl.constexpr, SOFT_RNE: tl.constexpr):
+def _clamped_swiglu_fwd_kernel(gu_ptr, y_ptr, n, alpha, limit, b_ptr, e_ptr, n_inter, BLOCK: tl.constexpr,
+                               EVEN: tl.constexpr, I64: tl.constexpr, SOFT_RNE: tl.constexpr,
+                               HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     if I64:
         pid = pid.to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat output elements
     gate, up = _load_pair(gu_ptr, offs, n, EVEN)
+    if HAS_BIAS:
+        # the experts' gate_up bias (GPT-OSS): row r's expert e_r, gate_up += b[e_r] rounded to gate_up's dtype and
+        # written back (the backward reads it), then the activation of the rounded value: the bits of a separate add
+        m = offs < n
+        row = offs // n_inter
+        e = tl.load(e_ptr + row, mask=m, other=0).to(tl.int64)
+        at = e * (2 * n_inter) + 2 * (offs % n_inter)
+        gate = _round_to(gate + tl.load(b_ptr + at, mask=m, other=0.0).to(tl.float32), gu_ptr.dtype.element_ty,
+                         SOFT_RNE)
+        up = _round_to(up + tl.load(b_ptr + at + 1, mask=m, other=0.0).to(tl.float32), gu_ptr.dtype.element_ty,
+                       SOFT_RNE)
+        tl.store(gu_ptr + 2 * offs, gate, mask=m)
+        tl.store(gu_ptr + 2 * offs + 1, up, mask=m)
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
     g = tl.where(gate > limit, limit, gate)
     u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
     y = _round_to((u + 1.0) * g * tl.sigmoid(alpha * g), y_ptr.dtype.element_ty, SOFT_RNE)
@@ -102,9 +118,17 @@ def _launch(n: int, block: int | None, num_warps: int | None) -> tuple[tuple[int
 
 
 def clamped_swiglu_fwd(gate_up: torch.Tensor, alpha: float, limit: float, out: torch.Tensor | None = None, *,
-                       block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """y (..., I) in gate_up's dtype from the interleaved gate_up (..., 2I). One kernel launch."""
+                       block: int | None = None, num_warps: int | None = None, bias: torch.Tensor | None = None,
+                       expert: torch.Tensor | None = None) -> torch.Tensor:
+    """y (..., I) in gate_up's dtype from the interleaved gate_up (..., 2I). One kernel launch.
+    With `bias` (E, 2I) and `expert` (rows,) integer ids for a contiguous (rows, 2I) gate_up: gate_up[r] +=
+    bias[expert[r]] first, in place (rounded to its dtype), and y from that."""
     _check_gate_up(gate_up)
+    if bias is not None:
+        if (expert is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or expert.shape != gate_up.shape[:1]
+                or bias.dim() != 2 or bias.shape[1] != gate_up.shape[1] or not bias.is_contiguous()):
+            raise ValueError("clamped_swiglu: a bias needs a contiguous (rows, 2I) gate_up, expert ids (rows,) and a "
+                             "contiguous (E, 2I) bias")
     gate_up = gate_up.contiguous()
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     if out is None:
@@ -114,7 +138,10 @@ def clamped_swiglu_fwd(gate_up: torch.Tensor, alpha: float, limit: float, out: t
     n = out.numel()
     if n:
         grid, meta = _launch(n, block, num_warps)
-        _clamped_swiglu_fwd_kernel[grid](gate_up, out, n, float(alpha), float(limit), SOFT_RNE=not gate_up.is_cuda,
+        has_bias = bias is not None
+        _clamped_swiglu_fwd_kernel[grid](gate_up, out, n, float(alpha), float(limit),
+                                         bias if has_bias else gate_up, expert if has_bias else gate_up,
+                                         gate_up.shape[-1] // 2, SOFT_RNE=not gate_up.is_cuda, HAS_BIAS=has_bias,
                                          **meta)
     return out
 

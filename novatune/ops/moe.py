@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from novatune.kernels import clamped_swiglu as K_CLAMPED
 from novatune.kernels import moe as K
 from novatune.kernels import moe_bias as KB
 from novatune.kernels.moe_wgrad import grouped_outer_accumulate
@@ -317,11 +318,20 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
     act_fwd, _ = ACTIVATIONS[layout.activation]
     # grouped_mm is not autocast-aware: run in the weights' dtype, as stock does
     xs, r = dispatch(x.to(gate_up.dtype), ids, gate_up.shape[0])
-    h = _linear(xs, gate_up, gu_bias, r, layout.transposed)  # (S, 2I)
+    # GPT-OSS's gate_up bias joins the clamped activation's pass (h += b written back, then act(h)) where nothing
+    # else reads h in between (no adapter) and the kernel can take it
+    fold = (gu_bias is not None and lora is None and layout.activation == "gpt_oss" and layout.interleaved
+            and use_triton(xs) and gu_bias.is_contiguous())
+    h = _linear(xs, gate_up, None if fold else gu_bias, r, layout.transposed)  # (S, 2I)
     if lora is not None:
         lora.add_gate_up(xs, h, r)
     del xs
-    a = act_fwd(h, layout.interleaved)
+    if fold and h.is_contiguous():
+        a = K_CLAMPED.clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT, bias=gu_bias, expert=r.expert)
+    else:
+        if fold:  # rows padded by grouped_mm: the add on its own, then the activation
+            KB.expert_bias_add_(h, r.expert, gu_bias)
+        a = act_fwd(h, layout.interleaved)
     if output_unread:  # the backward reads h, the routing and the down adapter's u A^T: never y nor out
         if lora is not None:
             lora.down_factor_(a, r)

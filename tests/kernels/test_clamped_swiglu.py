@@ -88,3 +88,23 @@ def test_strided_input_and_bad_shapes(device):
         K.clamped_swiglu_fwd(gu[:, :7], ALPHA, LIMIT)
     with pytest.raises(ValueError, match="contiguous with shape"):
         K.clamped_swiglu_fwd(gu, ALPHA, LIMIT, out=torch.empty(13, 40, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,inter,experts", [(1, 1, 1), (37, 33, 5), (6, 700, 3)])
+def test_forward_with_the_experts_bias_is_the_separate_add_then_the_activation(rows, inter, experts, dtype, device):
+    """gate_up += bias[expert[r]] written back (rounded to gate_up's dtype) and y from it: bit for bit the separate
+    add followed by the plain forward, whatever rows the experts get (some none)."""
+    gen = torch.Generator().manual_seed(11)
+    h = (5 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype).to(device)
+    bias = torch.randn(experts, 2 * inter, generator=gen).to(dtype).to(device)
+    expert = torch.randint(0, experts, (rows,), generator=gen).sort().values.to(torch.uint8).to(device)
+    added = h.clone().add_(bias[expert.long()])
+    want = K.clamped_swiglu_fwd(added, ALPHA, LIMIT)
+    fused = h.clone()
+    y = K.clamped_swiglu_fwd(fused, ALPHA, LIMIT, out=poison_(torch.empty(rows, inter, dtype=dtype, device=device)),
+                             bias=bias, expert=expert)
+    assert torch.equal(fused, added), "gate_up carries the bias afterwards (the backward reads it)"
+    assert torch.equal(y, want)
+    with pytest.raises(ValueError, match="bias"):
+        K.clamped_swiglu_fwd(h.clone(), ALPHA, LIMIT, bias=bias)

@@ -454,3 +454,27 @@ def test_double_backward_raises_instead_of_being_wrong():
 def test_route_refuses_a_top_k_outside_the_experts(top_k):
     with pytest.raises(ValueError, match=r"top_k=.* must be in \[1, 4\]"):
         route(torch.randn(6, 4), top_k)
+
+
+def test_gpt_oss_gate_up_bias_joins_the_activation_on_the_triton_path(backend_env, monkeypatch):
+    """On the Triton path GPT-OSS's gate_up bias is added inside the clamped activation's pass (and written back for
+    the backward): the kernel is called with the bias, and the op still equals the fp32 per-expert oracle (fp32:
+    1e-5, summation order), gradients included."""
+    from novatune.kernels import clamped_swiglu as KC
+    from novatune.reference.clamped_swiglu import clamped_swiglu_ref
+
+    backend_env("TRITON_INTERPRET", "1")
+    seen: list[bool] = []
+    real = KC.clamped_swiglu_fwd
+    monkeypatch.setattr(KC, "clamped_swiglu_fwd", lambda *a, **kw: seen.append(kw.get("bias") is not None)
+                        or real(*a, **kw))
+    ids, tensors, layout = _experts_inputs(CASES["gpt-oss layout E5"], torch.float32)
+    out = M.moe_experts(tensors[0], ids, *tensors[1:], **layout, activation="gpt_oss")
+    assert seen and all(seen), "the forward folds the bias into the activation's launch"
+    ref_in = [v.detach().float().requires_grad_() for v in tensors]
+    ref = R.experts_ref(ref_in[0], ids, *ref_in[1:], **layout, activation=lambda h, il: clamped_swiglu_ref(h))
+    assert_close(out, ref, 1e-5, "out")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    for g, rg, name in zip(torch.autograd.grad(out, tensors, dout), torch.autograd.grad(ref, ref_in, dout),
+                           ["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"]):
+        assert_close(g, rg, 1e-5, name)
