@@ -105,10 +105,18 @@ def _scale_bwd(g, out_sunk, lse, sinks):
     return dout, -((1.0 - c.squeeze(-1)) * (gf * out_sunk.float()).sum(-1)).sum(0)
 
 
+def _kernel_scale_fwd(out, lse, sinks):
+    return sink_scale_fwd(out, lse, sinks) if out.is_cuda else _scale_fwd(out, lse, sinks)
+
+
+def _kernel_scale_bwd(g, out_sunk, lse, sinks):
+    return sink_scale_bwd(g, out_sunk, lse, sinks) if g.is_cuda else _scale_bwd(g, out_sunk, lse, sinks)
+
+
 # fwd/bwd: the plain attention and its backward; scale_fwd/scale_bwd: the sink's scale around it (torch ops, or
-# one Triton pass each way on CUDA: novatune/kernels/sinks.py)
-SINK_IMPLS = {"flash": SimpleNamespace(fwd=flash_fwd, bwd=flash_bwd, scale_fwd=sink_scale_fwd,
-                                       scale_bwd=sink_scale_bwd),
+# one Triton pass each way on CUDA: novatune/kernels/sinks.py; a CPU stand-in for the flash ops keeps torch's)
+SINK_IMPLS = {"flash": SimpleNamespace(fwd=flash_fwd, bwd=flash_bwd, scale_fwd=_kernel_scale_fwd,
+                                       scale_bwd=_kernel_scale_bwd),
               "reference": SimpleNamespace(fwd=_reference_fwd, bwd=_reference_bwd, scale_fwd=_scale_fwd,
                                            scale_bwd=_scale_bwd)}
 

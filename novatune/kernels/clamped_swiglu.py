@@ -125,10 +125,12 @@ def clamped_swiglu_fwd(gate_up: torch.Tensor, alpha: float, limit: float, out: t
     bias[expert[r]] first, in place (rounded to its dtype), and y from that."""
     _check_gate_up(gate_up)
     if bias is not None:
-        if (expert is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or expert.shape != gate_up.shape[:1]
-                or bias.dim() != 2 or bias.shape[1] != gate_up.shape[1] or not bias.is_contiguous()):
-            raise ValueError("clamped_swiglu: a bias needs a contiguous (rows, 2I) gate_up, expert ids (rows,) and a "
-                             "contiguous (E, 2I) bias")
+        if (expert is None or expert.dtype.is_floating_point or gate_up.dim() != 2 or not gate_up.is_contiguous()
+                or expert.shape != gate_up.shape[:1] or bias.dim() != 2 or bias.shape[1] != gate_up.shape[1]
+                or not bias.is_contiguous()):
+            raise ValueError("clamped_swiglu: a bias needs a contiguous (rows, 2I) gate_up, integer expert ids (rows,) "
+                             "and a contiguous (E, 2I) bias")
+        expert = expert.contiguous()
     gate_up = gate_up.contiguous()
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     if out is None:

@@ -76,6 +76,7 @@ def _launch(kernel, x: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *te
 def sink_scale_fwd(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
                    sunk: torch.Tensor | None = None) -> torch.Tensor:
     """out * sigmoid(lse - sinks[head]) per (token, head) row, in out's dtype (a new tensor, or `sunk`)."""
+    out, sinks = out.contiguous(), sinks.contiguous()
     _check(out, lse, sinks)
     sunk = torch.empty_like(out) if sunk is None else sunk
     _check(sunk, lse, sinks)
@@ -86,7 +87,7 @@ def sink_scale_fwd(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
 def sink_scale_bwd(g: torch.Tensor, sunk: torch.Tensor, lse: torch.Tensor,
                    sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dout = g * c in g's dtype, the sinks' gradient (hq,) fp32) for out' = out * c, c = sigmoid(lse - sinks)."""
-    g = g.contiguous()
+    g, sinks = g.contiguous(), sinks.contiguous()
     _check(g, lse, sinks)
     _check(sunk, lse, sinks)
     dout = torch.empty_like(g)

@@ -330,7 +330,10 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
         a = K_CLAMPED.clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT, bias=gu_bias, expert=r.expert)
     else:
         if fold and gu_bias is not None:  # rows padded by grouped_mm: the add on its own, then the activation
-            KB.expert_bias_add_(h, r.expert, gu_bias)
+            if h.stride(1) == 1:
+                KB.expert_bias_add_(h, r.expert, gu_bias)
+            else:
+                h.add_(gu_bias[r.expert_index()])
         a = act_fwd(h, layout.interleaved)
     if output_unread:  # the backward reads h, the routing and the down adapter's u A^T: never y nor out
         if lora is not None:

@@ -108,3 +108,22 @@ def test_forward_with_the_experts_bias_is_the_separate_add_then_the_activation(r
     assert torch.equal(y, want)
     with pytest.raises(ValueError, match="bias"):
         K.clamped_swiglu_fwd(h.clone(), ALPHA, LIMIT, bias=bias)
+
+
+@pytest.mark.parametrize("path", ["even", "int64"])
+def test_bias_forward_on_the_even_and_int64_paths(path, device, monkeypatch):
+    """The bias add on the unmasked path (a whole number of blocks) and with int64 offsets (threshold lowered):
+    the same bits as the separate add and the plain forward."""
+    if path == "int64":
+        monkeypatch.setattr(K, "_I64_THRESHOLD", 64)
+    gen = torch.Generator().manual_seed(12)
+    rows, inter = 4, 64  # 256 output elements: 1 block of 256 (EVEN)
+    h = (5 * torch.randn(rows, 2 * inter, generator=gen)).to(device)
+    bias = torch.randn(3, 2 * inter, generator=gen).to(device)
+    expert = torch.tensor([0, 0, 2, 2], dtype=torch.int32, device=device)
+    want = K.clamped_swiglu_fwd(h.clone().add_(bias[expert.long()]), ALPHA, LIMIT, block=256)
+    fused = h.clone()
+    y = K.clamped_swiglu_fwd(fused, ALPHA, LIMIT, block=256, bias=bias, expert=expert)
+    assert torch.equal(fused, h + bias[expert.long()]) and torch.equal(y, want)
+    with pytest.raises(ValueError, match="integer expert ids"):
+        K.clamped_swiglu_fwd(h.clone(), ALPHA, LIMIT, bias=bias, expert=expert.float())

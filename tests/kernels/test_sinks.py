@@ -52,12 +52,13 @@ def test_a_strided_gradient_is_read_as_its_values(device):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_wrong_shapes_are_refused(device):
+def test_wrong_shapes_are_refused_and_strided_inputs_read_as_values(device):
     out, g, lse, sinks = _inputs(5, 4, 8, torch.float32, device, True)
     with pytest.raises(ValueError, match="sinks"):
         KS.sink_scale_fwd(out, lse, sinks[:-1])
     with pytest.raises(ValueError, match="lse"):
         KS.sink_scale_fwd(out, lse[:-1], sinks)
-    strided = out.transpose(0, 1).contiguous().transpose(0, 1)  # the right shape, not contiguous
-    with pytest.raises(ValueError, match="contiguous=False"):
-        KS.sink_scale_fwd(strided, lse, sinks)
+    strided = out.transpose(0, 1).contiguous().transpose(0, 1)  # the right shape, not contiguous: read as values
+    assert torch.equal(KS.sink_scale_fwd(strided, lse, sinks), KS.sink_scale_fwd(out, lse, sinks))
+    strided_sinks = torch.stack([sinks, sinks], 1)[:, 0]  # stride 2
+    assert torch.equal(KS.sink_scale_fwd(out, lse, strided_sinks), KS.sink_scale_fwd(out, lse, sinks))
