@@ -22,6 +22,7 @@ the published anchor figures were measured, so `novatune bench` measures the sam
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 PEER_ATTENTION = "peer_varlen"
@@ -170,12 +171,17 @@ def use_peer_attention(model) -> str:
 MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
 
+@functools.cache
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)  # once per builder, not at every forward
+
+
 def _mask_for(builder, config, like, position_ids):
     """One layer type's mask through transformers' builder, whatever its keyword names in this release
     (inputs_embeds / input_embeds, cache / past_key_values, cache_position where it still exists)."""
     import torch
 
-    params = inspect.signature(builder).parameters
+    params = _parameters(builder)
     kw = {"config": config, "attention_mask": None, "position_ids": position_ids,
           ("inputs_embeds" if "inputs_embeds" in params else "input_embeds"): like,
           ("cache" if "cache" in params else "past_key_values"): None}

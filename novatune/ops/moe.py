@@ -199,8 +199,11 @@ def grouped_outer(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
 
 def _linear(x: Tensor, w: Tensor, bias: Tensor | None, r: Routing, transposed: bool) -> Tensor:
     y = grouped_mm(x, w if transposed else w.transpose(-2, -1), r.ends)
-    if bias is None:
-        return y
+    return y if bias is None else _add_bias_(y, bias, r)
+
+
+def _add_bias_(y: Tensor, bias: Tensor, r: Routing) -> Tensor:
+    """y[row] += bias[expert of row], in place."""
     if use_triton(y) and bias.is_contiguous() and y.stride(1) == 1:
         return KB.expert_bias_add_(y, r.expert, bias)  # no gathered (S, N) copy of the bias
     return y.add_(bias[r.expert_index()])
@@ -330,10 +333,7 @@ def _experts_fwd(x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, gu_b
         a = K_CLAMPED.clamped_swiglu_fwd(h, CLAMP_ALPHA, CLAMP_LIMIT, bias=gu_bias, expert=r.expert)
     else:
         if fold and gu_bias is not None:  # rows padded by grouped_mm: the add on its own, then the activation
-            if h.stride(1) == 1:
-                KB.expert_bias_add_(h, r.expert, gu_bias)
-            else:
-                h.add_(gu_bias[r.expert_index()])
+            _add_bias_(h, gu_bias, r)
         a = act_fwd(h, layout.interleaved)
     if output_unread:  # the backward reads h, the routing and the down adapter's u A^T: never y nor out
         if lora is not None:
