@@ -65,7 +65,10 @@ def _candidates(a, b, r, out):
 
 
 def main(argv=None):
-    args = moe_arg_parser(__doc__).parse_args(argv)
+    ap = moe_arg_parser(__doc__)
+    ap.add_argument("--transposed", action="store_true",
+                    help="weights stored (E, in, out) as GPT-OSS's: out (E, H, 2I) += xs^T dh, (E, I, H) += (w a)^T dy")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe_wgrad.py needs a CUDA GPU (nothing measured).", file=sys.stderr)
         return 2
@@ -77,7 +80,10 @@ def main(argv=None):
         return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
 
     rows = []
-    for proj, a, b in (("gate_up", randn(s, 2 * i), randn(s, h)), ("down", randn(s, h), randn(s, i))):
+    pairs = [("gate_up", randn(s, 2 * i), randn(s, h)), ("down", randn(s, h), randn(s, i))]
+    if args.transposed:
+        pairs = [(proj, b, a) for proj, a, b in pairs]
+    for proj, a, b in pairs:
         start = randn(e, a.shape[1], b.shape[1])
         out = start.clone()
         cands = _candidates(a, b, r, out)
@@ -96,7 +102,7 @@ def main(argv=None):
             k_us, w_us, peak_mib = _measure(fn, args.quick)
             rows.append(write_row(args.results, {
                 "bench": "moe_wgrad", "op": f"moe_wgrad_{proj}", "candidate": name,
-                "shape": [args.tokens, h, i, e, args.top_k], "dtype": "bfloat16", "kernel_us": round(k_us, 1),
+                "shape": [args.tokens, h, i, e, args.top_k], "transposed": args.transposed, "dtype": "bfloat16", "kernel_us": round(k_us, 1),
                 "wall_us": round(w_us, 1), "step_peak_MiB": round(peak_mib, 1),
                 "tflops": round(flops / k_us / 1e6, 1), "max_diff_vs_autograd_add_spacings": round(diff, 3),
                 "quick": args.quick}))

@@ -210,7 +210,8 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
     if spec.get("profile"):
         try:
             extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name),
-                                                        session.finish_backward)
+                                                        session.finish_backward,
+                                                        accumulating=session.cfg.train.grad_accum > 1)
             extra["trace"] = str(out / "traces" / f"{name}.json")
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["profile"] = f"failed: {type(e).__name__}: {e}"
