@@ -32,7 +32,9 @@ from bench_moe import _measure, moe_arg_parser  # noqa: E402  (this script's fol
 from novatune.measure.results import write_row  # noqa: E402
 
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-           (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4)]
+           (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (128, 128, 32, 4, 5),
+           (128, 128, 32, 4, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (64, 256, 32, 4, 4)]
+EARLY = [(128, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 3)]
 
 
 def _routing(tokens: int, experts: int, top_k: int):
@@ -61,6 +63,9 @@ def _candidates(a, b, r, out):
     for cfg in CONFIGS:
         cands["kernel " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c))(cfg)
+    for cfg in EARLY:  # the gradient's tile read before the rows' loop
+        cands["early " + "x".join(map(str, cfg))] = \
+            (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, early_read=True))(cfg)
     return cands
 
 
