@@ -10,6 +10,8 @@ Candidates:
   slices            novatune.ops.moe_wgrad's column slices: the same GEMM and add, a quarter of dW alive at a time
   kernel B..        novatune.kernels.moe_wgrad: the add inside the grouped GEMM, with tile configuration
                     (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+  tma B..           the same through the Tensor Memory Accelerator (descriptors bounded at each expert's rows)
+  early B..         the plain kernel reading the gradient's tile before the rows' loop
 Figures: kernel µs (sum of CUDA kernel durations), wall µs (median), the transient peak above the resident tensors,
 and the largest difference from autograd_add's result in bf16 spacings (of the larger of the result and the
 value accumulated into). Rows go to bench/results/ops.jsonl.
@@ -34,7 +36,9 @@ from novatune.measure.results import write_row  # noqa: E402
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
            (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (128, 128, 32, 4, 5),
            (128, 128, 32, 4, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (64, 256, 32, 4, 4)]
-EARLY = [(128, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 3)]
+EARLY = [(128, 128, 32, 4, 4), (128, 256, 64, 8, 3)]
+TMA = [(128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3),
+       (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 256, 64, 4, 4)]
 
 
 def _routing(tokens: int, experts: int, top_k: int):
@@ -63,6 +67,9 @@ def _candidates(a, b, r, out):
     for cfg in CONFIGS:
         cands["kernel " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c))(cfg)
+    for cfg in TMA:  # the Tensor Memory Accelerator form
+        cands["tma " + "x".join(map(str, cfg))] = \
+            (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, tma=True))(cfg)
     for cfg in EARLY:  # the gradient's tile read before the rows' loop
         cands["early " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, early_read=True))(cfg)
@@ -107,7 +114,8 @@ def main(argv=None):
             k_us, w_us, peak_mib = _measure(fn, args.quick)
             rows.append(write_row(args.results, {
                 "bench": "moe_wgrad", "op": f"moe_wgrad_{proj}", "candidate": name,
-                "shape": [args.tokens, h, i, e, args.top_k], "transposed": args.transposed, "dtype": "bfloat16", "kernel_us": round(k_us, 1),
+                "shape": [args.tokens, h, i, e, args.top_k], "transposed": args.transposed, "dtype": "bfloat16",
+                "kernel_us": round(k_us, 1),
                 "wall_us": round(w_us, 1), "step_peak_MiB": round(peak_mib, 1),
                 "tflops": round(flops / k_us / 1e6, 1), "max_diff_vs_autograd_add_spacings": round(diff, 3),
                 "quick": args.quick}))

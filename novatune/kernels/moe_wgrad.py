@@ -92,6 +92,62 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_
 _KERNEL = lean(_grouped_outer_acc_kernel)
 
 
+@triton.jit
+def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, M, N, E, stride_a, stride_b, TILES_N,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  SOFT_RNE: tl.constexpr):
+    """The accumulating form through the Tensor Memory Accelerator: each program describes its expert's rows as a
+    tensor of `end` rows, so a block reaching past them reads zeros (the hardware's bound check, no mask), and the
+    gradient's tile is read and written as a (1, BLOCK_M, BLOCK_N) box of the (E, M, N) tensor (clipped at M, N)."""
+    tile = tl.program_id(0)
+    e = tl.program_id(1)
+    end = tl.load(ENDS + e)
+    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
+    if end > start:  # an expert without rows leaves its slice as it is
+        pm = tile // TILES_N
+        pn = tile % TILES_N
+        a_desc = tl.make_tensor_descriptor(A, shape=[end, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+        b_desc = tl.make_tensor_descriptor(B, shape=[end, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            a = a_desc.load([k0, pm * BLOCK_M])  # (BLOCK_K, BLOCK_M)
+            b = b_desc.load([k0, pn * BLOCK_N])  # (BLOCK_K, BLOCK_N)
+            if SOFT_RNE:  # the CPU interpreter: bf16 widened first (exact), as the kernel above does
+                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(a), b, acc)
+        o_desc = tl.make_tensor_descriptor(OUT, shape=[E, M, N], strides=[M * N, N, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_N])
+        acc += o_desc.load([e, pm * BLOCK_M, pn * BLOCK_N]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+        o_desc.store([e, pm * BLOCK_M, pn * BLOCK_N],
+                      _round_to(acc, OUT.dtype.element_ty, SOFT_RNE).reshape(1, BLOCK_M, BLOCK_N))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the TMA form
+TMA_CONFIG = (128, 128, 64, 4, 4)
+_TMA_ALIGN = 16  # bytes: the descriptors' base addresses and row strides
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    """Global memory for descriptors a kernel builds on the device (triton.set_allocator's callback)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the TMA form can take these operands: bf16 on a Hopper-or-later GPU (or the interpreter), unit column
+    strides, 16-byte aligned base addresses and row strides, a contiguous `out`, and a Triton with tensor
+    descriptors built on the device."""
+    if not hasattr(tl, "make_tensor_descriptor") or not (a.dtype == b.dtype == out.dtype == torch.bfloat16):
+        return False
+    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    if not out.is_contiguous() or a.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    size = a.element_size()
+    return all(t.data_ptr() % _TMA_ALIGN == 0 for t in (a, b, out)) and all(
+        (s * size) % _TMA_ALIGN == 0 for s in (a.stride(0), b.stride(0), out.shape[2]))
+
+
 def _check(a, b, ends, out, *, same_dtype: bool) -> None:
     if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"a (S, M) and b (S, N) with the same rows, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -106,19 +162,36 @@ def _check(a, b, ends, out, *, same_dtype: bool) -> None:
 
 
 def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                             config: tuple[int, int, int, int, int] = DEFAULT_CONFIG,
-                             early_read: bool = False) -> torch.Tensor:
+                             config: tuple[int, int, int, int, int] | None = None, early_read: bool = False,
+                             tma: bool = False) -> torch.Tensor:
     """out[e] += a[group e]^T @ b[group e] in place (the module docstring); returns out. a (S, M), b (S, N) with unit
     column stride (rows may be strided), ends (E,) int32 cumulative, out (E, M, N) contiguous; a, b and out of one
-    dtype (bf16 or fp32) on one device."""
+    dtype (bf16 or fp32) on one device. `tma`: the Tensor Memory Accelerator form where `tma_eligible` (else the
+    plain one), with `config` or TMA_CONFIG."""
     _check(a, b, ends, out, same_dtype=True)
     if not out.is_contiguous():
         raise ValueError("out (the gradient being accumulated) must be contiguous")
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
     ends = ends.contiguous()  # read as ENDS + e
-    _launch(a, b, ends, out, config, accumulate=True, scale=1.0, early_read=early_read)
+    if tma and tma_eligible(a, b, out):
+        _launch_tma(a, b, ends, out, config or TMA_CONFIG)
+        return out
+    _launch(a, b, ends, out, config or DEFAULT_CONFIG, accumulate=True, scale=1.0, early_read=early_read)
     return out
+
+
+def _launch_tma(a, b, ends, out, config) -> None:
+    e, m, n = (int(d) for d in out.shape)
+    if e == 0 or m == 0 or n == 0 or a.shape[0] == 0:
+        return
+    if out.is_cuda:
+        triton.set_allocator(_descriptor_scratch)
+    block_m, block_n, block_k, warps, stages = config
+    tiles_n = cdiv(n, block_n)
+    _grouped_outer_acc_tma_kernel[(cdiv(m, block_m) * tiles_n, e)](
+        a, b, ends, out, m, n, e, a.stride(0), b.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
 
 
 def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float, early_read: bool = False) -> None:

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from novatune.kernels import moe_wgrad as W
 from novatune.kernels.moe_wgrad import DEFAULT_CONFIG, grouped_outer_accumulate
 from novatune.reference.moe import grouped_outer_accumulate_ref
 
@@ -60,6 +61,44 @@ def test_kernel_matches_reference(counts, m, n, row_pad, dtype, config, early_re
         assert (diff == 0).double().mean() > 0.98
 
 
+@pytest.mark.parametrize("counts,m,n,row_pad", [([0, 5, 37, 0, 64, 1, 23], 40, 56, 8), ([130, 0, 3], 24, 72, 0)])
+def test_tma_form_matches_reference_and_leaves_empty_experts_alone(counts, m, n, row_pad, device, monkeypatch):
+    """The Tensor Memory Accelerator form (bf16, 16-byte aligned rows): experts' row blocks end at the descriptor's
+    bound (no mask), the gradient's tile read and written as a box clipped at M, N (tile sizes that do not divide
+    them); an expert without rows keeps its NaN bits. Tolerance as test_kernel_matches_reference's bf16 case."""
+    ran = []
+    real = W._launch_tma
+    monkeypatch.setattr(W, "_launch_tma", lambda *args: ran.append(1) or real(*args))
+    a, b, ends, out = _inputs(counts, m, n, torch.bfloat16, device, seed=m + n, row_pad=row_pad)
+    for e, c in enumerate(counts):
+        if c == 0:
+            out[e] = float("nan")
+    before = out.clone()
+    want = grouped_outer_accumulate_ref(a, b, ends, out)
+    got = grouped_outer_accumulate(a, b, ends, out, config=(16, 32, 16, 4, 2), tma=True)
+    assert ran == [1] and got is out
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(got[e].view(torch.int16), before[e].view(torch.int16))
+    live = torch.tensor([c > 0 for c in counts], device=got.device)
+    scale = _magnitude(a, b, ends, want)[live]
+    got, want = got[live], want[live]
+    diff = (got.double() - want.double()).abs()
+    assert (diff <= _spacing(want) + 1e-5 * scale).all(), float((diff / _spacing(want)).max())
+    assert (diff == 0).double().mean() > 0.98
+
+
+def test_tma_form_falls_back_where_it_cannot_take_the_operands(device, monkeypatch):
+    """Rows whose byte stride is not a multiple of 16 (and fp32) go through the plain kernel, same results."""
+    monkeypatch.setattr(W, "_launch_tma", lambda *args: pytest.fail("the TMA form took unaligned rows"))
+    a, b, ends, out = _inputs([3, 9], 37, 53, torch.bfloat16, device, seed=5)
+    assert not W.tma_eligible(a, b, out)
+    want = grouped_outer_accumulate(a, b, ends, out.clone())
+    assert torch.equal(grouped_outer_accumulate(a, b, ends, out, tma=True), want)
+    a, b, ends, out = _inputs([3, 9], 40, 56, torch.float32, device, seed=6)
+    assert not W.tma_eligible(a, b, out)
+
+
 def test_experts_without_rows_keep_their_slice_bit_for_bit(device):
     """An empty group's slice is never read or written: NaN bits put there stay exactly as they are."""
     a, b, ends, out = _inputs([0, 11, 0, 5, 0], 21, 34, torch.bfloat16, device, seed=2)
@@ -103,18 +142,24 @@ def test_bad_inputs_raise(device):
 
 
 @pytest.mark.gpu
-def test_cuda_at_qwen3_moe_shapes():
-    """Qwen3-30B-A3B's gate/up and down weight gradients (E 128, 2I 1536, H 2048, 4096 tokens x top-8, uneven
-    routing), bf16 on the GPU against the fp32 reference."""
+@pytest.mark.parametrize("tma", [False, True], ids=["plain", "tma"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
+def test_cuda_at_real_moe_shapes(family, tma):
+    """Qwen3-30B-A3B's gate/up and down weight gradients (E 128, 2I 1536, H 2048, 4096 tokens x top-8) and GPT-OSS's
+    transposed ones (E 32, H 2880, 2I 5760, I 2880, top-4), uneven routing, bf16 on the GPU against the fp32
+    reference, both kernel forms."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(3)
-    counts = torch.multinomial(torch.softmax(torch.randn(128, generator=gen), 0), 32768, replacement=True,
-                               generator=gen).bincount(minlength=128).tolist()
-    for m, n in ((1536, 2048), (2048, 768)):
+    experts, rows, shapes = ((128, 32768, ((1536, 2048), (2048, 768))) if family == "qwen3-moe"
+                             else (32, 16384, ((2880, 5760), (2880, 2880))))
+    counts = torch.multinomial(torch.softmax(torch.randn(experts, generator=gen), 0), rows, replacement=True,
+                               generator=gen).bincount(minlength=experts).tolist()
+    for m, n in shapes:
         a, b, ends, out = _inputs(counts, m, n, torch.bfloat16, "cuda", seed=m)
         want = grouped_outer_accumulate_ref(a, b, ends, out)
-        got = grouped_outer_accumulate(a, b, ends, out)
+        assert W.tma_eligible(a, b, out)
+        got = grouped_outer_accumulate(a, b, ends, out, tma=tma)
         diff = (got.double() - want.double()).abs()
         scale = _magnitude(a, b, ends, want)
         assert (diff <= _spacing(want) + 1e-5 * scale).all(), (m, n, float((diff / _spacing(want)).max()))

@@ -202,8 +202,8 @@ def test_moe_experts_rejects_bad_shapes():
         M.moe_experts(x, ids, w, torch.randn(3, 10, 8), torch.randn(3, 8, 5), activation="gelu")
 
 
-@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set before "
-                    "triton compiles anything, on machines without a GPU (CI)")
+@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set "
+                    "before triton compiles anything, on machines without a GPU (CI)")
 @pytest.mark.parametrize("name,activation", [("qwen3-layout E5", "silu"), ("gpt-oss layout E5", "silu"),
                                              ("gpt-oss layout E5", "gpt_oss")])
 def test_registered_op_opcheck_and_same_values_as_eager(name, activation, backend_env):
@@ -462,8 +462,8 @@ def test_route_refuses_a_top_k_outside_the_experts(top_k):
         route(torch.randn(6, 4), top_k)
 
 
-@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set before "
-                    "triton compiles anything, on machines without a GPU (CI)")
+@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set "
+                    "before triton compiles anything, on machines without a GPU (CI)")
 def test_gpt_oss_gate_up_bias_joins_the_activation_on_the_triton_path(backend_env, monkeypatch):
     """On the Triton path GPT-OSS's gate_up bias is added inside the clamped activation's pass (and written back for
     the backward): the kernel is called with the bias, and the op still equals the fp32 per-expert oracle (fp32:
