@@ -224,7 +224,7 @@ def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor |
     if (into is not None and use_triton(dy) and dy.dtype in (torch.bfloat16, torch.float32)
             and into.grad is not None and into.grad.is_contiguous() and x.dtype == dy.dtype == into.grad.dtype):
         a, b = (x, dy) if transposed else (dy, x)
-        grouped_outer_accumulate(a, b, r.ends, into.grad)
+        grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True)  # the TMA form where it can take them
         return None
     return weight_grad(functools.partial(_linear_dweight, x, r=r, transposed=transposed), dy, into,
                        2 if transposed else 1)  # the weights' output-feature dim: dY's columns

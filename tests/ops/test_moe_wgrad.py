@@ -61,7 +61,7 @@ def test_in_place_accumulation_equals_autograds(name, triton, monkeypatch, backe
     added = _record_in_place(monkeypatch)
     kernel_calls = []
     real_kernel = M.grouped_outer_accumulate
-    monkeypatch.setattr(M, "grouped_outer_accumulate", lambda *a: kernel_calls.append(1) or real_kernel(*a))
+    monkeypatch.setattr(M, "grouped_outer_accumulate", lambda *a, **kw: kernel_calls.append(1) or real_kernel(*a, **kw))
     got = _accumulate(CASES[name], 3, wgrad_in_place=True)
     out_dim = 2 if CASES[name][5] else 1
     assert added == [out_dim] * 4  # micro-batches 2 and 3, both weights
