@@ -63,10 +63,13 @@ def _candidates(a, b, r, out):
     def slices():
         weight_grad(lambda dy_cols: grouped_outer(dy_cols, b, r.ends), a, param, 1)
 
+    from novatune.kernels.moe_wgrad import tma_eligible
+
     cands = {"autograd_add": autograd_add, "slices": slices}
     for cfg in CONFIGS:
         cands["kernel " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c))(cfg)
+    assert tma_eligible(a, b, out), "the TMA candidates would run the plain kernel at these shapes"
     for cfg in TMA:  # the Tensor Memory Accelerator form
         cands["tma " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, tma=True))(cfg)

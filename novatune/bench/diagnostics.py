@@ -253,10 +253,11 @@ def _category(name: str) -> str:
 def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool = False) -> dict:
     """One micro-step (fwd+bwd) under torch.profiler: device time per category, busy vs wall, Chrome trace.
     On a CPU (tests) the table counts CPU ops' own time instead of CUDA kernels. `finish` (the session's
-    finish_backward) runs after the backward, inside the profile, before the gradients are dropped.
-    `accumulating` (gradient accumulation: micro-steps 2..GA, most of a step): one micro-step runs first, not
-    profiled, so the profiled one adds into gradients that exist, as those do (the first micro-step of a step
-    creates them instead, and skips every addition into `.grad`)."""
+    finish_backward) runs after the profiled backward, inside the profile, before the gradients are dropped: once,
+    as a training step runs it after its last micro-step only. `accumulating` (gradient accumulation: micro-steps
+    2..GA, most of a step): one micro-step runs first, not profiled, so the profiled one adds into gradients that
+    exist, as those do (the first micro-step of a step creates them instead, and skips every addition into
+    `.grad`)."""
     import os
 
     import torch
@@ -267,8 +268,6 @@ def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool
     os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     if accumulating:
         model(**batch).loss.backward()
-        if finish is not None:
-            finish()
     sync()
     # with_stack (Python frames) would name the launching code, but it slows the host ~2x: the gaps measured then
     # are the profiler's, so CPU ops only (aten op names still say where a launch came from)

@@ -34,7 +34,9 @@ Two forms of the accumulating kernel. The plain one loads with masks (any stride
 (`tma=True`, Hopper and later, bf16 with 16-byte aligned rows: `tma_eligible`) builds tensor descriptors on the
 device whose row count is the expert's end, so a block that reaches past the expert's rows reads zeros from the
 copy engine's bound check, and reads and writes the gradient's tile as one clipped box: ~11% faster at both
-GPT-OSS's and Qwen3-30B-A3B's shapes (session25-7). The same sum in the same order per tile; ops/moe.py asks for it.
+GPT-OSS's and Qwen3-30B-A3B's shapes (session25-7). The same fp32 sums per tile, rounded once; its only allocation
+is Triton's scratch for the descriptors (3 x 128 bytes per program, 2-12 MiB per call at those shapes). ops/moe.py
+asks for it.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ _KERNEL = lean(_grouped_outer_acc_kernel)
 
 
 @triton.jit
-def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, M, N, E, stride_a, stride_b, TILES_N,
+def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, M, N, E, stride_a, stride_b, stride_oe, TILES_N,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                   SOFT_RNE: tl.constexpr):
     """The accumulating form through the Tensor Memory Accelerator: each program describes its expert's rows as a
@@ -122,7 +124,7 @@ def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, M, N, E, stride_a, stride_b, 
                 acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(tl.trans(a), b, acc)
-        o_desc = tl.make_tensor_descriptor(OUT, shape=[E, M, N], strides=[M * N, N, 1],
+        o_desc = tl.make_tensor_descriptor(OUT, shape=[E, M, N], strides=[stride_oe, N, 1],
                                            block_shape=[1, BLOCK_M, BLOCK_N])
         acc += o_desc.load([e, pm * BLOCK_M, pn * BLOCK_N]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
         o_desc.store([e, pm * BLOCK_M, pn * BLOCK_N],
@@ -142,14 +144,16 @@ def _descriptor_scratch(size: int, alignment: int, stream):
 
 
 def tma_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the TMA form can take these operands: bf16 on a Hopper-or-later GPU (or the interpreter), unit column
-    strides, 16-byte aligned base addresses and row strides, a contiguous `out`, and a Triton with tensor
-    descriptors built on the device."""
+    """Whether the TMA form can take these operands: bf16 on an NVIDIA GPU of compute capability 9 or later (CPU
+    tensors: the interpreter's), unit column strides and rows that do not overlap, 16-byte aligned base addresses
+    and row strides, a contiguous `out`, and a Triton with tensor descriptors built on the device."""
     if not hasattr(tl, "make_tensor_descriptor") or not (a.dtype == b.dtype == out.dtype == torch.bfloat16):
         return False
-    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9:
+    if a.is_cuda and (torch.version.hip is not None or torch.cuda.get_device_capability(a.device)[0] < 9):
         return False
     if not out.is_contiguous() or a.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    if a.stride(0) < a.shape[1] or b.stride(0) < b.shape[1]:  # broadcast or overlapping rows
         return False
     size = a.element_size()
     return all(t.data_ptr() % _TMA_ALIGN == 0 for t in (a, b, out)) and all(
@@ -198,7 +202,7 @@ def _launch_tma(a, b, ends, out, config) -> None:
     block_m, block_n, block_k, warps, stages = config
     tiles_n = cdiv(n, block_n)
     _grouped_outer_acc_tma_kernel[(cdiv(m, block_m) * tiles_n, e)](
-        a, b, ends, out, m, n, e, a.stride(0), b.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n,
+        a, b, ends, out, m, n, e, a.stride(0), b.stride(0), out.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
 
 

@@ -65,7 +65,8 @@ def test_kernel_matches_reference(counts, m, n, row_pad, dtype, config, early_re
 def test_tma_form_matches_reference_and_leaves_empty_experts_alone(counts, m, n, row_pad, device, monkeypatch):
     """The Tensor Memory Accelerator form (bf16, 16-byte aligned rows): experts' row blocks end at the descriptor's
     bound (no mask), the gradient's tile read and written as a box clipped at M, N (tile sizes that do not divide
-    them); an expert without rows keeps its NaN bits. Tolerance as test_kernel_matches_reference's bf16 case."""
+    them); an expert without rows keeps its bits (NaN and -0.0, which an added 0 would turn into +0.0). Tolerance
+    as test_kernel_matches_reference's bf16 case."""
     ran = []
     real = W._launch_tma
     monkeypatch.setattr(W, "_launch_tma", lambda *args: ran.append(1) or real(*args))
@@ -73,6 +74,7 @@ def test_tma_form_matches_reference_and_leaves_empty_experts_alone(counts, m, n,
     for e, c in enumerate(counts):
         if c == 0:
             out[e] = float("nan")
+            out[e, : m // 2] = -0.0
     before = out.clone()
     want = grouped_outer_accumulate_ref(a, b, ends, out)
     got = grouped_outer_accumulate(a, b, ends, out, config=(16, 32, 16, 4, 2), tma=True)
@@ -100,10 +102,12 @@ def test_tma_form_falls_back_where_it_cannot_take_the_operands(device, monkeypat
 
 
 def test_experts_without_rows_keep_their_slice_bit_for_bit(device):
-    """An empty group's slice is never read or written: NaN bits put there stay exactly as they are."""
+    """An empty group's slice is never read or written: NaN and -0.0 bits put there stay exactly as they are (an
+    added 0 would leave a NaN's bits but turn -0.0 into +0.0)."""
     a, b, ends, out = _inputs([0, 11, 0, 5, 0], 21, 34, torch.bfloat16, device, seed=2)
     for e in (0, 2, 4):
         out[e] = float("nan")
+        out[e, :10] = -0.0
     before = out.clone()
     grouped_outer_accumulate(a, b, ends, out, config=SMALL)
     for e in (0, 2, 4):
@@ -144,12 +148,17 @@ def test_bad_inputs_raise(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True], ids=["plain", "tma"])
 @pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
-def test_cuda_at_real_moe_shapes(family, tma):
+def test_cuda_at_real_moe_shapes(family, tma, monkeypatch):
     """Qwen3-30B-A3B's gate/up and down weight gradients (E 128, 2I 1536, H 2048, 4096 tokens x top-8) and GPT-OSS's
     transposed ones (E 32, H 2880, 2I 5760, I 2880, top-4), uneven routing, bf16 on the GPU against the fp32
-    reference, both kernel forms."""
+    reference, both kernel forms (the TMA one on compute capability 9 and later)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA form needs compute capability 9 or later")
+    ran = []
+    real = W._launch_tma
+    monkeypatch.setattr(W, "_launch_tma", lambda *args: ran.append(1) or real(*args))
     gen = torch.Generator().manual_seed(3)
     experts, rows, shapes = ((128, 32768, ((1536, 2048), (2048, 768))) if family == "qwen3-moe"
                              else (32, 16384, ((2880, 5760), (2880, 2880))))
@@ -158,8 +167,9 @@ def test_cuda_at_real_moe_shapes(family, tma):
     for m, n in shapes:
         a, b, ends, out = _inputs(counts, m, n, torch.bfloat16, "cuda", seed=m)
         want = grouped_outer_accumulate_ref(a, b, ends, out)
-        assert W.tma_eligible(a, b, out)
         got = grouped_outer_accumulate(a, b, ends, out, tma=tma)
+        assert len(ran) == (1 if tma else 0)
+        ran.clear()
         diff = (got.double() - want.double()).abs()
         scale = _magnitude(a, b, ends, want)
         assert (diff <= _spacing(want) + 1e-5 * scale).all(), (m, n, float((diff / _spacing(want)).max()))

@@ -13,6 +13,7 @@ import torch
 
 from novatune.measure.numerics import assert_close
 from novatune.ops import moe as M
+from novatune.ops._backend import interpreter_on
 from novatune.ops.moe_routing import route
 from novatune.ops.moe_wgrad import SLICES, accumulates_into_grad, column_slices
 from tests.ops.test_moe import CASES, _experts_inputs
@@ -39,16 +40,38 @@ def _params(tensors):
     return out
 
 
-def _accumulate(case, micro_batches, wgrad_in_place, seed=0):
+def _accumulate(case, micro_batches, wgrad_in_place, seed=0, dtype=torch.float32):
     """Gradient accumulation over `micro_batches` of fresh inputs for the same expert weights; the weights' .grad."""
-    ids, tensors, layout = _experts_inputs(case, torch.float32, seed)
+    ids, tensors, layout = _experts_inputs(case, dtype, seed)
     params = _params(tensors)
     for mb in range(micro_batches):
-        ids, inputs, _ = _experts_inputs(case, torch.float32, seed + 100 + mb)
+        ids, inputs, _ = _experts_inputs(case, dtype, seed + 100 + mb)
         inputs[2:4] = params[2:4]
         out = M.moe_experts(inputs[0], ids, *inputs[1:], **layout, wgrad_in_place=wgrad_in_place)
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))).sum().backward()
     return params[2].grad, params[3].grad, inputs
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set "
+                    "before triton compiles anything, on machines without a GPU (CI)")
+@pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5"])
+def test_bf16_aligned_expert_weights_take_the_tma_form(name, monkeypatch, backend_env):
+    """bf16 expert weights whose rows are 16-byte aligned: the op adds their gradients through the TMA form of the
+    kernel (here in the interpreter), and the accumulated .grad is autograd's within bf16 rounding: each of the two
+    accumulating micro-batches rounds once where autograd rounds twice (dW, then the sum), so elements differ by at
+    most a spacing or two (2^-8 relative each); 8e-3 of the norm."""
+    from novatune.kernels import moe_wgrad as W
+
+    backend_env("TRITON_INTERPRET", "1")
+    want = _accumulate(CASES[name], 3, wgrad_in_place=False, dtype=torch.bfloat16)
+    ran = []
+    real = W._launch_tma
+    monkeypatch.setattr(W, "_launch_tma", lambda *args: ran.append(1) or real(*args))
+    got = _accumulate(CASES[name], 3, wgrad_in_place=True, dtype=torch.bfloat16)
+    assert len(ran) == 4  # micro-batches 2 and 3, both weights
+    for what, a, b in (("gate_up", got[0], want[0]), ("down", got[1], want[1])):
+        assert a.dtype == torch.bfloat16
+        assert_close(a, b, 8e-3, what)
 
 
 @pytest.mark.parametrize("triton", [False, True], ids=["slices", "in-GEMM kernel"])
