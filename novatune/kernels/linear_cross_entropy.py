@@ -166,6 +166,17 @@ def _scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
         tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _scale_add_kernel(dst_ptr, x_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    """dst += x * g (g a 0-dim fp32 tensor), math in fp32, one rounding into dst's dtype."""
+    g = tl.load(g_ptr).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(dst_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + offs, (d + x * g).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
 def _rows_triton(z: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, divisor: torch.Tensor,
                  ignore_index: int, write_grad: bool, stats=None, softcap: float | None = None) -> None:
     n_rows, V = z.shape
@@ -438,3 +449,21 @@ def linear_cross_entropy_bwd(grad_output: torch.Tensor, *grads: torch.Tensor | N
         else:
             x.copy_(x.float() * g)
     return grads
+
+
+def linear_cross_entropy_bwd_into(grad_output: torch.Tensor, grad: torch.Tensor, into: torch.Tensor,
+                                  use_triton: bool = True) -> None:
+    """into += grad * grad_output in one pass (fp32 math, one rounding): the chain rule and autograd's accumulation
+    together, for a weight whose `.grad` already exists (into is that .grad: same shape and dtype, contiguous)."""
+    if grad.shape != into.shape or grad.dtype != into.dtype or not (grad.is_contiguous() and into.is_contiguous()):
+        raise ValueError(f"into {tuple(into.shape)} {into.dtype} must match grad {tuple(grad.shape)} {grad.dtype}, "
+                         "both contiguous")
+    g = grad_output.detach().to(torch.float32).reshape(())
+    if grad.numel() == 0:
+        return
+    if use_triton:
+        block = 4096 if grad.is_cuda else 2**16  # the interpreter pays per program
+        _scale_add_kernel[(triton.cdiv(grad.numel(), block),)](into, grad, g, grad.numel(), BLOCK=block,
+                                                               num_warps=8)
+    else:
+        into.copy_(into.float() + grad.float() * g)

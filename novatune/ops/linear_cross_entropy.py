@@ -38,6 +38,9 @@ Ops:
       returning wrongly scaled gradients. When traced (torch.compile, AOTAutograd, make_fx) the backward scales
       out of place with plain torch ops instead: AOTAutograd's partitioner rejects a backward that mutates a
       saved forward output, and inside a compiled graph the mutation would be functionalised into a copy anyway.
+      Where autograd would add the weight's gradient into an existing `.grad` itself (a Parameter under gradient
+      accumulation, novatune.ops.moe_wgrad's rules), the eager backward adds grad_W * grad_output into that .grad
+      in one pass and returns None for it: one pass over the (V, H) gradient instead of two.
 
 Device rule (novatune.ops._backend): CUDA (or CPU under TRITON_INTERPRET=1) -> the Triton row kernel between
 cuBLAS GEMMs (novatune.kernels.linear_cross_entropy); CPU -> the same chunk / slice loops in fp32 plain PyTorch,
@@ -56,6 +59,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from novatune.kernels import linear_cross_entropy as _k
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled
+from novatune.ops.moe_wgrad import accumulates_into_grad
 from novatune.reference import linear_cross_entropy as _ref
 
 _REDUCTIONS = ("mean", "sum")
@@ -116,6 +120,8 @@ def _setup_context(ctx, inputs, output) -> None:
     _, dhidden, dweight, dbias, *_token_stats = output
     ctx.save_for_backward(dhidden, dweight, dbias)
     hidden, weight, bias = inputs[0], inputs[1], inputs[4]
+    # the weight itself (a Parameter) where its gradient may be added into its .grad by the backward
+    ctx.weight_param = weight if type(weight) is nn.Parameter else None
     ctx.input_shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
     # Only the loss is used downstream. By default autograd hands the backward a ZERO tensor for every other output
     # (allocated at the start of the backward: a (V, H) one for dweight, 0.72 GiB at Qwen3-4B, which set the
@@ -137,11 +143,16 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
     in_place = not _traced(g_loss, *saved)
     grads = []
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4])
-    for need, g, shape in zip(needs, saved, ctx.input_shapes):
+    for i, (need, g, shape) in enumerate(zip(needs, saved, ctx.input_shapes)):
         if not need:
             grads.append(None)
         elif g.numel() == 0:  # an input with no elements (0 tokens): its gradient is empty, not missing
             grads.append(g.new_zeros(shape))
+        elif in_place and i == 1 and _adds_into_grad(ctx.weight_param, g):
+            # micro-batches after the first under gradient accumulation: the chain rule and autograd's addition in
+            # one pass over the (V, H) gradient instead of two (scale in place, then AccumulateGrad's add)
+            _k.linear_cross_entropy_bwd_into(g_loss, g, ctx.weight_param.grad, use_triton=use_triton(g))
+            grads.append(None)
         elif in_place:
             torch.ops.novatune.linear_cross_entropy_scale_(g, g_loss)
             grads.append(g)
@@ -149,6 +160,16 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
             grads.append((g.float() * g_loss.float()).to(g.dtype))
     gh, gw, gb = grads
     return gh, gw, None, None, gb, None, None, None, None, None, None, None, None, None
+
+
+def _adds_into_grad(param: nn.Parameter | None, grad: Tensor) -> bool:
+    """Where autograd would add `grad` into `param.grad` itself (novatune.ops.moe_wgrad's rules), of the same shape,
+    dtype and layout."""
+    if param is None or not accumulates_into_grad(param):
+        return False
+    into = param.grad
+    return (into is not None and into.shape == grad.shape and into.dtype == grad.dtype and into.is_contiguous()
+            and grad.is_contiguous())
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)

@@ -567,3 +567,30 @@ def test_non_positive_split_sizes_raise(kw):
     with pytest.raises(ValueError, match="must be positive"):  # the kernels' planner, for direct callers
         K.plan_mode(9, 11, 8, torch.float32, True, kw.get("mode", "tokens"), kw.get("chunk_tokens"),
                     kw.get("vocab_slice"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("plan", ["auto", "vocab"])
+def test_accumulating_backward_adds_the_weight_gradient_into_grad(plan, dtype, device, monkeypatch):
+    """Under gradient accumulation (lm_head's weight a Parameter whose .grad exists), the backward adds grad_W times
+    grad_output into .grad in one pass and returns nothing for it; the first micro-batch still hands autograd its
+    gradient. The .grad equals autograd's own accumulation of the per-micro-batch gradients: fp32 to 1e-6
+    (summation order of the same products); bf16 within the roundings (autograd rounds the scaled gradient and then
+    the sum, this path rounds once), 8e-3 of the norm."""
+    from novatune.kernels import linear_cross_entropy as K
+
+    calls = []
+    real = K.linear_cross_entropy_bwd_into
+    monkeypatch.setattr(K, "linear_cross_entropy_bwd_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    h_all, w0, y_all = _inputs((3, 29), 16, 1000, dtype, device, seed=9)
+    w = torch.nn.Parameter(w0.detach().clone())
+    want = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    def loss_of(i):
+        return linear_cross_entropy(h_all[i].detach(), w, y_all[i], **PLANS[plan]) * (i + 1) / 7
+
+    for i in range(3):
+        want += torch.autograd.grad(loss_of(i), w)[0].float()  # autograd.grad: never the accumulating path
+        loss_of(i).backward()
+    assert calls == [1, 1]  # micro-batches 2 and 3
+    assert w.grad.dtype == dtype
+    assert_close(w.grad.float(), want, 1e-6 if dtype == torch.float32 else 8e-3, "accumulated grad_weight")
