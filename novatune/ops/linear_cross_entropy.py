@@ -39,8 +39,10 @@ Ops:
       out of place with plain torch ops instead: AOTAutograd's partitioner rejects a backward that mutates a
       saved forward output, and inside a compiled graph the mutation would be functionalised into a copy anyway.
       Where autograd would add the weight's gradient into an existing `.grad` itself (a Parameter under gradient
-      accumulation, novatune.ops.moe_wgrad's rules), the eager backward adds grad_W * grad_output into that .grad
-      in one pass and returns None for it: one pass over the (V, H) gradient instead of two.
+      accumulation, novatune.ops.moe_wgrad's rules; for a tied weight, the Parameter behind the patch's stand-in
+      leaf), the eager backward adds grad_W * grad_output into that .grad in one pass and returns None for it: one
+      pass over the (V, H) gradient instead of two. The saved gradient is then left as it is, so a second
+      backward through the graph then adds again instead of raising.
 
 Device rule (novatune.ops._backend): CUDA (or CPU under TRITON_INTERPRET=1) -> the Triton row kernel between
 cuBLAS GEMMs (novatune.kernels.linear_cross_entropy); CPU -> the same chunk / slice loops in fp32 plain PyTorch,
@@ -120,8 +122,10 @@ def _setup_context(ctx, inputs, output) -> None:
     _, dhidden, dweight, dbias, *_token_stats = output
     ctx.save_for_backward(dhidden, dweight, dbias)
     hidden, weight, bias = inputs[0], inputs[1], inputs[4]
-    # the weight itself (a Parameter) where its gradient may be added into its .grad by the backward
-    ctx.weight_param = weight if type(weight) is nn.Parameter else None
+    # the Parameter whose .grad the backward may add the weight's gradient into: the weight itself, or the tied
+    # Parameter a stand-in leaf carries (novatune.patch.loss._early_grad_leaf); only for a trained weight
+    param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
+    ctx.weight_param = param if weight.requires_grad else None
     ctx.input_shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
     # Only the loss is used downstream. By default autograd hands the backward a ZERO tensor for every other output
     # (allocated at the start of the backward: a (V, H) one for dweight, 0.72 GiB at Qwen3-4B, which set the
@@ -151,7 +155,9 @@ def _backward(ctx, g_loss, _g_dhidden, _g_dweight, _g_dbias, *_g_token_stats):
         elif in_place and i == 1 and _adds_into_grad(ctx.weight_param, g):
             # micro-batches after the first under gradient accumulation: the chain rule and autograd's addition in
             # one pass over the (V, H) gradient instead of two (scale in place, then AccumulateGrad's add)
-            _k.linear_cross_entropy_bwd_into(g_loss, g, ctx.weight_param.grad, use_triton=use_triton(g))
+            into = ctx.weight_param.grad
+            _k.linear_cross_entropy_bwd_into(g_loss, g, into, use_triton=use_triton(g))
+            torch.autograd.graph.increment_version(into)  # as AccumulateGrad's in-place add would
             grads.append(None)
         elif in_place:
             torch.ops.novatune.linear_cross_entropy_scale_(g, g_loss)

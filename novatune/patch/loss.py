@@ -370,9 +370,14 @@ def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
     early_tied_grad=False for that.
     """
     leaf = param.detach().requires_grad_(True)
+    # the fused loss's backward adds the lm_head part straight into param.grad where autograd would add into it
+    # (gradient accumulation, one process): the leaf then receives no gradient (its hook still runs, with none)
+    leaf._novatune_param = param  # type: ignore[attr-defined]
 
     def sink(t: torch.Tensor) -> None:
         g = t.grad
+        if g is None:
+            return
         t.grad = None
         with torch.no_grad():
             if param.grad is None:

@@ -569,28 +569,67 @@ def test_non_positive_split_sizes_raise(kw):
                     kw.get("vocab_slice"))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-leaf"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("plan", ["auto", "vocab"])
-def test_accumulating_backward_adds_the_weight_gradient_into_grad(plan, dtype, device, monkeypatch):
-    """Under gradient accumulation (lm_head's weight a Parameter whose .grad exists), the backward adds grad_W times
-    grad_output into .grad in one pass and returns nothing for it; the first micro-batch still hands autograd its
-    gradient. The .grad equals autograd's own accumulation of the per-micro-batch gradients: fp32 to 1e-6
-    (summation order of the same products); bf16 within the roundings (autograd rounds the scaled gradient and then
-    the sum, this path rounds once), 8e-3 of the norm."""
+def test_accumulating_backward_adds_the_weight_gradient_into_grad(plan, dtype, tied, device, monkeypatch):
+    """Under gradient accumulation (lm_head's weight a Parameter whose .grad exists, or the tied Parameter behind
+    the patch's stand-in leaf, which an embedding lookup also reads), the backward adds grad_W times grad_output
+    into .grad in one pass and returns nothing for it; the first micro-batch still hands autograd its gradient.
+    Checked against the fp32 reference of every micro-batch (REL_TOL of the dtype, as the single-call tests), and
+    in fp32 against autograd's own accumulation of the same gradients (1e-6: summation order only)."""
     from novatune.kernels import linear_cross_entropy as K
+    from novatune.patch.loss import _early_grad_leaf
 
     calls = []
     real = K.linear_cross_entropy_bwd_into
     monkeypatch.setattr(K, "linear_cross_entropy_bwd_into", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     h_all, w0, y_all = _inputs((3, 29), 16, 1000, dtype, device, seed=9)
+    ids = torch.randint(0, 1000, (3, 7), generator=torch.Generator().manual_seed(1)).to(device)
     w = torch.nn.Parameter(w0.detach().clone())
-    want = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    def loss_of(i):
-        return linear_cross_entropy(h_all[i].detach(), w, y_all[i], **PLANS[plan]) * (i + 1) / 7
+    scales = [(i + 1) / 7 for i in range(3)]
 
+    def loss_of(i, weight, head):
+        loss = linear_cross_entropy(h_all[i], head, y_all[i], **PLANS[plan]) * scales[i]
+        if tied:  # the embedding's part of the tied gradient, through the Parameter itself
+            loss = loss + torch.nn.functional.embedding(ids[i], weight).float().square().mean()
+        return loss
+
+    want = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    for i in range(3):  # autograd.grad: never the accumulating path
+        want += torch.autograd.grad(loss_of(i, w, w), w)[0].float()
+    assert calls == []
     for i in range(3):
-        want += torch.autograd.grad(loss_of(i), w)[0].float()  # autograd.grad: never the accumulating path
-        loss_of(i).backward()
-    assert calls == [1, 1]  # micro-batches 2 and 3
-    assert w.grad.dtype == dtype
-    assert_close(w.grad.float(), want, 1e-6 if dtype == torch.float32 else 8e-3, "accumulated grad_weight")
+        loss_of(i, w, _early_grad_leaf(w) if tied else w).backward()
+    # micro-batches 2 and 3; tied, the first too: the lookup (created after the loss here) runs its backward
+    # first and gives .grad before the loss's backward adds into it
+    assert calls == ([1, 1, 1] if tied else [1, 1])
+    assert w.grad.dtype == dtype and h_all.grad is not None
+    ref = torch.zeros_like(want)
+    for i in range(3):
+        ref += _ref_grads(h_all[i], w, y_all[i])[2] * scales[i]
+        if tied:
+            wf = w.detach().float().requires_grad_(True)
+            torch.nn.functional.embedding(ids[i], wf).square().mean().backward()
+            ref += wf.grad
+    assert_close(w.grad, ref, REL_TOL[dtype], "accumulated grad_weight against the fp32 reference")
+    if dtype == torch.float32:
+        assert_close(w.grad, want, 1e-6, "accumulated grad_weight against autograd's accumulation")
+    else:
+        assert_close(w.grad.float(), want, 8e-3, "accumulated grad_weight against autograd's accumulation")
+
+
+def test_accumulating_backward_leaves_a_hooked_weight_to_autograd(device, monkeypatch):
+    """A weight with a hook (here a post-accumulate one) gets its gradient through autograd as without the path."""
+    from novatune.kernels import linear_cross_entropy as K
+
+    monkeypatch.setattr(K, "linear_cross_entropy_bwd_into", lambda *a, **kw: pytest.fail("took the hooked weight"))
+    h_all, w0, y_all = _inputs((2, 29), 16, 1000, torch.float32, device, seed=10)
+    w = torch.nn.Parameter(w0.detach().clone())
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    for i in range(2):
+        linear_cross_entropy(h_all[i], w, y_all[i]).backward()
+    assert seen == [1, 1]
+    want = sum(_ref_grads(h_all[i], w, y_all[i])[2] for i in range(2))
+    assert_close(w.grad, want, REL_TOL[torch.float32], "grad_weight")
