@@ -11,7 +11,6 @@ Candidates:
   kernel B..        novatune.kernels.moe_wgrad: the add inside the grouped GEMM, with tile configuration
                     (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
   tma B..           the same through the Tensor Memory Accelerator (descriptors bounded at each expert's rows)
-  early B..         the plain kernel reading the gradient's tile before the rows' loop
 Figures: kernel µs (sum of CUDA kernel durations), wall µs (median), the transient peak above the resident tensors,
 and the largest difference from autograd_add's result in bf16 spacings (of the larger of the result and the
 value accumulated into). Rows go to bench/results/ops.jsonl.
@@ -36,7 +35,6 @@ from novatune.measure.results import write_row  # noqa: E402
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
            (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4), (128, 128, 32, 4, 5),
            (128, 128, 32, 4, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (64, 256, 32, 4, 4)]
-EARLY = [(128, 128, 32, 4, 4), (128, 256, 64, 8, 3)]
 TMA = [(128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 3), (128, 128, 32, 4, 5),
        (128, 128, 32, 4, 6), (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 16, 4, 6),
        (256, 128, 32, 8, 4)]
@@ -74,9 +72,6 @@ def _candidates(a, b, r, out):
     for cfg in TMA:  # the Tensor Memory Accelerator form
         cands["tma " + "x".join(map(str, cfg))] = \
             (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, tma=True))(cfg)
-    for cfg in EARLY:  # the gradient's tile read before the rows' loop
-        cands["early " + "x".join(map(str, cfg))] = \
-            (lambda c: lambda: grouped_outer_accumulate(a, b, r.ends, out, config=c, early_read=True))(cfg)
     return cands
 
 

@@ -56,7 +56,7 @@ DEFAULT_CONFIG = (128, 128, 32, 4, 4)
 @triton.jit
 def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_oe, stride_om, stride_on, TILES_N,
                               scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              ACCUMULATE: tl.constexpr, SOFT_RNE: tl.constexpr, EARLY_READ: tl.constexpr = False):
+                              ACCUMULATE: tl.constexpr, SOFT_RNE: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.program_id(1)
     end = tl.load(ENDS + e).to(tl.int64)
@@ -70,10 +70,6 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_
         in_m = cols_m < M
         in_n = cols_n < N
         ks = tl.arange(0, BLOCK_K)
-        offs = e.to(tl.int64) * stride_oe + cols_m[:, None].to(tl.int64) * stride_om + cols_n[None, :] * stride_on
-        mask = in_m[:, None] & in_n[None, :]
-        if ACCUMULATE and EARLY_READ:  # the gradient's tile read before the rows' loop, its latency under the MMAs
-            old = tl.load(OUT + offs, mask=mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(start, end, BLOCK_K):
             rows = k0 + ks
@@ -88,12 +84,11 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_
                 acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(tl.trans(a), b, acc)
+        offs = e.to(tl.int64) * stride_oe + cols_m[:, None].to(tl.int64) * stride_om + cols_n[None, :] * stride_on
+        mask = in_m[:, None] & in_n[None, :]
         acc = acc * scale
         if ACCUMULATE:
-            if EARLY_READ:
-                acc += old.to(tl.float32)
-            else:
-                acc += tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + offs, _round_to(acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
 
 
@@ -174,8 +169,7 @@ def _check(a, b, ends, out, *, same_dtype: bool) -> None:
 
 
 def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                             config: tuple[int, int, int, int, int] | None = None, early_read: bool = False,
-                             tma: bool = False) -> torch.Tensor:
+                             config: tuple[int, int, int, int, int] | None = None, tma: bool = False) -> torch.Tensor:
     """out[e] += a[group e]^T @ b[group e] in place (the module docstring); returns out. a (S, M), b (S, N) with unit
     column stride (rows may be strided), ends (E,) int32 cumulative, out (E, M, N) contiguous; a, b and out of one
     dtype (bf16 or fp32) on one device. `tma`: the Tensor Memory Accelerator form where `tma_eligible` (else the
@@ -189,7 +183,7 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     if tma and tma_eligible(a, b, out):
         _launch_tma(a, b, ends, out, config or TMA_CONFIG)
         return out
-    _launch(a, b, ends, out, config or DEFAULT_CONFIG, accumulate=True, scale=1.0, early_read=early_read)
+    _launch(a, b, ends, out, config or DEFAULT_CONFIG, accumulate=True, scale=1.0)
     return out
 
 
@@ -206,7 +200,7 @@ def _launch_tma(a, b, ends, out, config) -> None:
         BLOCK_K=block_k, SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
 
 
-def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float, early_read: bool = False) -> None:
+def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float) -> None:
     e, m, n = (int(d) for d in out.shape)
     if e == 0 or m == 0 or n == 0 or (a.shape[0] == 0 and accumulate):
         return
@@ -215,7 +209,7 @@ def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float, early_re
     _KERNEL[(cdiv(m, block_m) * tiles_n, e)](
         a, b, ends, out, m, n, a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2), tiles_n,
         float(scale), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=accumulate,
-        SOFT_RNE=not out.is_cuda, EARLY_READ=early_read, num_warps=warps, num_stages=stages)
+        SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
 
 
 def _thin_config(n: int) -> tuple[int, int, int, int, int]:
