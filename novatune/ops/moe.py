@@ -373,7 +373,9 @@ def _experts_bwd(dout: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down
     if dn_bias is not None:  # y = a W^T + b: b's part of <y, dout>, and b's gradient sum_rows w * dout_s
         assert w_row is not None  # computed above whenever there is a down bias
         if use_triton(dout_s) and dn_bias.is_contiguous():  # no gathered bias, no fp32 copy of dout_s
-            dw_row = KB.expert_row_dot_(dw_row.float().contiguous().clone(), dout_s, r.expert, dn_bias)
+            # a fresh fp32 copy (one): the dot is added into it, and the activation's own output stays as it is
+            dw_row = KB.expert_row_dot_(dw_row.to(torch.float32, memory_format=torch.contiguous_format, copy=True),
+                                        dout_s, r.expert, dn_bias)
         else:
             dw_row = dw_row + (dout_s.float() * dn_bias[r.expert_index()].float()).sum(-1)
         d_dn_bias = _bias_grad(dout_s, r, dn_bias, w_row) if needs[5] else None

@@ -1,9 +1,9 @@
 """The attention sinks' scale kernels (novatune.kernels.sinks) against the fp32 formulas, outputs poisoned.
 
 Tolerances (relative-norm error): out' and dout are one fp32 product rounded once to the tensor's dtype (fp32: 1e-6;
-bf16: one rounding, <= 2^-9 relative -> 4e-3); the sinks' gradient is an fp32 sum of the same fp32 products in
-another order -> 1e-5 for both dtypes (the inputs are read exactly). The log-sum-exp comes in FlashAttention-2's
-layout, a (tokens, hq) view of an (hq, tokens) tensor, and contiguous.
+bf16: one rounding to nearest, at most half a spacing, 2^-8 relative -> 4e-3); the sinks' gradient is an fp32 sum
+of the same fp32 products in another order -> 1e-5 for both dtypes (the inputs are read exactly). The log-sum-exp
+comes in FlashAttention-2's layout, a (tokens, hq) view of an (hq, tokens) tensor, and contiguous.
 """
 import pytest
 import torch
