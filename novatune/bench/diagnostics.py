@@ -14,6 +14,8 @@ import itertools
 import json
 import time
 
+from novatune.memory import embedding_grad
+
 
 def install_diagnostics() -> None:
     """--diag: print every Triton JIT compile (a new specialisation inside the timed steps would be a hiccup) and
@@ -57,11 +59,13 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     gradients are dropped."""
     import torch
 
-    model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
+    with embedding_grad.micro_step(model, last=False):  # micro-steps 2..GA-1, as the run accumulates them
+        model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
     torch.cuda.synchronize()
     owners = tensor_owners(model, optimizer)
     try:
-        snap, n_fwd = _recorded_micro_step(model, batch)
+        with embedding_grad.micro_step(model, last=False):
+            snap, n_fwd = _recorded_micro_step(model, batch)
     except SystemError as e:
         # torch 2.11's recorder breaks autograd Functions run under eager checkpointing (pytorch#179536), C++ or
         # Python frames alike (session 22); graphed layers replay outside it
@@ -71,6 +75,7 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     if finish is not None:
         finish()
     model.zero_grad(set_to_none=True)
+    embedding_grad.discard(model)
     best, best_live, best_at, n_events = replay_to_peak(snap, owners)
     phase = ("before the step" if best_at < 0 else "forward" if best_at < n_fwd
              else f"backward, event {best_at - n_fwd} of {n_events - n_fwd}")
@@ -267,18 +272,21 @@ def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     if accumulating:
-        model(**batch).loss.backward()
+        with embedding_grad.micro_step(model, last=False):
+            model(**batch).loss.backward()
     sync()
     # with_stack (Python frames) would name the launching code, but it slows the host ~2x: the gaps measured then
     # are the profiler's, so CPU ops only (aten op names still say where a launch came from)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
-        model(**batch).loss.backward()
+        with embedding_grad.micro_step(model, last=not accumulating):  # one of a step's accumulating micro-steps
+            model(**batch).loss.backward()
         if finish is not None:
             finish()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
     model.zero_grad(set_to_none=True)
+    embedding_grad.discard(model)
     per_kernel, busy = {}, 0.0
     if cuda:
         timed = [(e.name, e.time_range.elapsed_us()) for e in prof.events()

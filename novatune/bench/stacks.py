@@ -51,10 +51,11 @@ from dataclasses import dataclass, field
 
 # hf_default: sdpa, or eager where sdpa cannot compute the family's attention (GPT-OSS, Gemma 2)
 # stock and the peers train with torch's AdamW whatever the config chose (novatune's kernel is novatune's), with
-# every weight on the GPU (memory.embeddings_on_host is novatune's)
+# every weight on the GPU (memory.embeddings_on_host is novatune's) and every gradient autograd's own
+# (memory.embedding_grad rows is novatune's)
 HOST_TABLE_OFF = "memory.embeddings_on_host=false"  # also where a stack trains the table or wraps every parameter
 STOCK = ["model.patch=false", "model.attention=hf_default", "method.quantize_embeddings=false",
-         "train.adamw_kernel=torch", HOST_TABLE_OFF]
+         "train.adamw_kernel=torch", HOST_TABLE_OFF, "memory.embedding_grad=dense"]
 NOVATUNE = ["model.patch=true"]
 
 # modules that register more stacks when imported (a stack defined outside this file)
@@ -266,7 +267,7 @@ for _strategy, _what in (("fsdp2", "FSDP2 (fully_shard per unit of decoder layer
                                    "over one process)"),
                          ("ddp", "DistributedDataParallel (a replica per process)")):
     register(Stack(f"novatune_{_strategy}", f"novatune under {_what}",
-                   NOVATUNE + [f"parallel.strategy={_strategy}", HOST_TABLE_OFF],
+                   NOVATUNE + [f"parallel.strategy={_strategy}", HOST_TABLE_OFF, "memory.embedding_grad=auto"],
                    unavailable=_parallel_refused_under_qlora(_strategy), patched=True, strategy=_strategy))
 
 

@@ -154,6 +154,11 @@ class MemoryConfig:
     # and the GPU gathers each micro-batch's rows from there (novatune/memory/host_embedding.py): vocab x hidden x
     # 2 bytes less on the GPU for tokens x hidden x 2 bytes read over the host link per forward
     embeddings_on_host: bool = False
+    # a trained, untied input embedding under gradient accumulation: its gradient is kept as the rows each
+    # micro-batch touched until the step's last backward builds it whole (novatune/memory/embedding_grad.py), so
+    # the later micro-steps' forwards run without the vocab x hidden gradient; bit for bit stock's. auto: rows
+    # where that applies (one process, grad_accum > 1), dense otherwise; dense: stock's
+    embedding_grad: Literal["auto", "rows", "dense"] = "auto"
 
 
 @dataclass

@@ -85,6 +85,10 @@ def _check_memory(cfg: Config) -> None:
                           "backward", "set memory.policy: checkpoint (or auto), or memory.stream_frozen_layers: 0")
     if mem.embeddings_on_host:
         _check_embeddings_on_host(cfg)
+    if mem.embedding_grad == "rows" and cfg.parallel.strategy != "none":
+        raise ConfigError("memory.embedding_grad", f"rows keeps the input embedding's gradient out of autograd until "
+                          f"a step's last backward, but parallel.strategy {cfg.parallel.strategy} reduces or shards "
+                          f"every gradient as each backward makes it", "set memory.embedding_grad: auto or dense")
     if mem.budget_gib is not None and mem.budget_gib <= 0:
         raise ConfigError("memory.budget_gib", f"must be > 0, got {mem.budget_gib}",
                           "set the GPU memory to plan for in GiB, or null for the card's free memory")

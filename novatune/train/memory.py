@@ -285,9 +285,23 @@ def host_budget(processes: int = 1) -> planner.HostBudget | None:
 
 def static_bytes(est: dict, shards: int = 1) -> int:
     """Everything but the decoder layers' activations: weights, gradients, optimizer states (split over FSDP2's
-    `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off."""
-    sharded = (est["weights"] + est["gradients"] + est["optimizer"]) / shards
+    `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off. An input
+    embedding whose gradient waits as rows (memory.embedding_grad) has no gradient during the forwards, where the
+    peak is; its rows (tokens x hidden per micro-step) are below the plan's resolution."""
+    grads = est["gradients"] - est.get("embedding_grad_rows", 0)
+    sharded = (est["weights"] + grads + est["optimizer"]) / shards
     return int(sharded + est["dequant"] + (0 if est["fused_loss"] else est["logits_stock"]))
+
+
+def embedding_grad_rows(cfg) -> bool:
+    """Whether the run keeps its input embedding's gradient as rows between micro-steps
+    (memory/embedding_grad.py): `rows` where asked; `auto` for full fine-tuning in one process with gradient
+    accumulation (with one micro-step per optimizer step there is nothing to keep apart). The model-level refusals
+    (a tied or frozen table, ...) come when the model exists."""
+    mode = cfg.memory.embedding_grad
+    if mode == "auto":
+        return cfg.method.type == "full" and cfg.parallel.strategy == "none" and cfg.train.grad_accum > 1
+    return mode == "rows"
 
 
 def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from novatune.memory.host_embedding import lookup_refusal
 from novatune.train.errors import ConfigError
-from novatune.train.memory import MARGIN, fused_loss, host_message
+from novatune.train.memory import MARGIN, embedding_grad_rows, fused_loss, host_message
 from novatune.train.optim import state_bytes
 
 GiB = 2**30
@@ -156,6 +156,9 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
         "fused_loss": fused_loss(cfg), "grad_accum": cfg.train.grad_accum,
     }
+    # memory.embedding_grad: an untied trained table's gradient waits as rows until the step's last backward
+    if embedding_grad_rows(cfg) and cfg.method.type == "full" and lookup_refusal(model) is None:
+        est["embedding_grad_rows"] = emb.numel() * b
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     # stock keeps the table on the device
     est["peak_stock"] = (static + host_embedding + (act_ckpt if cfg.memory.gradient_checkpointing else act_full)
@@ -298,7 +301,9 @@ def render(est: dict) -> str:
              f"  weights                      {g(est['weights'])}"
              + (f"   (+ {g(est['host_embedding']).strip()} input embedding table on the host)"
                 if est.get("host_embedding") else ""),
-             f"  gradients                    {g(est['gradients'])}",
+             f"  gradients                    {g(est['gradients'])}"
+             + (f"   (the input embedding's {g(est['embedding_grad_rows']).strip()} as rows until a step's last "
+                f"backward: memory.embedding_grad)" if est.get("embedding_grad_rows") else ""),
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"
                 + ("   (held in the CUDA-graph pool below)" if mp.graph_pool_bytes else "")] if est["qlora"] else []),

@@ -41,7 +41,7 @@ import torch
 
 from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
-from novatune.memory import host_embedding
+from novatune.memory import embedding_grad, host_embedding
 from novatune.ops.adamw import clip_coefficient
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
@@ -54,6 +54,7 @@ from novatune.train.memory import (
     ASSUMED,
     MemoryPlan,
     configure_allocator,
+    embedding_grad_rows,
     layer_graphs_asked,
     needs_checkpointing,
     plan_for_run,
@@ -103,9 +104,11 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
     The returned loss is this rank's part; the session sums it over the ranks."""
     n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
+    embedding_grad.discard(pwrap.unwrap(model))  # rows of a step abandoned before its last backward
     for i, mb in enumerate(micro_batches):
-        ctx = grad_sync(i == len(micro_batches) - 1) if grad_sync is not None else contextlib.nullcontext()
-        with ctx:
+        last = i == len(micro_batches) - 1
+        ctx = grad_sync(last) if grad_sync is not None else contextlib.nullcontext()
+        with ctx, embedding_grad.micro_step(pwrap.unwrap(model), last):
             out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
                         num_items_in_batch=n_items, use_cache=False)
             # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean. An idle micro-batch
@@ -398,6 +401,18 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         if console is not None:
             console.print(f"memory: input embedding table in mapped host memory ({freed / 2**30:.2f} GiB off the "
                           f"GPU; memory.embeddings_on_host)", highlight=False, markup=False)
+    if embedding_grad_rows(cfg):
+        why = embedding_grad.why_not(model)
+        if why is None:
+            saved = embedding_grad.install(model)
+            msg = (f"memory: the input embedding's gradient kept as rows between micro-steps ({saved / 2**30:.2f} GiB "
+                   f"less during the later forwards; memory.embedding_grad)")
+        elif cfg.memory.embedding_grad == "rows":
+            raise SetupError(f"memory.embedding_grad: rows: {why}; set memory.embedding_grad: auto or dense")
+        else:
+            msg = f"memory: the input embedding's gradient stays dense ({why})"
+        if console is not None:
+            console.print(msg, highlight=False, markup=False)
     return model, report
 
 
