@@ -5,6 +5,7 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
 
   kept until the backward (bytes / T / b)      stock HF modules         novatune.patch's fused modules
     keep        every saved tensor              8h + 5q + 5kv + 4i       4h + 3q + 3kv + 3i
+    lean        keep less the recomputed copies (keep: nothing offered)  keep - 2h (Qwen3: - 2h - q - kv)
     selective   input + matrix-product outputs  3h + 2q + 2kv + 2i       (the same: GEMMs and attention are kept)
     recompute   the layer's input               h                        h
     offload     nothing on the device           0                        0
@@ -40,6 +41,7 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
 
   time (per layer, micro-batch)  F = forward GEMM FLOPs + attention FLOPs, at the card's matmul rate
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
+    lean       keep + the recomputed outputs written and their inputs read once more, at the card's bandwidth
     recompute  keep + F (the forward again)
     selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
                experts' forward GEMMs; + SELECTIVE_DISPATCH_S, the host time of torch's selective checkpoint,
@@ -51,7 +53,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
 
 `choose` searches every count of (offload, recompute, selective, keep) layers, placed in that order from the first
 layer (early layers have the longest wait before their backward, so their copies hide best; the last layers'
-activations are the first the backward frees), and returns the fastest that fits the budget.
+activations are the first the backward frees), and returns the fastest that fits the budget. Where an assignment
+does not fit, the fewest of its kept layers that make it fit turn `lean` (the first kept ones).
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from novatune.memory.pinned import page_rounded
-from novatune.memory.policy import POLICIES
+from novatune.memory.policy import KEPT, POLICIES
 
 GiB = 2**30
 COPY_OVERHEAD_S = 30e-6  # events, stream switches and the copy launch of one offloaded tensor
@@ -89,6 +92,10 @@ class LayerShape:
     # experts' products (grouped GEMMs inside one autograd op): their forward runs again in the backward
     routed: bool = False
     top_k: int = 1  # experts per token (routed layers): the rows gathered per token in the experts' backward
+    # elements per token the `lean` policy computes again in the backward instead of keeping (memory/lean_keep.py):
+    # the norms' outputs (2h) and, with Qwen3's fused q/k norm + RoPE, the rotated q and k (q + kv); 0 where no op
+    # offers them (stock HF modules)
+    lean_elements: int = 0
 
     @property
     def gemm_params(self) -> int:
@@ -124,14 +131,16 @@ def saved_elements_per_token(s: LayerShape) -> dict:
     if s.routed:
         # fused: no product kept; stock HF's grouped_mm experts also keep the gathered inputs and expert outputs
         keep = keep - ki if s.fused else keep + 2 * s.top_k * h
-        return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h, "offload": 0}
-    return {"keep": keep, "selective": 3 * h + 2 * q + 2 * kv + 2 * i, "recompute": h, "offload": 0}
+        return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
+                "offload": 0}
+    return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv + 2 * i,
+            "recompute": h, "offload": 0}
 
 
 def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     per_token = saved_elements_per_token(s)
     lse = 4 * s.heads * s.tokens  # attention's fp32 log-sum-exp, kept by keep and selective
-    nbytes = {p: n * s.tokens * s.dtype_bytes + (lse if p in ("keep", "selective") else 0)
+    nbytes = {p: n * s.tokens * s.dtype_bytes + (lse if p in ("keep", "lean", "selective") else 0)
               for p, n in per_token.items()}
     rate = hw.matmul_tflops * 1e12 * GEMM_EFFICIENCY
     gemm = 2 * s.tokens * s.gemm_params / rate
@@ -150,7 +159,9 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     keep = forward + backward
     # a routed MLP's experts run again under `selective` (their products are not among the ops it keeps)
     routed_again = 2 * s.tokens * 3 * s.hidden * s.intermediate / rate if s.routed else 0.0
-    seconds = {"keep": keep, "recompute": keep + forward,
+    # lean: the recomputed outputs written once more and their inputs read (the same bytes again)
+    lean = 2 * (nbytes["keep"] - nbytes["lean"]) / (hw.hbm_gbps * 1e9)
+    seconds = {"keep": keep, "lean": keep + lean, "recompute": keep + forward,
                "selective": keep + elementwise + routed_again + SELECTIVE_DISPATCH_S,
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
@@ -292,17 +303,46 @@ def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
     nothing fits, the assignment with the smallest peak, marked fits=False. `outside`, `graphs`: evaluate's."""
     n = len(costs)
     order = [p for p in ("offload", "recompute", "selective", "keep") if p in allowed]
+    leaner = "lean" in allowed and any(c.bytes.get("lean", c.bytes["keep"]) < c.bytes["keep"] for c in costs)
     best: Plan | None = None
     smallest: Plan | None = None
     for counts in _compositions(n, len(order)):
         policies = [p for p, k in zip(order, counts) for _ in range(k)]
         plan = evaluate(policies, costs, static_bytes, budget, fresh, host, outside, graphs)
+        if leaner and not plan.fits and "keep" in policies:
+            plan = _fewest_lean(policies, costs, static_bytes, budget, fresh, host, outside, graphs)
         if smallest is None or plan.peak_bytes < smallest.peak_bytes:
             smallest = plan
         if plan.fits and (best is None or plan.seconds < best.seconds
                           or (plan.seconds == best.seconds and plan.peak_bytes < best.peak_bytes)):
             best = plan
     return best if best is not None else smallest
+
+
+def _fewest_lean(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None,
+                 fresh: FreshGradients | None, host: HostBudget | None, outside: int,
+                 graphs: LayerGraphs | None) -> Plan:
+    """The assignment with the fewest of its kept layers `lean` (the first ones) that fits, or all of them lean
+    when none does: a lean layer is a little slower than a kept one and never holds more, so the peak falls as
+    the count grows and the fastest fit is the smallest count (found by bisection)."""
+    first = policies.index("keep")
+    kept = len(policies) - first
+
+    def with_lean(j: int) -> Plan:
+        return evaluate(policies[:first] + ["lean"] * j + ["keep"] * (kept - j), costs, static_bytes, budget,
+                        fresh, host, outside, graphs)
+
+    most = with_lean(kept)
+    if not most.fits:
+        return most
+    lo, hi = 1, kept
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if with_lean(mid).fits:
+            hi = mid
+        else:
+            lo = mid + 1
+    return with_lean(lo)
 
 
 def _compositions(n: int, parts: int):
@@ -357,7 +397,7 @@ def with_streaming(plan: Plan, costs: list[LayerCost], count: int, fs: FrozenStr
                    host: HostBudget | None = None) -> Plan:
     """The plan with `count` of its recomputed layers streaming their frozen weights (spread apart): the peak
     drops by their weights minus two slots, the time grows by the exposed copies."""
-    candidates = [i for i, p in enumerate(plan.policies) if p != "keep"]
+    candidates = [i for i, p in enumerate(plan.policies) if p not in KEPT]
     if count > len(candidates):
         raise ValueError(f"{count} layers to stream but only {len(candidates)} are recomputed (streaming needs the "
                          f"recompute to bring a layer's weights back for its backward)")
@@ -380,7 +420,7 @@ def fewest_streamed(make_plan, costs: list[LayerCost], n: int, fs: FrozenStream,
     def plan_for(k: int) -> Plan | None:
         saved = (k - 2) * fs.layer_bytes
         base = make_plan(saved)
-        if sum(p != "keep" for p in base.policies) < k:
+        if sum(p not in KEPT for p in base.policies) < k:
             return None  # too few recomputed layers to stream k
         base = replace(base, peak_bytes=base.peak_bytes + saved, static_bytes=base.static_bytes + saved)
         return with_streaming(base, costs, k, fs, host)

@@ -5,6 +5,8 @@ when gradient checkpointing is on and the layer trains. `install` replaces that 
 `LayerPolicy`, which runs the layer as its policy says:
 
   keep        no checkpoint: the layer's saved tensors stay on the device until its backward (fastest, most memory)
+  lean        `keep` without the cheap copies: the norms' outputs and Qwen3's rotated q/k, which their producers'
+              saved tensors give again, are computed again in the backward instead of kept (lean_keep.py)
   recompute   the stock non-reentrant checkpoint: only the layer's inputs are kept, the whole layer is recomputed
   selective   a checkpoint that keeps the matrix products' outputs (GEMMs, attention) and recomputes the elementwise
               ops (norms, activation, RoPE) from them: most of the recompute's time back for part of the memory
@@ -21,9 +23,11 @@ import re
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from novatune.memory.lean_keep import kept_layer
 from novatune.memory.offload import OffloadEngine
 
-POLICIES = ("keep", "recompute", "selective", "offload")
+POLICIES = ("keep", "lean", "recompute", "selective", "offload")
+KEPT = ("keep", "lean")  # no checkpoint: the layer's forward runs once
 # memory.policy (one word for every layer) -> the layer policy; auto and per-layer are resolved by the caller
 UNIFORM = {"none": "keep", "checkpoint": "recompute", "offload": "offload", "selective": "selective"}
 
@@ -60,6 +64,9 @@ class LayerPolicy:
             return self.inner(fn, *args, **kwargs)
         if self.policy == "keep":
             return fn(*args, **kwargs)
+        if self.policy == "lean":
+            with kept_layer():
+                return fn(*args, **kwargs)
         if self.policy == "selective":
             return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
         with self.engine.layer(self.index):
@@ -76,7 +83,7 @@ def stock_checkpoint():
 
 def install(layers: list[torch.nn.Module], policies: list[str], engine: OffloadEngine | None = None) -> None:
     """Give each decoder layer its policy. Checkpointing must already be on (the layers carry
-    `_gradient_checkpointing_func`); `keep` layers then simply skip it."""
+    `_gradient_checkpointing_func`); `keep` and `lean` layers then skip it."""
     if len(layers) != len(policies):
         raise ValueError(f"{len(policies)} layer policies for {len(layers)} decoder layers")
     for i, (layer, policy) in enumerate(zip(layers, policies)):

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes  # torch's own escape from dispatch modes
 
 from novatune.memory.pinned import pinned_empty
+from novatune.memory.policy import KEPT
 
 SLOTS = 2
 
@@ -227,10 +228,10 @@ class _StreamedCheckpoint:
     def __init__(self, streamer: FrozenWeightStreamer, index: int, inner):
         self.streamer, self.index, self.inner = streamer, index, inner
         self.graphs_compatible = getattr(inner, "graphs_compatible", True)
-        if getattr(inner, "policy", "recompute") == "keep":
-            raise StreamingRefused(f"decoder layer {index} keeps its activations (memory policy keep): its backward "
-                                   f"would read its weights without a recompute before it; stream only recomputed "
-                                   f"layers (recompute, selective, offload)")
+        if getattr(inner, "policy", "recompute") in KEPT:
+            raise StreamingRefused(f"decoder layer {index} keeps its activations (memory policy {inner.policy}): its "
+                                   f"backward would read its weights without a recompute before it; stream only "
+                                   f"recomputed layers (recompute, selective, offload)")
 
     def __call__(self, fn, *args, **kwargs):
         streamer, index = self.streamer, self.index

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from novatune.kernels import qk_norm_rope as _k
-from novatune.ops import dispatch
+from novatune.ops import dispatch, recipes
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import (
     Candidate,
@@ -158,6 +158,9 @@ def make_function(fwd, bwd):
         def forward(ctx, q, k, q_weight, k_weight, eps, cos, sin):
             q_out, k_out, rstd_q, rstd_k = fwd(q, k, q_weight, k_weight, eps, cos, sin)
             ctx.save_for_backward(q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
+            if recipes.active():  # a kept layer: attention may keep this recipe instead of q_out, k_out
+                recipes.offer((q_out, k_out), lambda: fwd(q, k, q_weight, k_weight, eps, cos, sin)[:2],
+                              (q, k, q_weight, k_weight, cos, sin))
             return q_out, k_out
 
         @staticmethod

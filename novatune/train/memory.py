@@ -14,10 +14,11 @@ import torch
 
 from novatune.memory import planner
 from novatune.memory.offload import OffloadEngine
-from novatune.memory.policy import POLICIES, UNIFORM, expand_layers
+from novatune.memory.policy import KEPT, POLICIES, UNIFORM, expand_layers
 from novatune.memory.policy import install as install_policies
 from novatune.memory.stream import FrozenWeightStreamer, StreamingRefused, install_streaming, uninstall_streaming
 from novatune.parallel import wrap as pwrap
+from novatune.patch.specs import spec_for
 from novatune.patch.tiled import MLPTiling
 from novatune.train.arch import is_sparse_layer, routed_experts
 from novatune.train.config import memory_policy
@@ -84,10 +85,23 @@ def layer_shape(cfg, mconf, trained_share: float) -> planner.LayerShape:
     dtype_bytes = 4 if cfg.model.dtype == "fp32" else 2
     tiling = MLPTiling(cfg.memory.tiled_mlp, mconf.intermediate_size)
     chunk = tiling.chunk_rows_for(dtype_bytes) if cfg.model.patch and tiling.applies_to(tokens, dtype_bytes) else None
-    return planner.LayerShape(hidden=h, q_dim=mconf.num_attention_heads * hd, kv_dim=mconf.num_key_value_heads * hd,
-                              intermediate=mconf.intermediate_size, heads=mconf.num_attention_heads, tokens=tokens,
-                              dtype_bytes=dtype_bytes, attended_keys=min(doc, cfg.data.max_length) / 2,
-                              trained_share=trained_share, fused=bool(cfg.model.patch), mlp_chunk_tokens=chunk)
+    q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
+    return planner.LayerShape(hidden=h, q_dim=q, kv_dim=kv, intermediate=mconf.intermediate_size,
+                              heads=mconf.num_attention_heads, tokens=tokens, dtype_bytes=dtype_bytes,
+                              attended_keys=min(doc, cfg.data.max_length) / 2, trained_share=trained_share,
+                              fused=bool(cfg.model.patch), mlp_chunk_tokens=chunk,
+                              lean_elements=lean_elements(cfg, mconf, h, q, kv))
+
+
+def lean_elements(cfg, mconf, h: int, q: int, kv: int) -> int:
+    """Elements per token a `lean` layer computes again instead of keeping (memory/lean_keep.py): the two norms'
+    outputs, and the rotated q and k where novatune's fused per-head q/k norm + RoPE makes them; none without
+    novatune.patch (stock modules offer nothing)."""
+    if not cfg.model.patch:
+        return 0
+    spec = spec_for(getattr(mconf, "model_type", ""))
+    fused_qk = spec is not None and spec.attention.q_norm is not None and spec.attention.qk_norm_scope == "head"
+    return 2 * h + (q + kv if fused_qk else 0)
 
 
 def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
@@ -172,8 +186,8 @@ def _streaming(cfg, mconf, plan: planner.Plan, costs, policies_plan, hw, host, s
         except ValueError as e:
             raise SetupError(f"memory.stream_frozen_layers: {e}; lower it or use a recomputing memory.policy") \
                 from None
-    allowed = tuple(p for p in POLICIES if p != "keep")
-    candidates = n if memory_policy(cfg.memory) == "auto" else sum(p != "keep" for p in plan.policies)
+    allowed = tuple(p for p in POLICIES if p not in KEPT)
+    candidates = n if memory_policy(cfg.memory) == "auto" else sum(p not in KEPT for p in plan.policies)
     best = planner.fewest_streamed(lambda saved: policies_plan(saved, allowed), costs, candidates, fs, host)
     if best is None:
         plan.notes.append(f"streaming the frozen weights of all {candidates} recomputed layers would not fit either")

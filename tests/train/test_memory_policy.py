@@ -110,3 +110,16 @@ def test_allocator_gets_expandable_segments_on_cuda_unless_the_user_configured_i
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert "as set" in configure_allocator(MemoryConfig(), torch.device("cuda"))
     assert calls == ["expandable_segments:True"]  # the user's setting is left alone
+
+
+def test_lean_layers_train_like_kept_ones_through_the_run_builder(make_cfg):
+    """memory.layers with `lean`: checkpointing goes on so the policy runs, and the patched model trains bit for
+    bit as with every layer kept (the recomputed norm outputs are the same values)."""
+    model = {"patch": True}
+    keep_s, keep_losses, keep_w = _run(make_cfg("keep", model=model, memory={"policy": "per-layer",
+                                                                          "layers": ["keep", "keep"]}))
+    s, losses, w = _run(make_cfg("lean", model=model, memory={"policy": "per-layer", "layers": ["lean", "keep"]}))
+    assert installed(decoder_layers(s.model)) == ["lean", "keep"]
+    assert losses == keep_losses
+    for n in keep_w:
+        assert torch.equal(w[n], keep_w[n]), n
