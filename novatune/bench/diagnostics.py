@@ -59,14 +59,17 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     gradients are dropped."""
     import torch
 
-    with embedding_grad.micro_step(model, last=False):  # micro-steps 2..GA-1, as the run accumulates them
-        model(**batch).loss.backward()  # not recorded: makes the gradients exist, as in micro-steps 2..GA
+    # both micro-steps as an accumulating one (2..GA-1) runs: the embedding's gradient kept as rows where the run
+    # keeps it so (memory.embedding_grad), every other gradient existing
+    with embedding_grad.micro_step(model, last=False):
+        model(**batch).loss.backward()  # not recorded: makes the gradients exist
     torch.cuda.synchronize()
     owners = tensor_owners(model, optimizer)
     try:
         with embedding_grad.micro_step(model, last=False):
             snap, n_fwd = _recorded_micro_step(model, batch)
     except SystemError as e:
+        embedding_grad.discard(model)
         # torch 2.11's recorder breaks autograd Functions run under eager checkpointing (pytorch#179536), C++ or
         # Python frames alike (session 22); graphed layers replay outside it
         raise RuntimeError(f"torch {torch.__version__}'s allocation recorder fails inside this stack's checkpointed "

@@ -58,7 +58,9 @@ def run_trl_stack(cfg, steps: int, warmup: int = 2, base_dir: Path | None = None
     from novatune.train.optim import build_optimizer, build_scheduler
     from novatune.train.session import build
 
-    stock_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, patch=False))
+    # TRL's trainer runs the micro-steps and never says which is a step's last: the embedding's gradient stays dense
+    stock_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, patch=False),
+                                    memory=dataclasses.replace(cfg.memory, embedding_grad="dense"))
     session = build(stock_cfg, base_dir, total_steps=steps)
     device, ga = session.device, cfg.train.grad_accum
     examples, tokens = _examples(session.stream, steps * ga)

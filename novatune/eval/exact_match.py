@@ -391,7 +391,8 @@ def _from_checkpoint(ck: Path, device, dtype, tokenizer_name: str | None, attn: 
     cfg = from_dict(yaml.safe_load(state["config"]))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=attn, patch=False),
                               memory=dataclasses.replace(cfg.memory, gradient_checkpointing=False, policy=None,
-                                                layers=[], budget_gib=None, embeddings_on_host=False))
+                                                layers=[], budget_gib=None, embeddings_on_host=False,
+                                                embedding_grad="dense"))
     mcfg = cfg.model
     tok = _tokenizer(tokenizer_name) if tokenizer_name else _tokenizer(mcfg.tokenizer or mcfg.name, Path.cwd())
     model, _ = build_patched_model(cfg, device, dtype, tok, Path.cwd(), select=selection_for)

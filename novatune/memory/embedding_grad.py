@@ -8,25 +8,29 @@ the table's backward keeps, per micro-step, only the rows it touched (T x hidden
 once, in the step's last backward, when the activations are already freed:
 
   micro-step  backward: the per-token gradients summed per distinct id, by torch's own embedding backward run over
-  (not last)            the ids renumbered 0..T-1 in sorted order (the same sums in the same order as stock's, one
-                        rounding to the table's dtype); kept with the ids; no gradient reaches autograd
+  (not last)            the ids renumbered 0..T-1 in sorted order (the same kernel over the same positions in the
+                        same order as stock's, so the same sums and roundings); kept with the ids; no gradient
+                        reaches autograd
   last        backward: zeros(vocab, hidden), each kept micro-step's rows added in micro-step order, then this
                         micro-step's; returned to autograd, which stores it as `.grad`
 
 Stock accumulates the same way (`.grad` = g1, then g1 + g2 rounded, ...): every row a micro-step touches is one
 add of that micro-step's rounded sum, and a row it does not touch adds nothing; here the untouched rows add
 nothing and the touched ones get the same add, so `.grad` is bit for bit stock's. Nothing waits for the host:
-the number of distinct ids is never read, the renumbering pads to T slots (spare slots hold id 0 and a zero row;
-adding +0.0 changes nothing but the sign of a -0.0).
+the number of distinct ids is never read, the renumbering pads to T slots (spare slot s holds id s mod vocab and
+a zero row: adding +0.0 changes nothing but the sign of a -0.0, and spreading the spare slots over rows keeps
+their atomic adds from all landing on one row).
 
 Which micro-step is the last is the trainer's to say (`micro_step(model, last)` around each forward; the flag is
 read at the forward, so a backward runs as its forward was told). Outside that context every backward is a last
 one: the module's gradient reaches autograd whole, as stock's does.
 
 Refused with the reason (`why_not`): a frozen table (no gradient), a table tied to lm_head (the head's gradient is
-dense anyway: nothing to save), a subclass of nn.Embedding, max_norm, scale_grad_by_freq and sparse gradients
-(their backward is not the plain row sum). The trainer also refuses DDP and FSDP2, whose hooks expect a gradient
-from every backward (train/config_checks.py).
+dense anyway: nothing to save), a subclass of nn.Embedding or a module whose forward is already replaced, max_norm,
+scale_grad_by_freq and sparse gradients (their backward is not the plain row sum), and hooks on the weight (they
+would run once per step instead of once per micro-step). The trainer also refuses DDP and FSDP2, whose hooks
+expect a gradient from every backward (train/config_checks.py). Under torch.compile the lookup stays eager
+(torch.compiler.disable): its backward keeps state between calls.
 """
 from __future__ import annotations
 
@@ -63,20 +67,26 @@ def why_not(model: nn.Module) -> str | None:
     emb = model.get_input_embeddings()
     if type(emb) is not nn.Embedding:
         return f"{type(emb).__name__} is not a plain nn.Embedding (its forward may scale or transform the rows)"
+    if "forward" in emb.__dict__:
+        return "the input embedding's forward is already replaced on the module"
     if not emb.weight.requires_grad:
         return "the input embedding is frozen (it has no gradient)"
-    for attr, what in (("max_norm", "renormalises the rows it reads"),
-                       ("scale_grad_by_freq", "scales its gradient by each id's count"),
+    if emb.max_norm is not None:
+        return "the input embedding has max_norm (it renormalises the rows it reads)"
+    for attr, what in (("scale_grad_by_freq", "scales its gradient by each id's count"),
                        ("sparse", "already returns a sparse gradient")):
         if getattr(emb, attr):
             return f"the input embedding has {attr} (it {what})"
+    w = emb.weight
+    if getattr(w, "_backward_hooks", None) or getattr(w, "_post_accumulate_grad_hooks", None):
+        return "the input embedding's weight has gradient hooks (they would run once per step, not per micro-step)"
     return None
 
 
 def distinct_rows(ids: Tensor, grad: Tensor, num_embeddings: int, padding_idx: int | None) -> tuple[Tensor, Tensor]:
     """(slot ids (T,), rows (T, hidden)): the gradient of an embedding lookup of `ids` with output gradient `grad`,
-    one row per distinct id, as torch's embedding backward sums them; spare slots hold id 0 and a zero row. No
-    host sync (the number of distinct ids is never read)."""
+    one row per distinct id, as torch's embedding backward sums them; spare slot s holds id s mod vocab and a zero
+    row. No host sync (the number of distinct ids is never read)."""
     flat = ids.reshape(-1)
     n = flat.numel()
     rows_in = grad.reshape(n, -1)
@@ -87,7 +97,9 @@ def distinct_rows(ids: Tensor, grad: Tensor, num_embeddings: int, padding_idx: i
     starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
     slot_sorted = torch.cumsum(starts, 0) - 1  # slot of each sorted position: ids renumbered 0.. in sorted order
     slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
-    slot_ids = torch.zeros(n, dtype=flat.dtype, device=flat.device).scatter_(0, slot_sorted, sorted_ids)
+    # spare slots (past the distinct ids) keep id s mod vocab with a zero row: spread over rows, not all on one
+    spare = torch.arange(n, device=flat.device) % num_embeddings
+    slot_ids = spare.to(flat.dtype).scatter_(0, slot_sorted, sorted_ids)
     # torch's own backward over the renumbered ids: slot s's row is the sum stock computes for id slot_ids[s]
     rows = torch.ops.aten.embedding_dense_backward(rows_in, slot, n, -1, False)
     return slot_ids, rows
@@ -123,6 +135,7 @@ class _RowGradEmbedding(torch.autograd.Function):
         return None, dense_grad(state, grad_out.shape[-1], grad_out), None
 
 
+@torch.compiler.disable  # eager under torch.compile: the backward keeps rows between calls
 def _row_grad_forward(self: nn.Embedding, input_ids: Tensor) -> Tensor:
     return _RowGradEmbedding.apply(input_ids, self.weight, self._novatune_row_grads)
 

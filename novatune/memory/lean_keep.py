@@ -44,7 +44,9 @@ class _Checked:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: Tensor):
-        self.tensor, self.version = t, t._version
+        # detached: the same data and version counter, without a reference back to the graph (an op's saved output
+        # would otherwise hold its own node, and a graph never run backward would never be freed)
+        self.tensor, self.version = t.detach(), t._version
 
 
 def _pack(t: Tensor):

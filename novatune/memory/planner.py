@@ -272,7 +272,9 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     pool = graphs.pool + graphs.from_static if graphed else 0
     static_bytes += graphs.buffers + graphs.pool if graphed else 0  # the pool is reserved throughout
     eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
-    own = [c.transient if eager_backward and _recomputed(p) else 0 for c, p in zip(costs, policies)]
+    # a lean layer's backward holds its recomputed outputs again for a while (its keep set less its lean one)
+    own = [c.transient if eager_backward and _recomputed(p) else
+           c.bytes["keep"] - c.bytes["lean"] if p == "lean" else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
     transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots

@@ -159,8 +159,8 @@ def make_function(fwd, bwd):
             q_out, k_out, rstd_q, rstd_k = fwd(q, k, q_weight, k_weight, eps, cos, sin)
             ctx.save_for_backward(q, k, q_weight, k_weight, rstd_q, rstd_k, cos, sin)
             if recipes.active():  # a kept layer: attention may keep this recipe instead of q_out, k_out
-                recipes.offer((q_out, k_out), lambda: fwd(q, k, q_weight, k_weight, eps, cos, sin)[:2],
-                              (q, k, q_weight, k_weight, cos, sin))
+                ins = tuple(t.detach() for t in (q, k, q_weight, k_weight, cos, sin))
+                recipes.offer((q_out, k_out), lambda: fwd(*ins[:4], eps, *ins[4:])[:2], ins)
             return q_out, k_out
 
         @staticmethod

@@ -16,7 +16,8 @@ the backward computes the outputs again, once for all of their consumers.
 An offer lives while its output does (a weak reference): an output that has died cannot be matched by a later
 tensor that reuses its memory. The inputs a recompute reads are the producer's saved tensors; their version
 counters are recorded at the offer, and a recompute after an in-place change of one raises, as autograd does for
-a saved tensor.
+a saved tensor. So is a change of the output itself: the version an output had at its offer is the only one
+matched, so a consumer that saves it after an in-place change keeps the tensor itself.
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ class Recipe:
     def outputs(self) -> tuple[Tensor, ...]:
         if self.cached is None:
             if tuple(t._version for t in self.inputs) != self.versions:
-                raise RuntimeError("an input of a recomputed activation (a norm's or RoPE's output that a kept layer "
-                                   "computes again in its backward) was modified in place after the forward; set "
-                                   "memory.lean_keep: false")
+                raise RuntimeError("an input of a recomputed activation (a norm's or RoPE's output that a lean "
+                                   "layer computes again in its backward) was modified in place after the forward; "
+                                   "give that layer the keep policy (memory.layers), or memory.policy: none")
             with torch.no_grad():
                 self.cached = tuple(self.recompute())
         return self.cached
@@ -55,10 +56,11 @@ class Recipe:
 class Offer:
     """Output `index` of a recipe, matched to saved tensors while the output itself is alive."""
 
-    __slots__ = ("output", "recipe", "index")
+    __slots__ = ("output", "recipe", "index", "version")
 
     def __init__(self, output: Tensor, recipe: Recipe, index: int):
         self.output, self.recipe, self.index = weakref.ref(output), recipe, index
+        self.version = output._version  # a later in-place change makes the output differ from what recompute gives
 
 
 @contextlib.contextmanager
@@ -97,9 +99,11 @@ def find(t: Tensor) -> tuple[Recipe, int] | None:
     offers = _offers.get(t.untyped_storage().data_ptr())
     if not offers:
         return None
+    ptr = t.untyped_storage().data_ptr()
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # the view's last element
     for offer in offers:
         out = offer.output()  # alive: the storage is still its own, not memory a later tensor reuses
-        if out is not None and out.dtype == t.dtype and out._version == t._version and last < out.numel():
+        if (out is not None and out.dtype == t.dtype and t._version == offer.version and last < out.numel()
+                and out.untyped_storage().data_ptr() == ptr):  # not moved (set_, resize_) since the offer
             return offer.recipe, offer.index
     return None

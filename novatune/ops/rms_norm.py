@@ -118,7 +118,8 @@ def make_function(fwd, bwd):
             y, rstd = fwd(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)
             if recipes.active():  # a kept layer: consumers that save y may keep this recipe instead (ops/recipes.py)
-                recipes.offer((y,), lambda: (fwd(x, weight, eps)[0],), (x, weight))
+                xd, wd = x.detach(), weight.detach()
+                recipes.offer((y,), lambda: (fwd(xd, wd, eps)[0],), (xd, wd))
             return y
 
         @staticmethod

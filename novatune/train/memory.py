@@ -94,14 +94,22 @@ def layer_shape(cfg, mconf, trained_share: float) -> planner.LayerShape:
 
 
 def lean_elements(cfg, mconf, h: int, q: int, kv: int) -> int:
-    """Elements per token a `lean` layer computes again instead of keeping (memory/lean_keep.py): the two norms'
-    outputs, and the rotated q and k where novatune's fused per-head q/k norm + RoPE makes them; none without
-    novatune.patch (stock modules offer nothing)."""
-    if not cfg.model.patch:
-        return 0
+    """Elements per token a `lean` layer computes again instead of keeping (memory/lean_keep.py), counted where an
+    op offers them and a consumer saves them: the two pre-norms' outputs where they run novatune's rms_norm (not
+    Gemma's or GPT-OSS's output-rounded norm, not OLMo 2's post-norms, whose outputs only join the residual), read
+    by projections that save their input (full fine-tuning: LoRA's frozen base weights save none); and the rotated
+    q and k where novatune's fused per-head q/k norm + RoPE makes them (saved by attention). 0 without
+    novatune.patch: stock modules offer nothing."""
+    options = cfg.model.patch_options
     spec = spec_for(getattr(mconf, "model_type", ""))
-    fused_qk = spec is not None and spec.attention.q_norm is not None and spec.attention.qk_norm_scope == "head"
-    return 2 * h + (q + kv if fused_qk else 0)
+    if not cfg.model.patch or spec is None or cfg.method.type != "full" or not options.get("rms_norm", True):
+        return 0
+    plain_norm = spec.norm_rounding == "normalised" and not spec.norm_offset  # novatune's rms_norm op
+    norms = 2 * h if plain_norm and not spec.post_norms else 0
+    # patch/apply.py fuses the q/k norms with RoPE for per-head norms of the plain kind only
+    fused_qk = (plain_norm and spec.attention.q_norm is not None and spec.attention.qk_norm_scope == "head"
+                and options.get("fuse_qk_norm_rope", True) and options.get("rope", True))
+    return norms + (q + kv if fused_qk else 0)
 
 
 def layer_costs(cfg, mconf, hw: planner.Hardware) -> list[planner.LayerCost]:
@@ -301,21 +309,33 @@ def static_bytes(est: dict, shards: int = 1) -> int:
     """Everything but the decoder layers' activations: weights, gradients, optimizer states (split over FSDP2's
     `shards`), live dequantised weights, and stock HF's logits when the fused cross-entropy is off. An input
     embedding whose gradient waits as rows (memory.embedding_grad) has no gradient during the forwards, where the
-    peak is; its rows (tokens x hidden per micro-step) are below the plan's resolution."""
+    peak is, but its rows instead: est["embedding_grad_rows"] is the table's bytes less the rows'."""
     grads = est["gradients"] - est.get("embedding_grad_rows", 0)
     sharded = (est["weights"] + grads + est["optimizer"]) / shards
     return int(sharded + est["dequant"] + (0 if est["fused_loss"] else est["logits_stock"]))
 
 
-def embedding_grad_rows(cfg) -> bool:
+def embedding_grad_rows(cfg, vocab: int | None = None) -> bool:
     """Whether the run keeps its input embedding's gradient as rows between micro-steps
-    (memory/embedding_grad.py): `rows` where asked; `auto` for full fine-tuning in one process with gradient
-    accumulation (with one micro-step per optimizer step there is nothing to keep apart). The model-level refusals
-    (a tied or frozen table, ...) come when the model exists."""
-    mode = cfg.memory.embedding_grad
+    (memory/embedding_grad.py): never with one micro-step per optimizer step (nothing to keep apart); `rows`
+    where asked; `auto` for full fine-tuning in one process where the rows a step keeps, (grad_accum - 1) x
+    tokens per micro-batch, are under half the table's `vocab` rows (else they save too little, or cost more than
+    the table). The model-level refusals (a tied or frozen table, ...) come when the model exists."""
+    mode, ga = cfg.memory.embedding_grad, cfg.train.grad_accum
+    if ga <= 1:
+        return False
     if mode == "auto":
-        return cfg.method.type == "full" and cfg.parallel.strategy == "none" and cfg.train.grad_accum > 1
+        kept = (ga - 1) * cfg.train.micro_batch * cfg.data.max_length
+        return (cfg.method.type == "full" and cfg.parallel.strategy == "none"
+                and (vocab is None or 2 * kept < vocab))
     return mode == "rows"
+
+
+def embedding_rows_bytes(cfg, hidden: int, dtype_bytes: int) -> int:
+    """What the rows hold at the last micro-step's forward: (grad_accum - 1) micro-steps of tokens x (hidden
+    values + an int64 id)."""
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    return (cfg.train.grad_accum - 1) * tokens * (hidden * dtype_bytes + 8)
 
 
 def fsdp2_held_bytes(cfg, est: dict, mconf, shards: int) -> int:

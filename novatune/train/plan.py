@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from novatune.memory import embedding_grad
 from novatune.memory.host_embedding import lookup_refusal
 from novatune.train.errors import ConfigError
-from novatune.train.memory import MARGIN, embedding_grad_rows, fused_loss, host_message
+from novatune.train.memory import MARGIN, embedding_grad_rows, embedding_rows_bytes, fused_loss, host_message
 from novatune.train.optim import state_bytes
 
 GiB = 2**30
@@ -147,6 +148,7 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
     optimizer = getattr(cfg.train, "optimizer", None) or "adamw"
     est = {
         "model": cfg.model.arch or cfg.model.name, "params": n_params, "trainable": trainable,
+        "vocab_size": mconf.vocab_size,
         "dtype_bytes": b, "tokens_per_micro_batch": tokens, "qlora": qlora,
         "quantised_params": sum(quant), "nf4_embedding_params": emb_nf4, "dequant": dequant,
         "weights": weights - host_embedding, "host_embedding": host_embedding, "gradients": trainable * tb,
@@ -156,9 +158,11 @@ def plan(cfg, base_dir: Path | None = None, gpu_mem_gib: float | None = None, mc
         "gradient_checkpointing": cfg.memory.gradient_checkpointing, "patch": cfg.model.patch,
         "fused_loss": fused_loss(cfg), "grad_accum": cfg.train.grad_accum,
     }
-    # memory.embedding_grad: an untied trained table's gradient waits as rows until the step's last backward
-    if embedding_grad_rows(cfg) and cfg.method.type == "full" and lookup_refusal(model) is None:
-        est["embedding_grad_rows"] = emb.numel() * b
+    # memory.embedding_grad: an untied trained table's gradient waits as rows until the step's last backward; the
+    # forwards hold the rows instead of the table's gradient
+    if (cfg.method.type == "full" and embedding_grad_rows(cfg, mconf.vocab_size)
+            and embedding_grad.why_not(model) is None):
+        est["embedding_grad_rows"] = emb.numel() * b - embedding_rows_bytes(cfg, emb.shape[1], b)
     static = est["weights"] + est["gradients"] + est["optimizer"] + est["dequant"]
     # stock keeps the table on the device
     est["peak_stock"] = (static + host_embedding + (act_ckpt if cfg.memory.gradient_checkpointing else act_full)
@@ -257,7 +261,8 @@ def _layer_cost_lines(costs: list, g) -> list[str]:
             lines.append(f"    layers {_ranges(layers)}:")
             pad = "      "
         lines += [f"{pad}{p:<10} {g(cost.bytes[p])}  {1e3 * cost.seconds[p]:7.2f} ms"
-                  for p in ("keep", "lean", "selective", "recompute", "offload")]
+                  for p in ("keep", "lean", "selective", "recompute", "offload")
+                  if p != "lean" or cost.bytes["lean"] < cost.bytes["keep"]]  # lean only where it keeps less
     return lines
 
 
@@ -302,8 +307,9 @@ def render(est: dict) -> str:
              + (f"   (+ {g(est['host_embedding']).strip()} input embedding table on the host)"
                 if est.get("host_embedding") else ""),
              f"  gradients                    {g(est['gradients'])}"
-             + (f"   (the input embedding's {g(est['embedding_grad_rows']).strip()} as rows until a step's last "
-                f"backward: memory.embedding_grad)" if est.get("embedding_grad_rows") else ""),
+             + (f"   (the input embedding's gradient as rows until a step's last backward: "
+                f"{g(est['embedding_grad_rows']).strip()} less in the forwards; memory.embedding_grad)"
+                if est.get("embedding_grad_rows") else ""),
              f"  {'optimizer states (' + est['optimizer_name'] + ')':<28} {g(est['optimizer'])}",
              *([f"  dequantised weights (live)   {g(est['dequant'])}"
                 + ("   (held in the CUDA-graph pool below)" if mp.graph_pool_bytes else "")] if est["qlora"] else []),

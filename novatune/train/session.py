@@ -401,7 +401,7 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         if console is not None:
             console.print(f"memory: input embedding table in mapped host memory ({freed / 2**30:.2f} GiB off the "
                           f"GPU; memory.embeddings_on_host)", highlight=False, markup=False)
-    if embedding_grad_rows(cfg):
+    if embedding_grad_rows(cfg, model.get_input_embeddings().num_embeddings):
         why = embedding_grad.why_not(model)
         if why is None:
             saved = embedding_grad.install(model)

@@ -109,6 +109,38 @@ def test_a_lean_layer_keeps_no_cheap_copy_and_computes_the_same_gradients(moe, m
     assert not recipes._offers  # nothing offered outlives the layers' forwards
 
 
+def test_an_offered_output_changed_in_place_before_its_consumer_saves_it_is_kept_as_it_is():
+    """The recipe gives the output as offered; after y.mul_(2) the consumer's saved y is the changed one, so it
+    must be stored itself (the gradients then equal the same code without the hooks)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8), torch.randn(8)
+    mat = torch.randn(8, 5, requires_grad=True)
+
+    def grad(lean: bool):
+        mat.grad = None
+        ctx = lean_keep.kept_layer() if lean else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            y = rms_norm(x, w)
+            y.mul_(2)
+            z = y @ mat  # saves the changed y
+        z.square().sum().backward()
+        return mat.grad.clone()
+    assert torch.equal(grad(True), grad(False))
+
+
+def test_a_lean_graph_never_run_backward_is_freed():
+    import gc
+    import weakref
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with lean_keep.kept_layer():
+        out = (x * 2).softmax(-1)  # softmax saves its own output
+    ref = weakref.ref(out)  # held through its own node's saved output, it would outlive `del`
+    del out
+    gc.collect()
+    assert ref() is None
+
+
 def test_an_in_place_change_of_a_saved_tensor_still_raises_in_a_lean_layer():
     x = torch.randn(4, 8, requires_grad=True)
     with lean_keep.kept_layer():
@@ -134,9 +166,43 @@ def test_the_planner_turns_the_fewest_kept_layers_lean_that_fit():
     costs = [cost] * 8
     static = 40 * 2**30
     all_keep = planner.evaluate(["keep"] * 8, costs, static, None)
-    plan = planner.choose(costs, static, all_keep.peak_bytes - int(2.5 * saved))
+    # j lean layers hold j x saved less, and one of them holds it again while its backward recomputes: the peak
+    # is all_keep - (j - 1) x saved
+    budget = all_keep.peak_bytes - int(1.5 * saved)
+    plan = planner.choose(costs, static, budget)
     assert plan.policies == ["lean"] * 3 + ["keep"] * 5  # three lean layers fit, two would not
-    assert plan.fits
-    no_lean = planner.choose(costs, static, all_keep.peak_bytes - int(2.5 * saved),
-                             allowed=("keep", "recompute", "selective", "offload"))
+    assert plan.fits and plan.peak_bytes == all_keep.peak_bytes - 2 * saved
+    no_lean = planner.choose(costs, static, budget, allowed=("keep", "recompute", "selective", "offload"))
     assert "lean" not in no_lean.policies and no_lean.seconds > plan.seconds
+
+
+@pytest.mark.parametrize("arch, patch_options, method, want", [
+    ("qwen3", {}, "full", "2h+q+kv"),
+    ("qwen3-30b-a3b", {}, "full", "2h+q+kv"),
+    ("qwen3", {"fuse_qk_norm_rope": False}, "full", "2h"),
+    ("llama-3.2-1b", {}, "full", "2h"),
+    ("gemma-3-4b", {}, "full", "0"),  # output-rounded norm: offset_rms_norm offers nothing
+    ("olmo-2-7b", {}, "full", "0"),  # post-norms: their outputs only join the residual
+    ("qwen3", {}, "lora", "0"),  # frozen base projections save no input
+])
+def test_lean_counts_only_what_an_op_offers_and_a_consumer_saves(make_cfg_lean, arch, patch_options, method, want):
+    from novatune.train.arch import arch_config
+    from novatune.train.memory import lean_elements
+
+    mconf = arch_config({"qwen3": "qwen3-4b"}.get(arch, arch))
+    cfg = make_cfg_lean(patch_options, method)
+    h = mconf.hidden_size
+    hd = getattr(mconf, "head_dim", None) or h // mconf.num_attention_heads
+    q, kv = mconf.num_attention_heads * hd, mconf.num_key_value_heads * hd
+    expect = {"2h+q+kv": 2 * h + q + kv, "2h": 2 * h, "0": 0}[want]
+    assert lean_elements(cfg, mconf, h, q, kv) == expect
+
+
+@pytest.fixture
+def make_cfg_lean():
+    from types import SimpleNamespace
+
+    def make(patch_options, method):
+        return SimpleNamespace(model=SimpleNamespace(patch=True, patch_options=patch_options),
+                               method=SimpleNamespace(type=method))
+    return make
