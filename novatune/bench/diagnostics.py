@@ -10,11 +10,13 @@
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
 
 from novatune.memory import embedding_grad
+from novatune.ops.linear_cross_entropy import grad_output_promised
 
 
 def install_diagnostics() -> None:
@@ -49,6 +51,15 @@ def install_diagnostics() -> None:
     gc.callbacks.append(gc_cb)
 
 
+@contextlib.contextmanager
+def accumulating_micro_step(model):
+    """Around a forward run as the trainer runs micro-steps 2..GA-1: the embedding's gradient kept as rows where the
+    run keeps it so (memory.embedding_grad), and the loss's grad_output promised (lm_head's gradient into .grad
+    by the forward, ops/linear_cross_entropy.py; the callers' .backward() on the loss gives 1.0)."""
+    with embedding_grad.micro_step(model, last=False), grad_output_promised(1.0):
+        yield
+
+
 def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
@@ -59,14 +70,13 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     gradients are dropped."""
     import torch
 
-    # both micro-steps as an accumulating one (2..GA-1) runs: the embedding's gradient kept as rows where the run
-    # keeps it so (memory.embedding_grad), every other gradient existing
-    with embedding_grad.micro_step(model, last=False):
+    # both micro-steps as an accumulating one (2..GA-1) runs (`accumulating_micro_step`), every other gradient existing
+    with accumulating_micro_step(model):
         model(**batch).loss.backward()  # not recorded: makes the gradients exist
     torch.cuda.synchronize()
     owners = tensor_owners(model, optimizer)
     try:
-        with embedding_grad.micro_step(model, last=False):
+        with accumulating_micro_step(model):
             snap, n_fwd = _recorded_micro_step(model, batch)
     except SystemError as e:
         embedding_grad.discard(model)
@@ -275,14 +285,14 @@ def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     if accumulating:
-        with embedding_grad.micro_step(model, last=False):
+        with accumulating_micro_step(model):
             model(**batch).loss.backward()
     sync()
     # with_stack (Python frames) would name the launching code, but it slows the host ~2x: the gaps measured then
     # are the profiler's, so CPU ops only (aten op names still say where a launch came from)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
-        with embedding_grad.micro_step(model, last=not accumulating):  # one of a step's accumulating micro-steps
+        with accumulating_micro_step(model) if accumulating else contextlib.nullcontext():
             model(**batch).loss.backward()
         if finish is not None:
             finish()

@@ -104,6 +104,10 @@ _VOCAB_ALIGN = 128  # slice width rounded to a multiple of this (GEMM tile / 16-
 _VOCAB_MIN_SLICE = 2048  # narrower slices make grad_W[j]'s GEMM too small to fill the GPU (so above
 #                          T = VOCAB_SLICE_BYTES / (2048 e), 32768 bf16 tokens, a slice exceeds the budget)
 _CHUNK_ALIGN = 64  # chunk rows rounded up to a multiple of this (GEMM tile friendly)
+# grad_W added into an existing .grad (`into`): per-chunk logits budget. Smaller chunks hold less at the loss (the
+# forward's peak under accumulation) but round into .grad once more each: 256 MiB is ~860 tokens of Qwen3's
+# 151,936-entry vocab (5 chunks of 4,096 tokens), ~650 of GPT-OSS's 201,088 (7 chunks)
+INTO_LOGITS_BYTES = 256 * 2**20
 _HALF = (torch.bfloat16, torch.float16)
 _TILE_OVERRIDE: tuple[int, int] | None = None  # (rows, block_v) for the row kernel; tests run the GPU tiling
 
@@ -248,6 +252,17 @@ def plan_chunk_tokens(T: int, V: int, H: int, dtype: torch.dtype, grad_weight: b
     return chunk
 
 
+def plan_into_chunk(T: int, V: int, dtype: torch.dtype, budget: int | None = None) -> int:
+    """Tokens per chunk where grad_W goes into an existing .grad (`into`): a (chunk, V) logits block of at most
+    INTO_LOGITS_BYTES, balanced over the chunks and aligned; no fp32 (V, H) buffer to weigh against."""
+    e = torch.finfo(dtype).bits // 8
+    rows = max(_CHUNK_ALIGN, (budget or INTO_LOGITS_BYTES) // max(V * e, 1) // _CHUNK_ALIGN * _CHUNK_ALIGN)
+    if rows >= T:
+        return max(T, 1)
+    n = math.ceil(T / rows)
+    return min(rows, math.ceil(math.ceil(T / n) / _CHUNK_ALIGN) * _CHUNK_ALIGN)
+
+
 def plan_vocab_slice(T: int, V: int, dtype: torch.dtype, budget: int = VOCAB_SLICE_BYTES) -> int:
     """mode="vocab": columns per slice. As many as fit `budget` for a (T, Vc) slice in `dtype` (at least
     _VOCAB_MIN_SLICE), then balanced over the slices this needs and rounded up to _VOCAB_ALIGN (never above the
@@ -308,7 +323,7 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              loss_rows: torch.Tensor | None = None, dhidden: torch.Tensor | None = None,
                              dweight: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
                              use_triton: bool = True, token_stats: tuple | None = None,
-                             softcap: float | None = None):
+                             softcap: float | None = None, into: torch.Tensor | None = None, alpha: float = 1.0):
     """Loss (and gradients, already divided by `divisor`) of CE(hidden @ weight.T + bias, labels).
 
     hidden (T, H), weight (V, H), labels (T,) int, divisor 0-dim fp32 (device). Returns
@@ -322,10 +337,18 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     (torch.argmax's tie rule); 0, 0, -1 on ignored tokens. The token's log-prob is -loss_rows.
     softcap: the loss sees softcap * tanh(z / softcap) (Gemma 2's final logit soft-capping), applied in fp32 inside
     the row passes (modes "tokens" and "vocab"; plan_mode): the capped logits never exist either.
+    into: an existing (V, H) weight gradient (`.grad` under accumulation) that grad_W x `alpha` is added into,
+    chunk by chunk, instead of grad_W coming back (grad_weight must be False): token chunks of INTO_LOGITS_BYTES
+    (`plan_into_chunk`), so no (V, H) buffer and no full logits exist; one rounding per chunk into `into`.
     """
     T, H = hidden.shape
     V = weight.shape[0]
     out_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    if into is not None:
+        if grad_weight or into.shape != (V, H):
+            raise ValueError(f"linear_cross_entropy: `into` {tuple(into.shape)} must be the ({V}, {H}) weight "
+                             f"gradient, with grad_weight False")
+        mode, chunk_tokens, vocab_slice = "tokens", chunk_tokens or plan_into_chunk(T, V, hidden.dtype), None
     plan, size = plan_mode(T, V, H, hidden.dtype, grad_weight, mode, chunk_tokens, vocab_slice, softcap)
     if not use_triton:  # fp32 everywhere: the CPU path computes reference numbers (cast once, V x H x 4 bytes)
         hidden, weight = hidden.float(), weight.float()
@@ -341,7 +364,9 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     gb_acc = torch.zeros(V, device=dev, dtype=torch.float32) if grad_bias else None
     args = (hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden, grad_weight,
             grad_bias, max(1, int(size)), use_triton, dweight, token_stats)
-    if softcap is not None:  # plan_mode never plans "inplace" with a soft-cap
+    if into is not None:
+        gw = _fwd_tokens(*args, softcap=None if softcap is None else float(softcap), into=into, alpha=float(alpha))
+    elif softcap is not None:  # plan_mode never plans "inplace" with a soft-cap
         gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab}[plan](*args, softcap=float(softcap))
     else:
         gw = {"tokens": _fwd_tokens, "vocab": _fwd_vocab, "inplace": _fwd_inplace}[plan](*args)
@@ -356,13 +381,15 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ignore_index, grad_hidden,
-                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None, softcap=None):
-    """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None)."""
+                grad_weight, grad_bias, C, use_triton, dweight, token_stats=None, softcap=None, into=None,
+                alpha=1.0):
+    """mode="tokens": chunks of C tokens. Fills loss_rows, gh, gb_acc; returns grad_W (or None). `into` (with
+    grad_weight False): each chunk's grad_W times `alpha` is added into it (an existing .grad) by the chunk's GEMM."""
     T, H = hidden.shape
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
     rows_op = _rows_triton if use_triton else _rows_torch
-    grad = grad_hidden or grad_weight or grad_bias
+    grad = grad_hidden or grad_weight or grad_bias or into is not None
     C = min(C, max(T, 1))
     n_chunks = math.ceil(T / C) if T else 0
     gw = None
@@ -392,6 +419,11 @@ def _fwd_tokens(hidden, weight, bias, labels, divisor, loss_rows, gh, gb_acc, ig
             torch.mm(z, weight, out=gh[s:e])
         if grad_bias:
             gb_acc += z.sum(0, dtype=torch.float32)
+        if into is not None:  # fp32 accumulation inside the GEMM, one rounding into .grad per chunk
+            if into.dtype == z.dtype:
+                into.addmm_(z.t(), h_c, alpha=alpha)
+            else:  # the CPU's fp32 path over a half-precision .grad
+                into.copy_(torch.addmm(into.float(), z.t(), h_c, alpha=alpha))
         if grad_weight:
             z_t = z.t()  # (V, rows)
             if direct_acc:

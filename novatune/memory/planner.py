@@ -196,6 +196,7 @@ class Plan:
     outside_transient_bytes: int = 0  # the work outside the decoder layers (the loss's logits buffer)
     offloaded_bytes: int = 0  # layer inputs in page-locked host memory (whole pages)
     host_budget_bytes: int | None = None  # what they may take (None: not checked)
+    lm_head_grad_in_forward: bool = False  # the loss adds lm_head's gradient into .grad (its `outside` is a chunk)
 
     @property
     def host_limited(self) -> bool:

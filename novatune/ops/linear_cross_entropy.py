@@ -50,6 +50,7 @@ so memory stays bounded on the CPU too.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -61,7 +62,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from novatune.kernels import linear_cross_entropy as _k
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled
-from novatune.ops.moe_wgrad import accumulates_into_grad
+from novatune.ops.moe_wgrad import accumulates_into_grad, grad_takes_adds
 from novatune.reference import linear_cross_entropy as _ref
 
 _REDUCTIONS = ("mean", "sum")
@@ -208,6 +209,74 @@ def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
                                     f"ignore_index {ignore_index}")
 
 
+# ----------------------------------------------------------------------------------------------- grad_W into .grad
+# The trainer's promise of the loss's grad_output (novatune.train.session.forward_backward: it calls .backward() on
+# the loss itself, so grad_output is 1.0). Under it, where autograd would add lm_head's gradient into an existing
+# `.grad` (micro-steps after the first under gradient accumulation), the forward adds grad_W x grad_output into that
+# .grad chunk by chunk (kernels' `into`): the (V, H) gradient buffer and the full logits never exist, which lowers
+# the forward's memory peak by ~(T - chunk) x V x 2 bytes (0.9 GiB at Qwen3-30B-A3B's 4,096 tokens), and the
+# backward's pass over the (V, H) gradient goes. One rounding into .grad per token chunk (5-7 at 4,096 tokens)
+# instead of two (grad_W, then autograd's add), in fp32 inside each chunk's GEMM.
+# The backward checks the promise: a grad_output that differs (the loss scaled or reused after the model returned
+# it) sets a device flag and writes NaN into one element of .grad, so the step's gradient norm is not finite and
+# the trainer's non-finite check stops the run; `promise_broken()` tells it why (nothing waits for the host).
+_promised: list[float] = []
+_broken: dict = {}  # device -> 0-dim bool flag
+
+
+@contextlib.contextmanager
+def grad_output_promised(value: float = 1.0):
+    """Around micro-steps whose loss gets exactly `value` as grad_output (module comment above)."""
+    _promised.append(float(value))
+    try:
+        yield
+    finally:
+        _promised.pop()
+
+
+def promise_broken() -> bool:
+    """Whether any backward met a grad_output other than the promised one (reads device flags: a host sync)."""
+    return any(bool(flag) for flag in _broken.values())
+
+
+def _into_grad_param(weight: Tensor, hidden: Tensor, bias: Tensor | None, softcap, stats: bool):
+    """The Parameter whose existing .grad the forward may add grad_W into under a promise, or None."""
+    if not _promised or stats or (bias is not None and bias.requires_grad) or _traced(hidden, weight.detach()):
+        return None
+    param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
+    if param is None or not weight.requires_grad or not grad_takes_adds(param) or not param.grad.is_contiguous():
+        return None
+    return param
+
+
+class _LossIntoGrad(torch.autograd.Function):
+    """The fused loss with grad_W added into lm_head's existing .grad by the forward (module comment above)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, divisor, bias, ignore_index, softcap, param, promised):
+        into = param.grad
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, _rows, gh, _gw, _gb = _k.linear_cross_entropy_fwd(
+                hidden, weight, labels, divisor, bias=bias, ignore_index=ignore_index,
+                grad_hidden=hidden.requires_grad, grad_weight=False, use_triton=use_triton(hidden),
+                softcap=softcap, into=into, alpha=promised)
+        torch.autograd.graph.increment_version(into)  # as AccumulateGrad's in-place add would
+        ctx.save_for_backward(gh)
+        ctx.into, ctx.promised = into, promised
+        return loss
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        bad = g_loss.detach().float() != ctx.promised
+        flag = _broken.get(bad.device)
+        _broken[bad.device] = bad if flag is None else flag | bad
+        ctx.into.view(-1)[:1].add_(torch.where(bad, float("nan"), 0.0).to(ctx.into.dtype))
+        (gh,) = ctx.saved_tensors
+        if gh is not None:
+            torch.ops.novatune.linear_cross_entropy_scale_(gh, g_loss)
+        return gh, None, None, None, None, None, None, None, None
+
+
 class TokenStats(NamedTuple):
     """Per-token statistics of the logits, from the fused loss's own pass over them (no second lm_head GEMM);
     each of labels' shape, no gradient. fp32 from the logits as the loss sees them (input dtype, read in fp32).
@@ -282,6 +351,11 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
     _check_label_range(y, lm_weight.shape[0], int(ignore_index))
     divisor = _divisor(y, ignore_index, reduction, normalizer)
     grad_on = torch.is_grad_enabled()
+    param = (_into_grad_param(lm_weight, h2, bias, softcap, return_token_stats)
+             if grad_on and hidden.requires_grad else None)
+    if param is not None:  # the trainer's promise: grad_W into lm_head's existing .grad by the forward
+        return _LossIntoGrad.apply(h2, lm_weight, y, divisor, bias, int(ignore_index),
+                                   None if softcap is None else float(softcap), param, _promised[-1])
     loss, _gh, _gw, _gb, nll, stats, top = torch.ops.novatune.linear_cross_entropy(
         h2, lm_weight, y, divisor, bias, int(ignore_index), grad_on and hidden.requires_grad,
         grad_on and lm_weight.requires_grad, grad_on and bias is not None and bias.requires_grad,

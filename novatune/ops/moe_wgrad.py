@@ -41,7 +41,20 @@ ALIGN_BYTES = 16  # grouped_mm wants 16-byte aligned operand pointers: each slic
 
 def accumulates_into_grad(param: Tensor | None) -> bool:
     """Whether this backward may add `param`'s gradient into `param.grad` itself (the module docstring's rules)."""
-    if param is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd():
+    if param is None or torch.is_grad_enabled() or not grad_takes_adds(param):
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(get_gradient_edge(param).node))
+    except RuntimeError:  # torch.autograd.grad(): the engine captures leaf gradients instead of accumulating them
+        return False
+
+
+def grad_takes_adds(param: Tensor | None) -> bool:
+    """The rules of `accumulates_into_grad` that do not depend on the running backward: a plain strided Parameter
+    whose `.grad` exists with its shape, dtype and device, no hooks on it, one process, nothing compiled. A forward
+    that adds into `.grad` (novatune.ops.linear_cross_entropy under the trainer's promise) checks these; that its
+    backward will run AccumulateGrad is the promise's part."""
+    if param is None or torch.compiler.is_compiling() or _compiled_autograd():
         return False
     if type(param) is not torch.nn.Parameter or param.layout != torch.strided or not param.requires_grad:
         return False
@@ -52,12 +65,7 @@ def accumulates_into_grad(param: Tensor | None) -> bool:
         return False
     if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
         return False
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(get_gradient_edge(param).node))
-    except RuntimeError:  # torch.autograd.grad(): the engine captures leaf gradients instead of accumulating them
-        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def _compiled_autograd() -> bool:

@@ -159,6 +159,12 @@ class MemoryConfig:
     # the later micro-steps' forwards run without the vocab x hidden gradient; bit for bit stock's. auto: rows
     # where that applies (one process, grad_accum > 1), dense otherwise; dense: stock's
     embedding_grad: Literal["auto", "rows", "dense"] = "auto"
+    # full fine-tuning with accumulation, one process: from a step's second micro-step on, the fused loss adds
+    # lm_head's gradient into its .grad by token chunks in the forward (novatune/ops/linear_cross_entropy.py),
+    # so neither a vocab x hidden gradient buffer nor the full logits exist while every gradient does; one
+    # rounding into .grad per chunk instead of two per micro-step, and each chunk's GEMM reads and writes .grad.
+    # auto: where the memory plan needs the room (or it makes a faster plan fit); false: from the backward
+    lm_head_grad_in_forward: Literal["auto", True, False] = "auto"
 
 
 @dataclass

@@ -137,11 +137,14 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     fresh = fresh_gradients(cfg, mconf, est, shards)
     host = host_budget(shards)
     policy = memory_policy(cfg.memory)
-    transients = {"outside": loss_transient_bytes(cfg, mconf),
+    transients = {"outside": loss_transient_bytes(cfg, mconf, into_grad=False),
                   "graphs": layer_graphs(cfg, mconf, costs, shards, int(est["dequant"]))}
 
-    def policies_plan(saved: int = 0, allowed: tuple[str, ...] = POLICIES) -> planner.Plan:
-        """memory.policy's plan with `saved` bytes fewer static (the room frozen-weight streaming makes)."""
+    def policies_plan(saved: int = 0, allowed: tuple[str, ...] = POLICIES, outside: int | None = None) -> planner.Plan:
+        """memory.policy's plan with `saved` bytes fewer static (the room frozen-weight streaming makes) and, when
+        given, the loss's working memory `outside`."""
+        if outside is not None:
+            return replace_outside(outside, saved, allowed)
         if policy == "auto":
             return planner.choose(costs, static - saved, budget, allowed, fresh, host, **transients)
         if policy == "per-layer":
@@ -152,7 +155,24 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
             return planner.evaluate(layers, costs, static - saved, budget, fresh, host, **transients)
         return planner.evaluate([UNIFORM[policy]] * n, costs, static - saved, budget, fresh, host, **transients)
 
+    def replace_outside(outside: int, saved: int, allowed: tuple[str, ...]) -> planner.Plan:
+        transients["outside"], standard = outside, transients["outside"]
+        try:
+            return policies_plan(saved, allowed)
+        finally:
+            transients["outside"] = standard
+
     plan = policies_plan()
+    if lm_head_grad_applies(cfg):
+        # lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): taken when asked,
+        # or (auto) where the plan without it does not fit and with it does, or where it makes a faster plan fit
+        alt = policies_plan(outside=loss_transient_bytes(cfg, mconf, into_grad=True))
+        alt = replace(alt, seconds=alt.seconds + into_grad_seconds(cfg, mconf, hw), lm_head_grad_in_forward=True)
+        if cfg.memory.lm_head_grad_in_forward is True or (alt.fits and (not plan.fits or alt.seconds < plan.seconds)):
+            alt.notes.append(f"lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): "
+                             f"the loss holds {alt.outside_transient_bytes / GiB:.2f} GiB at the forward's end, not "
+                             f"{plan.outside_transient_bytes / GiB:.2f}")
+            plan = alt
     if policy == "auto" and budget is None:
         plan.notes.append("no memory budget known (no GPU, no memory.budget_gib): every layer keeps its "
                           "activations")
@@ -247,12 +267,36 @@ def fused_loss(cfg) -> bool:
     return bool(cfg.model.patch) and bool((cfg.model.patch_options or {}).get("cross_entropy", True))
 
 
-def loss_transient_bytes(cfg, mconf) -> int:
+def lm_head_grad_applies(cfg) -> bool:
+    """Whether the loss may add lm_head's gradient into .grad in its forward (memory.lm_head_grad_in_forward, not
+    false): novatune's fused loss training lm_head, accumulation, one process (the trainer's promise)."""
+    return (fused_loss(cfg) and cfg.method.type == "full" and cfg.train.grad_accum > 1
+            and cfg.parallel.strategy == "none" and cfg.memory.lm_head_grad_in_forward is not False)
+
+
+def into_grad_seconds(cfg, mconf, hw: planner.Hardware) -> float:
+    """Per micro-batch, what adding lm_head's gradient into .grad by token chunks costs over the backward's one
+    pass: each chunk's GEMM reads and writes the (V, H) .grad, the one pass read two and wrote one; only the
+    accumulating micro-steps (all but a step's first) take it."""
+    from novatune.kernels.linear_cross_entropy import plan_into_chunk
+
+    e = 4 if cfg.model.dtype == "fp32" else 2
+    tokens = cfg.train.micro_batch * cfg.data.max_length
+    chunks = -(-tokens // plan_into_chunk(tokens, mconf.vocab_size, torch.float32 if e == 4 else torch.bfloat16))
+    table = mconf.vocab_size * mconf.hidden_size * e
+    extra = max(0, 2 * chunks - 3) * table / (hw.hbm_gbps * 1e9)
+    return extra * (cfg.train.grad_accum - 1) / cfg.train.grad_accum
+
+
+def loss_transient_bytes(cfg, mconf, into_grad: bool = False) -> int:
     """The loss's working memory beyond the static terms, at the end of the forward: novatune's fused
     cross-entropy's logits buffer, as its kernel plans it (one (chunk x vocab) block; the (tokens x vocab) logits
     into which lm_head's gradient is written in its in-place mode; one (tokens x slice) block and an fp32 input
-    gradient in its vocab-slice mode). Stock HF's logits are static already (est["logits_stock"])."""
-    from novatune.kernels.linear_cross_entropy import plan_mode
+    gradient in its vocab-slice mode). Stock HF's logits are static already (est["logits_stock"]). `into_grad`:
+    lm_head's gradient goes into .grad by token chunks (lm_head_grad_applies): from a step's second micro-step on,
+    when the gradients (static) exist, one chunk's logits; the first micro-step's full logits come before any
+    gradient exists, so the forwards with gradients set the peak."""
+    from novatune.kernels.linear_cross_entropy import plan_into_chunk, plan_mode
 
     if not fused_loss(cfg):
         return 0
@@ -265,7 +309,10 @@ def loss_transient_bytes(cfg, mconf) -> int:
     # around it, and the patch refuses "inplace" with one
     asked = str((cfg.model.patch_options or {}).get("cross_entropy_mode", "auto"))
     softcap = getattr(mconf, "final_logit_softcapping", None) or None
-    mode, size = plan_mode(tokens, vocab, hidden, torch.float32 if fp32 else torch.bfloat16, grad_weight,
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    if into_grad:
+        return plan_into_chunk(tokens, vocab, dtype) * vocab * e
+    mode, size = plan_mode(tokens, vocab, hidden, dtype, grad_weight,
                            mode="auto" if softcap is not None and asked == "inplace" else asked, softcap=softcap)
     if mode == "inplace":
         return tokens * vocab * e

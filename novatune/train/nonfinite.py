@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from novatune.ops.linear_cross_entropy import promise_broken
+
 
 class UnhealthyTraining(RuntimeError):
     """The run stopped because it no longer trains (the CLI exits 3); the message names where and what to do."""
@@ -178,6 +180,12 @@ class StepGuard:
             return True
         self.zero_since = None  # a non-finite step is not a zero-gradient one: the run of zeros starts again
         what = f"step {step}: loss {loss_v:.4g}, grad norm {norm_v:.4g}"
+        if promise_broken():  # not the data's fault: the fused loss's contract broke
+            raise NonFiniteError(f"non-finite gradient at {what}: the fused loss added lm_head's gradient into .grad "
+                                 f"for grad_output 1.0, but its backward got another (the loss was scaled or "
+                                 f"reused after the model returned it). The update was not applied. Call "
+                                 f".backward() on the model's loss itself, or train outside the Session's "
+                                 f"forward_backward")
         if self.mode != "skip":
             raise NonFiniteError(f"non-finite training at {what}. The update was not applied and no checkpoint "
                                  f"was written after it. Fix: lower train.lr, check the data and the starting "

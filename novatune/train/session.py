@@ -43,6 +43,7 @@ from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.memory import embedding_grad, host_embedding
 from novatune.ops.adamw import clip_coefficient
+from novatune.ops.linear_cross_entropy import grad_output_promised
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
@@ -94,21 +95,26 @@ def call_inputs(mb: dict, device: torch.device, packed_kwargs: str | None, wrapp
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
-                     loss_scale: float = 1.0, grad_sync=None):
+                     loss_scale: float = 1.0, grad_sync=None, promise_grad_output: bool = True):
     """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced).
 
     Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
     loss is normalised by the whole global batch, and `loss_scale` (the world size) undoes the ranks' gradient
     averaging. `grad_sync(last)` gives the context of each backward (when the gradients are reduced); it is given
     for a DDP or FSDP2 model only (`call_inputs`' `wrapped`).
-    The returned loss is this rank's part; the session sums it over the ranks."""
+    The returned loss is this rank's part; the session sums it over the ranks. `promise_grad_output`: one process
+    (no grad_sync) promises the fused loss its grad_output (memory.lm_head_grad_in_forward)."""
     n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
     embedding_grad.discard(pwrap.unwrap(model))  # rows of a step abandoned before its last backward
+    # one process: each loss below gets grad_output 1.0 from its own .backward(), which lets the fused loss add
+    # lm_head's gradient into its existing .grad in the forward (ops/linear_cross_entropy.py, checked there)
+    promises = promise_grad_output and grad_sync is None and loss_scale == 1.0
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         ctx = grad_sync(last) if grad_sync is not None else contextlib.nullcontext()
-        with ctx, embedding_grad.micro_step(pwrap.unwrap(model), last):
+        promise = grad_output_promised(1.0) if promises else contextlib.nullcontext()
+        with ctx, promise, embedding_grad.micro_step(pwrap.unwrap(model), last):
             out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
                         num_items_in_batch=n_items, use_cache=False)
             # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean. An idle micro-batch
@@ -229,6 +235,10 @@ class Session:
         self._fsdp_records = pwrap.fsdp_param_records(self.fsdp_units)
         # one rank: the gradients go to the shards without FSDP2's reduction (parallel/wrap.py)
         self.hand_over = pwrap.hands_over_gradients(self._fsdp_records, self.strategy, self.dist.world)
+        # lm_head's gradient into .grad by the loss's forward: as the memory plan chose (train/memory.py), or asked
+        asked = self.cfg.memory.lm_head_grad_in_forward
+        self.lm_head_grad_in_forward = (self.memory_plan.plan.lm_head_grad_in_forward if self.memory_plan is not None
+                                        else asked is True)
 
     @property
     def inner_model(self) -> torch.nn.Module:
@@ -273,7 +283,8 @@ class Session:
         novatune's AdamW kernel (FusedClipAdamW) the gradients stay unscaled and the optimizer takes the clipping
         coefficient, which it applies inside its update: what apply_update() computes is the same."""
         if self.strategy == "none":
-            loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs)
+            loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
+                                    promise_grad_output=self.lm_head_grad_in_forward)
         else:
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                     pwrap.loss_scale(self.strategy, self.dist.world),

@@ -137,8 +137,9 @@ SELECTIVE_X5 = ["memory.policy=per-layer", "memory.layers=[recompute,recompute,r
                 "selective,selective,selective]", "model.patch_options.cross_entropy_mode=vocab"]
 
 
-# measured with the input embedding's gradient dense (before memory.embedding_grad)
-DENSE = ["memory.embedding_grad=dense"]
+# measured with the input embedding's gradient dense and lm_head's from the backward (before memory.embedding_grad
+# and memory.lm_head_grad_in_forward)
+DENSE = ["memory.embedding_grad=dense", "memory.lm_head_grad_in_forward=false"]
 
 
 @pytest.mark.parametrize("config,overrides,measured,rel", [

@@ -1,0 +1,112 @@
+"""The fused loss under the trainer's grad_output promise: lm_head's gradient added into its existing .grad by the
+forward, token chunk by chunk (no (V, H) buffer, no full logits), checked against the fp32 reference of every
+micro-batch (REL_TOL of the dtype, as the single-call tests: bf16 rounds once per chunk into .grad) and in fp32
+against the path without the promise (1e-6: summation order only); hidden's gradient is the same as without it;
+the first micro-batch (no .grad yet), a hooked weight and a weight under no promise take the usual path; a
+backward that breaks the promise leaves a NaN in .grad and says why."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from novatune.kernels import linear_cross_entropy as K
+from novatune.measure.numerics import REL_TOL, assert_close
+from novatune.ops.linear_cross_entropy import grad_output_promised, linear_cross_entropy
+from novatune.reference.linear_cross_entropy import linear_cross_entropy_ref
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+# the module itself (the package's `linear_cross_entropy` attribute is the function)
+ops_lce = importlib.import_module("novatune.ops.linear_cross_entropy")
+
+
+def _inputs(n_micro, T, H, V, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n_micro, T, H, generator=gen).to(dtype).to(device).requires_grad_(True)
+    w = torch.nn.Parameter((2 * torch.randn(V, H, generator=gen) / math.sqrt(H)).to(dtype).to(device))
+    y = torch.randint(0, V, (n_micro, T), generator=gen)
+    y[torch.rand(n_micro, T, generator=gen) < 0.25] = -100
+    return h, w, y.to(device)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-leaf"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_accumulating_forwards_add_grad_w_into_grad(dtype, tied, device, monkeypatch):
+    from novatune.patch.loss import _early_grad_leaf
+
+    monkeypatch.setattr(K, "INTO_LOGITS_BYTES", 300 * (4 if dtype == torch.float32 else 2) * 64)  # 64-row chunks
+    into_calls = []
+    real = K.linear_cross_entropy_fwd
+    monkeypatch.setattr(K, "linear_cross_entropy_fwd", lambda *a, **kw: into_calls.append(kw.get("into") is not None)
+                        or real(*a, **kw))
+    h, w, y = _inputs(3, 150, 24, 300, dtype, device, seed=4)  # 150 tokens: chunks of 64, 64, 22
+    n_items = int((y != -100).sum())
+    for i in range(3):
+        with grad_output_promised(1.0):
+            head = _early_grad_leaf(w) if tied else w
+            loss = linear_cross_entropy(h[i], head, y[i], reduction="sum", normalizer=n_items)
+            if i:  # .grad exists from the first micro-batch: grad_W went into it already, in the forward
+                assert into_calls[-1] is True
+        loss.backward()
+    assert into_calls[0] is False  # the first micro-batch: no .grad to add into yet
+    ref_w = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    for i in range(3):
+        hr = h[i].detach().float().requires_grad_(True)
+        wr = w.detach().float().requires_grad_(True)
+        (linear_cross_entropy_ref(hr, wr, y[i], reduction="sum") / n_items).backward()
+        ref_w += wr.grad
+        assert_close(h.grad[i], hr.grad, REL_TOL[dtype], f"grad_hidden of micro-batch {i}")
+    assert_close(w.grad, ref_w, REL_TOL[dtype], "accumulated grad_weight against the fp32 reference")
+    assert not ops_lce.promise_broken()
+
+
+def test_in_fp32_the_promise_changes_only_the_summation_order(device):
+    h, w, y = _inputs(3, 97, 16, 500, torch.float32, device, seed=5)
+
+    def run(promise: bool):
+        w.grad, h.grad = None, None
+        losses = []
+        for i in range(3):
+            ctx = grad_output_promised(1.0) if promise else torch.enable_grad()
+            with ctx:
+                loss = linear_cross_entropy(h[i], w, y[i], reduction="sum", normalizer=200)
+            loss.backward()
+            losses.append(loss.item())
+        return losses, w.grad.clone(), h.grad.clone()
+
+    (l0, gw0, gh0), (l1, gw1, gh1) = run(False), run(True)
+    assert l0 == pytest.approx(l1, rel=1e-6)
+    assert_close(gw1, gw0, 1e-6, "grad_weight")
+    assert_close(gh1, gh0, 1e-6, "grad_hidden")
+
+
+def test_a_hooked_weight_and_no_promise_take_the_usual_path(device, monkeypatch):
+    monkeypatch.setattr(ops_lce, "_LossIntoGrad", None)  # any use would fail
+    h, w, y = _inputs(2, 40, 16, 200, torch.float32, device, seed=6)
+    for i in range(2):  # no promise
+        linear_cross_entropy(h[i], w, y[i]).backward()
+    w.register_post_accumulate_grad_hook(lambda p: None)
+    with grad_output_promised(1.0):  # a hook on the weight: autograd adds the gradient itself
+        loss = linear_cross_entropy(h[0], w, y[0])
+    loss.backward()
+
+
+def test_a_broken_promise_leaves_a_nan_and_says_why(device, monkeypatch):
+    monkeypatch.setattr(ops_lce, "_broken", {})
+    h, w, y = _inputs(2, 40, 16, 200, torch.float32, device, seed=7)
+    linear_cross_entropy(h[0], w, y[0]).backward()
+    with grad_output_promised(1.0):
+        loss = linear_cross_entropy(h[1], w, y[1])
+    assert not ops_lce.promise_broken()
+    (loss * 2).backward()  # grad_output 2.0, not the promised 1.0
+    assert ops_lce.promise_broken()
+    assert not torch.isfinite(w.grad).all() and torch.isnan(w.grad.view(-1)[0])
+
+    from novatune.train.nonfinite import NonFiniteError, StepGuard
+
+    guard = StepGuard("skip", 3)  # even in skip mode: a broken contract is not a bad batch
+    with pytest.raises(NonFiniteError, match="backward got another"):
+        guard.allow(1, torch.tensor(1.0), torch.tensor(float("nan")))
