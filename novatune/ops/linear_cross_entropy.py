@@ -244,9 +244,10 @@ def _into_grad_param(weight: Tensor, hidden: Tensor, bias: Tensor | None, softca
     if not _promised or stats or (bias is not None and bias.requires_grad) or _traced(hidden, weight.detach()):
         return None
     param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
-    if param is None or not weight.requires_grad or not grad_takes_adds(param) or not param.grad.is_contiguous():
+    if param is None or not weight.requires_grad or not grad_takes_adds(param):
         return None
-    return param
+    grad = param.grad
+    return param if grad is not None and grad.is_contiguous() else None
 
 
 class _LossIntoGrad(torch.autograd.Function):
