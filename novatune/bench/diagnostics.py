@@ -52,15 +52,17 @@ def install_diagnostics() -> None:
 
 
 @contextlib.contextmanager
-def accumulating_micro_step(model):
+def accumulating_micro_step(model, promise: bool = False):
     """Around a forward run as the trainer runs micro-steps 2..GA-1: the embedding's gradient kept as rows where the
-    run keeps it so (memory.embedding_grad), and the loss's grad_output promised (lm_head's gradient into .grad
-    by the forward, ops/linear_cross_entropy.py; the callers' .backward() on the loss gives 1.0)."""
-    with embedding_grad.micro_step(model, last=False), grad_output_promised(1.0):
+    run keeps it so (memory.embedding_grad), and with `promise` (the session's lm_head_grad_in_forward) the loss's
+    grad_output promised (lm_head's gradient into .grad by the forward, ops/linear_cross_entropy.py; the callers'
+    .backward() on the loss gives 1.0)."""
+    with embedding_grad.micro_step(model, last=False), (
+            grad_output_promised(1.0) if promise else contextlib.nullcontext()):
         yield
 
 
-def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None) -> dict:
+def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=None, promise: bool = False) -> dict:
     """One micro-step under torch's allocation recorder; replay the trace to the moment of peak allocated memory
     and write the largest live blocks with the frames that allocated them (what sets the peak), and whether the
     peak falls in the forward or the backward. Blocks allocated with no Python frame of ours (the autograd
@@ -71,12 +73,12 @@ def memory_peak_report(model, batch: dict, path: str, finish=None, optimizer=Non
     import torch
 
     # both micro-steps as an accumulating one (2..GA-1) runs (`accumulating_micro_step`), every other gradient existing
-    with accumulating_micro_step(model):
+    with accumulating_micro_step(model, promise):
         model(**batch).loss.backward()  # not recorded: makes the gradients exist
     torch.cuda.synchronize()
     owners = tensor_owners(model, optimizer)
     try:
-        with accumulating_micro_step(model):
+        with accumulating_micro_step(model, promise):
             snap, n_fwd = _recorded_micro_step(model, batch)
     except SystemError as e:
         embedding_grad.discard(model)
@@ -268,7 +270,8 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool = False) -> dict:
+def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool = False,
+                       promise: bool = False) -> dict:
     """One micro-step (fwd+bwd) under torch.profiler: device time per category, busy vs wall, Chrome trace.
     On a CPU (tests) the table counts CPU ops' own time instead of CUDA kernels. `finish` (the session's
     finish_backward) runs after the profiled backward, inside the profile, before the gradients are dropped: once,
@@ -285,14 +288,14 @@ def profile_micro_step(model, batch: dict, path, finish=None, accumulating: bool
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     if accumulating:
-        with accumulating_micro_step(model):
+        with accumulating_micro_step(model, promise):
             model(**batch).loss.backward()
     sync()
     # with_stack (Python frames) would name the launching code, but it slows the host ~2x: the gaps measured then
     # are the profiler's, so CPU ops only (aten op names still say where a launch came from)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
-        with accumulating_micro_step(model) if accumulating else contextlib.nullcontext():
+        with accumulating_micro_step(model, promise) if accumulating else contextlib.nullcontext():
             model(**batch).loss.backward()
         if finish is not None:
             finish()

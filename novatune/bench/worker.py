@@ -204,14 +204,16 @@ def diagnostics(session, spec: dict, stack: str) -> dict:
     if spec.get("memory") and session.device.type == "cuda":
         try:
             extra["memory"] = diag.memory_peak_report(session.model, batch, str(out / "memory" / name),
-                                                       session.finish_backward, session.optimizer)
+                                                       session.finish_backward, session.optimizer,
+                                                       promise=session.lm_head_grad_in_forward)
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["memory"] = f"failed: {type(e).__name__}: {e}"
     if spec.get("profile"):
         try:
             extra["profile"] = diag.profile_micro_step(session.model, batch, str(out / "traces" / name),
                                                         session.finish_backward,
-                                                        accumulating=session.cfg.train.grad_accum > 1)
+                                                        accumulating=session.cfg.train.grad_accum > 1,
+                                                        promise=session.lm_head_grad_in_forward)
             extra["trace"] = str(out / "traces" / f"{name}.json")
         except Exception as e:  # noqa: BLE001 - a diagnostic: the timing row is kept whatever happens here
             extra["profile"] = f"failed: {type(e).__name__}: {e}"

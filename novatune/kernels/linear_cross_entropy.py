@@ -339,7 +339,8 @@ def linear_cross_entropy_fwd(hidden: torch.Tensor, weight: torch.Tensor, labels:
     the row passes (modes "tokens" and "vocab"; plan_mode): the capped logits never exist either.
     into: an existing (V, H) weight gradient (`.grad` under accumulation) that grad_W x `alpha` is added into,
     chunk by chunk, instead of grad_W coming back (grad_weight must be False): token chunks of INTO_LOGITS_BYTES
-    (`plan_into_chunk`), so no (V, H) buffer and no full logits exist; one rounding per chunk into `into`.
+    (`plan_into_chunk`), so no (V, H) buffer and no full logits exist; one rounding into `into` per chunk (more
+    roundings than grad_W's one GEMM and autograd's add: a precision cost the caller chooses).
     """
     T, H = hidden.shape
     V = weight.shape[0]

@@ -28,7 +28,9 @@ Ops:
       grad_hidden, grad_weight, grad_bias, chunk_tokens, mode="auto", vocab_slice=0, token_stats=False)
       (vocab_slice: columns per slice of "vocab", rows of the temp block of "inplace"; 0 = planned)
       -> (loss, dhidden, dweight, dbias, nll (T,), stats (2, T) = (lse, entropy), argmax (T,) int64)
-      mutates nothing. The gradients (already divided by the divisor) come out of the forward; those not
+      mutates nothing (the trainer's grad_output promise takes an eager path of its own, which adds grad_W into
+      lm_head's .grad: see "grad_W into .grad" below). The gradients (already divided by the divisor) come out
+      of the forward; those not
       requested (no requires_grad, or grad mode off: eval) are never computed and come back as empty (0,) tensors;
       so do the token statistics unless token_stats (the functional's return_token_stats: TokenStats).
   novatune::linear_cross_entropy_scale_(grad!, grad_output) -> ()
@@ -53,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -210,28 +213,40 @@ def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- grad_W into .grad
-# The trainer's promise of the loss's grad_output (novatune.train.session.forward_backward: it calls .backward() on
-# the loss itself, so grad_output is 1.0). Under it, where autograd would add lm_head's gradient into an existing
-# `.grad` (micro-steps after the first under gradient accumulation), the forward adds grad_W x grad_output into that
-# .grad chunk by chunk (kernels' `into`): the (V, H) gradient buffer and the full logits never exist, which lowers
-# the forward's memory peak by ~(T - chunk) x V x 2 bytes (0.9 GiB at Qwen3-30B-A3B's 4,096 tokens), and the
-# backward's pass over the (V, H) gradient goes. One rounding into .grad per token chunk (5-7 at 4,096 tokens)
-# instead of two (grad_W, then autograd's add), in fp32 inside each chunk's GEMM.
-# The backward checks the promise: a grad_output that differs (the loss scaled or reused after the model returned
-# it) sets a device flag and writes NaN into one element of .grad, so the step's gradient norm is not finite and
-# the trainer's non-finite check stops the run; `promise_broken()` tells it why (nothing waits for the host).
-_promised: list[float] = []
+# The trainer's promise of the loss's grad_output (novatune.train.session.forward_backward, where the memory plan
+# chose it: memory.lm_head_grad_in_forward). Under it, where autograd would add lm_head's gradient into an existing
+# `.grad` (micro-steps after the first under gradient accumulation), the forward adds grad_W x grad_output into
+# that .grad chunk by chunk (kernels' `into`; the call's mode, chunk_tokens and vocab_slice are not used then): the
+# (V, H) gradient buffer and the full logits never exist, which lowers the forward's memory peak by about
+# (T - chunk) x V x 2 bytes (0.9 GiB at Qwen3-30B-A3B's 4,096 tokens), and the backward's pass over the (V, H)
+# gradient goes. The price is precision and traffic: each chunk's GEMM (fp32 inside) rounds into the bf16 .grad,
+# 5-7 roundings per micro-step at 4,096 tokens where the backward path rounds twice (a CPU comparison over 8 chunks
+# and 8 micro-batches measured 2.4x the relative error against fp32), and each chunk reads and writes the whole
+# .grad. So the planner takes it only where its memory is needed.
+# The forward writes .grad: a forward under the promise whose backward never runs leaves its gradient there (the
+# trainer's steps always run it). The backward checks the promise: a grad_output that differs (the loss scaled or
+# reused after the model returned it) sets a device flag and writes NaN into one element of .grad, so the step's
+# gradient norm is not finite and the trainer's non-finite check stops the run; `promise_broken()` tells it why
+# (nothing waits for the host) and `reset_promise_flags()` clears the flags.
+_state = threading.local()  # .promised: the promises of this thread's open contexts
 _broken: dict = {}  # device -> 0-dim bool flag
+
+
+def _promises() -> list:
+    if not hasattr(_state, "promised"):
+        _state.promised = []
+    return _state.promised
 
 
 @contextlib.contextmanager
 def grad_output_promised(value: float = 1.0):
-    """Around micro-steps whose loss gets exactly `value` as grad_output (module comment above)."""
-    _promised.append(float(value))
+    """Around a forward whose loss's backward will get exactly `value` as grad_output (module comment above)."""
+    promised = _promises()
+    promised.append(float(value))
     try:
         yield
     finally:
-        _promised.pop()
+        promised.pop()
 
 
 def promise_broken() -> bool:
@@ -239,9 +254,13 @@ def promise_broken() -> bool:
     return any(bool(flag) for flag in _broken.values())
 
 
+def reset_promise_flags() -> None:
+    _broken.clear()
+
+
 def _into_grad_param(weight: Tensor, hidden: Tensor, bias: Tensor | None, softcap, stats: bool):
     """The Parameter whose existing .grad the forward may add grad_W into under a promise, or None."""
-    if not _promised or stats or (bias is not None and bias.requires_grad) or _traced(hidden, weight.detach()):
+    if not _promises() or stats or (bias is not None and bias.requires_grad) or _traced(hidden, weight.detach()):
         return None
     param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
     if param is None or not weight.requires_grad or not grad_takes_adds(param):
@@ -356,7 +375,7 @@ def linear_cross_entropy(hidden: Tensor, lm_weight: Tensor, labels: Tensor, igno
              if grad_on and hidden.requires_grad else None)
     if param is not None:  # the trainer's promise: grad_W into lm_head's existing .grad by the forward
         return _LossIntoGrad.apply(h2, lm_weight, y, divisor, bias, int(ignore_index),
-                                   None if softcap is None else float(softcap), param, _promised[-1])
+                                   None if softcap is None else float(softcap), param, _promises()[-1])
     loss, _gh, _gw, _gb, nll, stats, top = torch.ops.novatune.linear_cross_entropy(
         h2, lm_weight, y, divisor, bias, int(ignore_index), grad_on and hidden.requires_grad,
         grad_on and lm_weight.requires_grad, grad_on and bias is not None and bias.requires_grad,

@@ -166,7 +166,9 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
     if lm_head_grad_applies(cfg):
         # lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): taken when asked,
         # or (auto) where the plan without it does not fit and with it does, or where it makes a faster plan fit
-        alt = policies_plan(outside=loss_transient_bytes(cfg, mconf, into_grad=True))
+        # the first micro-step still runs the standard loss, but before any gradient exists
+        first = loss_transient_bytes(cfg, mconf) - int(est["gradients"] / shards)
+        alt = policies_plan(outside=max(loss_transient_bytes(cfg, mconf, into_grad=True), first))
         alt = replace(alt, seconds=alt.seconds + into_grad_seconds(cfg, mconf, hw), lm_head_grad_in_forward=True)
         if cfg.memory.lm_head_grad_in_forward is True or (alt.fits and (not plan.fits or alt.seconds < plan.seconds)):
             alt.notes.append(f"lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): "
@@ -275,16 +277,17 @@ def lm_head_grad_applies(cfg) -> bool:
 
 
 def into_grad_seconds(cfg, mconf, hw: planner.Hardware) -> float:
-    """Per micro-batch, what adding lm_head's gradient into .grad by token chunks costs over the backward's one
-    pass: each chunk's GEMM reads and writes the (V, H) .grad, the one pass read two and wrote one; only the
-    accumulating micro-steps (all but a step's first) take it."""
+    """Per micro-batch, what adding lm_head's gradient into .grad by token chunks costs over the standard path: each
+    chunk's GEMM reads and writes the (V, H) .grad, where the standard forward wrote grad_W once and its backward's
+    one pass read it and .grad and wrote .grad (4 passes); only the accumulating micro-steps (all but a step's
+    first) take it."""
     from novatune.kernels.linear_cross_entropy import plan_into_chunk
 
     e = 4 if cfg.model.dtype == "fp32" else 2
     tokens = cfg.train.micro_batch * cfg.data.max_length
     chunks = -(-tokens // plan_into_chunk(tokens, mconf.vocab_size, torch.float32 if e == 4 else torch.bfloat16))
     table = mconf.vocab_size * mconf.hidden_size * e
-    extra = max(0, 2 * chunks - 3) * table / (hw.hbm_gbps * 1e9)
+    extra = max(0, 2 * chunks - 4) * table / (hw.hbm_gbps * 1e9)
     return extra * (cfg.train.grad_accum - 1) / cfg.train.grad_accum
 
 

@@ -43,7 +43,7 @@ from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.memory import embedding_grad, host_embedding
 from novatune.ops.adamw import clip_coefficient
-from novatune.ops.linear_cross_entropy import grad_output_promised
+from novatune.ops.linear_cross_entropy import grad_output_promised, reset_promise_flags
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
 from novatune.parallel.dist import setup as setup_dist
@@ -95,7 +95,7 @@ def call_inputs(mb: dict, device: torch.device, packed_kwargs: str | None, wrapp
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
-                     loss_scale: float = 1.0, grad_sync=None, promise_grad_output: bool = True):
+                     loss_scale: float = 1.0, grad_sync=None, promise_grad_output: bool = False):
     """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced).
 
     Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
@@ -110,13 +110,17 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
     # one process: each loss below gets grad_output 1.0 from its own .backward(), which lets the fused loss add
     # lm_head's gradient into its existing .grad in the forward (ops/linear_cross_entropy.py, checked there)
     promises = promise_grad_output and grad_sync is None and loss_scale == 1.0
+    if promises:
+        reset_promise_flags()  # a broken promise is reported by the step that broke it, not by later ones
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         ctx = grad_sync(last) if grad_sync is not None else contextlib.nullcontext()
-        promise = grad_output_promised(1.0) if promises else contextlib.nullcontext()
-        with ctx, promise, embedding_grad.micro_step(pwrap.unwrap(model), last):
-            out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
-                        num_items_in_batch=n_items, use_cache=False)
+        # the promise covers the forward only (the loss reads it there); its backward below gives grad_output 1.0
+        promise = grad_output_promised(1.0) if promises and not mb.get("idle") else contextlib.nullcontext()
+        with ctx, embedding_grad.micro_step(pwrap.unwrap(model), last):
+            with promise:
+                out = model(**call_inputs(mb, device, packed_kwargs, wrapped=grad_sync is not None),
+                            num_items_in_batch=n_items, use_cache=False)
             # loss = sum CE(micro-batch) / n_items: summing these is the whole batch's mean. An idle micro-batch
             # (a rank with no row left at an epoch's end, data/dataset.py) runs for the collectives only: x 0 also
             # drops what is not a token loss (an MoE router's aux loss)

@@ -73,6 +73,9 @@ def test_asking_for_it_where_it_cannot_run_names_the_fix(make_cfg):
 
     for sections, why in (({"parallel": {"strategy": "ddp"}}, "reduces the gradients"),
                           ({"method": {"type": "lora"}}, "do not train lm_head"),
-                          ({"train": {"grad_accum": 1}}, "grad_accum is 1")):
+                          ({"train": {"grad_accum": 1}}, "grad_accum is 1"),
+                          ({"model": {"patch": False}}, "fused loss does not run"),
+                          ({"model": {"patch": True, "patch_options": {"cross_entropy": False}}},
+                           "fused loss does not run")):
         with pytest.raises(ConfigError, match=why):
             make_cfg(memory={"lm_head_grad_in_forward": True}, **sections)
