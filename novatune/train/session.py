@@ -420,8 +420,8 @@ def build_patched_model(cfg, device, dtype, tokenizer, base_dir: Path | None = N
         why = embedding_grad.why_not(model)
         if why is None:
             saved = embedding_grad.install(model)
-            msg = (f"memory: the input embedding's gradient kept as rows between micro-steps ({saved / 2**30:.2f} GiB "
-                   f"less during the later forwards; memory.embedding_grad)")
+            msg = (f"memory: the input embedding's gradient kept as rows between micro-steps (the later forwards hold "
+                   f"the rows, not its {saved / 2**30:.2f} GiB; memory.embedding_grad)")
         elif cfg.memory.embedding_grad == "rows":
             raise SetupError(f"memory.embedding_grad: rows: {why}; set memory.embedding_grad: auto or dense")
         else:
