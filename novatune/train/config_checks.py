@@ -90,13 +90,12 @@ def _check_memory(cfg: Config) -> None:
                           f"a step's last backward, but parallel.strategy {cfg.parallel.strategy} reduces or shards "
                           f"every gradient as each backward makes it", "set memory.embedding_grad: auto or dense")
     if mem.lm_head_grad_in_forward is True:
-        from novatune.train.memory import fused_loss
-
+        fused_loss = bool(cfg.model.patch) and bool((cfg.model.patch_options or {}).get("cross_entropy", True))
         why = ("parallel.strategy " + cfg.parallel.strategy + " reduces the gradients across processes"
                if cfg.parallel.strategy != "none" else "LoRA/QLoRA do not train lm_head"
                if cfg.method.type != "full" else "train.grad_accum is 1: no .grad exists before a backward"
                if cfg.train.grad_accum <= 1 else "novatune's fused loss does not run (model.patch or its "
-               "cross_entropy option is off)" if not fused_loss(cfg) else None)
+               "cross_entropy option is off)" if not fused_loss else None)
         if why is not None:
             raise ConfigError("memory.lm_head_grad_in_forward", f"true, but {why}", "set it to auto or false")
     if mem.budget_gib is not None and mem.budget_gib <= 0:
