@@ -163,14 +163,17 @@ def resolve(cfg, est: dict, mconf, hw: planner.Hardware, budget: int | None, sha
             transients["outside"] = standard
 
     plan = policies_plan()
-    if lm_head_grad_applies(cfg):
+    # auto and every layer kept within the budget: no plan can be faster, so the alternative is not searched
+    asked = cfg.memory.lm_head_grad_in_forward is True
+    fastest = plan.fits and all(p == "keep" for p in plan.policies)
+    if lm_head_grad_applies(cfg) and (asked or not fastest):
         # lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): taken when asked,
         # or (auto) where the plan without it does not fit and with it does, or where it makes a faster plan fit
         # the first micro-step still runs the standard loss, but before any gradient exists
         first = loss_transient_bytes(cfg, mconf) - int(est["gradients"] / shards)
         alt = policies_plan(outside=max(loss_transient_bytes(cfg, mconf, into_grad=True), first))
         alt = replace(alt, seconds=alt.seconds + into_grad_seconds(cfg, mconf, hw), lm_head_grad_in_forward=True)
-        if cfg.memory.lm_head_grad_in_forward is True or (alt.fits and (not plan.fits or alt.seconds < plan.seconds)):
+        if asked or (alt.fits and (not plan.fits or alt.seconds < plan.seconds)):
             alt.notes.append(f"lm_head's gradient into .grad by the loss's forward (memory.lm_head_grad_in_forward): "
                              f"the loss holds {alt.outside_transient_bytes / GiB:.2f} GiB at the forward's end, not "
                              f"{plan.outside_transient_bytes / GiB:.2f}")

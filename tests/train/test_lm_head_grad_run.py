@@ -21,19 +21,26 @@ def _train(make_cfg, name, on: bool, steps=3):
     from novatune.train.session import build
 
     s = build(make_cfg(name, model=UNTIED, memory={"lm_head_grad_in_forward": on}, train={"grad_accum": 3}))
-    losses = [s.step(s.next_micro_batches()).loss.item() for _ in range(steps)]
-    return losses, {n: p.detach().clone() for n, p in s.inner_model.named_parameters()}
+    losses, first_grads = [], None
+    for _ in range(steps):
+        losses.append(s.forward_backward(s.next_micro_batches()).loss.item())
+        if first_grads is None:  # the first step's gradients: the same weights on both sides
+            first_grads = {n: p.grad.clone() for n, p in s.inner_model.named_parameters()}
+        s.apply_update()
+    return losses, {n: p.detach().clone() for n, p in s.inner_model.named_parameters()}, first_grads
 
 
 def test_the_promise_trains_as_the_backward_does(make_cfg, monkeypatch):
     used = []
     real = ops_lce._LossIntoGrad.apply
     monkeypatch.setattr(ops_lce._LossIntoGrad, "apply", lambda *a: used.append(1) or real(*a))
-    off_losses, off_w = _train(make_cfg, "off", False)
+    off_losses, off_w, off_g = _train(make_cfg, "off", False)
     assert used == []
-    on_losses, on_w = _train(make_cfg, "on", True)
+    on_losses, on_w, on_g = _train(make_cfg, "on", True)
     assert len(used) == 3 * 2  # micro-steps 2 and 3 of each step (the first has no .grad to add into)
     assert on_losses == pytest.approx(off_losses, rel=1e-6)
+    for n in off_g:  # fp32: the summation order only
+        torch.testing.assert_close(on_g[n], off_g[n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"grad {n}: {m}")
     for n in off_w:
         # AdamW divides by sqrt(v): near-zero gradient entries turn fp32 summation noise into up to ~1e-6 of weight
         torch.testing.assert_close(on_w[n], off_w[n], rtol=1e-5, atol=5e-6, msg=lambda m, n=n: f"{n}: {m}")
