@@ -37,7 +37,8 @@ CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (25
            (128, 128, 32, 4, 3), (128, 128, 64, 8, 4), (128, 256, 32, 8, 4), (128, 256, 64, 8, 4), (64, 256, 32, 4, 4)]
 TMA = [(128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 3), (128, 128, 32, 4, 5),
        (128, 128, 32, 4, 6), (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 16, 4, 6),
-       (256, 128, 32, 8, 4)]
+       (256, 128, 32, 8, 4), (128, 128, 32, 4, 2), (128, 128, 64, 4, 2), (128, 128, 64, 8, 2), (128, 128, 32, 8, 2),
+       (128, 128, 32, 8, 3), (128, 256, 32, 8, 2), (256, 128, 32, 8, 2), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)]
 
 
 def _routing(tokens: int, experts: int, top_k: int):
@@ -77,6 +78,8 @@ def _candidates(a, b, r, out):
 
 def main(argv=None):
     ap = moe_arg_parser(__doc__)
+    ap.add_argument("--only", default="", help="run the candidates whose name contains this text (and autograd_add, "
+                    "the reference of the diff column), e.g. --only tma")
     ap.add_argument("--transposed", action="store_true",
                     help="weights stored (E, in, out) as GPT-OSS's: out (E, H, 2I) += xs^T dh, (E, I, H) += (w a)^T dy")
     args = ap.parse_args(argv)
@@ -107,6 +110,8 @@ def main(argv=None):
         spacing = torch.nextafter(big, torch.full_like(big, float("inf"))).float() - big.float()
         flops = 2 * s * a.shape[1] * b.shape[1]
         for name, fn in cands.items():
+            if args.only not in name and name != "autograd_add":
+                continue
             out.copy_(start)
             fn()  # from the same start as autograd_add's (and compiled, for a kernel)
             diff = float(((out.float() - want.float()).abs() / spacing).max())
