@@ -3,7 +3,8 @@
 The cut's step (4 micro-steps of 4,096 tokens, ~225 ms on an H200) ends with the gradient norm over 5.6 B bf16
 gradients and one AdamW pass over 5.6 B bf16 parameters with bf16 moments (7 values of 2 bytes per parameter). Both
 are bandwidth-bound: this script times them on tensors of the cut's real shapes (random values) beside a plain
-copy (the card's reachable bandwidth for the same bytes), and prints GB/s.
+copy (the card's reachable bandwidth for the same bytes), and prints GB/s: novatune's AdamW kernel and torch's
+fused AdamW, torch's get_total_norm and novatune.ops.grad_norm.total_norm.
 
     python bench/experiments/exp_optimizer_bandwidth.py [--layers 8]
 """
@@ -29,7 +30,7 @@ def _time(fn, reps: int = 5) -> float:
 
 def main() -> None:
     from novatune.kernels.adamw import adamw_step
-    from novatune.parallel.wrap import grad_norm
+    from novatune.ops.grad_norm import total_norm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -53,8 +54,13 @@ def main() -> None:
             adamw_step(p.data, m, v, p.grad, scale, lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                        step=3)
 
+    grads = [p.grad for p in params]
+
     def norm():
-        grad_norm(params)
+        torch.nn.utils.get_total_norm(grads, 2.0)
+
+    def our_norm():
+        total_norm(grads)
 
     big = torch.empty(n, device=dev, dtype=torch.bfloat16)
     big2 = torch.empty_like(big)
@@ -69,6 +75,7 @@ def main() -> None:
 
     rows = {}
     for name, fn, bytes_per in (("novatune adamw", ours, 14), ("grad norm (get_total_norm)", norm, 2),
+                                ("grad norm (novatune total_norm)", our_norm, 2),
                                 ("copy (read + write)", copy, 4), ("torch fused AdamW", torch_fused, 14)):
         s = _time(fn)
         rows[name] = {"ms": round(s * 1e3, 2), "GB_per_s": round(bytes_per * n / s / 1e9)}

@@ -35,6 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from novatune.ops.adamw import clip_coefficient
+from novatune.ops.grad_norm import total_norm
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -250,18 +251,18 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
     With sharded (DTensor) gradients the norm of the local shards is not the model's norm. FSDP2 shards every
     gradient along dim 0 over one mesh dimension, so the squared norms of the local shards add up to the model's:
-    the norm runs on the local tensors (plain foreach kernels, none of DTensor's per-tensor dispatch, which costs
-    host time on every step) with one all-reduce of the squared sum across 2+ ranks. Over one rank this is the
-    plain path's computation on the same tensors. Other placements take DTensor's own path."""
+    the norm runs on the local tensors (novatune.ops.grad_norm's kernels, none of DTensor's per-tensor dispatch,
+    which costs host time on every step) with one all-reduce of the squared sum across 2+ ranks. Over one rank this
+    is the plain path's computation on the same tensors. Other placements take DTensor's own path."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     if not isinstance(grads[0], DTensor):
-        return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        return total_norm(grads)
     if not _local_shards(grads):
         total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
         return total.full_tensor() if isinstance(total, DTensor) else total
-    total = torch.nn.utils.get_total_norm([g.to_local() for g in grads], 2.0, error_if_nonfinite=False, foreach=None)
+    total = total_norm([g.to_local() for g in grads])
     mesh = grads[0].device_mesh
     if mesh.size() > 1:
         squared = total.float().square()

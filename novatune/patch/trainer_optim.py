@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from novatune.ops.adamw import FusedClipAdamW, clip_coefficient, trains_most_weights
+from novatune.ops.grad_norm import total_norm
 from novatune.patch.report import PatchReport
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
@@ -63,9 +64,9 @@ def _why_not(trainer) -> str | None:
 
 
 class FoldedClip:
-    """accelerator.clip_grad_norm_ for a FusedClipAdamW: the norm of the gradients (as torch computes it), and the
-    clipping coefficient handed to the optimizer instead of scaling the gradients. Any other optimizer, or a
-    norm other than 2, takes accelerate's own path."""
+    """accelerator.clip_grad_norm_ for a FusedClipAdamW: the norm of the gradients (torch's get_total_norm through
+    novatune.ops.grad_norm), and the clipping coefficient handed to the optimizer instead of scaling the
+    gradients. Any other optimizer, or a norm other than 2, takes accelerate's own path."""
 
     def __init__(self, trainer, inner):
         self.trainer, self.inner = trainer, inner
@@ -78,7 +79,7 @@ class FoldedClip:
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
         grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+        norm = total_norm(grads)
         if not math.isinf(float(max_norm)):
             opt.clip_coef = clip_coefficient(norm, max_norm).float()
         return norm

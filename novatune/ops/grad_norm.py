@@ -1,0 +1,47 @@
+"""The gradients' total L2 norm (what gradient clipping divides by), with torch.nn.utils.get_total_norm's contract.
+
+    total_norm(tensors) -> 0-dim tensor        = torch.nn.utils.get_total_norm(tensors, 2.0)
+
+torch groups the tensors by device and dtype, takes each tensor's norm with `_foreach_norm` (fp32 accumulation,
+returned in the tensor's dtype), and returns the norm of those norms (`vector_norm` of their stack). This op keeps
+that structure and those roundings and replaces only the per-tensor norms of CUDA tensors by novatune's kernels
+(novatune.kernels.grad_norm), which read the gradients at the card's bandwidth where `_foreach_norm` reaches about
+half of it on bf16 (5.6 B bf16 gradients: 5.05 ms in torch's, bench/experiments/exp_optimizer_bandwidth.py). The
+per-tensor fp32 norms differ from torch's only in summation order, so after the rounding to a bf16 gradient's dtype
+they almost always agree to the bit, and fp32 ones agree within fp32 summation error (tests/ops/test_grad_norm.py).
+Non-finite gradients give an inf or NaN norm, as torch's (the trainer's non-finite check reads it).
+
+An optimizer-side reduction, not a differentiable op: no custom-op registration or SPEC. Device rule as every op
+(novatune.ops._backend): CUDA tensors -> the kernels; CPU -> torch's own function (the kernels under
+TRITON_INTERPRET=1). Tensors the kernels do not take (sparse, non-contiguous, integer, DTensor) take torch's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from novatune.kernels import grad_norm as K
+from novatune.ops._backend import use_triton
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kernel_takes(t: Tensor) -> bool:
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.dtype in _FLOATS and t.is_contiguous()
+            and use_triton(t))
+
+
+def total_norm(tensors) -> Tensor:
+    """torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False): the norm of the per-tensor norms,
+    the per-tensor norms of CUDA tensors computed by novatune's kernels."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    if not all(_kernel_takes(t) for t in tensors):
+        return torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False, foreach=None)
+    first_device = tensors[0].device
+    norms = []
+    for (_, dtype), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+        norms.append(K.norms(group).to(dtype))  # as _foreach_norm returns them: in the tensors' dtype
+    return torch.linalg.vector_norm(torch.cat([n.to(first_device) for n in norms]), 2.0)
