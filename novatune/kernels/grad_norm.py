@@ -67,18 +67,23 @@ def blocks_of(n: int) -> int:
     return cdiv(n, BLOCK)
 
 
-def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(len(tensors),) fp32: each tensor's L2 norm. Tensors contiguous, of a float dtype, on one device."""
+def norms(tensors: list[torch.Tensor], given: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """(len(tensors),) fp32: each tensor's L2 norm. Tensors contiguous, of a float dtype, on one device. given[i],
+    where not None, holds tensor i's sums of squares already (fp32 partials a kernel wrote with its final values):
+    they are summed in place of reading the tensor."""
     device = tensors[0].device
-    counts = [blocks_of(t.numel()) for t in tensors]
+    given = given or [None] * len(tensors)
+    counts = [blocks_of(t.numel()) if g is None else g.numel() for t, g in zip(tensors, given)]
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
     size = max(starts[-1], 1)
     partials = (torch.full((size,), float("nan"), device=device) if _POISON
                 else torch.empty(size, dtype=torch.float32, device=device))
-    for t, start, count in zip(tensors, starts, counts):
-        if count:
+    for t, g, start, count in zip(tensors, given, starts, counts):
+        if g is not None:
+            partials[start:start + count].copy_(g)
+        elif count:
             _SUM_SQUARES[(count,)](t, partials[start:], t.numel(), BLOCK=BLOCK, num_warps=NUM_WARPS)
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     bounds = _bounds(tuple(starts), device)

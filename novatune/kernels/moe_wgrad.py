@@ -54,15 +54,16 @@ DEFAULT_CONFIG = (128, 128, 32, 4, 4)
 
 
 @triton.jit
-def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_oe, stride_om, stride_on, TILES_N,
-                              scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              ACCUMULATE: tl.constexpr, SOFT_RNE: tl.constexpr):
+def _grouped_outer_acc_kernel(A, B, ENDS, OUT, SQ, M, N, stride_a, stride_b, stride_oe, stride_om, stride_on,
+                              TILES_N, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              ACCUMULATE: tl.constexpr, SOFT_RNE: tl.constexpr, SQUARES: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.program_id(1)
     end = tl.load(ENDS + e).to(tl.int64)
     start = tl.load(ENDS + e - 1, mask=e > 0, other=0).to(tl.int64)
-    # accumulating: an expert without rows leaves its slice as it is; writing: it gets zeros
-    if (end > start) or (not ACCUMULATE):
+    # accumulating: an expert without rows leaves its slice as it is (with SQUARES its tile is still read for
+    # them); writing: it gets zeros
+    if (end > start) or (not ACCUMULATE) or SQUARES:
         pm = tile // TILES_N
         pn = tile % TILES_N
         cols_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,41 +90,54 @@ def _grouped_outer_acc_kernel(A, B, ENDS, OUT, M, N, stride_a, stride_b, stride_
         acc = acc * scale
         if ACCUMULATE:
             acc += tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + offs, _round_to(acc, OUT.dtype.element_ty, SOFT_RNE), mask=mask)
+        value = _round_to(acc, OUT.dtype.element_ty, SOFT_RNE)
+        if end > start or not ACCUMULATE:
+            tl.store(OUT + offs, value, mask=mask)
+        if SQUARES:  # the stored value's squares (masked lanes hold 0): this tile's part of the gradient norm
+            stored = value.to(tl.float32)
+            tl.store(SQ + e.to(tl.int64) * tl.num_programs(0) + tile, tl.sum(tl.sum(stored * stored, axis=1), axis=0))
 
 
 _KERNEL = lean(_grouped_outer_acc_kernel)
 
 
 @triton.jit
-def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, M, N, E, stride_a, stride_b, stride_oe, TILES_N,
+def _grouped_outer_acc_tma_kernel(A, B, ENDS, OUT, SQ, M, N, E, stride_a, stride_b, stride_oe, TILES_N,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  SOFT_RNE: tl.constexpr):
+                                  SOFT_RNE: tl.constexpr, SQUARES: tl.constexpr):
     """The accumulating form through the Tensor Memory Accelerator: each program describes its expert's rows as a
     tensor of `end` rows, so a block reaching past them reads zeros (the hardware's bound check, no mask), and the
-    gradient's tile is read and written as a (1, BLOCK_M, BLOCK_N) box of the (E, M, N) tensor (clipped at M, N)."""
+    gradient's tile is read and written as a (1, BLOCK_M, BLOCK_N) box of the (E, M, N) tensor (clipped at M, N:
+    the box's lanes past them read zeros)."""
     tile = tl.program_id(0)
     e = tl.program_id(1)
     end = tl.load(ENDS + e)
     start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
-    if end > start:  # an expert without rows leaves its slice as it is
+    if end > start or SQUARES:  # an expert without rows leaves its slice as it is (SQUARES: still read)
         pm = tile // TILES_N
         pn = tile % TILES_N
-        a_desc = tl.make_tensor_descriptor(A, shape=[end, M], strides=[stride_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-        b_desc = tl.make_tensor_descriptor(B, shape=[end, N], strides=[stride_b, 1], block_shape=[BLOCK_K, BLOCK_N])
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(start, end, BLOCK_K):
-            a = a_desc.load([k0, pm * BLOCK_M])  # (BLOCK_K, BLOCK_M)
-            b = b_desc.load([k0, pn * BLOCK_N])  # (BLOCK_K, BLOCK_N)
-            if SOFT_RNE:  # the CPU interpreter: bf16 widened first (exact), as the kernel above does
-                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(tl.trans(a), b, acc)
+        if end > start:
+            a_desc = tl.make_tensor_descriptor(A, shape=[end, M], strides=[stride_a, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])
+            b_desc = tl.make_tensor_descriptor(B, shape=[end, N], strides=[stride_b, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+            for k0 in range(start, end, BLOCK_K):
+                a = a_desc.load([k0, pm * BLOCK_M])  # (BLOCK_K, BLOCK_M)
+                b = b_desc.load([k0, pn * BLOCK_N])  # (BLOCK_K, BLOCK_N)
+                if SOFT_RNE:  # the CPU interpreter: bf16 widened first (exact), as the kernel above does
+                    acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(tl.trans(a), b, acc)
         o_desc = tl.make_tensor_descriptor(OUT, shape=[E, M, N], strides=[stride_oe, N, 1],
                                            block_shape=[1, BLOCK_M, BLOCK_N])
         acc += o_desc.load([e, pm * BLOCK_M, pn * BLOCK_N]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-        o_desc.store([e, pm * BLOCK_M, pn * BLOCK_N],
-                      _round_to(acc, OUT.dtype.element_ty, SOFT_RNE).reshape(1, BLOCK_M, BLOCK_N))
+        value = _round_to(acc, OUT.dtype.element_ty, SOFT_RNE)
+        if end > start:
+            o_desc.store([e, pm * BLOCK_M, pn * BLOCK_N], value.reshape(1, BLOCK_M, BLOCK_N))
+        if SQUARES:  # the stored value's squares: this tile's part of the gradient norm
+            stored = value.to(tl.float32)
+            tl.store(SQ + e.to(tl.int64) * tl.num_programs(0) + tile, tl.sum(tl.sum(stored * stored, axis=1), axis=0))
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the TMA form: the fastest of bench/bench_moe_wgrad.py's nine
@@ -169,47 +183,66 @@ def _check(a, b, ends, out, *, same_dtype: bool) -> None:
 
 
 def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
-                             config: tuple[int, int, int, int, int] | None = None, tma: bool = False) -> torch.Tensor:
+                             config: tuple[int, int, int, int, int] | None = None, tma: bool = False,
+                             squares: bool = False):
     """out[e] += a[group e]^T @ b[group e] in place (the module docstring); returns out. a (S, M), b (S, N) with unit
     column stride (rows may be strided), ends (E,) int32 cumulative, out (E, M, N) contiguous; a, b and out of one
     dtype (bf16 or fp32) on one device. `tma`: the Tensor Memory Accelerator form where `tma_eligible` (else the
-    plain one), with `config` or TMA_CONFIG."""
+    plain one), with `config` or TMA_CONFIG.
+
+    squares=True returns (out, partials) instead: partials (fp32, one per output tile of every expert) hold the sums
+    of the squares of out's values after the addition, as stored (each tile summed in a fixed tree: deterministic),
+    so the sum of partials is out's squared L2 norm without another read of out (the step's gradient norm,
+    novatune.ops.grad_norm). Tiles of experts without rows are read for it and left as they are."""
     _check(a, b, ends, out, same_dtype=True)
     if not out.is_contiguous():
         raise ValueError("out (the gradient being accumulated) must be contiguous")
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
     ends = ends.contiguous()  # read as ENDS + e
-    if tma and tma_eligible(a, b, out):
-        _launch_tma(a, b, ends, out, config or TMA_CONFIG)
-        return out
-    _launch(a, b, ends, out, config or DEFAULT_CONFIG, accumulate=True, scale=1.0)
-    return out
+    use_tma = tma and tma_eligible(a, b, out)
+    config = config or (TMA_CONFIG if use_tma else DEFAULT_CONFIG)
+    partials = None
+    if squares:
+        e, m, n = (int(d) for d in out.shape)
+        slots = e * cdiv(m, config[0]) * cdiv(n, config[1])  # every program writes its own slot once
+        partials = (torch.full((slots,), float("nan"), device=out.device) if _POISON_SQUARES
+                    else torch.empty(slots, dtype=torch.float32, device=out.device))
+    if use_tma:
+        _launch_tma(a, b, ends, out, config, partials)
+    else:
+        _launch(a, b, ends, out, config, accumulate=True, scale=1.0, squares=partials)
+    return (out, partials) if squares else out
 
 
-def _launch_tma(a, b, ends, out, config) -> None:
+_POISON_SQUARES = False  # tests: the partials start as NaN, so a tile no program summed would show
+
+
+def _launch_tma(a, b, ends, out, config, squares=None) -> None:
     e, m, n = (int(d) for d in out.shape)
-    if e == 0 or m == 0 or n == 0 or a.shape[0] == 0:
-        return
+    if e == 0 or m == 0 or n == 0 or (a.shape[0] == 0 and squares is None):
+        return  # (with squares and no rows: every tile is still read and summed)
     if out.is_cuda:
         triton.set_allocator(_descriptor_scratch)
     block_m, block_n, block_k, warps, stages = config
     tiles_n = cdiv(n, block_n)
     _grouped_outer_acc_tma_kernel[(cdiv(m, block_m) * tiles_n, e)](
-        a, b, ends, out, m, n, e, a.stride(0), b.stride(0), out.stride(0), tiles_n, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
+        a, b, ends, out, squares if squares is not None else out, m, n, e, a.stride(0), b.stride(0), out.stride(0),
+        tiles_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SOFT_RNE=not out.is_cuda,
+        SQUARES=squares is not None, num_warps=warps, num_stages=stages)
 
 
-def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float) -> None:
+def _launch(a, b, ends, out, config, *, accumulate: bool, scale: float, squares=None) -> None:
     e, m, n = (int(d) for d in out.shape)
-    if e == 0 or m == 0 or n == 0 or (a.shape[0] == 0 and accumulate):
+    if e == 0 or m == 0 or n == 0 or (a.shape[0] == 0 and accumulate and squares is None):
         return
     block_m, block_n, block_k, warps, stages = config
     tiles_n = cdiv(n, block_n)
     _KERNEL[(cdiv(m, block_m) * tiles_n, e)](
-        a, b, ends, out, m, n, a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2), tiles_n,
-        float(scale), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=accumulate,
-        SOFT_RNE=not out.is_cuda, num_warps=warps, num_stages=stages)
+        a, b, ends, out, squares if squares is not None else out, m, n, a.stride(0), b.stride(0), out.stride(0),
+        out.stride(1), out.stride(2), tiles_n, float(scale), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ACCUMULATE=accumulate, SOFT_RNE=not out.is_cuda, SQUARES=squares is not None, num_warps=warps,
+        num_stages=stages)
 
 
 def _thin_config(n: int) -> tuple[int, int, int, int, int]:

@@ -11,11 +11,22 @@ per-tensor fp32 norms differ from torch's only in summation order, so after the 
 they almost always agree to the bit, and fp32 ones agree within fp32 summation error (tests/ops/test_grad_norm.py).
 Non-finite gradients give an inf or NaN norm, as torch's (the trainer's non-finite check reads it).
 
+Squares from the kernels that write a gradient's final value: around a step's last backward the trainer opens
+`final_gradient_squares()`; a kernel that adds into `.grad` there (the experts' weight gradient,
+novatune.ops.moe) also writes the sums of squares of the values it stores and records them (`record_squares`), and
+total_norm sums those instead of reading the gradient again: on the Qwen3-30B-A3B cut the experts hold 90% of the
+gradients. A record counts only while it describes the gradient as it is: the same tensor, its version counter
+unchanged (an in-place change after the kernel, autograd adding a second contribution included, bumps it), and
+total_norm drops every record once it has read them.
+
 An optimizer-side reduction, not a differentiable op: no custom-op registration or SPEC. Device rule as every op
 (novatune.ops._backend): CUDA tensors -> the kernels; CPU -> torch's own function (the kernels under
 TRITON_INTERPRET=1). Tensors the kernels do not take (sparse, non-contiguous, integer, DTensor) take torch's.
 """
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 from torch import Tensor
@@ -32,16 +43,54 @@ def _kernel_takes(t: Tensor) -> bool:
             and use_triton(t))
 
 
+_collecting = False
+_records: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(grad) -> (the grad, its version, its partials)
+
+
+@contextlib.contextmanager
+def final_gradient_squares():
+    """Around a step's last backward (one process, nothing changes the gradients between it and the norm): kernels
+    that store a gradient's final value record its sums of squares for total_norm. Earlier records are dropped."""
+    global _collecting
+    _records.clear()
+    _collecting = True
+    try:
+        yield
+    finally:
+        _collecting = False
+
+
+def squares_wanted() -> bool:
+    """Whether a kernel storing a gradient's final value should record its squares now."""
+    return _collecting
+
+
+def record_squares(grad: Tensor, partials: Tensor) -> None:
+    """`partials` (fp32) sum to the squared L2 norm of `grad` as it is now."""
+    _records[id(grad)] = (weakref.ref(grad), grad._version, partials)
+
+
+def _recorded(t: Tensor) -> Tensor | None:
+    entry = _records.get(id(t))
+    if entry is None or entry[0]() is not t or t._version != entry[1]:
+        return None  # another tensor, or this one changed in place since its squares were summed
+    return entry[2]
+
+
 def total_norm(tensors) -> Tensor:
     """torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False): the norm of the per-tensor norms,
-    the per-tensor norms of CUDA tensors computed by novatune's kernels."""
+    the per-tensor norms of CUDA tensors computed by novatune's kernels (from recorded squares where valid)."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    if not tensors:
-        return torch.tensor(0.0)
-    if not all(_kernel_takes(t) for t in tensors):
-        return torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False, foreach=None)
-    first_device = tensors[0].device
-    norms = []
-    for (_, dtype), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():
-        norms.append(K.norms(group).to(dtype))  # as _foreach_norm returns them: in the tensors' dtype
-    return torch.linalg.vector_norm(torch.cat([n.to(first_device) for n in norms]), 2.0)
+    try:
+        if not tensors:
+            return torch.tensor(0.0)
+        if not all(_kernel_takes(t) for t in tensors):
+            return torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False, foreach=None)
+        first_device = tensors[0].device
+        norms = []
+        for (_, dtype), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+            given = [_recorded(t) for t in group] if _records else None
+            norms.append(K.norms(group, given).to(dtype))  # as _foreach_norm returns them: in the tensors' dtype
+        return torch.linalg.vector_norm(torch.cat([n.to(first_device) for n in norms]), 2.0)
+    finally:
+        _records.clear()  # a record serves one norm

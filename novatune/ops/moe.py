@@ -58,6 +58,7 @@ from novatune.kernels import clamped_swiglu as K_CLAMPED
 from novatune.kernels import moe as K
 from novatune.kernels import moe_bias as KB
 from novatune.kernels.moe_wgrad import grouped_outer_accumulate
+from novatune.ops import grad_norm
 from novatune.ops._backend import use_triton
 from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
 from novatune.ops.clamped_swiglu import LIMIT as CLAMP_LIMIT
@@ -224,7 +225,11 @@ def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor |
     if (into is not None and use_triton(dy) and dy.dtype in (torch.bfloat16, torch.float32)
             and into.grad is not None and into.grad.is_contiguous() and x.dtype == dy.dtype == into.grad.dtype):
         a, b = (x, dy) if transposed else (dy, x)
-        grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True)  # the TMA form where it can take them
+        if grad_norm.squares_wanted():  # the step's last backward: this is .grad's final value
+            grad_norm.record_squares(into.grad, grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True,
+                                                                         squares=True)[1])
+        else:
+            grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True)  # the TMA form where it can take them
         return None
     return weight_grad(functools.partial(_linear_dweight, x, r=r, transposed=transposed), dy, into,
                        2 if transposed else 1)  # the weights' output-feature dim: dY's columns

@@ -43,6 +43,7 @@ from novatune.data.collate import model_inputs
 from novatune.data.dataset import BatchStream, PackedData, build_data
 from novatune.memory import embedding_grad, host_embedding
 from novatune.ops.adamw import clip_coefficient
+from novatune.ops.grad_norm import final_gradient_squares
 from novatune.ops.linear_cross_entropy import grad_output_promised, reset_promise_flags
 from novatune.parallel import wrap as pwrap
 from novatune.parallel.dist import Dist
@@ -95,7 +96,8 @@ def call_inputs(mb: dict, device: torch.device, packed_kwargs: str | None, wrapp
 
 
 def forward_backward(model, micro_batches: list[dict], device: torch.device, packed_kwargs: str | None,
-                     loss_scale: float = 1.0, grad_sync=None, promise_grad_output: bool = False):
+                     loss_scale: float = 1.0, grad_sync=None, promise_grad_output: bool = False,
+                     final_squares: bool = False):
     """Accumulate the gradients of one optimizer step; returns the step's loss (a 0-dim tensor, not synced).
 
     Under several processes each micro-batch dict carries the global micro-batch's `global_target_tokens`: the
@@ -103,7 +105,9 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
     averaging. `grad_sync(last)` gives the context of each backward (when the gradients are reduced); it is given
     for a DDP or FSDP2 model only (`call_inputs`' `wrapped`).
     The returned loss is this rank's part; the session sums it over the ranks. `promise_grad_output`: one process
-    (no grad_sync) promises the fused loss its grad_output (memory.lm_head_grad_in_forward)."""
+    (no grad_sync) promises the fused loss its grad_output (memory.lm_head_grad_in_forward). `final_squares`: the
+    last backward runs under novatune.ops.grad_norm.final_gradient_squares (kernels that store a gradient's final
+    value record its squares for the step's norm); only where nothing changes the gradients before that norm."""
     n_items = max(1, sum(mb.get("global_target_tokens", mb["num_target_tokens"]) for mb in micro_batches))
     total = torch.zeros((), device=device)
     embedding_grad.discard(pwrap.unwrap(model))  # rows of a step abandoned before its last backward
@@ -125,7 +129,8 @@ def forward_backward(model, micro_batches: list[dict], device: torch.device, pac
             # (a rank with no row left at an epoch's end, data/dataset.py) runs for the collectives only: x 0 also
             # drops what is not a token loss (an MoE router's aux loss)
             scale = 0.0 if mb.get("idle") else loss_scale
-            (out.loss * scale if scale != 1.0 else out.loss).backward()
+            with final_gradient_squares() if final_squares and last else contextlib.nullcontext():
+                (out.loss * scale if scale != 1.0 else out.loss).backward()
         if not mb.get("idle"):
             total += out.loss.detach().float()
     return total
@@ -287,8 +292,10 @@ class Session:
         novatune's AdamW kernel (FusedClipAdamW) the gradients stay unscaled and the optimizer takes the clipping
         coefficient, which it applies inside its update: what apply_update() computes is the same."""
         if self.strategy == "none":
+            # with novatune's AdamW the norm below reads the gradients right after the last backward
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
-                                    promise_grad_output=self.lm_head_grad_in_forward)
+                                    promise_grad_output=self.lm_head_grad_in_forward,
+                                    final_squares=isinstance(self.optimizer, FusedClipAdamW))
         else:
             loss = forward_backward(self.model, micro_batches, self.device, self.packed_kwargs,
                                     pwrap.loss_scale(self.strategy, self.dist.world),

@@ -88,6 +88,32 @@ def test_tma_form_matches_reference_and_leaves_empty_experts_alone(counts, m, n,
     assert (diff == 0).double().mean() > 0.98
 
 
+@pytest.mark.parametrize("form", ["plain", "tma"])
+@pytest.mark.parametrize("counts,m,n,row_pad", [([0, 5, 37, 0, 64, 1, 23], 40, 56, 8), ([130, 0, 3], 24, 72, 0),
+                                                ([0, 0], 16, 32, 0)])
+def test_squares_are_the_stored_gradient_squared_norm_per_tile(counts, m, n, row_pad, form, device, monkeypatch):
+    """squares=True: the same stored values as without it, and one fp32 partial per output tile of every expert
+    (poisoned with NaN first) whose sum over an expert's tiles is the squared norm of that expert's slice as
+    stored, empty experts included (their slices read, never written: -0.0 kept, the bits equal to the form without
+    squares, which the tests above check against the input). Tolerance: fp32 sums of
+    at most 16 x 32 squares in a tree, 1e-6 relative to the fp64 sum of the same stored values."""
+    monkeypatch.setattr(W, "_POISON_SQUARES", True)
+    config = (16, 32, 16, 4, 2)
+    a, b, ends, out = _inputs(counts, m, n, torch.bfloat16, device, seed=m + n + 1, row_pad=row_pad)
+    for e, c in enumerate(counts):
+        if c == 0:
+            out[e, : m // 2] = -0.0
+    plain = grouped_outer_accumulate(a, b, ends, out.clone(), config=config, tma=form == "tma")
+    got, partials = grouped_outer_accumulate(a, b, ends, out, config=config, tma=form == "tma", squares=True)
+    assert got is out and torch.equal(got.view(torch.int16), plain.view(torch.int16))
+    tiles = -(-m // config[0]) * -(-n // config[1])
+    assert partials.dtype == torch.float32 and partials.shape == (len(counts) * tiles,)
+    assert torch.isfinite(partials).all()
+    per_expert = partials.double().view(len(counts), tiles).sum(1)
+    want = got.double().square().flatten(1).sum(1)
+    assert ((per_expert - want).abs() <= 1e-6 * want).all(), (per_expert, want)
+
+
 def test_tma_form_falls_back_where_it_cannot_take_the_operands(device, monkeypatch):
     """Rows whose byte stride is not a multiple of 16 (and fp32) go through the plain kernel, same results."""
     monkeypatch.setattr(W, "_launch_tma", lambda *args: pytest.fail("the TMA form took unaligned rows"))

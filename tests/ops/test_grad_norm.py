@@ -90,3 +90,16 @@ def test_empty_inputs_and_what_the_kernels_do_not_take(device, backend_env):
     strided = [base.t(), torch.randn(4, device=device)]  # non-contiguous: torch's own function
     assert torch.equal(total_norm(strided), torch.nn.utils.get_total_norm(strided, 2.0))
     assert float(total_norm(torch.full((4,), 0.5, device=device))) == pytest.approx(1.0)
+
+
+def test_given_partials_stand_in_for_reading_the_tensor(device, poisoned, backend_env):
+    """norms(tensors, given): a tensor whose sums of squares are given is not read (here its data is NaN), and its
+    norm is the square root of their sum; the others are read as without them."""
+    if device == "cpu":
+        backend_env("TRITON_INTERPRET", "1")
+    ts = _tensors(9, [torch.float32], device)
+    stand_in = torch.full_like(ts[1], float("nan"))
+    parts = torch.tensor([1.5, 2.5, 5.0], device=device)  # squares summing to 9: norm 3
+    got = K.norms([ts[0], stand_in, ts[2]], [None, parts, None])
+    want = K.norms([ts[0], ts[1], ts[2]])
+    assert float(got[1]) == 3.0 and got[0] == want[0] and got[2] == want[2]

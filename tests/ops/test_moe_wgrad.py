@@ -304,3 +304,46 @@ def test_under_activation_checkpointing_the_parameters_grad_is_written(monkeypat
     assert added == [1, 1]  # the second micro-batch, both weights
     for a, b, name in zip(result[True], result[False], ("gate_up", "down")):
         assert_close(a, b, 1e-6, name)
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set "
+                    "before triton compiles anything, on machines without a GPU (CI)")
+@pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5"])
+def test_the_last_backward_records_the_squares_the_norm_then_reads(name, monkeypatch, backend_env):
+    """Under grad_norm.final_gradient_squares (the trainer's last backward) the in-GEMM addition also records the
+    stored gradient's sums of squares; total_norm uses them and its value is torch's get_total_norm of the same
+    gradients (bf16: within one spacing, the per-tensor sums differ in order only); a gradient changed in place
+    after the kernel (version bumped) is read again instead; outside the context nothing is recorded."""
+    from novatune.ops import grad_norm as G
+
+    backend_env("TRITON_INTERPRET", "1")
+    case, dtype = CASES[name], torch.bfloat16
+    ids, tensors, layout = _experts_inputs(case, dtype, 0)
+    params = _params(tensors)
+    for mb in range(3):
+        ids, inputs, _ = _experts_inputs(case, dtype, 100 + mb)
+        inputs[2:4] = params[2:4]
+        out = M.moe_experts(inputs[0], ids, *inputs[1:], **layout, wgrad_in_place=True)
+        loss = (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))).sum()
+        if mb < 2:
+            loss.backward()
+            assert not G._records
+        else:
+            with G.final_gradient_squares():
+                loss.backward()
+    grads = [params[2].grad, params[3].grad, inputs[0].grad]
+    assert {id(g) for g in grads[:2]} == set(G._records)
+    reads = []
+    real = G.K.norms
+    monkeypatch.setattr(G.K, "norms", lambda ts, given=None: reads.append(given) or real(ts, given))
+    want = torch.nn.utils.get_total_norm(grads, 2.0)
+    got = G.total_norm(grads)
+    spacing = float(torch.nextafter(want, torch.full_like(want, float("inf"))) - want)
+    assert abs(float(got) - float(want)) <= spacing
+    assert reads and sum(g is not None for g in reads[0]) == 2 and not G._records  # a record serves one norm
+    G.record_squares(grads[0], torch.zeros(3))  # wrong on purpose: once the gradient changes it must not count
+    grads[0].mul_(2)
+    want = torch.nn.utils.get_total_norm(grads, 2.0)
+    got = G.total_norm(grads)
+    assert abs(float(got) - float(want)) <= float(torch.nextafter(want, torch.full_like(want, float("inf"))) - want)
+    assert reads[-1] == [None, None, None]

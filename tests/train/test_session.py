@@ -44,6 +44,26 @@ def test_forward_backward_then_skip_update_leaves_the_run_unchanged(make_cfg):
     assert any(not torch.equal(p, before[n]) for n, p in session.model.named_parameters())
 
 
+@pytest.mark.parametrize("kernel", ["novatune", "torch"])
+def test_only_the_steps_last_backward_records_final_gradient_squares(kernel, make_cfg, monkeypatch):
+    """With novatune's AdamW (whose clipping norm reads the gradients right after the last backward) that backward,
+    and only it, runs under grad_norm.final_gradient_squares; with torch's optimizer none does."""
+    import contextlib
+
+    from novatune.train import session as S
+
+    entered = []
+
+    def recording():
+        entered.append(1)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(S, "final_gradient_squares", recording)
+    session = build(make_cfg(train={"adamw_kernel": kernel}))
+    session.forward_backward(session.next_micro_batches())  # grad_accum 2: two backwards
+    assert len(entered) == (1 if kernel == "novatune" else 0)
+
+
 def test_hooks_run_before_the_model_and_before_the_optimizer(make_cfg):
     seen = []
     session = build(make_cfg(), before_model=lambda conf: seen.append(("before", conf.model_type)),
