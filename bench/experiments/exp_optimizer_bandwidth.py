@@ -6,7 +6,7 @@ are bandwidth-bound: this script times them on tensors of the cut's real shapes 
 copy (the card's reachable bandwidth for the same bytes), and prints GB/s: novatune's AdamW kernel and torch's
 fused AdamW, torch's get_total_norm and novatune.ops.grad_norm.total_norm.
 
-    python bench/experiments/exp_optimizer_bandwidth.py [--layers 8]
+    python bench/experiments/exp_optimizer_bandwidth.py [--layers 8] [--results bench/results/experiments.jsonl]
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--results", default=None, help="a .jsonl file to append the row to")
     args = ap.parse_args()
     h, inter, e, vocab = 2048, 768, 128, 151936
     shapes = [(vocab, h), (vocab, h)]
@@ -80,8 +81,12 @@ def main() -> None:
         s = _time(fn)
         rows[name] = {"ms": round(s * 1e3, 2), "GB_per_s": round(bytes_per * n / s / 1e9)}
         print(f"{name:30s} {s * 1e3:8.2f} ms  {bytes_per * n / s / 1e9:7.0f} GB/s  ({n / 1e9:.2f} B params)")
-    print(json.dumps({"experiment": "optimizer_bandwidth", "params": n, "device": torch.cuda.get_device_name(),
-                      "rows": rows}))
+    row = {"exp": "optimizer_bandwidth", "params": n, "layers": args.layers, "rows": rows}
+    if args.results:
+        from novatune.measure.results import write_row
+
+        row = write_row(args.results, row)
+    print(json.dumps(row))
 
 
 if __name__ == "__main__":

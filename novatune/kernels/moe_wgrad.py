@@ -1,6 +1,7 @@
 """The experts' weight gradient added into an existing gradient inside the grouped GEMM (Triton).
 
     grouped_outer_accumulate(a, b, ends, out)      out[e] += a[rows of e]^T @ b[rows of e]     for every expert e
+      ... squares=True -> (out, partials)          and the sums of squares of the stored tiles (the clipping norm)
     grouped_outer(a, b, ends, out, scale)          out[e] = scale * a[rows of e]^T @ b[rows of e]   (written)
 
 The second form serves the expert adapters' factor gradients (novatune.ops.moe_lora): b is an (S, r) product, so
