@@ -5,7 +5,8 @@ import shutil
 
 if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
-# Triton chooses compiled kernels or the interpreter once, when it loads: what the process started with holds
+# Triton chooses compiled kernels or the interpreter when each @triton.jit function is defined (at the import of
+# the kernel modules): what the process started with holds
 INTERPRETER_AT_START = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # novatune.patch reads the tune cache by default: the tests never read (or write) the user's own choices
 if "NOVATUNE_TUNE_CACHE" not in os.environ:

@@ -1,7 +1,8 @@
 """Triton kernels of the gradients' L2 norms (the clipping norm), at the card's read bandwidth.
 
-    sum_squares(x, partials)          partials[b] = sum of x[block b]^2, fp32, one program per BLOCK elements
-    segment_norms(partials, starts)   norms[t] = sqrt(sum of partials[starts[t]:starts[t+1]]), fp32
+    norms(tensors, given=None) -> (len(tensors),) fp32       each tensor's L2 norm, by two kernels:
+      _sum_squares_kernel     partials[b] = sum of x[block b]^2, fp32, one program per BLOCK elements
+      _segment_norms_kernel   norms[t] = sqrt(sum of partials[starts[t]:starts[t+1]]), fp32
 
 torch's `_foreach_norm` over bf16 gradients reads them at ~2.2 TB/s on an H200 (5.05 ms for the 5.6 B gradients of
 the Qwen3-30B-A3B cut, bench/experiments/exp_optimizer_bandwidth.py, where a copy moves 4.2 TB/s); the first kernel
@@ -78,7 +79,7 @@ def norms(tensors: list[torch.Tensor], given: list[torch.Tensor | None] | None =
     for c in counts:
         starts.append(starts[-1] + c)
     size = max(starts[-1], 1)
-    partials = (torch.full((size,), float("nan"), device=device) if _POISON
+    partials = (torch.full((size,), float("nan"), dtype=torch.float32, device=device) if _POISON
                 else torch.empty(size, dtype=torch.float32, device=device))
     for t, g, start, count in zip(tensors, given, starts, counts):
         if g is not None:

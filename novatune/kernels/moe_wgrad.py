@@ -26,7 +26,7 @@ Numerics: fp32 accumulation of the dot product over the expert's rows (tl.dot; f
 TF32), plus the existing value read as fp32, rounded once to out's dtype (round to nearest even). autograd's path
 rounds twice (dW to bf16, then the sum), so the two agree within a rounding of bf16, and this one is the closer to
 the exact sum (tests/kernels/test_moe_wgrad_gemm.py measures both against fp64). An expert without rows leaves its slice
-of `out` untouched, bit for bit (its program returns before reading anything).
+of `out` untouched, bit for bit (its program returns before reading anything; with squares it reads, never writes).
 
 Grid: (tiles of M x tiles of N, E); each program owns one (BLOCK_M, BLOCK_N) tile of one expert and walks that
 expert's rows BLOCK_K at a time, so an output element has exactly one writer (deterministic, no atomics).
@@ -36,8 +36,8 @@ Two forms of the accumulating kernel. The plain one loads with masks (any stride
 device whose row count is the expert's end, so a block that reaches past the expert's rows reads zeros from the
 copy engine's bound check, and reads and writes the gradient's tile as one clipped box: ~11% faster at both
 GPT-OSS's and Qwen3-30B-A3B's shapes (session25-7). The same fp32 sums per tile, rounded once; its only allocation
-is Triton's scratch for the descriptors (3 x 128 bytes per program, 2-12 MiB per call at those shapes). ops/moe.py
-asks for it.
+(besides the partials of squares=True) is Triton's scratch for the descriptors (3 x 128 bytes per program, 2-12 MiB
+per call at those shapes). ops/moe.py asks for it.
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def grouped_outer_accumulate(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     if squares:
         e, m, n = (int(d) for d in out.shape)
         slots = e * cdiv(m, config[0]) * cdiv(n, config[1])  # every program writes its own slot once
-        partials = (torch.full((slots,), float("nan"), device=out.device) if _POISON_SQUARES
+        partials = (torch.full((slots,), float("nan"), dtype=torch.float32, device=out.device) if _POISON_SQUARES
                     else torch.empty(slots, dtype=torch.float32, device=out.device))
     if use_tma:
         _launch_tma(a, b, ends, out, config, partials)

@@ -16,8 +16,9 @@ Squares from the kernels that write a gradient's final value: around a step's la
 novatune.ops.moe) also writes the sums of squares of the values it stores and records them (`record_squares`), and
 total_norm sums those instead of reading the gradient again: on the Qwen3-30B-A3B cut the experts hold 90% of the
 gradients. A record counts only while it describes the gradient as it is: the same tensor, its version counter
-unchanged (an in-place change after the kernel, autograd adding a second contribution included, bumps it), and
-total_norm drops every record once it has read them.
+unchanged. torch's in-place ops bump it (autograd adding a second contribution included); a Triton kernel's write
+does not, so the kernels that add into `.grad` bump it themselves (novatune.ops.moe). total_norm drops every record
+once it has read them, and a backward that raises leaves none.
 
 An optimizer-side reduction, not a differentiable op: no custom-op registration or SPEC. Device rule as every op
 (novatune.ops._backend): CUDA tensors -> the kernels; CPU -> torch's own function (the kernels under
@@ -56,6 +57,9 @@ def final_gradient_squares():
     _collecting = True
     try:
         yield
+    except BaseException:
+        _records.clear()  # a backward that did not finish leaves no gradient whose squares are known
+        raise
     finally:
         _collecting = False
 
@@ -88,9 +92,12 @@ def total_norm(tensors) -> Tensor:
             return torch.nn.utils.get_total_norm(tensors, 2.0, error_if_nonfinite=False, foreach=None)
         first_device = tensors[0].device
         norms = []
-        for (_, dtype), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+        for (device, dtype), ([listed], _) in _group_tensors_by_device_and_dtype([tensors]).items():
+            group = [t for t in listed if t is not None]  # (typed Optional; every tensor given is there)
             given = [_recorded(t) for t in group] if _records else None
-            norms.append(K.norms(group, given).to(dtype))  # as _foreach_norm returns them: in the tensors' dtype
+            # kernels launch on the current device: a model spread over GPUs has a group per device
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                norms.append(K.norms(group, given).to(dtype))  # as _foreach_norm returns them: the tensors' dtype
         return torch.linalg.vector_norm(torch.cat([n.to(first_device) for n in norms]), 2.0)
     finally:
         _records.clear()  # a record serves one norm

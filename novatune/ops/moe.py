@@ -225,11 +225,13 @@ def _dweight(x: Tensor, dy: Tensor, r: Routing, transposed: bool, into: Tensor |
     if (into is not None and use_triton(dy) and dy.dtype in (torch.bfloat16, torch.float32)
             and into.grad is not None and into.grad.is_contiguous() and x.dtype == dy.dtype == into.grad.dtype):
         a, b = (x, dy) if transposed else (dy, x)
-        if grad_norm.squares_wanted():  # the step's last backward: this is .grad's final value
-            grad_norm.record_squares(into.grad, grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True,
-                                                                         squares=True)[1])
-        else:
-            grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True)  # the TMA form where it can take them
+        squares = grad_norm.squares_wanted()  # the step's last backward: this is .grad's final value
+        done = grouped_outer_accumulate(a, b, r.ends, into.grad, tma=True, squares=squares)  # TMA where it can
+        # a kernel's write leaves the version counter as it was: bumped, so a record of .grad's squares made before
+        # this addition no longer counts (novatune.ops.grad_norm)
+        torch.autograd.graph.increment_version(into.grad)
+        if squares:
+            grad_norm.record_squares(into.grad, done[1])
         return None
     return weight_grad(functools.partial(_linear_dweight, x, r=r, transposed=transposed), dy, into,
                        2 if transposed else 1)  # the weights' output-feature dim: dY's columns

@@ -306,44 +306,60 @@ def test_under_activation_checkpointing_the_parameters_grad_is_written(monkeypat
         assert_close(a, b, 1e-6, name)
 
 
-@pytest.mark.skipif(not interpreter_on(), reason="runs the Triton kernels on CPU tensors: the interpreter is set "
-                    "before triton compiles anything, on machines without a GPU (CI)")
 @pytest.mark.parametrize("name", ["qwen3-layout E5", "gpt-oss layout E5"])
-def test_the_last_backward_records_the_squares_the_norm_then_reads(name, monkeypatch, backend_env):
+def test_the_last_backward_records_the_squares_the_norm_then_reads(name, device, monkeypatch, backend_env):
     """Under grad_norm.final_gradient_squares (the trainer's last backward) the in-GEMM addition also records the
     stored gradient's sums of squares; total_norm uses them and its value is torch's get_total_norm of the same
     gradients (bf16: within one spacing, the per-tensor sums differ in order only); a gradient changed in place
-    after the kernel (version bumped) is read again instead; outside the context nothing is recorded."""
+    after the kernel (version bumped) is read again instead; outside the context nothing is recorded, and an
+    addition made after a record invalidates it. CPU: the interpreter; CUDA: the compiled kernels (TMA form)."""
     from novatune.ops import grad_norm as G
 
-    backend_env("TRITON_INTERPRET", "1")
+    if device == "cpu":
+        backend_env("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(G, "_records", {})  # this test's records only (they are process-wide)
     case, dtype = CASES[name], torch.bfloat16
-    ids, tensors, layout = _experts_inputs(case, dtype, 0)
+
+    def inputs(seed):
+        ids, tensors, layout = _experts_inputs(case, dtype, seed)
+        return ids.to(device), [None if t is None else t.detach().to(device).requires_grad_() for t in tensors], layout
+
+    _, tensors, layout = inputs(0)
     params = _params(tensors)
     for mb in range(3):
-        ids, inputs, _ = _experts_inputs(case, dtype, 100 + mb)
-        inputs[2:4] = params[2:4]
-        out = M.moe_experts(inputs[0], ids, *inputs[1:], **layout, wgrad_in_place=True)
-        loss = (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))).sum()
+        ids, micro, _ = inputs(100 + mb)
+        micro[2:4] = params[2:4]
+        out = M.moe_experts(micro[0], ids, *micro[1:], **layout, wgrad_in_place=True)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(mb)).to(device)
+        loss = (out.float() * dout).sum()
         if mb < 2:
             loss.backward()
             assert not G._records
         else:
             with G.final_gradient_squares():
                 loss.backward()
-    grads = [params[2].grad, params[3].grad, inputs[0].grad]
+    grads = [params[2].grad, params[3].grad, micro[0].grad]
     assert {id(g) for g in grads[:2]} == set(G._records)
     reads = []
     real = G.K.norms
     monkeypatch.setattr(G.K, "norms", lambda ts, given=None: reads.append(given) or real(ts, given))
+
+    def one_spacing(want):
+        return float(torch.nextafter(want, torch.full_like(want, float("inf"))) - want)
+
     want = torch.nn.utils.get_total_norm(grads, 2.0)
     got = G.total_norm(grads)
-    spacing = float(torch.nextafter(want, torch.full_like(want, float("inf"))) - want)
-    assert abs(float(got) - float(want)) <= spacing
+    assert abs(float(got) - float(want)) <= one_spacing(want)
     assert reads and sum(g is not None for g in reads[0]) == 2 and not G._records  # a record serves one norm
-    G.record_squares(grads[0], torch.zeros(3))  # wrong on purpose: once the gradient changes it must not count
+    G.record_squares(grads[0], torch.zeros(3, device=device))  # wrong on purpose: must not count once changed
     grads[0].mul_(2)
     want = torch.nn.utils.get_total_norm(grads, 2.0)
     got = G.total_norm(grads)
-    assert abs(float(got) - float(want)) <= float(torch.nextafter(want, torch.full_like(want, float("inf"))) - want)
+    assert abs(float(got) - float(want)) <= one_spacing(want)
     assert reads[-1] == [None, None, None]
+    # a later in-GEMM addition (the next step's micro-batch into a gradient kept) bumps the version itself
+    G.record_squares(grads[0], torch.zeros(3, device=device))
+    ids, micro, _ = inputs(200)
+    micro[2:4] = params[2:4]
+    M.moe_experts(micro[0], ids, *micro[1:], **layout, wgrad_in_place=True).float().sum().backward()
+    assert G._recorded(grads[0]) is None
