@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-from novatune.ops.moe_wgrad import accumulates_into_grad
+from novatune.ops.grad_accumulation import accumulates_into_grad
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from novatune.kernels import linear_cross_entropy as _k
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled
-from novatune.ops.moe_wgrad import accumulates_into_grad, grad_takes_adds
+from novatune.ops.grad_accumulation import accumulates_into_grad, grad_takes_adds
 from novatune.reference import linear_cross_entropy as _ref
 
 _REDUCTIONS = ("mean", "sum")

@@ -64,9 +64,10 @@ from novatune.ops.clamped_swiglu import ALPHA as CLAMP_ALPHA
 from novatune.ops.clamped_swiglu import LIMIT as CLAMP_LIMIT
 from novatune.ops.clamped_swiglu import clamped_swiglu_bwd, clamped_swiglu_fwd
 from novatune.ops.contract import Candidate, OpSpec
+from novatune.ops.grad_accumulation import accumulates_into_grad
 from novatune.ops.moe_checks import check_expert_ids as _check_ids
 from novatune.ops.moe_checks import check_experts_args as _check_args
-from novatune.ops.moe_wgrad import accumulates_into_grad, weight_grad
+from novatune.ops.moe_wgrad import weight_grad
 from novatune.reference import moe as _ref
 
 # torch >= 2.10 names it torch.nn.functional.grouped_mm; the private name is the same kernel

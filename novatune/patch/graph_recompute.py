@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from novatune.ops.moe_wgrad import accumulates_into_grad
+from novatune.ops.grad_accumulation import accumulates_into_grad
 from novatune.patch.moe import outputs_unread
 
 
@@ -42,11 +42,12 @@ def parameters_as(slots: list[tuple], params: list[Tensor], stand_ins: list[Tens
 def recompute_backward(rc: Recompute, gout: Tensor):
     """A forward-graphed layer's backward: the stock checkpoint's recompute and backward, eagerly, on the inputs
     its graph read. Where autograd would add every parameter's gradient into an existing .grad itself, with no hook
-    or process group to see it (ops/moe_wgrad.accumulates_into_grad: from the second micro-batch of a .backward()
-    call), a nested backward makes those additions, so the in-place weight-gradient paths (ops/moe_wgrad.py) work
-    as in eager mode; the outer AccumulateGrad then gets no gradient. Anywhere else (the first micro-batch, hooks,
-    DDP, torch.autograd.grad, create_graph) the gradients are returned to the caller's graph, as eager mode's
-    are. The input's gradient stops at the layer: create_graph reaches no earlier layer through it."""
+    or process group to see it (ops/grad_accumulation.accumulates_into_grad: from the second micro-batch of a
+    .backward() call), a nested backward makes those additions, so the in-place weight-gradient paths
+    (ops/moe_wgrad.py) work as in eager mode; the outer AccumulateGrad then gets no gradient. Anywhere else (the
+    first micro-batch, hooks, DDP, torch.autograd.grad, create_graph) the gradients are returned to the caller's
+    graph, as eager mode's are. The input's gradient stops at the layer: create_graph reaches no earlier layer
+    through it."""
     xin = rc.src.detach().requires_grad_(rc.x_grad)
     nested = bool(rc.params) and all(accumulates_into_grad(p) for p in rc.params)
     # returned gradients are taken on fresh leaves over the parameters' storage: a hook on a parameter then runs

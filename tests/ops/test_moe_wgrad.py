@@ -14,8 +14,9 @@ import torch
 from novatune.measure.numerics import assert_close
 from novatune.ops import moe as M
 from novatune.ops._backend import interpreter_on
+from novatune.ops.grad_accumulation import accumulates_into_grad
 from novatune.ops.moe_routing import route
-from novatune.ops.moe_wgrad import SLICES, accumulates_into_grad, column_slices
+from novatune.ops.moe_wgrad import SLICES, column_slices
 from tests.ops.test_moe import CASES, _experts_inputs
 
 

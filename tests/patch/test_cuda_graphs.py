@@ -376,7 +376,7 @@ class _WatchedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from novatune.ops.moe_wgrad import accumulates_into_grad
+        from novatune.ops.grad_accumulation import accumulates_into_grad
 
         x, w = ctx.saved_tensors
         _WatchedLinear.seen.append(accumulates_into_grad(w))
@@ -414,7 +414,7 @@ def test_forward_graphs_recompute_and_accumulate_like_the_stock_checkpoint():
     """The forward-only graphs' backward (graphs._recompute_backward), driven on the CPU with a stand-in replay:
     over three micro-batches of gradient accumulation every parameter's .grad and the input's gradient equal
     plain autograd's; the nested backward lets in-place weight-gradient paths add into .grad as autograd would
-    (ops/moe_wgrad.accumulates_into_grad true from the second micro-batch); torch.autograd.grad() gets the
+    (ops/grad_accumulation.accumulates_into_grad true from the second micro-batch); torch.autograd.grad() gets the
     gradients returned and leaves .grad alone."""
     torch.manual_seed(0)
     h, t = 12, 7
