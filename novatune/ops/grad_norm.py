@@ -14,7 +14,7 @@ Non-finite gradients give an inf or NaN norm, as torch's (the trainer's non-fini
 Squares from the kernels that write a gradient's final value: around a step's last backward the trainer opens
 `final_gradient_squares()`; a kernel that adds into `.grad` there (the experts' weight gradient,
 novatune.ops.moe) also writes the sums of squares of the values it stores and records them (`record_squares`), and
-total_norm sums those instead of reading the gradient again: on the Qwen3-30B-A3B cut the experts hold 90% of the
+total_norm sums those instead of reading the gradient again: on the Qwen3-30B-A3B cut the experts hold 86% of the
 gradients. A record counts only while it describes the gradient as it is: the same tensor, its version counter
 unchanged. torch's in-place ops bump it (autograd adding a second contribution included); a Triton kernel's write
 does not, so the kernels that add into `.grad` bump it themselves (novatune.ops.moe). total_norm drops every record
