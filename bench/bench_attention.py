@@ -5,7 +5,7 @@ log-normal lengths (median --median = 600, sigma 0.7, min 32, cut at the row end
 fixed --seed.
 
 Candidates:
-  varlen, flash, cudnn, flex, sdpa_docs, reference
+  varlen, flash, fa4, cudnn, flex, sdpa_docs, reference
                                        novatune.attention backends on the packed rows (q/k/v as (tokens, h, d))
   cudnn_aten                           cudnn through torch's aten ops (cudnn: the cudnn-frontend package when it
                                        imports, else the same aten path)
@@ -44,9 +44,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-ALL = ("varlen", "flash", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc", "sdpa_docs",
-       "reference")
-DEFAULT = ("varlen", "flash", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc")
+ALL = ("varlen", "flash", "fa4", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc",
+       "sdpa_docs", "reference")
+DEFAULT = ("varlen", "flash", "fa4", "cudnn", "cudnn_aten", "cudnn_exact", "flex", "hf_sdpa_dense", "sdpa_one_doc")
 CUDNN_VARIANTS = {"cudnn_aten": dict(impl="aten"), "cudnn_exact": dict(buckets=False)}
 
 

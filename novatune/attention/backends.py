@@ -20,6 +20,8 @@ Backends:
              no torch.library wrapper per call (host time); first in AUTO_ORDER on CUDA (measured below)
   cudnn      cuDNN's fused attention with ragged offsets through torch's aten ops (cudnn.py; CUDA sm80+, cuDNN 9,
              fp16/bf16, d % 8 == 0, d <= 128, no sliding window); not in AUTO_ORDER: the tune engine chooses it
+  fa4        FlashAttention-4's CuTe-DSL kernels (fa4.py; the flash-attn-4 package; CUDA sm90/sm100, fp16/bf16,
+             d % 8 == 0, d <= 256, window; trains after its gradient self-check)
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
   sdpa       F.scaled_dot_product_attention(is_causal=True) per row; only when every row is one document (on sm90
              it dispatches to cuDNN, the fastest measured: docs/BENCHMARKS.md)
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from novatune.attention.cudnn import cudnn_attention, cudnn_detail, cudnn_why_not
+from novatune.attention.fa4 import fa4_attention, fa4_detail, fa4_why_not
 from novatune.attention.flash import flash2_inputs_why_not, flash_attention, flash_why_not
 from novatune.attention.packed import PackedBatch
 from novatune.attention.sinks import sink_attention
@@ -51,7 +54,7 @@ from novatune.attention.sinks import sink_attention
 __all__ = ["varlen_attention", "last_choice", "AttentionChoice", "BackendUnavailable", "AUTO_ORDER", "BACKENDS",
            "SINK_BACKENDS", "SOFTCAP_BACKENDS", "why_unavailable"]
 
-BACKENDS = ("varlen", "flash", "cudnn", "flex", "sdpa", "sdpa_docs", "reference")
+BACKENDS = ("varlen", "flash", "fa4", "cudnn", "flex", "sdpa", "sdpa_docs", "reference")
 # Backends that can add attention sinks (novatune/attention/sinks.py): they expose the softmax's log-sum-exp and
 # a backward that takes the sunk output. The others refuse a call with sinks (never drop them).
 SINK_BACKENDS = ("varlen", "flash", "reference")
@@ -291,9 +294,9 @@ def _reference(q, k, v, packed: PackedBatch, scale: float, window: int | None = 
     return torch.cat(outs, 0).to(q.dtype)
 
 
-_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "flash": flash_attention, "cudnn": cudnn_attention,
-                                                   "flex": _flex, "sdpa": _sdpa, "sdpa_docs": _sdpa_docs,
-                                                   "reference": _reference}
+_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "flash": flash_attention, "fa4": fa4_attention,
+                                                   "cudnn": cudnn_attention, "flex": _flex, "sdpa": _sdpa,
+                                                   "sdpa_docs": _sdpa_docs, "reference": _reference}
 
 
 def why_unavailable(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch,
@@ -325,6 +328,8 @@ def _why_not(name: str, q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, w
         return _flex_why_not(q, k, packed)
     if name == "cudnn":
         return cudnn_why_not(q, k, packed, window)
+    if name == "fa4":
+        return fa4_why_not(q, k, packed, window)
     if name == "sdpa" and not packed.one_doc_per_row:
         return "rows hold several documents (sdpa runs plain causal attention per row)"
     if name == "sdpa" and window is not None:
@@ -467,4 +472,6 @@ def _detail(name: str, with_sinks: bool = False, with_cap: bool = False) -> str:
         return "compiled flex_attention, document-causal BlockMask cached per batch, enable_gqa"
     if name == "cudnn":
         return cudnn_detail()
+    if name == "fa4":
+        return fa4_detail()
     return ""

@@ -42,6 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from novatune.attention.packed import PackedBatch
+from novatune.attention.self_check import check_gradients
 
 __all__ = ["cudnn_attention", "cudnn_why_not", "cudnn_detail", "backward_why_not", "gradient_self_check", "overrides",
            "IMPL", "BUCKETS", "MEASURED_BACKWARD"]
@@ -122,13 +123,6 @@ MEASURED_BACKWARD: dict[tuple[str, int, str], str | None] = {
     ("aten", 91900, "2.11.0+cu130"): "a wrong query gradient (dq relative error 4.3 with bucketed offsets, 2.7e20 "
                                      "with exact ones)",
 }
-# The self-check's problem: ragged documents (1-token ones, one longer than a 128-token tile) in two rows, and its
-# bound: cuDNN, like FlashAttention, keeps P and dS in bf16 for the second matmul of each pass (the GPU tests' 2e-2;
-# fp16 keeps 3 more mantissa bits)
-CHECK_ROWS = ((1, 150, 7, 98), (200, 1, 55))
-CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
 def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
     """Why the cudnn backend cannot run these inputs (None: it can)."""
     why = _device_why_not(q.device) or _impl_why_not(_impl())
@@ -179,39 +173,9 @@ def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
 @functools.cache
 def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, hq: int, hk: int,
                         d: int) -> str | None:
-    """One forward + backward of the route on CHECK_ROWS against the fp32 reference (novatune.reference.attention)
-    computed from the same rounded inputs: None when the output and the three gradients are within
-    CHECK_TOLERANCE, else the worst error. Cached per process: `stack` is part of the key so a changed route
+    """self_check.check_gradients of the route, cached per process: `stack` is part of the key so a changed route
     checks again."""
-    from novatune.measure.numerics import rel_err
-    from novatune.reference.attention import attention_ref
-
-    pos = torch.tensor([[p for n in row for p in range(n)] for row in CHECK_ROWS])
-    packed = PackedBatch.from_position_ids(pos, device=device)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(packed.total_tokens, h, d, generator=gen).to(device, dtype).requires_grad_()
-               for h in (hq, hk, hk))
-    grad_out = torch.randn(packed.total_tokens, hq, d, generator=gen).to(device, dtype)
-    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    try:
-        # the check runs at the first training call, which may sit inside a checkpointed layer or an offload
-        # engine's saved-tensor hooks and under autocast: its own graph keeps its tensors, and its math its dtypes
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                torch.autocast(device.type, enabled=False):
-            out = cudnn_attention(q, k, v, packed, d ** -0.5)
-            grads = torch.autograd.grad(out, (q, k, v), grad_out)
-            ref = attention_ref(exact[0], exact[1], exact[2], packed)
-            ref_grads = torch.autograd.grad(ref, exact, grad_out.float())
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a route that fails on the check's problem fails the check, saying how
-        return f"its gradient self-check raised {type(e).__name__}: {str(e)[:200]}"
-    errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
-    name, worst = max(errors.items(), key=lambda item: item[1])
-    limit = CHECK_TOLERANCE.get(dtype, 2e-2)
-    if worst <= limit:
-        return None
-    return f"its gradient self-check measured {name} relative error {worst:.3g} (limit {limit:g})"
+    return check_gradients(cudnn_attention, device, dtype, hq, hk, d)
 
 
 def _device_why_not(device: torch.device) -> str | None:

@@ -29,6 +29,9 @@ with the function named by its module, imported only in that stack's worker:
   novatune        novatune.patch(model, **model.patch_options)
   novatune_full   novatune with full fine-tuning, beside a LoRA config (refused under QLoRA)
   novatune_eager  novatune without CUDA graphs (model.patch_options.cuda_graphs=false)
+  novatune_flash / novatune_fa4 / novatune_cudnn
+                  novatune with every attention module on that backend (model.patch_options.attention), the A/B
+                  of the attention backends in a training step
   trl-sft         TRL's SFTTrainer + novatune.patch(trainer) on the same model, rows and optimizer (bench/trl_stack.py)
   novatune-train  `novatune train`'s whole loop (bench/train_stack.py): what the CLI runs, per-step loss read and
                   metrics included; the yardstick of stacks that bring their own loop (trl-sft)
@@ -254,6 +257,11 @@ register(Stack("novatune_wgrad_returned", "novatune, MoE expert weight gradients
 register(Stack("novatune_linear_wgrad_in_place", "novatune, dense projection weight gradients added into .grad "
                "inside the GEMM (model.patch_options.linear_wgrad_in_place=true)",
                NOVATUNE + ["model.patch_options.linear_wgrad_in_place=true"], patched=True))
+# the attention backends' A/B: each attention module on the named backend instead of the automatic choice
+for _backend, _what in (("flash", "FlashAttention-2 through aten's ops"), ("fa4", "FlashAttention-4 (flash-attn-4)"),
+                        ("cudnn", "cuDNN's fused attention")):
+    register(Stack(f"novatune_{_backend}", f"novatune, attention on {_what} (model.patch_options.attention="
+                   f"{_backend})", NOVATUNE + [f"model.patch_options.attention={_backend}"], patched=True))
 # the memory policies side by side (novatune/memory/): checkpointing alone is the `novatune` stack under a config
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),

@@ -20,9 +20,9 @@ from novatune.ops.contract import Candidate, OpSpec, doc_lengths
 from novatune.reference.attention import attention_ref, hf_attention
 
 # multi-document rows: plain "sdpa" cannot run
-BACKENDS = ("reference", "sdpa_docs", "varlen", "flash", "cudnn", "flex")
-_FAMILY = {"reference": "eager", "sdpa_docs": "native", "varlen": "native", "flash": "native", "cudnn": "native",
-           "flex": "compile"}
+BACKENDS = ("reference", "sdpa_docs", "varlen", "flash", "fa4", "cudnn", "flex")
+_FAMILY = {"reference": "eager", "sdpa_docs": "native", "varlen": "native", "flash": "native", "fa4": "native",
+           "cudnn": "native", "flex": "compile"}
 
 
 def _make_inputs(shape, dtype, device, gen) -> dict:

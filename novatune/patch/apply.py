@@ -32,7 +32,7 @@ from novatune.patch.trainers import is_trl, trainer_refusal
 from novatune.patch.trl_metrics import defer_metric_syncs
 from novatune.patch.versions import check_transformers
 
-ATTENTION_BACKENDS = ("auto", "flex", "varlen", "flash", "cudnn", "sdpa", "sdpa_docs", "reference")
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "flash", "fa4", "cudnn", "sdpa", "sdpa_docs", "reference")
 
 
 @dataclass
@@ -151,7 +151,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     one chunk. Same values; an extra MLP forward per tiled batch.
     rope + attention: novatune's attention forward (RoPE kernel, packed-row attention). `attention` picks the
     backend: "auto" (fastest available, recorded in the report), "flex", "varlen", "flash" (varlen's kernels through
-    aten's ops), "cudnn", "sdpa", "sdpa_docs"
+    aten's ops), "fa4" (FlashAttention-4, the flash-attn-4 package), "cudnn", "sdpa", "sdpa_docs"
     (one SDPA call per document: the CPU's packed-row path), "reference"; False keeps stock attention.
     moe: the routed experts and their router run novatune's MoE op (novatune/patch/moe.py).
     moe_wgrad_in_place: the experts' weight gradients are added into their existing .grad where autograd would add

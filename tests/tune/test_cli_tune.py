@@ -84,12 +84,14 @@ def test_patch_tune_true_tunes_installs_and_records(monkeypatch, tmp_path):
                      "swiglu": {"hf_eager", "novatune_default"},
                      "linear_cross_entropy": {"hf_eager", "novatune_default"},
                      "attention": {"hf_eager", "novatune_default", "backend_reference", "backend_sdpa_docs",
-                                   "backend_varlen", "backend_flash", "backend_cudnn"},  # varlen, flash, cudnn:
-                     # skipped on the CPU, with their reasons
+                                   "backend_varlen", "backend_flash", "backend_fa4", "backend_cudnn"},
+                     # varlen, flash, fa4, cudnn: skipped on the CPU, with their reasons
                      "qk_norm_rope": {"hf_eager", "novatune_default"}}
     attn = next(e for e in cache.values() if e["op"] == "attention")
     cudnn = next(c for c in attn["candidates"] if c["name"] == "backend_cudnn")
     assert "CUDA-only" in cudnn["reason"] and attn["choice"] != "backend_cudnn"
+    fa4 = next(c for c in attn["candidates"] if c["name"] == "backend_fa4")
+    assert "CUDA-only" in fa4["reason"] and attn["choice"] != "backend_fa4"
     assert len(rep.choices) == sum(e["choice"] != "novatune_default" and e["kept"] for e in cache.values())
     ids, pos, lab = packed_batch([[13, 11]])  # 24 tokens: the tuned shapes
     model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss.backward()

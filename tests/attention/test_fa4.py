@@ -1,0 +1,294 @@
+"""The fa4 attention backend (novatune/attention/fa4.py): why it refuses, its glue to flash-attn-4's varlen entry
+point, the backward's verdict, and on a GPU its values against the fp32 reference.
+
+CPU: `flash_attn_varlen_func` is replaced by a stand-in with its contract (varlen q/k/v, cu_seqlens for queries and
+keys, a longest-document bound, causal + (left, right) window, GQA with separate head counts, returns (out, lse)),
+built from the reference backend with torch autograd. What is checked is the glue: the one offsets tensor, the
+bound, the scale, the window as FlashAttention's (window - 1, 0). Values against the reference: 1e-6 (fp32 both).
+
+GPU (-m gpu; skipped, saying why, where the package is absent): bf16 at the headline shapes (GQA 32/8, head_dim
+128, 4096-token rows with odd document lengths, 1-token documents included) against the fp32 reference from the
+same bf16 values: 1e-2 on the output (one bf16 rounding), 2e-2 on each gradient (P and dS in bf16 for the second
+matmul of each pass, as in FlashAttention-2: the other GPU attention tests use the same bounds).
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_cudnn import GPU_ROWS, ROWS, _poison_allocator, make_qkv, packed_of
+
+from novatune.attention import BackendUnavailable, PackedBatch, backends, last_choice, varlen_attention, why_unavailable
+from novatune.attention import fa4 as F
+from novatune.measure.numerics import assert_close
+
+REAL_BACKWARD_WHY_NOT = F.backward_why_not
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    F.gradient_self_check.cache_clear()
+    yield
+    F.gradient_self_check.cache_clear()
+
+
+def stand_in(seen, dq_factor=1.0):
+    """flash_attn_varlen_func on the CPU: its contract, the values of the reference backend (dq scaled by
+    `dq_factor`, to play a wrong backward)."""
+
+    class ScaleDq(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q):
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * dq_factor
+
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal, window_size):
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and causal
+        assert cu_seqlens_q.dtype == torch.int32
+        pb = PackedBatch.from_cu_seqlens(cu_seqlens_q.cpu())
+        assert max_seqlen_q >= pb.max_seqlen
+        left, right = window_size
+        assert right in (None, 0)
+        seen["calls"] = seen.get("calls", 0) + 1
+        seen.update(max=max_seqlen_q, scale=softmax_scale, window=window_size, hk=k.shape[1])
+        out = varlen_attention(ScaleDq.apply(q), k, v, pb, scale=softmax_scale, backend="reference",
+                               window=None if left is None else left + 1)
+        return out, torch.zeros(q.shape[1], q.shape[0])
+
+    return flash_attn_varlen_func
+
+
+def use_stand_in(monkeypatch, seen, dq_factor=1.0, version="9.9.9"):
+    monkeypatch.setattr(F, "_package", lambda: (stand_in(seen, dq_factor), version, ""))
+
+
+def as_if_on(monkeypatch, capability=(9, 0)):
+    """fa4_why_not's device questions answered as on a CUDA GPU of this capability (the tensors stay on the CPU)."""
+    monkeypatch.setattr(F.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(F.torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def cuda_like(t):
+    return SimpleNamespace(device=torch.device("cuda", 0), dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad)
+
+
+# --------------------------------------------------------------------------------------------------------- glue
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 3)])
+def test_glue_against_the_reference(monkeypatch, window, hq, hk):
+    seen = {}
+    use_stand_in(monkeypatch, seen)
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, hq, hk, 16, torch.float32)
+    scale = 0.3
+    out = F.fa4_attention(q, k, v, pb, scale, window)
+    assert seen["max"] == pb.max_seqlen and seen["scale"] == scale and seen["hk"] == hk
+    assert seen["window"] == ((None, None) if window is None else (window - 1, 0))
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention(qr, kr, vr, pb, scale=scale, backend="reference", window=window)
+    assert_close(out, ref, 1e-6, name="out")
+    go = torch.randn_like(ref)
+    out.backward(go)
+    ref.backward(go)
+    for name, a, b in (("dq", q, qr), ("dk", k, kr), ("dv", v, vr)):
+        assert_close(a.grad, b.grad, 1e-6, name=name)
+
+
+def test_a_patched_model_runs_attention_fa4(monkeypatch):
+    """patch(model, attention="fa4") reaches this backend from the model's own attention forward (q, k, v views of
+    its projections, GQA 4/2): the same loss and gradients as attention="reference" in fp32 with the stand-in."""
+    import sys
+    from pathlib import Path
+
+    import novatune
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
+    from tiny_models import packed_batch, tiny_model
+
+    seen = {}
+    use_stand_in(monkeypatch, seen)
+    monkeypatch.setattr(backends, "fa4_why_not", lambda *a: None)
+    ids, pos, lab = packed_batch([[13, 1, 30], [44]])
+    results = []
+    for attention in ("fa4", "reference"):
+        model = tiny_model("qwen3")
+        rep = novatune.patch(model, attention=attention)
+        loss = model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+        assert last_choice().backend == attention
+        rep.revert()
+    assert seen["calls"] >= 1 and seen["hk"] == 2
+    assert_close(results[0][0], results[1][0], 1e-5, name="loss")
+    for got, want in zip(results[0][1], results[1][1]):
+        assert_close(got, want, 1e-4, name="grad")
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def test_why_unavailable_names_each_reason(monkeypatch):
+    pb = packed_of(ROWS)
+    q, k, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    assert "CUDA-only" in why_unavailable("fa4", q, k, pb)
+    as_if_on(monkeypatch, (8, 0))
+    assert "sm80" in F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
+    as_if_on(monkeypatch, (9, 0))
+    monkeypatch.setattr(F, "_package", lambda: (None, "", "flash-attn-4 is not usable (ModuleNotFoundError: x)"))
+    why = F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
+    assert "ModuleNotFoundError" in why and "pip install flash-attn-4" in why and "backend='flash'" in why, why
+    use_stand_in(monkeypatch, {})
+    monkeypatch.setattr(F, "backward_why_not", lambda q, k: None)
+    assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None) is None
+    assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, 128) is None  # a window is the kernel's own
+    q32, k32, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    assert "fp16/bf16" in F.fa4_why_not(cuda_like(q32), cuda_like(k32), pb, None)
+    q12, k12, _ = make_qkv(pb.total_tokens, 4, 2, 12, torch.bfloat16)
+    assert "head_dim 12" in F.fa4_why_not(cuda_like(q12), cuda_like(k12), pb, None)
+    static = PackedBatch.graph_static(pb.cu_seqlens, pb.max_seqlen, pb.batch, pb.seq_len)
+    assert "graph capture" in F.fa4_why_not(cuda_like(q), cuda_like(k), static, None)
+
+
+def test_explicit_fa4_on_cpu_raises_and_auto_skips_it(monkeypatch):
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    with pytest.raises(BackendUnavailable, match="CUDA-only"):
+        varlen_attention(q, k, v, pb, backend="fa4")
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["fa4", "sdpa_docs"])
+    varlen_attention(q, k, v, pb)
+    choice = last_choice()
+    assert choice.backend == "sdpa_docs" and choice.skipped[0][0] == "fa4" and "CUDA-only" in choice.skipped[0][1]
+
+
+def test_soft_capping_and_sinks_are_refused():
+    pb = packed_of(ROWS)
+    q, k, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    assert "cannot soft-cap" in why_unavailable("fa4", q, k, pb, softcap=True)
+    assert "cannot add attention sinks" in why_unavailable("fa4", q, k, pb, sinks=True)
+
+
+# ------------------------------------------------------------------------------------- the backward's verdict
+def test_a_measured_stack_decides_without_a_check(monkeypatch):
+    seen = {}
+    use_stand_in(monkeypatch, seen, version="4.0.0b36")
+    as_if_on(monkeypatch, (9, 0))
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.bfloat16)
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0)): "a wrong dk (relative error 3.1)"})
+    why = F.backward_why_not(cuda_like(q), cuda_like(k))
+    assert "flash-attn-4 4.0.0b36, sm90" in why and "relative error 3.1" in why and "backend='flash'" in why, why
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0)): None})
+    assert F.backward_why_not(cuda_like(q), cuda_like(k)) is None
+    assert "calls" not in seen and F.gradient_self_check.cache_info().currsize == 0  # no check ran
+
+
+def test_an_unmeasured_stack_checks_its_gradients_once(monkeypatch):
+    seen = {}
+    use_stand_in(monkeypatch, seen)
+    as_if_on(monkeypatch)
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)  # CPU tensors: the check runs on their device
+    assert F.backward_why_not(q, k) is None
+    assert seen["calls"] == 1 and seen["hk"] == 2
+    assert F.backward_why_not(q, k) is None and seen["calls"] == 1  # cached for the process
+    use_stand_in(monkeypatch, seen, version="9.9.10")  # another package version checks again
+    assert F.backward_why_not(q, k) is None and seen["calls"] == 2
+
+
+def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
+    pb = packed_of(ROWS)
+    use_stand_in(monkeypatch, {}, dq_factor=1.5)
+    as_if_on(monkeypatch)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    why = F.backward_why_not(q, k)
+    assert "(flash-attn-4 9.9.9, sm90) does not match the fp32 reference" in why, why
+    assert "dq relative error 0.5 (limit 0.02)" in why and "train with backend='flash'" in why, why
+    # through the backend choice (bf16, as a model calls it): the same refusal; forward-only calls still run
+    monkeypatch.setattr(backends, "fa4_why_not",
+                        lambda q, k, packed, window: F.fa4_why_not(cuda_like(q), cuda_like(k), packed, window))
+    monkeypatch.setattr(F, "gradient_self_check", lambda *a: "its gradient self-check measured dq relative error 0.5")
+    qb, kb, vb = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    with pytest.raises(BackendUnavailable, match="dq relative error 0.5"):
+        varlen_attention(qb, kb, vb, pb, backend="fa4")
+    with torch.no_grad():
+        assert why_unavailable("fa4", qb, kb, pb) is None
+
+
+def test_a_check_that_raises_refuses_with_the_error(monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("DSLRuntimeError: no kernel for this config")
+
+    monkeypatch.setattr(F, "_package", lambda: (broken, "9.9.9", ""))
+    as_if_on(monkeypatch)
+    q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)
+    assert "self-check raised RuntimeError: DSLRuntimeError" in F.backward_why_not(q, k)
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+def _gpu_or_skip():
+    fn, _, missing = F._package()
+    if fn is None:  # the package travels separately (its CUDA runtime is large): say what went untested
+        pytest.skip(f"flash-attn-4 unavailable here: {missing}")
+    major = torch.cuda.get_device_capability()[0]
+    if major not in F.CAPABILITIES:
+        pytest.skip(f"sm{major}x: FlashAttention-4's own kernels target {F.CAPABILITIES}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512])
+def test_gpu_fa4_matches_the_fp32_reference(window):
+    _gpu_or_skip()
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
+    assert why_unavailable("fa4", q, k, pb, window) is None, why_unavailable("fa4", q, k, pb, window)
+    _poison_allocator(q, q, k, v)
+    out = varlen_attention(q, k, v, pb, backend="fa4", window=window)
+    assert last_choice().backend == "fa4" and "GQA native" in last_choice().detail, last_choice()
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention(qf, kf, vf, pb, backend="reference", window=window)  # fp32 math on the same bf16 values
+    assert_close(out, ref, 1e-2, name="fa4 out")
+    go = torch.randn_like(ref)
+    _poison_allocator(q, k, v)
+    (out.float() * go).sum().backward()
+    (ref * go).sum().backward()
+    for name, a, b in (("dq", q, qf), ("dk", k, kf), ("dv", v, vf)):
+        assert torch.isfinite(a.grad).all(), name
+        assert_close(a.grad, b.grad, 2e-2, name=f"fa4 {name}")
+
+
+@pytest.mark.gpu
+def test_gpu_fa4_keeps_documents_apart():
+    """Changing one document's q, k and v changes no other document's output or gradients, bit for bit."""
+    _gpu_or_skip()
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda"))
+    go = torch.randn_like(q)
+
+    def run(q_, k_, v_):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q_, k_, v_))
+        out = varlen_attention(q_, k_, v_, pb, backend="fa4")
+        out.backward(go)
+        return out.detach(), q_.grad, k_.grad, v_.grad
+
+    base = run(q, k, v)
+    a, b = pb.cu_seqlens_cpu[3].item(), pb.cu_seqlens_cpu[4].item()  # the 1201-token document of row 0
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for t in (q2, k2, v2):
+        t[a:b] = torch.randn_like(t[a:b])
+    changed = run(q2, k2, v2)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), base, changed):
+        assert torch.equal(x[:a], y[:a]) and torch.equal(x[b:], y[b:]), name
+    assert not torch.equal(base[0][a:b], changed[0][a:b])
+
+
+@pytest.mark.gpu
+def test_gpu_gradient_self_check_passes_and_auto_takes_fa4(monkeypatch):
+    _gpu_or_skip()
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {})
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
+    assert F.backward_why_not(q, k) is None
+    monkeypatch.setitem(backends.AUTO_ORDER, "cuda", ["fa4", "flash"])
+    out = varlen_attention(q, k, v, pb)
+    assert last_choice().backend == "fa4", last_choice()
+    out.float().sum().backward()
+    print(F._stack(q.device), F.fa4_detail())
