@@ -70,9 +70,13 @@ SOFTCAP_BACKENDS = ("flex", "reference")
 # one call, flash 16,293 vs varlen 15,995 tok/s (session19-3) and 16,048 vs 14,566 (session19-4).
 # varlen before flex: in the headline training step (H200, torch 2.11) varlen gave 15,893 tok/s vs flex 14,767
 # (bench/results/e2e.jsonl); flex's backward is slower there and its BlockMask costs host time per batch.
+# "fa4" (FlashAttention-4, where the flash-attn-4 package is installed; skipped with the reason where it is not)
+# before flash: on the seed's rows (4 x 4096 tokens, GQA 32/8, d 128, one H200) forward + backward 1.426 ms against
+# flash's 2.458 and varlen's 2.480 (bench/results/attention.jsonl, session28-1), and the seed's training step at
+# 17,583 against 16,709 tok/s in one call (session28-1).
 # "cudnn" stays out until a training step measures it ahead of flash; `novatune tune` times it beside the others.
 AUTO_ORDER: dict[str, list[str]] = {
-    "cuda": ["sdpa", "flash", "varlen", "flex", "sdpa_docs"],
+    "cuda": ["sdpa", "fa4", "flash", "varlen", "flex", "sdpa_docs"],
     "cpu": ["sdpa", "sdpa_docs"],
 }
 

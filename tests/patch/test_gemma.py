@@ -141,7 +141,7 @@ def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(family, monkeypatch):
     assert not report.skipped(), str(report)
     loss, grads = packed_loss_and_grads(model, ids, pos, lab)
     # the reasons as one string: pytest shortens a list's repr, and the reason a backend was passed over is the point
-    assert last_choice().backend in (("flex",) if family == "gemma2" else ("flash", "varlen")), "; ".join(
+    assert last_choice().backend in (("flex",) if family == "gemma2" else ("fa4", "flash", "varlen")), "; ".join(
         f"{name}: {why}" for name, why in last_choice().skipped)
     assert grads.keys() == grads_true.keys()
     assert_as_close_as_stock_bf16(loss, grads, loss_stock, grads_stock, loss_true, grads_true)

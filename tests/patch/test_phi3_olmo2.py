@@ -215,6 +215,6 @@ def test_cuda_bf16_is_as_close_to_fp32_as_stock_bf16(name):
     report = novatune.patch(model)
     assert not report.skipped(), str(report)
     loss, grads = packed_loss_and_grads(model, ids, pos, lab)
-    assert last_choice().backend in ("flash", "varlen", "flex"), last_choice()
+    assert last_choice().backend in ("fa4", "flash", "varlen", "flex"), last_choice()
     assert grads.keys() == grads_true.keys()
     assert_as_close_as_stock_bf16(loss, grads, loss_stock, grads_stock, loss_true, grads_true)
