@@ -15,6 +15,16 @@ reference: on a stack in MEASURED_BACKWARD (package version, GPU capability), or
 gradient self-check on the device, once per process and head shape. A failed check refuses the training call
 with the measured error; forward-only calls run either way.
 
+Host time. The package's Python entry point spends ~110 us per forward call choosing and looking up its compiled
+kernel (and novatune's forward, run inside checkpointed layers, is host-bound: the GPU waited ~300 us before each
+attention forward in a profile of the seed's step, session28-4). On the package versions in FAST_FORWARD (their
+compiled forward's calling convention measured) and sm90, the backend records the compiled forward and its
+arguments at the first call of each configuration (`_Recorder`), checks the direct call against
+the package's own on the next one (the same bits, or that configuration stays on the package's path, saying
+why), and from then on calls the compiled kernel directly (~10 us). Batches where the package's choice depends on
+the batch itself (more than 256 documents: a scheduler aid tensor; documents so short that one query tile holds
+the longest: another kernel) take the package's path. The backward is the package's `_flash_attn_bwd`.
+
 Not applied here: logit soft-capping and attention sinks (the package has both; they are not validated through
 this backend, so the dispatcher refuses such calls for it, and they run on flex / flash).
 """
@@ -23,9 +33,11 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from novatune.attention.packed import PackedBatch
 from novatune.attention.self_check import check_gradients
@@ -47,30 +59,36 @@ MEASURED_BACKWARD: dict[tuple[str, tuple[int, int]], str | None] = {}
 
 
 @functools.cache
-def _package() -> tuple[Callable[..., Any] | None, str, str]:
-    """(flash_attn_varlen_func, version, "") or (None, "", why it cannot be used)."""
+def _capability(device: torch.device) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+@functools.cache
+def _package() -> tuple[Callable[..., Any] | None, str, str, Any]:
+    """(flash_attn_varlen_func, version, "", the interface module) or (None, "", why it cannot be used, None)."""
     try:
         module = importlib.import_module("flash_attn.cute.interface")
         fn = module.flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001 - absent or broken package (its CUDA runtime included): say which
-        return None, "", f"{PACKAGE} is not usable ({type(e).__name__}: {str(e)[:160]})"
+        return None, "", f"{PACKAGE} is not usable ({type(e).__name__}: {str(e)[:160]})", None
     try:
         from importlib.metadata import version
         ver = version(PACKAGE)
     except Exception:  # noqa: BLE001 - imported from a source tree: no distribution metadata
         ver = "source"
-    return fn, ver, ""
+    return fn, ver, "", module
 
 
 def fa4_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
     """Why the fa4 backend cannot run these inputs (None: it can)."""
     if q.device.type != "cuda":
         return "FlashAttention-4 is CUDA-only; use backend='sdpa_docs' / 'reference' on the CPU"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = _capability(q.device)
     if major not in CAPABILITIES:
         return (f"FlashAttention-4's own kernels target sm90 / sm100; this GPU is sm{major}{minor} (the flash backend "
                 "runs FlashAttention-2 there)")
-    fn, _, missing = _package()
+    fn, _, missing, _ = _package()
     if fn is None:
         return f"{missing}; pip install {PACKAGE}, or use backend='flash'"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -88,8 +106,7 @@ def fa4_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: i
 
 def _stack(device: torch.device) -> tuple[str, tuple[int, int]]:
     """(package version, GPU capability): MEASURED_BACKWARD's key."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return _package()[1], (major, minor)
+    return _package()[1], _capability(device)
 
 
 def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
@@ -115,18 +132,165 @@ def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, 
     return check_gradients(fa4_attention, device, dtype, hq, hk, d)
 
 
+# Package versions whose compiled sm90 forward this module calls directly (its argument list as recorded from the
+# package's own call and checked against it, tests/attention/test_fa4.py on an H200): any other version runs the
+# package's public entry point.
+FAST_FORWARD = ("4.0.0b36",)
+# The package picks another compiled kernel, or passes extra tensors, for batches of more documents than this
+# (a batch-lookup aid) and for a longest document whose packed query rows fit one tile (tile_m <= 192 on sm90):
+# those batches take the package's path. Both bounds are conservative.
+_MAX_DOCS = 256
+_MIN_PACKED_ROWS = 1024
+
+
+class _Recorder:
+    """Stands in for the package's forward JIT cache during one call: the compiled kernel it hands out and the
+    arguments that kernel receives are kept (the package's own call runs unchanged)."""
+
+    def __init__(self, cache):
+        self.cache, self.kernel, self.args = cache, None, None
+
+    def __contains__(self, key):
+        return key in self.cache
+
+    def __setitem__(self, key, value):
+        self.cache[key] = value
+
+    def __getitem__(self, key):
+        kernel = self.cache[key]
+
+        def call(*args):
+            self.kernel, self.args = kernel, args
+            return kernel(*args)
+
+        return call
+
+
+@dataclass
+class _Direct:
+    kernel: Callable[..., Any]
+    template: list[Any]       # the recorded arguments, tensors replaced by their role
+    checked: bool = False      # the direct call matched the package's own once
+
+
+_DIRECT: dict[tuple, _Direct | str] = {}  # per configuration: the direct call, or why there is none
+
+
+def _roles(args, q, k, v, out, lse, cu) -> list[Any] | str:
+    """The recorded argument list with each tensor replaced by its role, or why it cannot be replayed."""
+    known = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "cu": cu}
+    template: list[Any] = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            template.append(a)
+            continue
+        role = next((r for r, t in known.items() if t is not None and a.data_ptr() == t.data_ptr()
+                     and a.shape == t.shape and a.stride() == t.stride()), None)
+        if role is None:
+            return f"the compiled forward takes a tensor of shape {tuple(a.shape)} that is not q, k, v, out or lse"
+        template.append(role)
+    return template
+
+
+def _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse, record=False):
+    """The package's own forward: (out, lse, the recorder or None)."""
+    wl, wr = (None, None) if window is None else (window - 1, 0)
+    recorder = _Recorder(interface._flash_attn_fwd.compile_cache) if record else None
+    saved = interface._flash_attn_fwd.compile_cache
+    if recorder is not None:
+        interface._flash_attn_fwd.compile_cache = recorder
+    try:
+        out, lse = interface._flash_attn_fwd(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+            softmax_scale=scale, causal=True, window_size_left=wl, window_size_right=wr,
+            return_lse=need_lse)[:2]
+    finally:
+        interface._flash_attn_fwd.compile_cache = saved
+    return out, lse, recorder
+
+
+def _forward(interface, q, k, v, cu, longest, num_docs, scale, window, need_lse):
+    """(out, lse): the compiled kernel called directly where its configuration has been recorded and checked,
+    else the package's forward (recording the configuration on the way)."""
+    hq, hk = q.shape[1], k.shape[1]
+    packed_rows = longest * (hq // hk)
+    eligible = (num_docs <= _MAX_DOCS and packed_rows > _MIN_PACKED_ROWS and _capability(q.device)[0] == 9
+                and _package()[1] in FAST_FORWARD)
+    if not eligible:
+        return _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse)[:2]
+    key = (q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), q.stride(), k.stride(), v.stride(),
+           window, need_lse, scale, all(t.data_ptr() % 16 == 0 for t in (q, k, v)))
+    direct = _DIRECT.get(key)
+    if direct is None:  # first call of this configuration: the package's path, recorded
+        out, lse, recorder = _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse,
+                                                  record=True)
+        template = (_roles(recorder.args, q, k, v, out, lse, cu) if recorder.kernel is not None
+                    else "the package's forward made no compiled call to record")
+        _DIRECT[key] = template if isinstance(template, str) else _Direct(recorder.kernel, template)
+        return out, lse
+    if isinstance(direct, str):
+        return _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse)[:2]
+    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if need_lse else None
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "cu": cu}
+    direct.kernel(*[tensors[a] if isinstance(a, str) else a for a in direct.template])
+    if not direct.checked:  # once per configuration: the same bits as the package's own call
+        want, want_lse, _ = _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse)
+        same = torch.equal(out, want) and (lse is None or torch.equal(lse, want_lse))
+        if not same:
+            _DIRECT[key] = "the direct call of the compiled forward differed from the package's own call"
+            return want, want_lse
+        direct.checked = True
+    return out, lse
+
+
+class _Fa4Attention(torch.autograd.Function):
+    """Document-causal attention: the forward through `_forward`, the backward the package's `_flash_attn_bwd` on
+    the same offsets, window and scale (as the package's own autograd Function calls them)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest: int, num_docs: int, scale: float, window: int | None, need_lse: bool):
+        interface = _package()[3]
+        q_, k_, v_ = (t.detach() for t in (q, k, v))  # DLPack exports no tensor that requires grad
+        out, lse = _forward(interface, q_, k_, v_, cu, longest, num_docs, scale, window, need_lse)
+        if need_lse:
+            ctx.save_for_backward(q_, k_, v_, out, lse, cu)
+        ctx.longest, ctx.scale, ctx.window = longest, scale, window
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        wl, wr = (None, None) if ctx.window is None else (ctx.window - 1, 0)
+        dq, dk, dv = _package()[3]._flash_attn_bwd(
+            q, k, v, out, dout, lse, ctx.scale, True, 0.0, window_size_left=wl, window_size_right=wr,
+            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=ctx.longest, max_seqlen_k=ctx.longest)[:3]
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, scale: float,
                   window: int | None = None) -> torch.Tensor:
     """(tokens, hq, d) document-causal attention by FlashAttention-4; k, v (tokens, hk, d) with hk dividing hq."""
-    fn = _package()[0]
+    fn, version, missing, interface = _package()
     if fn is None:
-        raise RuntimeError(f"the fa4 backend is unavailable: {_package()[2]}")
+        raise RuntimeError(f"the fa4 backend is unavailable: {missing}")
     cu, longest = packed.cu_seqlens, packed.max_seqlen
+    if version in FAST_FORWARD and interface is not None:
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the backward's input
+        return _Fa4Attention.apply(q, k, v, cu, longest, packed.num_docs, scale, window, need_lse)
     out, _lse = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                    softmax_scale=scale, causal=True, window_size=(None, None) if window is None else (window - 1, 0))
     return out
 
 
 def fa4_detail() -> str:
-    _, ver, missing = _package()
-    return f"{PACKAGE} {ver} flash_attn_varlen_func (CuTe DSL), GQA native" if not missing else missing
+    _, ver, missing, _ = _package()
+    if missing:
+        return missing
+    if ver not in FAST_FORWARD:
+        return f"{PACKAGE} {ver} flash_attn_varlen_func (CuTe DSL), GQA native"
+    direct = sum(isinstance(d, _Direct) and d.checked for d in _DIRECT.values())
+    why_not = sorted({d for d in _DIRECT.values() if isinstance(d, str)})
+    return (f"{PACKAGE} {ver} (CuTe DSL), GQA native; compiled forward called directly in {direct} configuration(s)"
+            + (f"; not in others: {'; '.join(why_not)}" if why_not else ""))

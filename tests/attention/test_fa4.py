@@ -27,8 +27,10 @@ REAL_BACKWARD_WHY_NOT = F.backward_why_not
 @pytest.fixture(autouse=True)
 def fresh_verdicts():
     F.gradient_self_check.cache_clear()
+    F._DIRECT.clear()
     yield
     F.gradient_self_check.cache_clear()
+    F._DIRECT.clear()
 
 
 def stand_in(seen, dq_factor=1.0):
@@ -62,12 +64,13 @@ def stand_in(seen, dq_factor=1.0):
 
 
 def use_stand_in(monkeypatch, seen, dq_factor=1.0, version="9.9.9"):
-    monkeypatch.setattr(F, "_package", lambda: (stand_in(seen, dq_factor), version, ""))
+    """The public entry point only (a version outside FAST_FORWARD)."""
+    monkeypatch.setattr(F, "_package", lambda: (stand_in(seen, dq_factor), version, "", None))
 
 
 def as_if_on(monkeypatch, capability=(9, 0)):
     """fa4_why_not's device questions answered as on a CUDA GPU of this capability (the tensors stay on the CPU)."""
-    monkeypatch.setattr(F.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(F, "_capability", lambda device: capability)
     monkeypatch.setattr(F.torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
@@ -127,6 +130,125 @@ def test_a_patched_model_runs_attention_fa4(monkeypatch):
         assert_close(got, want, 1e-4, name="grad")
 
 
+# ------------------------------------------------------------------------------- the direct compiled forward
+class FakeInterface:
+    """flash_attn.cute.interface as the backend uses it on a FAST_FORWARD version: `_flash_attn_fwd` looks its
+    compiled kernel up in `_flash_attn_fwd.compile_cache` (compiling on a miss) and calls it with the tensors and
+    settings in the package's order; the kernel writes the reference attention into `out` (and the log-sum-exp);
+    `_flash_attn_bwd` returns the reference gradients. `extra`: another tensor the kernel takes (a scheduler aid);
+    `drift`: what a direct call adds to its output (a kernel whose replay differs)."""
+
+    AUX = object()
+
+    def __init__(self, extra=None, drift=0.0):
+        self.extra, self.drift, self.calls, self.kernel_calls, self.in_package = extra, drift, 0, 0, False
+
+        def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            causal, window_size_left, window_size_right, return_lse):
+            assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and causal and window_size_right in (
+                None, 0) and not q.requires_grad
+            self.calls += 1
+            key = (q.dtype, q.shape[1:], k.shape[1:], window_size_left, return_lse)
+            cache = _flash_attn_fwd.compile_cache
+            if key not in cache:
+                cache[key] = self.kernel
+            out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+            lse = torch.empty(q.shape[1], q.shape[0]) if return_lse else None
+            self.in_package = True
+            cache[key](q, k, v, out, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, None, None, None,
+                       window_size_left, window_size_right, None, None, self.AUX, self.extra, None)
+            self.in_package = False
+            return out, lse, None, None, None
+
+        _flash_attn_fwd.compile_cache = {}
+        self._flash_attn_fwd = _flash_attn_fwd
+
+    def kernel(self, q, k, v, out, lse, scale, cu, cu_k, su_q, su_k, pages, wl, wr, sink, sparse, aux, extra, _):
+        assert cu is cu_k and aux is self.AUX and (extra is None or extra is self.extra)
+        self.kernel_calls += 1
+        pb = PackedBatch.from_cu_seqlens(cu.cpu())
+        ref = varlen_attention(q, k, v, pb, scale=scale, backend="reference", window=None if wl is None else wl + 1)
+        out.copy_(ref + (0.0 if self.in_package else self.drift))
+        if lse is not None:
+            lse.fill_(0.5)
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, scale, causal, softcap, *, window_size_left,
+                        window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        assert causal and softcap == 0.0 and cu_seqlens_q is cu_seqlens_k and lse is not None
+        pb = PackedBatch.from_cu_seqlens(cu_seqlens_q.cpu())
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        w = None if window_size_left is None else window_size_left + 1
+        with torch.enable_grad():  # a backward runs with gradients off
+            ref = varlen_attention(qr, kr, vr, pb, scale=scale, backend="reference", window=w)
+            return torch.autograd.grad(ref, (qr, kr, vr), dout)
+
+
+def use_fake_interface(monkeypatch, fake, version=F.FAST_FORWARD[0]):
+    monkeypatch.setattr(F, "_package", lambda: (stand_in({}), version, "", fake))
+    monkeypatch.setattr(F, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(F, "_MIN_PACKED_ROWS", 8)
+
+
+def test_the_compiled_forward_is_recorded_checked_then_called_directly(monkeypatch):
+    fake = FakeInterface()
+    use_fake_interface(monkeypatch, fake)
+    pb = packed_of(ROWS)
+    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention(qr, kr, vr, pb, scale=0.25, backend="reference")
+    go = torch.randn_like(ref)
+    ref.backward(go)
+    package_calls = []
+    for step in range(3):
+        for t in (q, k, v):
+            t.grad = None
+        out = F.fa4_attention(q, k, v, pb, 0.25)
+        package_calls.append(fake.calls)
+        assert_close(out, ref, 1e-6, name=f"out, call {step}")
+        out.backward(go)
+        for name, a, b in (("dq", q, qr), ("dk", k, kr), ("dv", v, vr)):
+            assert_close(a.grad, b.grad, 1e-6, name=f"{name}, call {step}")
+    # call 1: the package (recorded); call 2: direct, then the package once more to compare; call 3: direct only
+    assert package_calls == [1, 2, 2] and fake.kernel_calls == 4
+    assert "called directly in 1 configuration(s)" in F.fa4_detail(), F.fa4_detail()
+    with torch.no_grad():  # no log-sum-exp wanted: another configuration, recorded on its own
+        F.fa4_attention(q, k, v, pb, 0.25)
+    assert fake.calls == 3
+
+
+def test_batches_the_package_treats_differently_take_its_path(monkeypatch):
+    fake = FakeInterface()
+    use_fake_interface(monkeypatch, fake)
+    monkeypatch.setattr(F, "_MAX_DOCS", 3)  # ROWS holds 9 documents
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    for _ in range(3):
+        F.fa4_attention(q, k, v, pb, 0.25)
+    assert fake.calls == 3 and not F._DIRECT
+    monkeypatch.setattr(F, "_MAX_DOCS", 256)
+    monkeypatch.setattr(F, "_MIN_PACKED_ROWS", 2 * pb.max_seqlen)  # the longest document's rows fit one tile
+    F.fa4_attention(q, k, v, pb, 0.25)
+    assert fake.calls == 4 and not F._DIRECT
+    monkeypatch.setattr(F, "_MIN_PACKED_ROWS", 8)
+    monkeypatch.setattr(F, "_capability", lambda device: (10, 0))  # Blackwell passes per-batch scalars: not replayed
+    F.fa4_attention(q, k, v, pb, 0.25)
+    assert fake.calls == 5 and not F._DIRECT
+
+
+@pytest.mark.parametrize("case", ["extra tensor", "replay differs"])
+def test_a_configuration_that_cannot_be_replayed_stays_on_the_package_path(monkeypatch, case):
+    fake = FakeInterface(extra=torch.zeros(7)) if case == "extra tensor" else FakeInterface(drift=1.0)
+    use_fake_interface(monkeypatch, fake)
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    ref = varlen_attention(q, k, v, pb, scale=0.25, backend="reference")
+    for _ in range(3):
+        assert_close(F.fa4_attention(q, k, v, pb, 0.25), ref, 1e-6, name="out")
+    why = F.fa4_detail()
+    assert "called directly in 0 configuration(s)" in why, why
+    assert ("not q, k, v, out or lse" if case == "extra tensor" else "differed from the package's own call") in why
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 def test_why_unavailable_names_each_reason(monkeypatch):
     pb = packed_of(ROWS)
@@ -135,7 +257,7 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     as_if_on(monkeypatch, (8, 0))
     assert "sm80" in F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
     as_if_on(monkeypatch, (9, 0))
-    monkeypatch.setattr(F, "_package", lambda: (None, "", "flash-attn-4 is not usable (ModuleNotFoundError: x)"))
+    monkeypatch.setattr(F, "_package", lambda: (None, "", "flash-attn-4 is not usable (ModuleNotFoundError: x)", None))
     why = F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
     assert "ModuleNotFoundError" in why and "pip install flash-attn-4" in why and "backend='flash'" in why, why
     use_stand_in(monkeypatch, {})
@@ -217,7 +339,7 @@ def test_a_check_that_raises_refuses_with_the_error(monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("DSLRuntimeError: no kernel for this config")
 
-    monkeypatch.setattr(F, "_package", lambda: (broken, "9.9.9", ""))
+    monkeypatch.setattr(F, "_package", lambda: (broken, "9.9.9", "", None))
     as_if_on(monkeypatch)
     q, k, _ = make_qkv(40, 4, 2, 16, torch.float32)
     assert "self-check raised RuntimeError: DSLRuntimeError" in F.backward_why_not(q, k)
@@ -236,23 +358,48 @@ def _gpu_or_skip():
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 512])
 def test_gpu_fa4_matches_the_fp32_reference(window):
+    """Three training calls of one configuration: the package's path (recorded), the direct call checked against the
+    package's, the direct call alone: each output and gradient against the fp32 reference."""
     _gpu_or_skip()
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
     assert why_unavailable("fa4", q, k, pb, window) is None, why_unavailable("fa4", q, k, pb, window)
-    _poison_allocator(q, q, k, v)
-    out = varlen_attention(q, k, v, pb, backend="fa4", window=window)
-    assert last_choice().backend == "fa4" and "GQA native" in last_choice().detail, last_choice()
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = varlen_attention(qf, kf, vf, pb, backend="reference", window=window)  # fp32 math on the same bf16 values
-    assert_close(out, ref, 1e-2, name="fa4 out")
     go = torch.randn_like(ref)
-    _poison_allocator(q, k, v)
-    (out.float() * go).sum().backward()
     (ref * go).sum().backward()
-    for name, a, b in (("dq", q, qf), ("dk", k, kf), ("dv", v, vf)):
-        assert torch.isfinite(a.grad).all(), name
-        assert_close(a.grad, b.grad, 2e-2, name=f"fa4 {name}")
+    for call in range(3):
+        for t in (q, k, v):
+            t.grad = None
+        _poison_allocator(q, q, k, v)
+        out = varlen_attention(q, k, v, pb, backend="fa4", window=window)
+        assert last_choice().backend == "fa4" and "GQA native" in last_choice().detail, last_choice()
+        assert_close(out, ref, 1e-2, name=f"fa4 out, call {call}")
+        _poison_allocator(q, k, v)
+        (out.float() * go).sum().backward()
+        for name, a, b in (("dq", q, qf), ("dk", k, kf), ("dv", v, vf)):
+            assert torch.isfinite(a.grad).all(), name
+            assert_close(a.grad, b.grad, 2e-2, name=f"fa4 {name}, call {call}")
+    if F._package()[1] in F.FAST_FORWARD:
+        assert "called directly in" in last_choice().detail and "in 0 configuration" not in last_choice().detail, (
+            last_choice().detail)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_forward_is_the_package_forward_bit_for_bit():
+    _gpu_or_skip()
+    if F._package()[1] not in F.FAST_FORWARD:
+        pytest.skip(f"flash-attn-4 {F._package()[1]} is not in FAST_FORWARD: its public path runs")
+    pb = packed_of(GPU_ROWS, "cuda")
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda"))
+    fn = F._package()[0]
+    want = fn(q, k, v, cu_seqlens_q=pb.cu_seqlens, cu_seqlens_k=pb.cu_seqlens, max_seqlen_q=pb.max_seqlen,
+              max_seqlen_k=pb.max_seqlen, softmax_scale=128 ** -0.5, causal=True)[0]
+    with torch.no_grad():
+        for _ in range(3):
+            _poison_allocator(want)
+            assert torch.equal(F.fa4_attention(q, k, v, pb, 128 ** -0.5), want)
+    assert any(isinstance(d, F._Direct) and d.checked for d in F._DIRECT.values()), F._DIRECT
 
 
 @pytest.mark.gpu
