@@ -347,7 +347,7 @@ def test_a_check_that_raises_refuses_with_the_error(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------- GPU
 def _gpu_or_skip():
-    fn, _, missing = F._package()
+    fn, _, missing, _ = F._package()
     if fn is None:  # the package travels separately (its CUDA runtime is large): say what went untested
         pytest.skip(f"flash-attn-4 unavailable here: {missing}")
     major = torch.cuda.get_device_capability()[0]
