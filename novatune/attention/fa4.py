@@ -55,7 +55,9 @@ MAX_HEAD_DIM = 256
 
 # The backward as measured on the GPU against the fp32 reference (tests/attention/test_fa4.py), keyed by (package
 # version, GPU capability) -> None (passed) or the measured failure. Other stacks check themselves once.
-MEASURED_BACKWARD: dict[tuple[str, tuple[int, int]], str | None] = {}
+# Measured: 4.0.0b36 on an H200 (torch 2.11.0+cu130), bf16, GQA 32/8 and d 128, with and without a window, the
+# output and the three gradients within 1e-2 / 2e-2 of the fp32 reference (session28-1 .. -7).
+MEASURED_BACKWARD: dict[tuple[str, tuple[int, int]], str | None] = {("4.0.0b36", (9, 0)): None}
 
 
 @functools.cache
