@@ -11,8 +11,8 @@ the backward sums dK and dV over each group). A sliding window of `window` keys 
 FlashAttention. The first call of each configuration compiles its kernels (seconds; cached per process).
 
 Training. As for the cudnn backend (self_check.py): the backward trains where it is known to match the fp32
-reference: on a stack in MEASURED_BACKWARD (package version, GPU capability), or, on any other stack, after one
-gradient self-check on the device, once per process and head shape. A failed check refuses the training call
+reference: on a stack in MEASURED_BACKWARD (package version, GPU capability, head_dim), or, on any other, after
+one gradient self-check on the device, once per process and head shape. A failed check refuses the training call
 with the measured error; forward-only calls run either way.
 
 Host time. The package's Python entry point spends ~110 us per forward call choosing and looking up its compiled
@@ -49,15 +49,16 @@ PACKAGE = "flash-attn-4"
 # GPU generations with a kernel of the package's own design (sm90 Hopper, sm100/sm110 Blackwell). Its sm80 and
 # sm120 paths are FlashAttention-2-class: the flash backend already runs those kernels.
 CAPABILITIES = (9, 10, 11)
-# the head sizes its sm90 kernels take (8..256, a multiple of 16 bytes): the same bound on Blackwell covers the
-# common head sizes (64, 128); anything else it rejects itself and the dispatcher falls back
-MAX_HEAD_DIM = 256
+# The head sizes taken: a multiple of 32 in [64, 256] (the models' 64, 128, 256). The package accepts 8..256, but on
+# tiny models with head_dim 16 (4/2 heads, GPU tests of tests/patch) its training gave an embedding gradient ~100%
+# off where stock bf16 is ~1-2% off (4.0.0b36, H200, session28-8): smaller heads run on the flash backend.
+MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 256
 
 # The backward as measured on the GPU against the fp32 reference (tests/attention/test_fa4.py), keyed by (package
-# version, GPU capability) -> None (passed) or the measured failure. Other stacks check themselves once.
-# Measured: 4.0.0b36 on an H200 (torch 2.11.0+cu130), bf16, GQA 32/8 and d 128, with and without a window, the
+# version, GPU capability, head_dim) -> None (passed) or the measured failure. Others check themselves once.
+# Measured: 4.0.0b36 on an H200 (torch 2.11.0+cu130), bf16, GQA 32/8, d 128, with and without a window, the
 # output and the three gradients within 1e-2 / 2e-2 of the fp32 reference (session28-1 .. -7).
-MEASURED_BACKWARD: dict[tuple[str, tuple[int, int]], str | None] = {("4.0.0b36", (9, 0)): None}
+MEASURED_BACKWARD: dict[tuple[str, tuple[int, int], int], str | None] = {("4.0.0b36", (9, 0), 128): None}
 
 
 @functools.cache
@@ -96,8 +97,9 @@ def fa4_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: i
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"FlashAttention-4 takes fp16/bf16, got {q.dtype}; cast the model or use backend='reference'"
     d = q.shape[-1]
-    if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
-        return f"head_dim {d}: the fa4 backend takes head_dim % 8 == 0 in [8, {MAX_HEAD_DIM}]; use backend='flex'"
+    if d % 32 or not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        return (f"head_dim {d}: the fa4 backend takes a multiple of 32 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (the "
+                "sizes it is validated at); use backend='flash'")
     if packed.lengths is None:
         return ("a CUDA-graph static PackedBatch: the fa4 backend is not validated inside graph capture (its first "
                 "call compiles); the varlen backend runs there")
@@ -106,15 +108,15 @@ def fa4_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: i
     return None
 
 
-def _stack(device: torch.device) -> tuple[str, tuple[int, int]]:
-    """(package version, GPU capability): MEASURED_BACKWARD's key."""
-    return _package()[1], _capability(device)
+def _stack(device: torch.device, head_dim: int) -> tuple[str, tuple[int, int], int]:
+    """(package version, GPU capability, head_dim): MEASURED_BACKWARD's key."""
+    return _package()[1], _capability(device), head_dim
 
 
 def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """None when the backward may train here (a measured stack that passed, or this stack's self-check), else the
     reason with the measured error."""
-    stack = _stack(q.device)
+    stack = _stack(q.device, q.shape[2])
     if stack in MEASURED_BACKWARD:
         failure = MEASURED_BACKWARD[stack]
     elif torch.cuda.is_current_stream_capturing():
@@ -123,8 +125,8 @@ def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
         failure = gradient_self_check(stack, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
     if failure is None:
         return None
-    return (f"the fa4 backend's backward ({PACKAGE} {stack[0]}, sm{stack[1][0]}{stack[1][1]}) does not match the "
-            f"fp32 reference: {failure}; it runs forward-only calls: train with backend='flash'")
+    return (f"the fa4 backend's backward ({PACKAGE} {stack[0]}, sm{stack[1][0]}{stack[1][1]}, head_dim {stack[2]}) "
+            f"does not match the fp32 reference: {failure}; it runs forward-only calls: train with backend='flash'")
 
 
 @functools.cache

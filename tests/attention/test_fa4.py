@@ -252,7 +252,7 @@ def test_a_configuration_that_cannot_be_replayed_stays_on_the_package_path(monke
 # ---------------------------------------------------------------------------------------------------- refusals
 def test_why_unavailable_names_each_reason(monkeypatch):
     pb = packed_of(ROWS)
-    q, k, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    q, k, _ = make_qkv(pb.total_tokens, 4, 2, 64, torch.bfloat16)
     assert "CUDA-only" in why_unavailable("fa4", q, k, pb)
     as_if_on(monkeypatch, (8, 0))
     assert "sm80" in F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
@@ -264,10 +264,11 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     monkeypatch.setattr(F, "backward_why_not", lambda q, k: None)
     assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None) is None
     assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, 128) is None  # a window is the kernel's own
-    q32, k32, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
+    q32, k32, _ = make_qkv(pb.total_tokens, 4, 2, 64, torch.float32)
     assert "fp16/bf16" in F.fa4_why_not(cuda_like(q32), cuda_like(k32), pb, None)
-    q12, k12, _ = make_qkv(pb.total_tokens, 4, 2, 12, torch.bfloat16)
-    assert "head_dim 12" in F.fa4_why_not(cuda_like(q12), cuda_like(k12), pb, None)
+    for d in (16, 48, 288):  # below the validated sizes (16: measured wrong gradients), not a multiple of 32, above
+        qd, kd, _ = make_qkv(pb.total_tokens, 4, 2, d, torch.bfloat16)
+        assert f"head_dim {d}" in F.fa4_why_not(cuda_like(qd), cuda_like(kd), pb, None)
     static = PackedBatch.graph_static(pb.cu_seqlens, pb.max_seqlen, pb.batch, pb.seq_len)
     assert "graph capture" in F.fa4_why_not(cuda_like(q), cuda_like(k), static, None)
 
@@ -296,10 +297,11 @@ def test_a_measured_stack_decides_without_a_check(monkeypatch):
     use_stand_in(monkeypatch, seen, version="4.0.0b36")
     as_if_on(monkeypatch, (9, 0))
     q, k, _ = make_qkv(40, 4, 2, 16, torch.bfloat16)
-    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0)): "a wrong dk (relative error 3.1)"})
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0), 16): "a wrong dk (relative error 3.1)"})
     why = F.backward_why_not(cuda_like(q), cuda_like(k))
-    assert "flash-attn-4 4.0.0b36, sm90" in why and "relative error 3.1" in why and "backend='flash'" in why, why
-    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0)): None})
+    assert "flash-attn-4 4.0.0b36, sm90, head_dim 16" in why and "relative error 3.1" in why, why
+    assert "backend='flash'" in why, why
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0), 16): None})
     assert F.backward_why_not(cuda_like(q), cuda_like(k)) is None
     assert "calls" not in seen and F.gradient_self_check.cache_info().currsize == 0  # no check ran
 
@@ -322,13 +324,13 @@ def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
     as_if_on(monkeypatch)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
     why = F.backward_why_not(q, k)
-    assert "(flash-attn-4 9.9.9, sm90) does not match the fp32 reference" in why, why
+    assert "(flash-attn-4 9.9.9, sm90, head_dim 16) does not match the fp32 reference" in why, why
     assert "dq relative error 0.5 (limit 0.02)" in why and "train with backend='flash'" in why, why
     # through the backend choice (bf16, as a model calls it): the same refusal; forward-only calls still run
     monkeypatch.setattr(backends, "fa4_why_not",
                         lambda q, k, packed, window: F.fa4_why_not(cuda_like(q), cuda_like(k), packed, window))
     monkeypatch.setattr(F, "gradient_self_check", lambda *a: "its gradient self-check measured dq relative error 0.5")
-    qb, kb, vb = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
+    qb, kb, vb = make_qkv(pb.total_tokens, 4, 2, 64, torch.bfloat16)
     with pytest.raises(BackendUnavailable, match="dq relative error 0.5"):
         varlen_attention(qb, kb, vb, pb, backend="fa4")
     with torch.no_grad():
