@@ -73,6 +73,11 @@ def _torch_attention() -> list[tuple[str, str]]:
     except Exception:  # noqa: BLE001
         rows.append(("torch varlen_attn", "absent"))
     rows.append(("flash_attn (FA2 package)", _version("flash_attn")))
+    try:  # the fa4 attention backend's package: its version without importing its compiler runtime
+        from importlib.metadata import version
+        rows.append(("flash-attn-4 (the fa4 attention backend)", version("flash-attn-4")))
+    except Exception:  # noqa: BLE001 - report, never raise
+        rows.append(("flash-attn-4 (the fa4 attention backend)", "absent (pip install flash-attn-4)"))
     if torch.cuda.is_available():
         b = torch.backends.cuda
         rows.append(("sdpa flash / mem-efficient / cudnn",
