@@ -20,7 +20,7 @@ Backends:
              no torch.library wrapper per call (host time); first in AUTO_ORDER on CUDA (measured below)
   cudnn      cuDNN's fused attention with ragged offsets through torch's aten ops (cudnn.py; CUDA sm80+, cuDNN 9,
              fp16/bf16, d % 8 == 0, d <= 128, no sliding window); not in AUTO_ORDER: the tune engine chooses it
-  fa4        FlashAttention-4's CuTe-DSL kernels (fa4.py; the flash-attn-4 package; CUDA sm90/sm100, fp16/bf16,
+  fa4        FlashAttention-4's CuTe-DSL kernels (fa4.py; the flash-attn-4 package; CUDA sm90/sm100/sm110, fp16/bf16,
              d a multiple of 32 in [64, 256], window; trains where measured or after its gradient self-check)
   flex       compiled FlexAttention with a document-causal BlockMask cached in the PackedBatch (CUDA)
   sdpa       F.scaled_dot_product_attention(is_causal=True) per row; only when every row is one document (on sm90

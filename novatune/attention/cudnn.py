@@ -123,6 +123,8 @@ MEASURED_BACKWARD: dict[tuple[str, int, str], str | None] = {
     ("aten", 91900, "2.11.0+cu130"): "a wrong query gradient (dq relative error 4.3 with bucketed offsets, 2.7e20 "
                                      "with exact ones)",
 }
+
+
 def cudnn_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: int | None) -> str | None:
     """Why the cudnn backend cannot run these inputs (None: it can)."""
     why = _device_why_not(q.device) or _impl_why_not(_impl())
@@ -259,6 +261,10 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: P
         raise ValueError("the cudnn backend takes no sliding window (why_unavailable says so)")
     cu, max_len = layout(packed)
     need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if need_lse and not (q.requires_grad or k.requires_grad):
+        why = backward_why_not(q, k)  # cudnn_why_not asks for q and k; here v alone wants a gradient
+        if why is not None:
+            raise RuntimeError(why)
     run = _via_frontend if _impl() == "frontend" else _via_aten
     return run(q, k, v, cu, max_len, scale, need_lse)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +56,14 @@ CAPABILITIES = (9, 10, 11)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 256
 
 # The backward as measured on the GPU against the fp32 reference (tests/attention/test_fa4.py), keyed by (package
-# version, GPU capability, head_dim) -> None (passed) or the measured failure. Others check themselves once.
-# Measured: 4.0.0b36 on an H200 (torch 2.11.0+cu130), bf16, GQA 32/8, d 128, with and without a window, the
-# output and the three gradients within 1e-2 / 2e-2 of the fp32 reference (session28-1 .. -7).
-MEASURED_BACKWARD: dict[tuple[str, tuple[int, int], int], str | None] = {("4.0.0b36", (9, 0), 128): None}
+# version, GPU capability, head_dim, dtype, grouped query heads (hq > hk), sliding window) -> None (passed) or the
+# measured failure; any other combination checks itself once (gradient_self_check). Measured: 4.0.0b36 on an H200
+# (torch 2.11.0+cu130), bf16, GQA 32/8, d 128, with and without a window: the output and the three gradients
+# within 1e-2 / 2e-2 of the fp32 reference (session28-2, -7, -9).
+MEASURED_BACKWARD: dict[tuple, str | None] = {
+    ("4.0.0b36", (9, 0), 128, torch.bfloat16, True, False): None,
+    ("4.0.0b36", (9, 0), 128, torch.bfloat16, True, True): None,
+}
 
 
 @functools.cache
@@ -104,47 +109,51 @@ def fa4_why_not(q: torch.Tensor, k: torch.Tensor, packed: PackedBatch, window: i
         return ("a CUDA-graph static PackedBatch: the fa4 backend is not validated inside graph capture (its first "
                 "call compiles); the varlen backend runs there")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return backward_why_not(q, k)
-    return None
+        return backward_why_not(q, k, window)
+    return None  # a call where only v wants a gradient is checked in fa4_attention, which sees v
 
 
-def _stack(device: torch.device, head_dim: int) -> tuple[str, tuple[int, int], int]:
-    """(package version, GPU capability, head_dim): MEASURED_BACKWARD's key."""
-    return _package()[1], _capability(device), head_dim
+def _stack(q: torch.Tensor, k: torch.Tensor, window: int | None) -> tuple:
+    """MEASURED_BACKWARD's key: (package version, GPU capability, head_dim, dtype, hq > hk, windowed)."""
+    return (_package()[1], _capability(q.device), q.shape[2], q.dtype, q.shape[1] > k.shape[1],
+            window is not None)
 
 
-def backward_why_not(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """None when the backward may train here (a measured stack that passed, or this stack's self-check), else the
-    reason with the measured error."""
-    stack = _stack(q.device, q.shape[2])
+def backward_why_not(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> str | None:
+    """None when the backward may train here (a measured combination that passed, or this one's self-check), else
+    the reason with the measured error."""
+    stack = _stack(q, k, window)
     if stack in MEASURED_BACKWARD:
         failure = MEASURED_BACKWARD[stack]
     elif torch.cuda.is_current_stream_capturing():
         failure = "its gradient self-check cannot run inside a CUDA-graph capture"
     else:
-        failure = gradient_self_check(stack, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+        failure = gradient_self_check(stack, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], window is not None)
     if failure is None:
         return None
-    return (f"the fa4 backend's backward ({PACKAGE} {stack[0]}, sm{stack[1][0]}{stack[1][1]}, head_dim {stack[2]}) "
-            f"does not match the fp32 reference: {failure}; it runs forward-only calls: train with backend='flash'")
+    version, (major, minor), d, dtype, _, windowed = stack
+    return (f"the fa4 backend's backward ({PACKAGE} {version}, sm{major}{minor}, head_dim {d}, "
+            f"{str(dtype).replace('torch.', '')}{', windowed' if windowed else ''}) does not match the fp32 "
+            f"reference: {failure}; it runs forward-only calls: train with backend='flash'")
 
 
 @functools.cache
-def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, hq: int, hk: int,
-                        d: int) -> str | None:
-    """self_check.check_gradients of this backend, once per process, stack and head shape."""
-    return check_gradients(fa4_attention, device, dtype, hq, hk, d)
+def gradient_self_check(stack: tuple, device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int,
+                        windowed: bool = False) -> str | None:
+    """self_check.check_gradients of this backend, once per process, combination and head shape."""
+    return check_gradients(fa4_attention, device, dtype, hq, hk, d, windowed)
 
 
 # Package versions whose compiled sm90 forward this module calls directly (its argument list as recorded from the
 # package's own call and checked against it, tests/attention/test_fa4.py on an H200): any other version runs the
 # package's public entry point.
 FAST_FORWARD = ("4.0.0b36",)
-# The package picks another compiled kernel, or passes extra tensors, for batches of more documents than this
-# (a batch-lookup aid) and for a longest document whose packed query rows fit one tile (tile_m <= 192 on sm90):
-# those batches take the package's path. Both bounds are conservative.
+# The package passes a batch-lookup aid (extra tensors) for batches of more documents than 256 (its
+# BIN_BATCH_SEARCH_THRESH in 4.0.0b36), and compiles another kernel where the longest document's packed query rows
+# fit one tile (tile_m <= 192 on sm90; 1024 leaves a margin): those batches take the package's path.
 _MAX_DOCS = 256
 _MIN_PACKED_ROWS = 1024
+_RECORDING = threading.Lock()  # the package's JIT cache is swapped for a recorder during one call
 
 
 class _Recorder:
@@ -188,28 +197,35 @@ def _roles(args, q, k, v, out, lse, cu) -> list[Any] | str:
         if not isinstance(a, torch.Tensor):
             template.append(a)
             continue
-        role = next((r for r, t in known.items() if t is not None and a.data_ptr() == t.data_ptr()
-                     and a.shape == t.shape and a.stride() == t.stride()), None)
-        if role is None:
+        roles = [r for r, t in known.items() if t is not None and a.data_ptr() == t.data_ptr()
+                 and a.shape == t.shape and a.stride() == t.stride()]
+        if not roles:
             return f"the compiled forward takes a tensor of shape {tuple(a.shape)} that is not q, k, v, out or lse"
-        template.append(role)
+        if len(roles) > 1:  # aliased inputs (k is v): a later batch with distinct tensors could not be told apart
+            return f"one tensor is {' and '.join(roles)} in the recorded call"
+        template.append(roles[0])
     return template
 
 
 def _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse, record=False):
     """The package's own forward: (out, lse, the recorder or None)."""
     wl, wr = (None, None) if window is None else (window - 1, 0)
-    recorder = _Recorder(interface._flash_attn_fwd.compile_cache) if record else None
-    saved = interface._flash_attn_fwd.compile_cache
-    if recorder is not None:
-        interface._flash_attn_fwd.compile_cache = recorder
-    try:
-        out, lse = interface._flash_attn_fwd(
+
+    def run():
+        return interface._flash_attn_fwd(
             q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-            softmax_scale=scale, causal=True, window_size_left=wl, window_size_right=wr,
-            return_lse=need_lse)[:2]
-    finally:
-        interface._flash_attn_fwd.compile_cache = saved
+            softmax_scale=scale, causal=True, window_size_left=wl, window_size_right=wr, return_lse=need_lse)[:2]
+
+    if not record:
+        return (*run(), None)
+    with _RECORDING:
+        saved = interface._flash_attn_fwd.compile_cache
+        recorder = _Recorder(saved)
+        interface._flash_attn_fwd.compile_cache = recorder
+        try:
+            out, lse = run()
+        finally:
+            interface._flash_attn_fwd.compile_cache = saved
     return out, lse, recorder
 
 
@@ -222,8 +238,8 @@ def _forward(interface, q, k, v, cu, longest, num_docs, scale, window, need_lse)
                 and _package()[1] in FAST_FORWARD)
     if not eligible:
         return _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse)[:2]
-    key = (q.device, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), q.stride(), k.stride(), v.stride(),
-           window, need_lse, scale, all(t.data_ptr() % 16 == 0 for t in (q, k, v)))
+    key = (q.device, q.dtype, k.dtype, v.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:]),
+           q.stride(), k.stride(), v.stride(), window, need_lse, scale, all(t.data_ptr() % 16 == 0 for t in (q, k, v)))
     direct = _DIRECT.get(key)
     if direct is None:  # first call of this configuration: the package's path, recorded
         out, lse, recorder = _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse,
@@ -240,12 +256,18 @@ def _forward(interface, q, k, v, cu, longest, num_docs, scale, window, need_lse)
     direct.kernel(*[tensors[a] if isinstance(a, str) else a for a in direct.template])
     if not direct.checked:  # once per configuration: the same bits as the package's own call
         want, want_lse, _ = _forward_via_package(interface, q, k, v, cu, longest, scale, window, need_lse)
-        same = torch.equal(out, want) and (lse is None or torch.equal(lse, want_lse))
+        same = _same_bits(out, want) and (lse is None or _same_bits(lse, want_lse))
         if not same:
             _DIRECT[key] = "the direct call of the compiled forward differed from the package's own call"
             return want, want_lse
         direct.checked = True
     return out, lse
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (a NaN equals the same NaN: a diverging batch is no reason to leave the direct call)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
 
 
 class _Fa4Attention(torch.autograd.Function):
@@ -280,9 +302,13 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Pac
     if fn is None:
         raise RuntimeError(f"the fa4 backend is unavailable: {missing}")
     cu, longest = packed.cu_seqlens, packed.max_seqlen
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if need_grad and not (q.requires_grad or k.requires_grad):
+        why = backward_why_not(q, k, window)  # fa4_why_not asks for q and k; here v alone wants a gradient
+        if why is not None:
+            raise RuntimeError(why)
     if version in FAST_FORWARD and interface is not None:
-        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the backward's input
-        return _Fa4Attention.apply(q, k, v, cu, longest, packed.num_docs, scale, window, need_lse)
+        return _Fa4Attention.apply(q, k, v, cu, longest, packed.num_docs, scale, window, need_grad)
     out, _lse = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                    softmax_scale=scale, causal=True, window_size=(None, None) if window is None else (window - 1, 0))
     return out

@@ -14,19 +14,21 @@ import torch
 
 from novatune.attention.packed import PackedBatch
 
-__all__ = ["check_gradients", "CHECK_ROWS", "CHECK_TOLERANCE"]
+__all__ = ["check_gradients", "CHECK_ROWS", "CHECK_TOLERANCE", "CHECK_WINDOW"]
 
 # The problem: ragged documents (1-token ones, one longer than a 128-token tile) in two rows. The bound: these
 # kernels, like FlashAttention-2, keep P and dS in bf16 for the second matmul of each pass (the GPU tests' 2e-2;
 # fp16 keeps 3 more mantissa bits).
 CHECK_ROWS = ((1, 150, 7, 98), (200, 1, 55))
 CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+CHECK_WINDOW = 64
 
 
 def check_gradients(attention: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype, hq: int,
-                    hk: int, d: int) -> str | None:
-    """None when `attention(q, k, v, packed, scale)`'s output and three gradients on CHECK_ROWS are within
-    CHECK_TOLERANCE of the fp32 reference, else the worst error (or what the call raised)."""
+                    hk: int, d: int, windowed: bool = False) -> str | None:
+    """None when `attention(q, k, v, packed, scale[, window])`'s output and three gradients on CHECK_ROWS are within
+    CHECK_TOLERANCE of the fp32 reference, else the worst error (or what the call raised). `windowed`: with a
+    sliding window of CHECK_WINDOW keys, shorter than the longest documents (a kernel of its own)."""
     from novatune.measure.numerics import rel_err
     from novatune.reference.attention import attention_ref
 
@@ -42,9 +44,10 @@ def check_gradients(attention: Callable[..., torch.Tensor], device: torch.device
         # engine's saved-tensor hooks and under autocast: its own graph keeps its tensors, and its math its dtypes
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
                 torch.autocast(device.type, enabled=False):
-            out = attention(q, k, v, packed, d ** -0.5)
+            window = CHECK_WINDOW if windowed else None
+            out = attention(q, k, v, packed, d ** -0.5, window) if windowed else attention(q, k, v, packed, d ** -0.5)
             grads = torch.autograd.grad(out, (q, k, v), grad_out)
-            ref = attention_ref(exact[0], exact[1], exact[2], packed)
+            ref = attention_ref(exact[0], exact[1], exact[2], packed, window=window)
             ref_grads = torch.autograd.grad(ref, exact, grad_out.float())
     except torch.OutOfMemoryError:
         raise

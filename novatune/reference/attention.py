@@ -33,8 +33,15 @@ def hf_attention(q, k, v, packed):
     return torch.cat(outs, 0)
 
 
-def attention_ref(q, k, v, packed):
-    return hf_attention(q.float(), k.float(), v.float(), packed)
+def attention_ref(q, k, v, packed, window=None):
+    """The fp32 oracle; `window`: query i sees its document's keys i - window + 1 .. i (HF's sliding window)."""
+    if window is None:
+        return hf_attention(q.float(), k.float(), v.float(), packed)
+    scale, outs = 1.0 / math.sqrt(q.shape[2]), []
+    for n, qd, kd, vd in _documents(q.float(), k.float(), v.float(), packed):
+        p = torch.softmax((qd @ kd.transpose(1, 2)) * scale + _window_mask(n, window, q.device), dim=-1)
+        outs.append((p @ vd).transpose(0, 1))
+    return torch.cat(outs, 0)
 
 
 def _window_mask(n: int, window: int | None, device) -> torch.Tensor:

@@ -19,6 +19,7 @@ from test_cudnn import GPU_ROWS, ROWS, _poison_allocator, make_qkv, packed_of
 
 from novatune.attention import BackendUnavailable, PackedBatch, backends, last_choice, varlen_attention, why_unavailable
 from novatune.attention import fa4 as F
+from novatune.attention.self_check import CHECK_WINDOW
 from novatune.measure.numerics import assert_close
 
 REAL_BACKWARD_WHY_NOT = F.backward_why_not
@@ -100,9 +101,11 @@ def test_glue_against_the_reference(monkeypatch, window, hq, hk):
         assert_close(a.grad, b.grad, 1e-6, name=name)
 
 
-def test_a_patched_model_runs_attention_fa4(monkeypatch):
+@pytest.mark.parametrize("path", ["public", "direct"])
+def test_a_patched_model_runs_attention_fa4(monkeypatch, path):
     """patch(model, attention="fa4") reaches this backend from the model's own attention forward (q, k, v views of
-    its projections, GQA 4/2): the same loss and gradients as attention="reference" in fp32 with the stand-in."""
+    its projections, GQA 4/2): the same loss and gradients as attention="reference" in fp32, through the package's
+    public entry point or (a FAST_FORWARD version) the recorded and directly called forward, three steps."""
     import sys
     from pathlib import Path
 
@@ -111,23 +114,33 @@ def test_a_patched_model_runs_attention_fa4(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
     from tiny_models import packed_batch, tiny_model
 
-    seen = {}
-    use_stand_in(monkeypatch, seen)
+    seen, fake = {}, FakeInterface()
+    if path == "public":
+        use_stand_in(monkeypatch, seen)
+    else:
+        use_fake_interface(monkeypatch, fake)
+        monkeypatch.setattr(F, "_MIN_PACKED_ROWS", 1)
     monkeypatch.setattr(backends, "fa4_why_not", lambda *a: None)
     ids, pos, lab = packed_batch([[13, 1, 30], [44]])
-    results = []
+    results = {}
     for attention in ("fa4", "reference"):
         model = tiny_model("qwen3")
         rep = novatune.patch(model, attention=attention)
-        loss = model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss
-        loss.backward()
-        results.append((loss.detach(), [p.grad for p in model.parameters()]))
-        assert last_choice().backend == attention
+        for _ in range(3):
+            model.zero_grad()
+            loss = model(input_ids=ids, position_ids=pos, labels=lab, use_cache=False).loss
+            assert last_choice().backend == attention  # (the stand-in's backward runs the reference backend)
+            loss.backward()
+            results.setdefault(attention, []).append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
         rep.revert()
-    assert seen["calls"] >= 1 and seen["hk"] == 2
-    assert_close(results[0][0], results[1][0], 1e-5, name="loss")
-    for got, want in zip(results[0][1], results[1][1]):
-        assert_close(got, want, 1e-4, name="grad")
+    if path == "public":
+        assert seen["calls"] >= 1 and seen["hk"] == 2
+    else:
+        assert "called directly in 1 configuration(s)" in F.fa4_detail(), F.fa4_detail()
+    for (got_loss, got), (want_loss, want) in zip(results["fa4"], results["reference"]):
+        assert_close(got_loss, want_loss, 1e-5, name="loss")
+        for g, w in zip(got, want):
+            assert_close(g, w, 1e-4, name="grad")
 
 
 # ------------------------------------------------------------------------------- the direct compiled forward
@@ -175,7 +188,11 @@ class FakeInterface:
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, scale, causal, softcap, *, window_size_left,
                         window_size_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         assert causal and softcap == 0.0 and cu_seqlens_q is cu_seqlens_k and lse is not None
+        assert bool((lse == 0.5).all())  # the log-sum-exp this forward wrote, saved for the backward
         pb = PackedBatch.from_cu_seqlens(cu_seqlens_q.cpu())
+        w = None if window_size_left is None else window_size_left + 1
+        assert_close(out, varlen_attention(q, k, v, pb, scale=scale, backend="reference", window=w), 1e-6,
+                     name="the saved output")
         qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
         w = None if window_size_left is None else window_size_left + 1
         with torch.enable_grad():  # a backward runs with gradients off
@@ -210,6 +227,7 @@ def test_the_compiled_forward_is_recorded_checked_then_called_directly(monkeypat
             assert_close(a.grad, b.grad, 1e-6, name=f"{name}, call {step}")
     # call 1: the package (recorded); call 2: direct, then the package once more to compare; call 3: direct only
     assert package_calls == [1, 2, 2] and fake.kernel_calls == 4
+    assert type(fake._flash_attn_fwd.compile_cache) is dict  # the recorder is gone
     assert "called directly in 1 configuration(s)" in F.fa4_detail(), F.fa4_detail()
     with torch.no_grad():  # no log-sum-exp wanted: another configuration, recorded on its own
         F.fa4_attention(q, k, v, pb, 0.25)
@@ -233,6 +251,33 @@ def test_batches_the_package_treats_differently_take_its_path(monkeypatch):
     monkeypatch.setattr(F, "_capability", lambda device: (10, 0))  # Blackwell passes per-batch scalars: not replayed
     F.fa4_attention(q, k, v, pb, 0.25)
     assert fake.calls == 5 and not F._DIRECT
+
+
+def test_a_recording_that_raises_leaves_the_package_as_it_was(monkeypatch):
+    fake = FakeInterface()
+    use_fake_interface(monkeypatch, fake)
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this configuration")
+
+    fake.kernel = broken
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    with pytest.raises(RuntimeError, match="no kernel"):
+        F.fa4_attention(q, k, v, pb, 0.25)
+    assert type(fake._flash_attn_fwd.compile_cache) is dict and not F._DIRECT
+
+
+def test_aliased_inputs_are_never_replayed(monkeypatch):
+    """k and v one tensor in the recorded call: a later call with two tensors could not be told apart."""
+    fake = FakeInterface()
+    use_fake_interface(monkeypatch, fake)
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    for _ in range(3):
+        assert_close(F.fa4_attention(q, k, k, pb, 0.25),
+                     varlen_attention(q, k, k, pb, scale=0.25, backend="reference"), 1e-6, name="out")
+    assert fake.calls == 3 and "one tensor is k and v" in F.fa4_detail(), F.fa4_detail()
 
 
 @pytest.mark.parametrize("case", ["extra tensor", "replay differs"])
@@ -261,7 +306,7 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     why = F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None)
     assert "ModuleNotFoundError" in why and "pip install flash-attn-4" in why and "backend='flash'" in why, why
     use_stand_in(monkeypatch, {})
-    monkeypatch.setattr(F, "backward_why_not", lambda q, k: None)
+    monkeypatch.setattr(F, "backward_why_not", lambda q, k, window=None: None)
     assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, None) is None
     assert F.fa4_why_not(cuda_like(q), cuda_like(k), pb, 128) is None  # a window is the kernel's own
     q32, k32, _ = make_qkv(pb.total_tokens, 4, 2, 64, torch.float32)
@@ -297,11 +342,12 @@ def test_a_measured_stack_decides_without_a_check(monkeypatch):
     use_stand_in(monkeypatch, seen, version="4.0.0b36")
     as_if_on(monkeypatch, (9, 0))
     q, k, _ = make_qkv(40, 4, 2, 16, torch.bfloat16)
-    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0), 16): "a wrong dk (relative error 3.1)"})
+    key = ("4.0.0b36", (9, 0), 16, torch.bfloat16, True, False)  # version, GPU, head_dim, dtype, GQA, window
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {key: "a wrong dk (relative error 3.1)"})
     why = F.backward_why_not(cuda_like(q), cuda_like(k))
-    assert "flash-attn-4 4.0.0b36, sm90, head_dim 16" in why and "relative error 3.1" in why, why
+    assert "flash-attn-4 4.0.0b36, sm90, head_dim 16, bfloat16" in why and "relative error 3.1" in why, why
     assert "backend='flash'" in why, why
-    monkeypatch.setattr(F, "MEASURED_BACKWARD", {("4.0.0b36", (9, 0), 16): None})
+    monkeypatch.setattr(F, "MEASURED_BACKWARD", {key: None})
     assert F.backward_why_not(cuda_like(q), cuda_like(k)) is None
     assert "calls" not in seen and F.gradient_self_check.cache_info().currsize == 0  # no check ran
 
@@ -316,6 +362,22 @@ def test_an_unmeasured_stack_checks_its_gradients_once(monkeypatch):
     assert F.backward_why_not(q, k) is None and seen["calls"] == 1  # cached for the process
     use_stand_in(monkeypatch, seen, version="9.9.10")  # another package version checks again
     assert F.backward_why_not(q, k) is None and seen["calls"] == 2
+    assert F.backward_why_not(q, k, window=512) is None and seen["calls"] == 3  # a window: its own kernel, checked
+    assert seen["window"] == (CHECK_WINDOW - 1, 0)  # with a window shorter than the check's longest documents
+    q2, k2, _ = make_qkv(40, 4, 4, 16, torch.float32)  # no grouped heads: another kernel, checked
+    assert F.backward_why_not(q2, k2) is None and seen["calls"] == 4
+
+
+def test_a_gradient_for_v_alone_is_checked_too(monkeypatch):
+    """fa4_why_not sees q and k only: a call where only v wants a gradient is checked inside the backend."""
+    use_stand_in(monkeypatch, {}, dq_factor=1.5, version="9.9.9")
+    monkeypatch.setattr(F, "backward_why_not", lambda q, k, window=None: "its gradient self-check measured dq 0.5")
+    pb = packed_of(ROWS)
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 64, torch.float32))
+    with torch.no_grad():
+        F.fa4_attention(q, k, v.requires_grad_(), pb, 0.25)  # no gradient wanted: nothing to check
+    with pytest.raises(RuntimeError, match="dq 0.5"):
+        F.fa4_attention(q, k, v, pb, 0.25)
 
 
 def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
@@ -324,7 +386,7 @@ def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
     as_if_on(monkeypatch)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
     why = F.backward_why_not(q, k)
-    assert "(flash-attn-4 9.9.9, sm90, head_dim 16) does not match the fp32 reference" in why, why
+    assert "(flash-attn-4 9.9.9, sm90, head_dim 16, float32) does not match the fp32 reference" in why, why
     assert "dq relative error 0.5 (limit 0.02)" in why and "train with backend='flash'" in why, why
     # through the backend choice (bf16, as a model calls it): the same refusal; forward-only calls still run
     monkeypatch.setattr(backends, "fa4_why_not",
@@ -438,9 +500,10 @@ def test_gpu_gradient_self_check_passes_and_auto_takes_fa4(monkeypatch):
     monkeypatch.setattr(F, "MEASURED_BACKWARD", {})
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda")
-    assert F.backward_why_not(q, k) is None
+    assert F.backward_why_not(q, k) is None and F.backward_why_not(q, k, window=512) is None
+    assert F.gradient_self_check.cache_info().currsize == 2  # the real check ran, with and without a window
     monkeypatch.setitem(backends.AUTO_ORDER, "cuda", ["fa4", "flash"])
     out = varlen_attention(q, k, v, pb)
     assert last_choice().backend == "fa4", last_choice()
     out.float().sum().backward()
-    print(F._stack(q.device, q.shape[2]), F.fa4_detail())
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
