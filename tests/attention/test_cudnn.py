@@ -165,15 +165,16 @@ def test_a_torch_without_the_ops_and_no_frontend_are_named(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error path")
-def test_explicit_cudnn_on_cpu_raises_and_auto_skips_it(monkeypatch):
+@pytest.mark.parametrize("backend", ["cudnn", "fa4"])  # the two library kernels (fa4: test_fa4.py)
+def test_explicit_library_backend_on_cpu_raises_and_auto_skips_it(monkeypatch, backend):
     pb = packed_of(ROWS)
     q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
     with pytest.raises(BackendUnavailable, match="CUDA-only"):
-        varlen_attention(q, k, v, pb, backend="cudnn")
-    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["cudnn", "sdpa_docs"])
+        varlen_attention(q, k, v, pb, backend=backend)
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", [backend, "sdpa_docs"])
     varlen_attention(q, k, v, pb)
     c = last_choice()
-    assert c.backend == "sdpa_docs" and c.skipped[0][0] == "cudnn" and "CUDA-only" in c.skipped[0][1]
+    assert c.backend == "sdpa_docs" and c.skipped[0][0] == backend and "CUDA-only" in c.skipped[0][1]
 
 
 # ---------------------------------------------------------------------------------------------------- glue
@@ -410,16 +411,23 @@ def test_gpu_cudnn_keeps_documents_apart(monkeypatch, impl):
     """Changing one document's q, k and v changes no other document's output, bit for bit."""
     _gpu_impl_or_skip(impl)
     monkeypatch.setattr(C, "IMPL", impl)
+    forward_keeps_documents_apart("cudnn")
+
+
+def forward_keeps_documents_apart(backend):
+    """Asserts that changing one document's q, k and v (the 1201-token document of GPU_ROWS' row 0) changes no
+    other document's output of `backend`, bit for bit, and its own. Returns (packed, q, k, v, its [a, b))."""
     pb = packed_of(GPU_ROWS, "cuda")
     q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda"))
-    base = varlen_attention(q, k, v, pb, backend="cudnn")
-    a, b = pb.cu_seqlens_cpu[3].item(), pb.cu_seqlens_cpu[4].item()  # the 1201-token document of row 0
+    base = varlen_attention(q, k, v, pb, backend=backend)
+    a, b = pb.cu_seqlens_cpu[3].item(), pb.cu_seqlens_cpu[4].item()
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     for t in (q2, k2, v2):
         t[a:b] = torch.randn_like(t[a:b])
-    out = varlen_attention(q2, k2, v2, pb, backend="cudnn")
+    out = varlen_attention(q2, k2, v2, pb, backend=backend)
     assert torch.equal(out[:a], base[:a]) and torch.equal(out[b:], base[b:])
     assert not torch.equal(out[a:b], base[a:b])
+    return pb, q, k, v, a, b
 
 
 @pytest.mark.gpu

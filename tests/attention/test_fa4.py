@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cudnn import GPU_ROWS, ROWS, _poison_allocator, make_qkv, packed_of
+from test_cudnn import GPU_ROWS, ROWS, _poison_allocator, forward_keeps_documents_apart, make_qkv, packed_of
 
 from novatune.attention import BackendUnavailable, PackedBatch, backends, last_choice, varlen_attention, why_unavailable
 from novatune.attention import fa4 as F
@@ -318,17 +318,6 @@ def test_why_unavailable_names_each_reason(monkeypatch):
     assert "graph capture" in F.fa4_why_not(cuda_like(q), cuda_like(k), static, None)
 
 
-def test_explicit_fa4_on_cpu_raises_and_auto_skips_it(monkeypatch):
-    pb = packed_of(ROWS)
-    q, k, v = make_qkv(pb.total_tokens, 4, 2, 16, torch.float32)
-    with pytest.raises(BackendUnavailable, match="CUDA-only"):
-        varlen_attention(q, k, v, pb, backend="fa4")
-    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["fa4", "sdpa_docs"])
-    varlen_attention(q, k, v, pb)
-    choice = last_choice()
-    assert choice.backend == "sdpa_docs" and choice.skipped[0][0] == "fa4" and "CUDA-only" in choice.skipped[0][1]
-
-
 def test_soft_capping_and_sinks_are_refused():
     pb = packed_of(ROWS)
     q, k, _ = make_qkv(pb.total_tokens, 4, 2, 16, torch.bfloat16)
@@ -473,16 +462,7 @@ def test_gpu_fa4_keeps_documents_apart():
     every other output never reaches it: exactly zero there (the backward adds dK, dV and dQ with atomics, so
     gradients are compared by where they are zero, not bit for bit between runs)."""
     _gpu_or_skip()
-    pb = packed_of(GPU_ROWS, "cuda")
-    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 32, 8, 128, torch.bfloat16, "cuda"))
-    base = varlen_attention(q, k, v, pb, backend="fa4")
-    a, b = pb.cu_seqlens_cpu[3].item(), pb.cu_seqlens_cpu[4].item()  # the 1201-token document of row 0
-    q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    for t in (q2, k2, v2):
-        t[a:b] = torch.randn_like(t[a:b])
-    out = varlen_attention(q2, k2, v2, pb, backend="fa4")
-    assert torch.equal(out[:a], base[:a]) and torch.equal(out[b:], base[b:])
-    assert not torch.equal(out[a:b], base[a:b])
+    pb, q, k, v, a, b = forward_keeps_documents_apart("fa4")
     inside = torch.zeros(pb.total_tokens, 1, 1, dtype=torch.bool, device="cuda")
     inside[a:b] = True
     go = torch.randn_like(q)
