@@ -11,17 +11,17 @@ the backward sums dK and dV over each group). A sliding window of `window` keys 
 FlashAttention. The first call of each configuration compiles its kernels (seconds; cached per process).
 
 Training. As for the cudnn backend (self_check.py): the backward trains where it is known to match the fp32
-reference: on a stack in MEASURED_BACKWARD (package version, GPU capability, head_dim), or, on any other, after
-one gradient self-check on the device, once per process and head shape. A failed check refuses the training call
-with the measured error; forward-only calls run either way.
+reference: on a combination in MEASURED_BACKWARD (package version, GPU capability, head_dim, dtype, grouped query
+heads, window), or, on any other, after one gradient self-check on the device, once per process and combination.
+A failed check refuses the training call with the measured error; forward-only calls run either way.
 
 Host time. The package's Python entry point spends ~110 us per forward call choosing and looking up its compiled
-kernel (and novatune's forward, run inside checkpointed layers, is host-bound: the GPU waited ~300 us before each
-attention forward in a profile of the seed's step, session28-4). On the package versions in FAST_FORWARD (their
-compiled forward's calling convention measured) and sm90, the backend records the compiled forward and its
-arguments at the first call of each configuration (`_Recorder`), checks the direct call against
-the package's own on the next one (the same bits, or that configuration stays on the package's path, saying
-why), and from then on calls the compiled kernel directly (~10 us). Batches where the package's choice depends on
+kernel (~270 us with its autograd Function). On the package versions in FAST_FORWARD (their compiled forward's
+calling convention measured) and sm90, the backend records the compiled forward and its arguments at the first
+call of each configuration (`_Recorder`), checks the direct call against the package's own on the next one (the
+same bits, or that configuration stays on the package's path, saying why), and from then on calls the compiled
+kernel directly (~10 us). On the seed's training step this measured no change (session28-6, -7: the step is
+GPU-bound there); it matters where a slow host starves the GPU. Batches where the package's choice depends on
 the batch itself (more than 256 documents: a scheduler aid tensor; documents so short that one query tile holds
 the longest: another kernel) take the package's path. The backward is the package's `_flash_attn_bwd`.
 
