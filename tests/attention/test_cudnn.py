@@ -117,6 +117,18 @@ def test_a_wrong_gradient_is_refused_with_the_measured_error(monkeypatch):
         assert why_unavailable("cudnn", qb, kb, pb) is None
 
 
+def test_a_gradient_for_v_alone_is_checked_too(monkeypatch):
+    """cudnn_why_not sees q and k only: a call where only v wants a gradient is checked inside the backend."""
+    pb = packed_of(ROWS)
+    counting_stand_in(monkeypatch, dq_factor=1.5)
+    monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
+    q, k, v = (t.detach() for t in make_qkv(pb.total_tokens, 4, 2, 16, torch.float32))
+    with torch.no_grad():
+        C.cudnn_attention(q, k, v.requires_grad_(), pb, 0.25)  # no gradient wanted: nothing to check
+    with pytest.raises(RuntimeError, match="dq relative error 0.5"):
+        C.cudnn_attention(q, k, v, pb, 0.25)
+
+
 def test_a_check_that_raises_refuses_with_the_error(monkeypatch):
     counting_stand_in(monkeypatch)
     monkeypatch.setattr(C, "_stack", lambda: ("aten", 99100, "9.9.0"))
