@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from novatune.attention.flash import _capability  # the GPU's capability, cached per device
 from novatune.attention.packed import PackedBatch
 from novatune.attention.self_check import check_gradients
 
@@ -50,9 +51,10 @@ PACKAGE = "flash-attn-4"
 # GPU generations with a kernel of the package's own design (sm90 Hopper, sm100/sm110 Blackwell). Its sm80 and
 # sm120 paths are FlashAttention-2-class: the flash backend already runs those kernels.
 CAPABILITIES = (9, 10, 11)
-# The head sizes taken: a multiple of 32 in [64, 256] (the models' 64, 128, 256). The package accepts 8..256, but on
-# tiny models with head_dim 16 (4/2 heads, GPU tests of tests/patch) its training gave an embedding gradient ~100%
-# off where stock bf16 is ~1-2% off (4.0.0b36, H200, session28-8): smaller heads run on the flash backend.
+# The head sizes taken: a multiple of 32 in [64, 256] (the models' 64, 128, 256). The package accepts 8..256, but at
+# head_dim 16 its dq/dk/dv were 1.17-1.26 relative error from the fp32 reference while its output was right, against
+# 2.3-2.6e-3 at 64 and 128 (4.0.0b36, H200; experiments.jsonl fa4_head_dim_accuracy, session28-9): smaller heads run
+# on the flash backend.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 256
 
 # The backward as measured on the GPU against the fp32 reference (tests/attention/test_fa4.py), keyed by (package
@@ -64,12 +66,6 @@ MEASURED_BACKWARD: dict[tuple, str | None] = {
     ("4.0.0b36", (9, 0), 128, torch.bfloat16, True, False): None,
     ("4.0.0b36", (9, 0), 128, torch.bfloat16, True, True): None,
 }
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(device)
-    return major, minor
 
 
 @functools.cache
