@@ -60,10 +60,18 @@ def timeline(trace_path: str) -> dict:
         end = max(end or 0.0, e["ts"] + e["dur"])
         prev_name = e["name"]
     span = (end - kernels[0]["ts"]) if kernels else 0.0
+    by_kernel: dict[str, float] = {}
+    idle_before: dict[str, float] = {}
+    for e in kernels:
+        by_kernel[e["name"][:70]] = by_kernel.get(e["name"][:70], 0.0) + e["dur"]
+    for g, _p, _a, b in gaps:
+        idle_before[b] = idle_before.get(b, 0.0) + g
     gaps.sort(reverse=True)
+    top = lambda d, n: {k: round(v / 1e3, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}  # noqa: E731
     return {"span_ms": round(span / 1e3, 2), "kernels": len(kernels),
             "busy_ms": {k: round(v / 1e3, 2) for k, v in busy.items()},
             "idle_ms": {k: round(v / 1e3, 2) for k, v in idle.items()},
+            "busy_by_kernel_ms": top(by_kernel, 25), "idle_before_kernel_ms": top(idle_before, 15),
             "largest_gaps": [{"us": round(g, 1), "phase": p, "after": a, "before": b} for g, p, a, b in gaps[:25]]}
 
 

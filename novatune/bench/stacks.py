@@ -266,6 +266,7 @@ for _backend, _what in (("flash", "FlashAttention-2 through aten's ops"), ("fa4"
 # with gradient checkpointing; these override memory.policy on top of the config
 for _policy, _what in (("offload", "checkpointing with each layer's input offloaded to host memory"),
                        ("selective", "selective recompute (GEMM outputs kept, elementwise recomputed)"),
+                       ("recompute_mlp", "each layer's MLP recomputed, its attention kept"),
                        ("keep", "no recompute (every activation kept)"),
                        ("auto", "the memory planner's choice under the card's free memory")):
     register(Stack(f"novatune_{_policy}", f"novatune, memory.policy {_policy}: {_what}",

@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs parallel.strategy fsdp2 or ddp); plain `torchrun -m novatune train` works too")
     p = sub.add_parser("plan", help="estimate GPU memory for a config before running it", formatter_class=fmt,
                        epilog=EPILOG_PLAN, description="Memory plan: weights, gradients, optimizer states, "
-                       "logits, each decoder layer's bytes and time under keep / selective / recompute / offload, "
-                       "the memory.policy's assignment with its predicted peak and speed; warns before an OOM.")
+                       "logits, each decoder layer's bytes and time under keep / lean / recompute_mlp / selective / "
+                       "recompute / offload, the memory.policy's assignment with its predicted peak and speed; warns "
+                       "before an OOM.")
     add_config_args(p, optional=False)
     p.add_argument("--gpu-mem", type=float, metavar="GiB",
                    help="GPU memory to plan for (default: this GPU's free memory; memory.budget_gib wins)")

@@ -8,6 +8,8 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     lean        keep less the recomputed copies (keep: nothing offered)  keep - 2h (Qwen3: - 2h - q - kv)
     selective   input + matrix-product outputs  3h + 2q + 2kv + 2i       (the same: GEMMs and attention are kept)
     recompute   the layer's input               h                        h
+    recompute_mlp  lean less the MLP's tensors    8h + 5q + 5kv            3h + 2q + 2kv (Qwen3; lean + h - 3i)
+                (the MLP's input stays: its checkpoint holds it)
     offload     nothing on the device           0                        0
   h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate. The stock row is HF's eager modules:
   each RMSNorm keeps an fp32 copy of its input, its normalised bf16 value and its output (4 elements per h), the
@@ -21,7 +23,7 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
   autograd op), so it keeps 3h + 2q + 2kv and runs the experts' forward again. A recomputed routed layer's
   backward also holds the experts' workspace on k rows per token (the larger of k h + 4i fp32 bytes + 3i and
   2i + 2 k h elements).
-  Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/selective.
+  Attention's log-sum-exp (fp32, per head) adds 4 x heads bytes per token to keep/lean/selective/recompute_mlp.
   While a recomputed layer runs its backward its whole `keep` set exists once more (the transient); offload adds
   two device slots of the input's size. A tiled MLP (novatune/patch/tiled.py) keeps no (T x i) tensor: only one
   chunk's five (chunk x i) tensors join the transient, and its backward runs the MLP's GEMMs once more.
@@ -43,6 +45,7 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
     lean       keep + the recomputed outputs written and their inputs read once more, at the card's bandwidth
     recompute  keep + F (the forward again)
+    recompute_mlp  lean + the MLP's forward GEMMs again
     selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
                experts' forward GEMMs; + SELECTIVE_DISPATCH_S, the host time of torch's selective checkpoint,
                which runs every op of the forward and the recompute through a Python dispatch mode. With it,
@@ -119,6 +122,7 @@ class LayerCost:
     input_bytes: int
     forward: float = 0.0  # the layer's forward time (seconds): a streamed weight copy hides behind forwards
     graph_pool: int = 0  # the layer's recompute + backward as a CUDA graph's pool holds it (module docstring)
+    mlp_transient: int = 0  # what a recompute_mlp layer's backward holds again (its MLP's tensors, or lean's)
 
 
 def saved_elements_per_token(s: LayerShape) -> dict:
@@ -132,15 +136,29 @@ def saved_elements_per_token(s: LayerShape) -> dict:
         # fused: no product kept; stock HF's grouped_mm experts also keep the gathered inputs and expert outputs
         keep = keep - ki if s.fused else keep + 2 * s.top_k * h
         return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
+                "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
                 "offload": 0}
+    # recompute_mlp: lean without the MLP's (T x i) tensors; the MLP's input (a norm output lean would recompute)
+    # stays, held by the MLP's checkpoint
     return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv + 2 * i,
-            "recompute": h, "offload": 0}
+            "recompute": h, "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
+            "offload": 0}
+
+
+def mlp_elements(s: LayerShape) -> int:
+    """Elements per token the layer's MLP keeps beyond its input: fused SwiGLU gate, up and product (3i; routed:
+    the experts' gate/up output, 2i), stock HF's four (T x i) tensors (routed: + the gathered inputs and expert
+    outputs); none for a tiled MLP."""
+    i = 0 if s.mlp_chunk_tokens else s.intermediate
+    if s.routed:
+        return 2 * i if s.fused else 4 * i + 2 * s.top_k * s.hidden
+    return 3 * i if s.fused else 4 * i
 
 
 def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     per_token = saved_elements_per_token(s)
-    lse = 4 * s.heads * s.tokens  # attention's fp32 log-sum-exp, kept by keep and selective
-    nbytes = {p: n * s.tokens * s.dtype_bytes + (lse if p in ("keep", "lean", "selective") else 0)
+    lse = 4 * s.heads * s.tokens  # attention's fp32 log-sum-exp, kept wherever attention's forward is kept
+    nbytes = {p: n * s.tokens * s.dtype_bytes + (lse if p in ("keep", "lean", "selective", "recompute_mlp") else 0)
               for p, n in per_token.items()}
     rate = hw.matmul_tflops * 1e12 * GEMM_EFFICIENCY
     gemm = 2 * s.tokens * s.gemm_params / rate
@@ -161,7 +179,10 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     routed_again = 2 * s.tokens * 3 * s.hidden * s.intermediate / rate if s.routed else 0.0
     # lean: the recomputed outputs written once more and their inputs read (the same bytes again)
     lean = 2 * (nbytes["keep"] - nbytes["lean"]) / (hw.hbm_gbps * 1e9)
-    seconds = {"keep": keep, "lean": keep + lean, "recompute": keep + forward,
+    # recompute_mlp: lean's recomputed outputs, and the MLP's forward again (its GEMMs; the tiled MLP's chunks run
+    # theirs again already)
+    mlp_again = 0.0 if s.mlp_chunk_tokens else 2 * s.tokens * 3 * s.hidden * s.intermediate / rate
+    seconds = {"keep": keep, "lean": keep + lean, "recompute": keep + forward, "recompute_mlp": keep + lean + mlp_again,
                "selective": keep + elementwise + routed_again + SELECTIVE_DISPATCH_S,
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
@@ -177,7 +198,10 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
         transient += workspace
         mlp_grads = 2 * s.tokens * s.hidden * b
     pool = transient + mlp_grads
-    return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool)
+    # a recompute_mlp layer's backward holds the MLP's recomputed tensors, then lean's recomputed outputs
+    mlp_transient = max(mlp_elements(s) * s.tokens * s.dtype_bytes, nbytes["keep"] - nbytes["lean"])
+    return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool,
+                     mlp_transient=mlp_transient)
 
 
 @dataclass
@@ -275,7 +299,8 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
     # a lean layer's backward holds its recomputed outputs again for a while (its keep set less its lean one)
     own = [c.transient if eager_backward and _recomputed(p) else
-           c.bytes["keep"] - c.bytes["lean"] if p == "lean" else 0 for c, p in zip(costs, policies)]
+           c.bytes["keep"] - c.bytes["lean"] if p == "lean" else
+           c.mlp_transient if p == "recompute_mlp" else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
     transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots

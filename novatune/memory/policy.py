@@ -8,6 +8,10 @@ when gradient checkpointing is on and the layer trains. `install` replaces that 
   lean        `keep` without the cheap copies: the norms' outputs and Qwen3's rotated q/k, which their producers'
               saved tensors give again, are computed again in the backward instead of kept (lean_keep.py)
   recompute   the stock non-reentrant checkpoint: only the layer's inputs are kept, the whole layer is recomputed
+  recompute_mlp
+              the attention half kept as `lean` keeps it, the MLP (`layer.mlp`) under the stock checkpoint: the MLP's
+              (tokens x intermediate) tensors, most of a layer's activations, are recomputed; the attention's
+              projections, attention itself and its output projection run once
   selective   a checkpoint that keeps the matrix products' outputs (GEMMs, attention) and recomputes the elementwise
               ops (norms, activation, RoPE) from them: most of the recompute's time back for part of the memory
   offload     `recompute`, with the kept inputs moved to host memory until the backward (memory/offload.py)
@@ -17,8 +21,10 @@ The policy of a layer changes which tensors are kept, never the arithmetic: grad
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import weakref
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -26,10 +32,13 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from novatune.memory.lean_keep import kept_layer
 from novatune.memory.offload import OffloadEngine
 
-POLICIES = ("keep", "lean", "recompute", "selective", "offload")
-KEPT = ("keep", "lean")  # no checkpoint: the layer's forward runs once
+POLICIES = ("keep", "lean", "recompute", "recompute_mlp", "selective", "offload")
+# the layer's forward (recompute_mlp: its attention half) runs once, so its backward reads weights no recompute has
+# brought back before it (frozen-weight streaming refuses these layers)
+KEPT = ("keep", "lean", "recompute_mlp")
 # memory.policy (one word for every layer) -> the layer policy; auto and per-layer are resolved by the caller
-UNIFORM = {"none": "keep", "checkpoint": "recompute", "offload": "offload", "selective": "selective"}
+UNIFORM = {"none": "keep", "checkpoint": "recompute", "offload": "offload", "selective": "selective",
+           "recompute_mlp": "recompute_mlp"}
 
 # ops whose outputs `selective` keeps: the matrix products (the time of a recompute) and attention
 _SAVED_OP_NAMES = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "lora_linear_fwd", "matmul_4bit"}
@@ -47,15 +56,39 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+@contextlib.contextmanager
+def _mlp_checkpointed(layer: torch.nn.Module):
+    """While it is open, a call of `layer.mlp` runs its forward under the stock non-reentrant checkpoint. The
+    module's forward is swapped for the call's duration only, so whatever forward is bound then (stock, or
+    novatune.patch's) is the one checkpointed, and the module's hooks stay outside the checkpoint, as for a layer."""
+    mlp = layer.mlp
+    own = mlp.__dict__.get("forward")
+    forward = mlp.forward
+    mlp.__dict__["forward"] = functools.partial(checkpoint, forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        if own is None:
+            mlp.__dict__.pop("forward", None)
+        else:
+            mlp.__dict__["forward"] = own
+
+
 class LayerPolicy:
     """Stands in for one decoder layer's `_gradient_checkpointing_func` (module docstring)."""
 
-    def __init__(self, policy: str, index: int, inner, engine: OffloadEngine | None):
+    def __init__(self, policy: str, index: int, inner, engine: OffloadEngine | None,
+                 layer: torch.nn.Module | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown layer policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if policy == "offload" and engine is None:
             raise ValueError("the offload policy needs an OffloadEngine")
+        if policy == "recompute_mlp" and not isinstance(getattr(layer, "mlp", None), torch.nn.Module):
+            raise ValueError(f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module for recompute_mlp "
+                             f"to checkpoint; use recompute for it")
         self.policy, self.index, self.inner, self.engine = policy, index, inner, engine
+        # a weak reference: the layer holds this object (its _gradient_checkpointing_func), not the other way round
+        self._layer = weakref.ref(layer) if layer is not None else None
         # patch/graphs.py captures the stock recompute only; a layer kept or offloaded runs outside its graphs
         self.graphs_compatible = policy == "recompute"
 
@@ -66,6 +99,9 @@ class LayerPolicy:
             return fn(*args, **kwargs)
         if self.policy == "lean":
             with kept_layer():
+                return fn(*args, **kwargs)
+        if self.policy == "recompute_mlp":
+            with kept_layer(), _mlp_checkpointed(self._layer()):
                 return fn(*args, **kwargs)
         if self.policy == "selective":
             return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
@@ -93,7 +129,7 @@ def install(layers: list[torch.nn.Module], policies: list[str], engine: OffloadE
                              f"model.gradient_checkpointing_enable() before installing memory policies")
         if isinstance(inner, LayerPolicy):
             inner = inner.inner
-        layer.__dict__["_gradient_checkpointing_func"] = LayerPolicy(policy, i, inner, engine)
+        layer.__dict__["_gradient_checkpointing_func"] = LayerPolicy(policy, i, inner, engine, layer)
 
 
 def uninstall(layers: list[torch.nn.Module]) -> None:

@@ -29,6 +29,7 @@ STACK_NAMES = {
     "varlen_liger": "Liger + varlen (peer)", "liger-peer": "Liger + varlen (peer)",
     "novatune": "novatune", "novatune_eager": "novatune, no CUDA graphs", "novatune_full": "novatune, full FT",
     "novatune_offload": "novatune, offload", "novatune_selective": "novatune, selective recompute",
+    "novatune_recompute_mlp": "novatune, MLP recomputed",
     "novatune_keep": "novatune, no recompute", "novatune_auto": "novatune, memory planner",
     "novatune_ddp": "novatune, DDP", "novatune_fsdp2": "novatune, FSDP2",
 }

@@ -128,14 +128,16 @@ class TrainConfig:
 class MemoryConfig:
     gradient_checkpointing: bool = False
     # What each decoder layer keeps for its backward (novatune/memory/): none (keep everything) | checkpoint
-    # (recompute each layer) | selective (keep the GEMM outputs, recompute the elementwise ops) | offload
-    # (checkpoint, with the layer inputs in host memory) | per-layer (memory.layers) | auto (the planner picks the
-    # fastest per-layer mix that fits memory.budget_gib). null: checkpoint if gradient_checkpointing, else none.
-    policy: Literal["auto", "none", "checkpoint", "selective", "offload", "per-layer"] | None = None
+    # (recompute each layer) | recompute_mlp (recompute each layer's MLP, keep its attention) | selective (keep the
+    # GEMM outputs, recompute the elementwise ops) | offload (checkpoint, with the layer inputs in host memory) |
+    # per-layer (memory.layers) | auto (the planner picks the fastest per-layer mix that fits memory.budget_gib).
+    # null: checkpoint if gradient_checkpointing, else none.
+    policy: Literal["auto", "none", "checkpoint", "recompute_mlp", "selective", "offload", "per-layer"] | None = None
     # the GPU memory to plan for (auto chooses within it; other policies warn beyond it); null: the card's free
     # memory minus a margin
     budget_gib: float | None = None
-    # per-layer: one of keep | recompute | selective | offload per decoder layer, `name*N` for N in a row
+    # per-layer: one of keep | lean | recompute | recompute_mlp | selective | offload per decoder layer, `name*N`
+    # for N in a row
     layers: list[str] = field(default_factory=list)
     offload_min_bytes: int = 1 << 20  # offload: smaller saved tensors stay on the device (a copy costs ~10 µs)
     # the MLP on row chunks, each recomputed in the backward, so its (tokens x intermediate) activations never

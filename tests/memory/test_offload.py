@@ -54,6 +54,7 @@ def _grads(model, steps=2):
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("policies", [["offload"] * 4, ["keep", "offload", "selective", "recompute"],
+                                      ["recompute_mlp"] * 4, ["recompute_mlp", "offload", "lean", "recompute_mlp"],
                                       ["selective"] * 4, ["offload", "keep", "keep", "offload"]])
 def test_policies_give_the_gradients_of_plain_checkpointing(policies, lora):
     model = _model(lora=lora)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from novatune.memory import planner
+from novatune.memory import lean_keep, planner
 from novatune.memory.pinned import PAGE, page_rounded
 from novatune.memory.planner import LayerCost, LayerShape, choose, evaluate, saved_elements_per_token
 
@@ -82,12 +82,16 @@ def _hf_attention(module, q, k, v, mask, **kw):  # q: (batch, heads, tokens, hea
     return _SavesLikeFlashAttention.apply(q, k, v, q.shape[1]).transpose(1, 2).contiguous(), None
 
 
+_LEAN_PACK = lean_keep._pack  # the hooks' own function, which the counts wrap
 SHAPE = dict(hidden_size=160, intermediate_size=608, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
 
 
-def _saved_bytes_per_layer(fused: bool, checkpointed: bool, monkeypatch, tokens=64) -> int:
+def _saved_bytes_per_layer(fused: bool, checkpointed: bool, monkeypatch, tokens=64, policy: str | None = None) -> int:
     """Bytes autograd keeps after a forward of 3 layers minus after 2: one decoder layer's share, without what
-    every layer shares (cos/sin, the embedding, the loss) and without parameters."""
+    every layer shares (cos/sin, the embedding, the loss) and without parameters. `policy`: a layer policy
+    installed on every layer (checkpointing on); what its own saved-tensor hooks store as it is counts, and so
+    does a checkpointed MLP's input, which its checkpoint holds."""
+    from novatune.memory.policy import install
     transformers.AttentionInterface.register("novatune_test_saves", _hf_attention)
     forwards = importlib.import_module("novatune.patch.forwards")
     monkeypatch.setattr(forwards, "varlen_attention",
@@ -106,11 +110,25 @@ def _saved_bytes_per_layer(fused: bool, checkpointed: bool, monkeypatch, tokens=
             patch(model)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
+        alive = []  # every counted tensor held until the count ends: no freed storage's address is counted again
 
         def pack(t):
             if t.untyped_storage().data_ptr() not in params:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                alive.append(t)
             return t
+
+        if policy is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            install(list(model.model.layers), [policy] * layers)
+            def counted(t):
+                stored = _LEAN_PACK(t)
+                if isinstance(stored, lean_keep._Checked):
+                    pack(t)
+                return stored
+            monkeypatch.setattr(lean_keep, "_pack", counted)
+            for layer in model.model.layers:
+                layer.mlp.register_forward_pre_hook(lambda m, args: [pack(args[0]), None][1])
 
         ids, pos = torch.randint(0, 97, (1, tokens)), torch.arange(tokens)[None]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -122,8 +140,9 @@ def _saved_bytes_per_layer(fused: bool, checkpointed: bool, monkeypatch, tokens=
 
 @pytest.mark.parametrize("fused", [False, True], ids=["stock", "patched"])
 def test_byte_model_matches_the_saved_tensors(fused, monkeypatch):
+    # lean's recomputed copies (patched): the two pre-norms' outputs and Qwen3's rotated q and k
     shape = LayerShape(hidden=160, q_dim=256, kv_dim=64, intermediate=608, heads=8, tokens=64, dtype_bytes=2,
-                       attended_keys=32, fused=fused)
+                       attended_keys=32, fused=fused, lean_elements=2 * 160 + 256 + 64 if fused else 0)
     cost = planner.layer_cost(shape, planner.Hardware(700, 3000, 50))
     measured = _saved_bytes_per_layer(fused, checkpointed=False, monkeypatch=monkeypatch)
     # the model is a per-token count: within 3% of what torch keeps (0.4% stock, 0.7% patched when written)
@@ -131,6 +150,9 @@ def test_byte_model_matches_the_saved_tensors(fused, monkeypatch):
     # a checkpointed layer keeps exactly its input
     assert _saved_bytes_per_layer(fused, checkpointed=True, monkeypatch=monkeypatch) == cost.bytes["recompute"]
     assert saved_elements_per_token(shape)["recompute"] == 160
+    # the MLP recomputed, the attention kept (lean where novatune's ops offer their outputs)
+    measured = _saved_bytes_per_layer(fused, checkpointed=False, monkeypatch=monkeypatch, policy="recompute_mlp")
+    assert cost.bytes["recompute_mlp"] == pytest.approx(measured, rel=0.03)
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -144,7 +166,7 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("policy", ["recompute", "selective", "keep"])
+@pytest.mark.parametrize("policy", ["recompute", "selective", "keep", "recompute_mlp"])
 def test_selective_recompute_runs_no_matmul_again(policy):
     from novatune.memory.policy import install
 
@@ -158,8 +180,8 @@ def test_selective_recompute_runs_no_matmul_again(policy):
         out.logits.float().sum().backward()
     # lm_head's backward: 2 matmuls (input and weight gradients). The decoder layer's 7 linears: 14 in the
     # backward; recompute runs 6 of them again (the checkpoint stops early: down_proj's output is needed by nothing
-    # the backward keeps), selective none
-    assert counter.n - 2 == {"recompute": 20, "selective": 14, "keep": 14}[policy]
+    # the backward keeps), recompute_mlp the MLP's gate and up, selective none
+    assert counter.n - 2 == {"recompute": 20, "selective": 14, "keep": 14, "recompute_mlp": 16}[policy]
 
 
 def test_a_tiled_mlp_keeps_no_intermediate_and_holds_one_chunk_in_the_backward():

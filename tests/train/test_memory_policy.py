@@ -34,6 +34,12 @@ def test_policies_train_like_checkpointing(make_cfg, method, patch):
     keep_s, keep_losses, _ = _run(make_cfg("keep", method={"type": method}, model=model, memory={"policy": "none"}))
     assert not getattr(decoder_layers(keep_s.model)[0], "gradient_checkpointing", False)
     assert keep_losses == pytest.approx(ref_losses, rel=1e-5)
+    mlp_s, mlp_losses, mlp_w = _run(make_cfg("mlp", method={"type": method}, model=model,
+                                             memory={"policy": "recompute_mlp"}))
+    assert installed(decoder_layers(mlp_s.model)) == ["recompute_mlp", "recompute_mlp"]
+    assert mlp_losses == ref_losses  # each MLP recomputed by the stock checkpoint, the attention kept: same ops
+    for n in ref_w:
+        assert torch.equal(mlp_w[n], ref_w[n]), n
 
 
 def test_auto_without_a_budget_keeps_everything_and_says_so(make_cfg):
