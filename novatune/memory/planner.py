@@ -54,9 +54,10 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     offload    recompute + the part of each copy (input bytes at the host link's rate) that the layer's own
                forward (out) or the next layer's backward (back) does not hide, + a fixed cost per copy
 
-`choose` searches every count of (offload, recompute, selective, keep) layers, placed in that order from the first
-layer (early layers have the longest wait before their backward, so their copies hide best; the last layers'
-activations are the first the backward frees), and returns the fastest that fits the budget. Where an assignment
+`choose` searches every count of (offload, recompute, recompute_mlp, selective, keep) layers, less any policy that
+another beats on bytes, time and backward transient in every layer, placed in that order from the first layer
+(early layers have the longest wait before their backward, so their copies hide best; the last layers' activations
+are the first the backward frees), and returns the fastest that fits the budget. Where an assignment
 does not fit, the fewest of its kept layers that make it fit turn `lean` (the first kept ones).
 """
 from __future__ import annotations
@@ -298,9 +299,7 @@ def evaluate(policies: list[str], costs: list[LayerCost], static_bytes: int, bud
     static_bytes += graphs.buffers + graphs.pool if graphed else 0  # the pool is reserved throughout
     eager_backward = graphs is None or not graphed or graphs.forward_only  # else it runs inside the pool
     # a lean layer's backward holds its recomputed outputs again for a while (its keep set less its lean one)
-    own = [c.transient if eager_backward and _recomputed(p) else
-           c.bytes["keep"] - c.bytes["lean"] if p == "lean" else
-           c.mlp_transient if p == "recompute_mlp" else 0 for c, p in zip(costs, policies)]
+    own = [_own_transient(c, p) if eager_backward or not _recomputed(p) else 0 for c, p in zip(costs, policies)]
     slots = 2 * max(c.input_bytes for c in costs) if "offload" in policies else 0
     transient = max(max(own, default=0), outside)
     peak = static_bytes + kept + transient + slots
@@ -330,7 +329,11 @@ def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
     """The fastest assignment that fits `budget` (module docstring); without a budget, every layer kept. When
     nothing fits, the assignment with the smallest peak, marked fits=False. `outside`, `graphs`: evaluate's."""
     n = len(costs)
-    order = [p for p in ("offload", "recompute", "selective", "keep") if p in allowed]
+    order = [p for p in ("offload", "recompute", "recompute_mlp", "selective", "keep")
+             if p in allowed and all(p in c.bytes for c in costs)]
+    # a policy that another beats on bytes, time and backward transient in every layer is never the better
+    # choice: left out, so the search stays at four policies where one is dominated (the seed: selective)
+    order = [p for p in order if not any(q != p and _dominates(q, p, costs) for q in order)]
     leaner = "lean" in allowed and any(c.bytes.get("lean", c.bytes["keep"]) < c.bytes["keep"] for c in costs)
     best: Plan | None = None
     smallest: Plan | None = None
@@ -345,6 +348,20 @@ def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
                           or (plan.seconds == best.seconds and plan.peak_bytes < best.peak_bytes)):
             best = plan
     return best if best is not None else smallest
+
+
+def _own_transient(c: LayerCost, policy: str) -> int:
+    """What a layer under `policy` holds again in its eager backward (evaluate's `own`)."""
+    if _recomputed(policy):
+        return c.transient
+    if policy == "lean":
+        return c.bytes["keep"] - c.bytes["lean"]
+    return c.mlp_transient if policy == "recompute_mlp" else 0
+
+
+def _dominates(q: str, p: str, costs: list[LayerCost]) -> bool:
+    return all(c.bytes[q] <= c.bytes[p] and c.seconds[q] <= c.seconds[p]
+               and _own_transient(c, q) <= _own_transient(c, p) for c in costs)
 
 
 def _fewest_lean(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None,

@@ -109,6 +109,39 @@ def test_a_lean_layer_keeps_no_cheap_copy_and_computes_the_same_gradients(moe, m
     assert not recipes._offers  # nothing offered outlives the layers' forwards
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_recompute_mlp_runs_each_mlp_twice_and_attention_once_with_the_gradients_of_keep(moe):
+    model = _patched(moe)
+    layers = list(model.model.layers)
+    ids = torch.randint(0, 61, (1, 23))
+    install(layers, ["keep", "keep"])
+    ref = _grads(model, ids)
+    calls = {"mlp": 0, "self_attn": 0}
+    for layer in layers:
+        for name in calls:
+            getattr(layer, name).register_forward_hook(
+                lambda m, a, o, name=name: calls.__setitem__(name, calls[name] + 1))
+    install(layers, ["recompute_mlp", "recompute_mlp"])
+    assert installed(layers) == ["recompute_mlp", "recompute_mlp"]
+    got = _grads(model, ids)
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    # hooks run outside the checkpoint, so a recompute is counted where the checkpoint calls the forward: count
+    # the MLP's own forward instead
+    assert calls == {"mlp": 2, "self_attn": 2}
+    forwards = []
+    mlp = layers[0].mlp
+    inner = mlp.forward
+
+    def spy(*a, **k):
+        forwards.append(1)
+        return inner(*a, **k)
+    mlp.__dict__["forward"] = spy
+    _grads(model, ids)
+    assert len(forwards) == 2  # the forward, and the checkpoint's recompute in the backward
+    assert mlp.__dict__["forward"] is spy  # the policy put back the forward it found
+
+
 def test_an_offered_output_changed_in_place_before_its_consumer_saves_it_is_kept_as_it_is():
     """The recipe gives the output as offered; after y.mul_(2) the consumer's saved y is the changed one, so it
     must be stored itself (the gradients then equal the same code without the hooks)."""

@@ -37,6 +37,23 @@ def test_choose_takes_the_fastest_plan_that_fits(budget, want, peak):
     assert plan.seconds == pytest.approx(sum(COST.seconds[p] for p in want))
 
 
+# recompute_mlp between selective and recompute: fewer bytes and less time than selective, a smaller backward
+# transient: selective is dominated and left out of the search
+COST_MLP = LayerCost(bytes={**COST.bytes, "recompute_mlp": 4}, seconds={**COST.seconds, "recompute_mlp": 1.04},
+                     transient=2, input_bytes=1, mlp_transient=1)
+
+
+def test_a_dominated_policy_is_never_chosen_and_recompute_mlp_takes_its_place():
+    assert choose([COST_MLP] * 4, 100, 139).policies == ["recompute_mlp"] + ["keep"] * 3
+    for budget in range(104, 141):
+        assert "selective" not in choose([COST_MLP] * 4, 100, budget).policies
+    # where it is not allowed, selective is chosen as before
+    no_mlp = tuple(p for p in planner.POLICIES if p != "recompute_mlp")
+    assert choose([COST_MLP] * 4, 100, 139, allowed=no_mlp).policies == ["selective"] + ["keep"] * 3
+    plan = evaluate(["recompute_mlp"] * 4, [COST_MLP] * 4, 100, None)
+    assert plan.peak_bytes == 100 + 4 * 4 + 1  # its kept bytes and the MLP's recomputed tensors in its backward
+
+
 def test_nothing_fits_returns_the_smallest_plan_marked():
     plan = choose([COST] * 4, 100, 103)
     assert not plan.fits and plan.policies == ["offload"] * 4 and plan.peak_bytes == 104
