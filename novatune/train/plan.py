@@ -260,7 +260,7 @@ def _layer_cost_lines(costs: list, g) -> list[str]:
         if len(kinds) > 1:
             lines.append(f"    layers {_ranges(layers)}:")
             pad = "      "
-        lines += [f"{pad}{p:<10} {g(cost.bytes[p])}  {1e3 * cost.seconds[p]:7.2f} ms"
+        lines += [f"{pad}{p:<13} {g(cost.bytes[p])}  {1e3 * cost.seconds[p]:7.2f} ms"
                   for p in ("keep", "lean", "recompute_mlp", "selective", "recompute", "offload")
                   if p != "lean" or cost.bytes["lean"] < cost.bytes["keep"]]  # lean only where it keeps less
     return lines
