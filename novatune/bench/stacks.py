@@ -257,6 +257,9 @@ register(Stack("novatune_wgrad_returned", "novatune, MoE expert weight gradients
 register(Stack("novatune_linear_wgrad_in_place", "novatune, dense projection weight gradients added into .grad "
                "inside the GEMM (model.patch_options.linear_wgrad_in_place=true)",
                NOVATUNE + ["model.patch_options.linear_wgrad_in_place=true"], patched=True))
+register(Stack("novatune_linear_wgrad_returned", "novatune, dense projection weight gradients returned to autograd "
+               "(model.patch_options.linear_wgrad_in_place=false)",
+               NOVATUNE + ["model.patch_options.linear_wgrad_in_place=false"], patched=True))
 # the attention backends' A/B: each attention module on the named backend instead of the automatic choice
 for _backend, _what in (("flash", "FlashAttention-2 through aten's ops"), ("fa4", "FlashAttention-4 (flash-attn-4)"),
                         ("cudnn", "cuDNN's fused attention")):

@@ -119,7 +119,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
           early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
           selection=None, moe: bool = True, moe_wgrad_in_place: bool = True,
-          linear_wgrad_in_place: bool = False) -> PatchReport:
+          linear_wgrad_in_place: bool | str = "auto") -> PatchReport:
     """Patch a transformers CausalLM (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE, Mixtral, GPT-OSS, Gemma, Gemma 2,
     Gemma 3 text, Phi-3 / Phi-4-mini, OLMo 2), a PEFT model wrapping one, or a Trainer.
 
@@ -160,8 +160,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     Qwen3-30B-A3B layer) and skip autograd's separate add. On by default; False returns them to autograd.
     linear_wgrad_in_place: the same for the dense projections that are plain nn.Linear modules (attention and MLP):
     the weight gradient is added into the existing .grad by the GEMM itself (novatune/ops/linear.py), one pass
-    instead of a fresh gradient and autograd's add. Off by default: each projection then costs a Python autograd
-    Function, which measured 2% slower on a host-bound Qwen3-4B step (session20-2); True asks for it.
+    instead of a fresh gradient and autograd's add. "auto" (default): on for families whose MLP output a norm reads
+    (spec.post_norms: OLMo 2), off elsewhere. Where the MLP's output feeds only the residual add, torch's
+    checkpoint stops its recompute before the down projection's GEMM, and this autograd Function (whose inputs are
+    saved after its GEMM) loses that: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl session29-1,
+    the timeline session29-2); OLMo-2-7B, whose post-norm reads it, gained 1.1-1.3% (session24-3, session29-1,
+    session29-5). True or False asks for it everywhere or nowhere.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
@@ -207,6 +211,10 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
+    if linear_wgrad_in_place not in ("auto", True, False):
+        raise ValueError(f"linear_wgrad_in_place={linear_wgrad_in_place!r}: choose 'auto', True or False")
+    if linear_wgrad_in_place == "auto":
+        linear_wgrad_in_place = bool(spec.post_norms)
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,

@@ -8,7 +8,7 @@ import pytest
 import novatune
 import novatune.ops.linear as L
 from novatune.measure.numerics import assert_close
-from tests.patch.tiny_models import packed_batch, tiny_model
+from tests.patch.tiny_models import packed_batch, tiny_model, tiny_olmo2
 
 
 def _accumulate(model, batches):
@@ -17,15 +17,17 @@ def _accumulate(model, batches):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "olmo2"])
 def test_accumulated_gradients_equal_stock(family, monkeypatch):
     taken: list[bool] = []
     real = L.accumulates_into_grad
     monkeypatch.setattr(L, "accumulates_into_grad", lambda p: taken.append(real(p)) or taken[-1])
     batches = [packed_batch([[9, 14], [23]], seed=s) for s in range(3)]
-    stock = tiny_model(family).train()
-    ours = tiny_model(family).train()
-    report = novatune.patch(ours, linear_wgrad_in_place=True)
+    make = tiny_olmo2 if family == "olmo2" else lambda: tiny_model(family)
+    stock = make().train()
+    ours = make().train()
+    # OLMo 2 takes it by default (auto); the others when asked
+    report = novatune.patch(ours) if family == "olmo2" else novatune.patch(ours, linear_wgrad_in_place=True)
     assert "weight gradients accumulated inside the GEMMs" in str(report)
     want, got = _accumulate(stock, batches), _accumulate(ours, batches)
     assert want.keys() == got.keys()
@@ -37,11 +39,23 @@ def test_accumulated_gradients_equal_stock(family, monkeypatch):
     assert not any(taken[:per_micro_batch]) and all(taken[per_micro_batch:])
 
 
+def test_auto_takes_it_where_a_post_norm_reads_the_mlp_output():
+    """auto: on for OLMo 2 (its post-norm reads the down projection's output, so the recompute runs that GEMM
+    anyway), off where the checkpoint would stop before it (Qwen3)."""
+    for family, on in (("olmo2", True), ("qwen3", False)):
+        model = (tiny_olmo2() if family == "olmo2" else tiny_model(family)).train()
+        report = novatune.patch(model)
+        assert ("weight gradients accumulated inside the GEMMs" in str(report)) is on, family
+        assert model.model.layers[0].self_attn._novatune_linear_wgrad is on
+    with pytest.raises(ValueError, match="linear_wgrad_in_place"):
+        novatune.patch(tiny_model("qwen3"), linear_wgrad_in_place="yes")
+
+
 def test_off_calls_the_modules(monkeypatch):
     calls: list = []
     monkeypatch.setattr(L, "linear", lambda *a: calls.append(1))
     model = tiny_model("qwen3").train()
-    report = novatune.patch(model)  # off by default
+    report = novatune.patch(model)  # off by default for Qwen3 (auto)
     assert "weight gradients accumulated inside the GEMMs" not in str(report)
     ids, pos, lab = packed_batch([[9, 14]])
     model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
