@@ -56,7 +56,7 @@ def timeline(trace_path: str) -> dict:
         busy[phase] = busy.get(phase, 0.0) + e["dur"]
         if end is not None and e["ts"] > end:
             idle[phase] = idle.get(phase, 0.0) + e["ts"] - end
-            gaps.append((e["ts"] - end, phase, prev_name[:60], e["name"][:60]))
+            gaps.append((e["ts"] - end, phase, prev_name[:70], e["name"][:70]))
         end = max(end or 0.0, e["ts"] + e["dur"])
         prev_name = e["name"]
     span = (end - kernels[0]["ts"]) if kernels else 0.0

@@ -45,7 +45,7 @@ model and no GPU. Per decoder layer and micro-batch of T tokens, with b bytes pe
     keep       F (forward) + (1 + trained share) x F_gemm + 2 x F_attn (backward)
     lean       keep + the recomputed outputs written and their inputs read once more, at the card's bandwidth
     recompute  keep + F (the forward again)
-    recompute_mlp  lean + the MLP's forward GEMMs again
+    recompute_mlp  lean + the MLP's gate and up GEMMs again (all three for a routed or tiled MLP)
     selective  keep + the elementwise forward again (its bytes at the card's memory bandwidth); routed: + the
                experts' forward GEMMs; + SELECTIVE_DISPATCH_S, the host time of torch's selective checkpoint,
                which runs every op of the forward and the recompute through a Python dispatch mode. With it,
@@ -139,8 +139,9 @@ def saved_elements_per_token(s: LayerShape) -> dict:
         return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
                 "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
                 "offload": 0}
-    # recompute_mlp: lean without the MLP's (T x i) tensors; the MLP's input (a norm output lean would recompute)
-    # stays, held by the MLP's checkpoint
+    # recompute_mlp: lean without the MLP's (T x i) tensors; the MLP's input stays, held by the MLP's checkpoint:
+    # where lean recomputes the norms' outputs (lean_elements, train/memory.py, counts both pre-norms' 2h) one of
+    # them, the pre-MLP norm's h, comes back
     return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv + 2 * i,
             "recompute": h, "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
             "offload": 0}
@@ -180,15 +181,19 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     routed_again = 2 * s.tokens * 3 * s.hidden * s.intermediate / rate if s.routed else 0.0
     # lean: the recomputed outputs written once more and their inputs read (the same bytes again)
     lean = 2 * (nbytes["keep"] - nbytes["lean"]) / (hw.hbm_gbps * 1e9)
-    # recompute_mlp: lean's recomputed outputs, and the MLP's forward again (its GEMMs; the tiled MLP's chunks run
-    # theirs again already)
-    mlp_again = 0.0 if s.mlp_chunk_tokens else 2 * s.tokens * 3 * s.hidden * s.intermediate / rate
+    # recompute_mlp: lean's recomputed outputs, and the MLP's forward again: gate and up (torch's checkpoint stops
+    # before the down projection, whose output nothing in the MLP saves); a routed MLP's experts (one autograd op)
+    # and a tiled MLP (its chunks' own checkpoints inside) run all three. Not modelled: linear_wgrad_in_place's
+    # down projection, an autograd Function whose GEMM runs before its inputs are saved, runs too (OLMo 2)
+    again = 3 if s.routed or s.mlp_chunk_tokens else 2
+    mlp_again = 2 * s.tokens * again * s.hidden * s.intermediate / rate
     seconds = {"keep": keep, "lean": keep + lean, "recompute": keep + forward, "recompute_mlp": keep + lean + mlp_again,
                "selective": keep + elementwise + routed_again + SELECTIVE_DISPATCH_S,
                "offload": keep + forward + exposed}
     # the MLP backward's gradients beside the keep set: the product's (a tiled MLP's chunk gradients are in its
     # transient already) and the MLP input's two partial ones
     mlp_grads = ((0 if s.mlp_chunk_tokens else s.tokens * s.intermediate) + 2 * s.tokens * s.hidden) * s.dtype_bytes
+    workspace = 0
     if s.routed:
         # the experts' backward works on k rows per token (novatune/ops/moe.py): the gathered output gradient
         # (k h), the down GEMM's input gradient in fp32 (i), the GLU's gradient (2i) and weighted activation (i);
@@ -199,8 +204,10 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
         transient += workspace
         mlp_grads = 2 * s.tokens * s.hidden * b
     pool = transient + mlp_grads
-    # a recompute_mlp layer's backward holds the MLP's recomputed tensors, then lean's recomputed outputs
-    mlp_transient = max(mlp_elements(s) * s.tokens * s.dtype_bytes, nbytes["keep"] - nbytes["lean"])
+    # a recompute_mlp layer's backward holds the MLP's recomputed tensors (a routed MLP's with the experts'
+    # workspace), then lean's recomputed outputs
+    mlp_transient = max(mlp_elements(s) * s.tokens * s.dtype_bytes + workspace,
+                        nbytes["keep"] - nbytes["lean"])
     return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool,
                      mlp_transient=mlp_transient)
 
@@ -332,8 +339,12 @@ def choose(costs: list[LayerCost], static_bytes: int, budget: int | None,
     order = [p for p in ("offload", "recompute", "recompute_mlp", "selective", "keep")
              if p in allowed and all(p in c.bytes for c in costs)]
     # a policy that another beats on bytes, time and backward transient in every layer is never the better
-    # choice: left out, so the search stays at four policies where one is dominated (the seed: selective)
+    # choice: left out (the seed: selective). The search is over counts of each policy, so a fifth policy costs
+    # ~10x (C(n + 4, 4) assignments: 91k at 36 layers); where none is dominated selective goes (its dispatch
+    # mode made it slower than recompute on the seed, session21-5; memory.policy selective still asks for it)
     order = [p for p in order if not any(q != p and _dominates(q, p, costs) for q in order)]
+    if len(order) > 4:
+        order.remove("selective")
     leaner = "lean" in allowed and any(c.bytes.get("lean", c.bytes["keep"]) < c.bytes["keep"] for c in costs)
     best: Plan | None = None
     smallest: Plan | None = None
@@ -360,8 +371,11 @@ def _own_transient(c: LayerCost, policy: str) -> int:
 
 
 def _dominates(q: str, p: str, costs: list[LayerCost]) -> bool:
-    return all(c.bytes[q] <= c.bytes[p] and c.seconds[q] <= c.seconds[p]
-               and _own_transient(c, q) <= _own_transient(c, p) for c in costs)
+    """q is never worse than p in any layer (bytes, time, backward transient) and better somewhere: equal
+    policies both stay."""
+    pairs = [((c.bytes[q], c.seconds[q], _own_transient(c, q)), (c.bytes[p], c.seconds[p], _own_transient(c, p)))
+             for c in costs]
+    return all(a <= b for x, y in pairs for a, b in zip(x, y)) and any(x != y for x, y in pairs)
 
 
 def _fewest_lean(policies: list[str], costs: list[LayerCost], static_bytes: int, budget: int | None,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import weakref
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -87,8 +86,9 @@ class LayerPolicy:
             raise ValueError(f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module for recompute_mlp "
                              f"to checkpoint; use recompute for it")
         self.policy, self.index, self.inner, self.engine = policy, index, inner, engine
-        # a weak reference: the layer holds this object (its _gradient_checkpointing_func), not the other way round
-        self._layer = weakref.ref(layer) if layer is not None else None
+        # the layer whose MLP recompute_mlp checkpoints: a plain reference (a cycle with the layer, which holds this
+        # object), so that a deep copy or a pickle of the layer carries a policy that points at the copy
+        self.layer = layer if policy == "recompute_mlp" else None
         # patch/graphs.py captures the stock recompute only; a layer kept or offloaded runs outside its graphs
         self.graphs_compatible = policy == "recompute"
 
@@ -101,7 +101,7 @@ class LayerPolicy:
             with kept_layer():
                 return fn(*args, **kwargs)
         if self.policy == "recompute_mlp":
-            with kept_layer(), _mlp_checkpointed(self._layer()):
+            with kept_layer(), _mlp_checkpointed(self.layer):
                 return fn(*args, **kwargs)
         if self.policy == "selective":
             return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)

@@ -160,12 +160,14 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     Qwen3-30B-A3B layer) and skip autograd's separate add. On by default; False returns them to autograd.
     linear_wgrad_in_place: the same for the dense projections that are plain nn.Linear modules (attention and MLP):
     the weight gradient is added into the existing .grad by the GEMM itself (novatune/ops/linear.py), one pass
-    instead of a fresh gradient and autograd's add. "auto" (default): on for families whose MLP output a norm reads
-    (spec.post_norms: OLMo 2), off elsewhere. Where the MLP's output feeds only the residual add, torch's
-    checkpoint stops its recompute before the down projection's GEMM, and this autograd Function (whose inputs are
-    saved after its GEMM) loses that: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl session29-1,
-    the timeline session29-2); OLMo-2-7B, whose post-norm reads it, gained 1.1-1.3% (session24-3, session29-1,
-    session29-5). True or False asks for it everywhere or nowhere.
+    instead of a fresh gradient and autograd's add. "auto" (default): on for families whose spec declares
+    post-norms (spec.post_norms: OLMo 2, where a norm reads the MLP's output inside the layer's checkpoint), off
+    elsewhere. Where nothing the checkpoint keeps reads the MLP's output, torch's checkpoint stops its recompute
+    before the down projection's GEMM, and this autograd Function (whose inputs are saved after its GEMM) loses
+    that: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl session29-1, the timeline session29-2);
+    OLMo-2-7B, whose post-norm reads it, gained 1.1-1.3% (session24-3, session29-1, session29-5). Under
+    memory.policy recompute_mlp the MLP's own checkpoint ends at its output, so there OLMo 2 pays that GEMM too
+    (not measured). True or False asks for it everywhere or nowhere.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
@@ -189,6 +191,8 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         _recheck_lm_head(model, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
+    if linear_wgrad_in_place not in ("auto", True, False):
+        raise ValueError(f"linear_wgrad_in_place={linear_wgrad_in_place!r}: choose 'auto', True or False")
     if attention not in (False, *ATTENTION_BACKENDS):
         raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_BACKENDS} or False")
     model_type = getattr(model.config, "model_type", "?")
@@ -211,8 +215,6 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
-    if linear_wgrad_in_place not in ("auto", True, False):
-        raise ValueError(f"linear_wgrad_in_place={linear_wgrad_in_place!r}: choose 'auto', True or False")
     if linear_wgrad_in_place == "auto":
         linear_wgrad_in_place = bool(spec.post_norms)
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,

@@ -79,10 +79,11 @@ def _check_memory(cfg: Config) -> None:
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but full fine-tuning trains "
                           "every weight (streaming moves only frozen ones)",
                           "set memory.stream_frozen_layers: 0, or method.type: lora or qlora")
-    if streamed not in ("auto", 0) and memory_policy(mem) == "none":
+    if streamed not in ("auto", 0) and memory_policy(mem) in ("none", "recompute_mlp"):
         raise ConfigError("memory.stream_frozen_layers", f"{streamed} layers to stream, but no layer is recomputed "
-                          "(memory.policy none): a streamed layer's weights come back for the recompute before its "
-                          "backward", "set memory.policy: checkpoint (or auto), or memory.stream_frozen_layers: 0")
+                          f"whole (memory.policy {memory_policy(mem)}): a streamed layer's weights come back for the "
+                          f"recompute before its backward",
+                          "set memory.policy: checkpoint (or auto), or memory.stream_frozen_layers: 0")
     if mem.embeddings_on_host:
         _check_embeddings_on_host(cfg)
     if mem.embedding_grad == "rows" and cfg.parallel.strategy != "none":

@@ -126,8 +126,8 @@ def test_recompute_mlp_runs_each_mlp_twice_and_attention_once_with_the_gradients
     got = _grads(model, ids)
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
-    # hooks run outside the checkpoint, so a recompute is counted where the checkpoint calls the forward: count
-    # the MLP's own forward instead
+    # module hooks run outside the checkpoint, once per layer call: they never see the recompute, so the MLP's own
+    # forward is counted below
     assert calls == {"mlp": 2, "self_attn": 2}
     forwards = []
     mlp = layers[0].mlp

@@ -162,3 +162,32 @@ def test_an_index_less_cuda_device_is_the_current_one(monkeypatch):
     assert indexed("cuda") == torch.device("cuda", 3)
     assert indexed("cuda:1") == torch.device("cuda", 1)
     assert indexed("cpu") == torch.device("cpu")
+
+
+def test_recompute_mlp_survives_a_deep_copy_and_puts_the_forward_back_after_an_error():
+    """The policy points at its own layer: a deep copy's (or an unpickled model's) layers checkpoint their own MLPs,
+    and an MLP that raises gets back the forward it had."""
+    import copy
+    import pickle
+
+    model = _model(layers=2)
+    install(_layers(model), ["recompute_mlp"] * 2)
+    twin = copy.deepcopy(model)
+    for layer, twin_layer in zip(_layers(model), _layers(twin)):
+        assert twin_layer._gradient_checkpointing_func.layer is twin_layer is not layer
+    layer = pickle.loads(pickle.dumps(_layers(twin)[0]))
+    assert layer._gradient_checkpointing_func.layer is layer
+    want, _ = _grads(model)
+    got, _ = _grads(twin)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+    mlp = _layers(model)[0].mlp
+    assert "forward" not in mlp.__dict__
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    mlp.__dict__["forward"] = broken
+    with pytest.raises(RuntimeError, match="boom"):
+        _grads(model)
+    assert mlp.__dict__["forward"] is broken

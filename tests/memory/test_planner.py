@@ -54,6 +54,21 @@ def test_a_dominated_policy_is_never_chosen_and_recompute_mlp_takes_its_place():
     assert plan.peak_bytes == 100 + 4 * 4 + 1  # its kept bytes and the MLP's recomputed tensors in its backward
 
 
+def test_equal_policies_both_stay_and_a_tiled_mlp_keeps_every_layer_without_a_budget():
+    # a tiled MLP keeps no (T x i) tensor, so recompute_mlp keeps what keep keeps (no lean copies here) and only
+    # adds the MLP's forward again: keep wins, and without a budget every layer keeps
+    shape = LayerShape(hidden=2560, q_dim=4096, kv_dim=1024, intermediate=9728, heads=32, tokens=65536,
+                       dtype_bytes=2, attended_keys=300, mlp_chunk_tokens=8192)
+    cost = planner.layer_cost(shape, planner.Hardware(700, 3000, 50))
+    assert cost.bytes["recompute_mlp"] == cost.bytes["keep"] and cost.seconds["recompute_mlp"] > cost.seconds["keep"]
+    assert choose([cost] * 4, 100, None).policies == ["keep"] * 4
+    same = LayerCost(bytes={**COST.bytes, "recompute_mlp": 10}, seconds={**COST.seconds, "recompute_mlp": 1.0},
+                     transient=2, input_bytes=1, mlp_transient=0)  # recompute_mlp equal to keep
+    assert not planner._dominates("keep", "recompute_mlp", [same]) and not planner._dominates("recompute_mlp", "keep",
+                                                                                               [same])
+    assert choose([same] * 4, 100, None).policies == ["keep"] * 4
+
+
 def test_nothing_fits_returns_the_smallest_plan_marked():
     plan = choose([COST] * 4, 100, 103)
     assert not plan.fits and plan.policies == ["offload"] * 4 and plan.peak_bytes == 104

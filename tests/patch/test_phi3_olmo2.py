@@ -114,11 +114,15 @@ def test_longrope_factor_choice_matches_stock_on_packed_rows(rows, factors):
     model = tiny_phi3(longrope_original=16, sliding_window=None, attn="sdpa").train()
     rotary = model.model.rotary_emb
     ref, grads_ref = packed_loss_and_grads(model, ids, pos, lab)
-    # transformers 5.24 keeps the long table as `long_inv_freq`; 5.17 computes it when chosen: the short table is
-    # the one built at init (`original_inv_freq`) in both
+    # the short table is the one built at init (`original_inv_freq`); the long one is 1 / (long_factor x
+    # theta^(2j / rotary dims)), which transformers 5.24 keeps as `long_inv_freq` and 5.17 computes when chosen
+    rope = model.config.rope_parameters
+    dims = 2 * len(rope["long_factor"])
+    long_table = 1.0 / (torch.tensor(rope["long_factor"]) * rope["rope_theta"] ** (torch.arange(0, dims, 2) / dims))
     chosen = "short" if torch.equal(rotary.inv_freq, rotary.original_inv_freq) else "long"
-    long_table = getattr(rotary, "long_inv_freq", None)
-    assert chosen == factors and (long_table is None or chosen == "short" or torch.equal(rotary.inv_freq, long_table))
+    assert chosen == factors
+    if chosen == "long":
+        torch.testing.assert_close(rotary.inv_freq, long_table.to(rotary.inv_freq.dtype))
     table = rotary.inv_freq.clone()
     if factors == "long":  # the choice matters for this batch: the same documents alone would take the short ones
         alone, _ = stock_per_document(model, ids, pos, lab)
