@@ -423,7 +423,8 @@ def test_bench_with_two_processes_trains_the_one_process_global_batch(spec, tmp_
     assert (one["status"], par["status"]) == ("ok", "ok"), par.get("reason")
     assert (one["nproc"], par["nproc"], one["grad_accum"], par["grad_accum"]) == (1, 2, 4, 2)
     assert par["tokens_per_step"] == one["tokens_per_step"] and par["timed_tokens"] == one["timed_tokens"]
-    assert par["tok_s_per_proc"] == pytest.approx(par["tok_s"] / 2, rel=1e-3)
+    # both rounded to 0.1 tok/s: on a slow machine (~100 tok/s) that is more than 1e-3 of the value
+    assert par["tok_s_per_proc"] == pytest.approx(par["tok_s"] / 2, abs=0.1)
     assert par["loss_max_rel_diff_vs_one_process"] < 1e-5 and par["scaling"] > 0
     assert s["nproc"] == 2
     assert (tmp_path / "run" / parallel / "worker.log").read_text().count("RESULT ") == 1  # rank 0's row only
