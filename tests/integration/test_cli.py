@@ -64,7 +64,8 @@ def test_plan_prints_the_memory_policy_it_chooses():
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "40", "--set", "memory.policy=auto")
     assert r.returncode == 0, r.stdout + r.stderr
     chosen = next(x for x in r.stdout.splitlines() if "memory policy auto:" in x)
-    assert "offload" in chosen and "keep x36" not in chosen  # 40 GiB cannot keep every layer's activations
+    # 40 GiB cannot keep every layer's activations: some layers recompute (all or their MLP) or offload
+    assert "keep x36" not in chosen and ("offload" in chosen or "recompute" in chosen), chosen
     for words in ("predicted peak", "predicted speed", "tok/s", "fits, with"):
         assert words in r.stdout
     r = run("plan", "examples/qwen3-4b-seed.yaml", "--gpu-mem", "30", "--set", "memory.policy=auto")
