@@ -205,8 +205,9 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
         mlp_grads = 2 * s.tokens * s.hidden * b
     pool = transient + mlp_grads
     # a recompute_mlp layer's backward holds the MLP's recomputed tensors (a routed MLP's with the experts'
-    # workspace), then lean's recomputed outputs
-    mlp_transient = max(mlp_elements(s) * s.tokens * s.dtype_bytes + workspace,
+    # workspace; a tiled MLP's one chunk of five (chunk x i) tensors), then lean's recomputed outputs
+    chunk = 5 * s.mlp_chunk_tokens * s.intermediate * s.dtype_bytes if s.mlp_chunk_tokens else 0
+    mlp_transient = max(mlp_elements(s) * s.tokens * s.dtype_bytes + workspace + chunk,
                         nbytes["keep"] - nbytes["lean"])
     return LayerCost(nbytes, seconds, transient, nbytes["recompute"], forward, graph_pool=pool,
                      mlp_transient=mlp_transient)
