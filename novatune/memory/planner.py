@@ -129,28 +129,25 @@ class LayerCost:
 def saved_elements_per_token(s: LayerShape) -> dict:
     """Elements per token a layer keeps for its backward under each policy (module docstring's table)."""
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
-    # a tiled MLP keeps only its chunks' inputs (the norm output, already counted); under `selective` the matrix
-    # products' outputs are cached by the policy itself, inside the chunks' checkpoints too, so gate and up stay
-    ki = 0 if s.mlp_chunk_tokens else i
-    keep = 4 * h + 3 * q + 3 * kv + 3 * ki if s.fused else 8 * h + 5 * q + 5 * kv + 4 * ki
-    if s.routed:
-        # fused: no product kept; stock HF's grouped_mm experts also keep the gathered inputs and expert outputs
-        keep = keep - ki if s.fused else keep + 2 * s.top_k * h
-        return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv, "recompute": h,
-                "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
-                "offload": 0}
-    # recompute_mlp: lean without the MLP's (T x i) tensors; the MLP's input stays, held by the MLP's checkpoint:
-    # where lean recomputes the norms' outputs (lean_elements, train/memory.py, counts both pre-norms' 2h) one of
-    # them, the pre-MLP norm's h, comes back
-    return {"keep": keep, "lean": keep - s.lean_elements, "selective": 3 * h + 2 * q + 2 * kv + 2 * i,
-            "recompute": h, "recompute_mlp": keep - mlp_elements(s) - s.lean_elements + (h if s.lean_elements else 0),
-            "offload": 0}
+    # the attention half (norms, projections, attention) and the MLP's own tensors (mlp_elements)
+    attention = 4 * h + 3 * q + 3 * kv if s.fused else 8 * h + 5 * q + 5 * kv
+    keep = attention + mlp_elements(s)
+    # recompute_mlp: lean without the MLP's tensors; the MLP's input stays, held by the MLP's checkpoint: where
+    # lean recomputes the norms' outputs (lean_elements, train/memory.py, counts both pre-norms' 2h) one of them,
+    # the pre-MLP norm's h, comes back
+    mlp_recomputed = attention - s.lean_elements + (h if s.lean_elements else 0)
+    # under `selective` the matrix products' outputs are cached by the policy itself (inside a tiled MLP's chunk
+    # checkpoints too, so gate and up stay); a routed MLP's products are inside one autograd op: none kept
+    selective = 3 * h + 2 * q + 2 * kv + (0 if s.routed else 2 * i)
+    return {"keep": keep, "lean": keep - s.lean_elements, "selective": selective, "recompute": h,
+            "recompute_mlp": mlp_recomputed, "offload": 0}
 
 
 def mlp_elements(s: LayerShape) -> int:
     """Elements per token the layer's MLP keeps beyond its input: fused SwiGLU gate, up and product (3i; routed:
-    the experts' gate/up output, 2i), stock HF's four (T x i) tensors (routed: + the gathered inputs and expert
-    outputs); none for a tiled MLP."""
+    the experts' gate/up output, 2i: no product), stock HF's four (T x i) tensors (routed: + the gathered inputs and
+    expert outputs, 2 k h, which stock's grouped_mm experts keep); no (T x i) tensor for a tiled MLP (its chunks'
+    inputs are the norm output, counted with the attention half)."""
     i = 0 if s.mlp_chunk_tokens else s.intermediate
     if s.routed:
         return 2 * i if s.fused else 4 * i + 2 * s.top_k * s.hidden

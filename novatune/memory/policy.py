@@ -56,14 +56,15 @@ def selective_contexts():
 
 
 @contextlib.contextmanager
-def _mlp_checkpointed(layer: torch.nn.Module):
-    """While it is open, a call of `layer.mlp` runs its forward under the stock non-reentrant checkpoint. The
-    module's forward is swapped for the call's duration only, so whatever forward is bound then (stock, or
-    novatune.patch's) is the one checkpointed, and the module's hooks stay outside the checkpoint, as for a layer."""
+def _mlp_checkpointed(layer: torch.nn.Module, checkpoint_fn):
+    """While it is open, a call of `layer.mlp` runs its forward under `checkpoint_fn` (the layer's own checkpoint
+    function: Hugging Face's non-reentrant checkpoint). The module's forward is swapped for the call's duration
+    only, so whatever forward is bound then (stock, or novatune.patch's) is the one checkpointed, and the module's
+    hooks stay outside the checkpoint, as for a layer."""
     mlp = layer.mlp
     own = mlp.__dict__.get("forward")
     forward = mlp.forward
-    mlp.__dict__["forward"] = functools.partial(checkpoint, forward, use_reentrant=False)
+    mlp.__dict__["forward"] = functools.partial(checkpoint_fn, forward)
     try:
         yield
     finally:
@@ -101,7 +102,7 @@ class LayerPolicy:
             with kept_layer():
                 return fn(*args, **kwargs)
         if self.policy == "recompute_mlp":
-            with kept_layer(), _mlp_checkpointed(self.layer):
+            with kept_layer(), _mlp_checkpointed(self.layer, self.inner):
                 return fn(*args, **kwargs)
         if self.policy == "selective":
             return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)

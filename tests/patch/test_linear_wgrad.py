@@ -11,6 +11,10 @@ from novatune.measure.numerics import assert_close
 from tests.patch.tiny_models import packed_batch, tiny_model, tiny_olmo2
 
 
+def _tiny(family: str):
+    return tiny_olmo2() if family == "olmo2" else tiny_model(family)
+
+
 def _accumulate(model, batches):
     for ids, pos, lab in batches:
         model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
@@ -23,9 +27,8 @@ def test_accumulated_gradients_equal_stock(family, monkeypatch):
     real = L.accumulates_into_grad
     monkeypatch.setattr(L, "accumulates_into_grad", lambda p: taken.append(real(p)) or taken[-1])
     batches = [packed_batch([[9, 14], [23]], seed=s) for s in range(3)]
-    make = tiny_olmo2 if family == "olmo2" else lambda: tiny_model(family)
-    stock = make().train()
-    ours = make().train()
+    stock = _tiny(family).train()
+    ours = _tiny(family).train()
     # OLMo 2 takes it by default (auto); the others when asked
     report = novatune.patch(ours) if family == "olmo2" else novatune.patch(ours, linear_wgrad_in_place=True)
     assert "weight gradients accumulated inside the GEMMs" in str(report)
@@ -43,7 +46,7 @@ def test_auto_takes_it_where_a_post_norm_reads_the_mlp_output():
     """auto: on for OLMo 2 (its post-norm reads the down projection's output, so the recompute runs that GEMM
     anyway), off where the checkpoint would stop before it (Qwen3)."""
     for family, on in (("olmo2", True), ("qwen3", False)):
-        model = (tiny_olmo2() if family == "olmo2" else tiny_model(family)).train()
+        model = _tiny(family).train()
         report = novatune.patch(model)
         assert ("weight gradients accumulated inside the GEMMs" in str(report)) is on, family
         assert model.model.layers[0].self_attn._novatune_linear_wgrad is on
