@@ -49,9 +49,10 @@ def train_cli(out: Path, *extra: str, nproc: int | None = None) -> subprocess.Co
     return run(["-m", "novatune", "train", "--output-dir", str(out), *more, *BASE, *extra])
 
 
-def torchrun(out: Path, *extra: str, script: list[str] = ("-m", "novatune", "train")) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *extra: str, script: list[str] = ("-m", "novatune", "train"),
+             nproc: int = 2) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node 2 -m novatune train ...` (one process less than going through --nproc)."""
-    return run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *script, *BASE,
+    return run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script, *BASE,
                 "--set", f"checkpoint.output_dir={out}", *extra])
 
 
@@ -158,6 +159,26 @@ def test_two_process_checkpoint_resumes_in_one_process(fsdp_two, tmp_path):
     assert sorted(got) == list(range(3, STEPS + 1))
     assert_same_losses(got, losses(fsdp_two), range(3, STEPS + 1))
     assert_same_weights(fsdp_two / "final", out / "final")
+
+
+@pytest.mark.slow  # four processes on a 2-core machine: ~35 s
+def test_a_two_process_checkpoint_resumes_on_four_processes_and_equals_one(one_proc, fsdp_two, tmp_path):
+    """Four ranks, as on a 4-GPU node: FSDP2 shards every tensor four ways (the demo's dimensions do not all
+    divide by 4, so some shards are padded), DCP reads the two-rank checkpoint of step 2 into the four-rank layout,
+    and each rank takes one row of every global micro-batch (micro_batch 1, grad_accum 1: the same 4 rows a step as
+    1 x 2 x 2 processes). Steps 3-6 equal one process, whose micro-batches are split another way: the loss is
+    normalised by the step's target tokens, not per micro-batch."""
+    out = tmp_path / "run"
+    ck = fsdp_two / "checkpoints" / "step_00000002"
+    p = torchrun(out, *TWO, "--set", "parallel.strategy=fsdp2", "--set", "train.grad_accum=1",
+                 "--set", f"checkpoint.resume={ck}", nproc=4)
+    assert "resumed from" in p.stdout
+    got = losses(out)
+    assert sorted(got) == list(range(3, STEPS + 1))
+    assert_same_losses(got, losses(one_proc), range(3, STEPS + 1))
+    assert_same_weights(one_proc / "final", out / "final")
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["world_size"] == 4
 
 
 def test_a_damaged_shard_is_caught_before_resuming(fsdp_two, tmp_path):
