@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from novatune.memory.lean_keep import kept_layer
 from novatune.memory.offload import OffloadEngine
+from novatune.patch.forwards import call_under_own_checkpoint
 
 POLICIES = ("keep", "lean", "recompute", "recompute_mlp", "selective", "offload")
 # the layer's forward (recompute_mlp: its attention half) runs once, so its backward reads weights no recompute has
@@ -63,7 +64,7 @@ def _mlp_checkpointed(layer: torch.nn.Module, checkpoint_fn):
     hooks stay outside the checkpoint, as for a layer."""
     mlp = layer.mlp
     own = mlp.__dict__.get("forward")
-    forward = mlp.forward
+    forward = functools.partial(call_under_own_checkpoint, mlp, mlp.forward)
     mlp.__dict__["forward"] = functools.partial(checkpoint_fn, forward)
     try:
         yield

@@ -104,11 +104,13 @@ def geglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tensor
 
 
 def geglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
-              inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
+              inplace_backward: bool = True, wgrad_in_place: bool = False,
+              down_wgrad_in_place: bool | None = None) -> Tensor:
     """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): Gemma's MLP forward with the fused activation.
-    wgrad_in_place: as swiglu_mlp's."""
+    wgrad_in_place, down_wgrad_in_place: as swiglu_mlp's."""
     gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
-    return project(down_proj, geglu(gate, up, inplace_backward=inplace_backward), wgrad_in_place)
+    down = wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place
+    return project(down_proj, geglu(gate, up, inplace_backward=inplace_backward), down)
 
 
 # ----------------------------------------------------------------------------------------------- the contract

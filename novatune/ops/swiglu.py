@@ -206,14 +206,18 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False) -> Tenso
 
 
 def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
-               inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
+               inplace_backward: bool = True, wgrad_in_place: bool = False,
+               down_wgrad_in_place: bool | None = None) -> Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) - HF's LlamaMLP / Qwen3MLP forward with the fused activation.
     The projections are called (not their weights read), so LoRA / quantised wrappers keep working.
     wgrad_in_place: a plain nn.Linear projection runs novatune.ops.linear (its weight gradient added into .grad
-    inside the GEMM where autograd would add it)."""
+    inside the GEMM where autograd would add it). down_wgrad_in_place: the down projection's own choice (None: as
+    wgrad_in_place); a checkpoint that ends at this MLP's output recomputes the down projection's GEMM only for
+    novatune.ops.linear, whose saved tensors are packed after its GEMM."""
     # gate and up are fresh projection outputs read by nothing else: their memory can take the gradients
     gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
-    return project(down_proj, swiglu(gate, up, inplace_backward=inplace_backward), wgrad_in_place)
+    down = wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place
+    return project(down_proj, swiglu(gate, up, inplace_backward=inplace_backward), down)
 
 
 def _gate_up_fwd(gate_up: Tensor) -> Tensor:
@@ -271,13 +275,14 @@ def swiglu_gate_up(gate_up: Tensor, *, inplace_backward: bool = False) -> Tensor
 
 
 def swiglu_gate_up_mlp(x: Tensor, gate_up_proj: nn.Module, down_proj: nn.Module,
-                       inplace_backward: bool = True, wgrad_in_place: bool = False) -> Tensor:
+                       inplace_backward: bool = True, wgrad_in_place: bool = False,
+                       down_wgrad_in_place: bool | None = None) -> Tensor:
     """down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x) - HF's Phi3MLP forward with the fused
     activation reading the halves in place. The projections are called, so LoRA / quantised wrappers keep
     working; gate_up is a fresh projection output read by nothing else, so its memory can take the gradient.
-    wgrad_in_place: as swiglu_mlp's."""
+    wgrad_in_place, down_wgrad_in_place: as swiglu_mlp's."""
     act = swiglu_gate_up(project(gate_up_proj, x, wgrad_in_place), inplace_backward=inplace_backward)
-    return project(down_proj, act, wgrad_in_place)
+    return project(down_proj, act, wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place)
 
 
 class NovaSwiGLUMLP(nn.Module):

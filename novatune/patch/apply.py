@@ -215,12 +215,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
-    if linear_wgrad_in_place == "auto":
-        linear_wgrad_in_place = bool(spec.post_norms)
+    # auto: every plain projection but the MLP's down projection, whose rule is forwards._down_wgrad's (None: as
+    # asked for every projection)
+    auto_wgrad = linear_wgrad_in_place == "auto"
+    down_wgrad = bool(spec.post_norms) if auto_wgrad else None
+    linear_wgrad_in_place = True if auto_wgrad else linear_wgrad_in_place
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
-                wgrad_in_place=linear_wgrad_in_place,
+                wgrad_in_place=linear_wgrad_in_place, down_wgrad=down_wgrad,
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_moe(model, spec, report, _bind, enabled=moe, wgrad_in_place=moe_wgrad_in_place)
     apply_moe_lora(model, spec, report, _bind, enabled=lora)
@@ -298,7 +301,8 @@ def _recheck_lm_head(model: nn.Module, report: PatchReport) -> None:
 
 
 def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: PatchReport, refused: dict, *,
-               swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None, wgrad_in_place: bool) -> None:
+               swiglu: bool, swiglu_inplace: bool, tiling: MLPTiling | None, wgrad_in_place: bool,
+               down_wgrad: bool | None) -> None:
     act = str(getattr(config, spec.mlp.act_config, "?"))
     tiled = "" if tiling is None else f"; tiled along the sequence ({_tiling_words(tiling)})"
     why = (refused.get("mlp", "swiglu=False") if not swiglu or "mlp" in refused else
@@ -307,11 +311,14 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
     if why is None:
         _bind(module, forwards.swiglu_mlp_forward, report, _novatune_mlp=spec.mlp,
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling,
-              _novatune_linear_wgrad=wgrad_in_place)
+              _novatune_linear_wgrad=wgrad_in_place, _novatune_down_wgrad=down_wgrad)
         gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
+        down = ("" if down_wgrad is None else
+                " (the down projection's too, except under a checkpoint of the MLP's own)" if down_wgrad else
+                ", except the down projection's (a checkpoint would run its GEMM again for it)")
         report.add(path, "mlp", "replaced", f"{gate_up} + novatune {spec.mlp.glu} + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "")
-                   + ("; weight gradients accumulated inside the GEMMs" if wgrad_in_place else "") + tiled)
+                   + (f"; weight gradients accumulated inside the GEMMs{down}" if wgrad_in_place else "") + tiled)
         return
     report.add(path, "mlp", "skipped", why)
     if tiling is not None and "mlp" not in refused:
@@ -376,7 +383,8 @@ def _find_state(model: nn.Module):
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
                 swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
-                tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = False) -> None:
+                tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = False,
+                down_wgrad: bool | None = None) -> None:
     """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
     spec cannot honour."""
     config = model.config
@@ -402,7 +410,7 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
                 _patch_norm(module, path, kind, spec, report)
         elif cls in spec.mlp_classes:
             _patch_mlp(module, path, spec, config, report, refused, swiglu=swiglu, swiglu_inplace=swiglu_inplace,
-                       tiling=tiling, wgrad_in_place=wgrad_in_place)
+                       tiling=tiling, wgrad_in_place=wgrad_in_place, down_wgrad=down_wgrad)
         elif cls in stock_kept:
             kind, why = stock_kept[cls]
             report.add(path, kind, "skipped", why)

@@ -40,24 +40,58 @@ def rms_norm_forward(self, hidden_states):
 
 
 _GLU_MLPS = {"swiglu": swiglu_mlp, "geglu": geglu_mlp}
+# set on an MLP module while it runs under a checkpoint of its own (memory.policy recompute_mlp)
+OWN_CHECKPOINT = "_novatune_mlp_own_checkpoint"
 
 
-def _swiglu_mlp(self, x):
+def call_under_own_checkpoint(mlp: torch.nn.Module, forward, *args, **kwargs):
+    """forward(*args, **kwargs) of `mlp`, which runs under a checkpoint of its own; pass this (with mlp and
+    forward bound) as the checkpointed function, so that the recompute in the backward runs it the same way.
+    Nothing inside that checkpoint reads the down projection's output, so its recompute stops before the down
+    projection's GEMM, which linear_wgrad_in_place "auto" then leaves to autograd (see _down_wgrad)."""
+    nested = OWN_CHECKPOINT in mlp.__dict__
+    mlp.__dict__[OWN_CHECKPOINT] = True
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        if not nested:
+            del mlp.__dict__[OWN_CHECKPOINT]
+
+
+def _down_wgrad(self, own_checkpoint: bool) -> bool:
+    """Whether the down projection adds its weight gradient into .grad inside its GEMM (novatune.ops.linear).
+
+    linear_wgrad_in_place True / False (`_novatune_down_wgrad` None): as every other projection. "auto": only where
+    a recompute runs the GEMM anyway. novatune.ops.linear is an autograd Function, whose saved tensors are packed
+    after its GEMM, so a checkpoint's recompute cannot stop before it as it stops before aten's mm. A post-norm
+    inside the layer's checkpoint reads the output (OLMo 2: `_novatune_down_wgrad` True), so there the GEMM runs
+    again in any case; under a checkpoint of the MLP's own (recompute_mlp, the tiled MLP's row chunks) nothing
+    reads it (OLMo-2-7B under recompute_mlp: 10,972 tok/s in place against 11,339 returned, bench.jsonl
+    session30-2)."""
+    auto = self._novatune_down_wgrad
+    if auto is None:
+        return self._novatune_linear_wgrad
+    return auto and not (own_checkpoint or OWN_CHECKPOINT in self.__dict__)
+
+
+def _swiglu_mlp(self, x, own_checkpoint: bool = False):
     names = self._novatune_mlp
+    down = _down_wgrad(self, own_checkpoint)
     if names.gate_up_proj is not None:
         # Phi-3: one projection whose output is [gate | up] (HF chunks it in two); a SiLU gate (the spec's glu)
         return swiglu_gate_up_mlp(x, getattr(self, names.gate_up_proj), getattr(self, names.down_proj),
                                   inplace_backward=self._novatune_swiglu_inplace,
-                                  wgrad_in_place=self._novatune_linear_wgrad)
+                                  wgrad_in_place=self._novatune_linear_wgrad, down_wgrad_in_place=down)
     return _GLU_MLPS[names.glu](x, getattr(self, names.gate_proj), getattr(self, names.up_proj),
                                 getattr(self, names.down_proj), inplace_backward=self._novatune_swiglu_inplace,
-                                wgrad_in_place=self._novatune_linear_wgrad)
+                                wgrad_in_place=self._novatune_linear_wgrad, down_wgrad_in_place=down)
 
 
 def swiglu_mlp_forward(self, x):
     tiling = self._novatune_tiling
     if tiling is not None and tiling.applies(x):
-        return tiled_rows(lambda rows: _swiglu_mlp(self, rows), x, tiling.chunk_rows(x))
+        # each row chunk runs under a checkpoint of its own
+        return tiled_rows(lambda rows: _swiglu_mlp(self, rows, own_checkpoint=True), x, tiling.chunk_rows(x))
     return _swiglu_mlp(self, x)
 
 

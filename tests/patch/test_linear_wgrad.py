@@ -1,14 +1,21 @@
 """patch(model)'s dense projections (novatune.ops.linear): over accumulated micro-batches every weight's gradient
-equals stock's, the GEMM adds into .grad from the second micro-batch on, and linear_wgrad_in_place=False keeps the
-modules' own calls (fp32 on the CPU)."""
+equals stock's, the GEMM adds into .grad from the second micro-batch on, the down projection takes it only where
+a recompute runs its GEMM anyway (auto), and linear_wgrad_in_place=False keeps the modules' own calls (fp32 on
+the CPU)."""
 from __future__ import annotations
+
+import importlib
 
 import pytest
 
 import novatune
 import novatune.ops.linear as L
 from novatune.measure.numerics import assert_close
+from novatune.memory.policy import install
 from tests.patch.tiny_models import packed_batch, tiny_model, tiny_olmo2
+
+tiled = importlib.import_module("novatune.patch.tiled")  # novatune.patch the attribute is the function
+PROJECTIONS = 7  # q, k, v, o, gate, up, down per layer
 
 
 def _tiny(family: str):
@@ -21,44 +28,89 @@ def _accumulate(model, batches):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "olmo2"])
-def test_accumulated_gradients_equal_stock(family, monkeypatch):
-    taken: list[bool] = []
-    real = L.accumulates_into_grad
-    monkeypatch.setattr(L, "accumulates_into_grad", lambda p: taken.append(real(p)) or taken[-1])
+def _spy_in_place(monkeypatch) -> list[tuple[int, bool]]:
+    """(the weight's data_ptr, whether its gradient went into .grad) for each projection run through `linear`."""
+    taken: list[tuple[int, bool]] = []
+    real_linear, real_test = L.linear, L.accumulates_into_grad
+    monkeypatch.setattr(L, "accumulates_into_grad", lambda p: taken.append((p.data_ptr(), real_test(p))) or
+                        taken[-1][1])
+    monkeypatch.setattr(L, "linear", real_linear)
+    return taken
+
+
+@pytest.mark.parametrize("family,asked,per_layer", [("qwen3", "auto", 6), ("llama", "auto", 6), ("olmo2", "auto", 7),
+                                                    ("qwen3", True, 7)])
+def test_accumulated_gradients_equal_stock(family, asked, per_layer, monkeypatch):
+    """auto: OLMo 2's down projection too (its post-norm reads the output), the others' every projection but the
+    down projection."""
+    taken = _spy_in_place(monkeypatch)
     batches = [packed_batch([[9, 14], [23]], seed=s) for s in range(3)]
     stock = _tiny(family).train()
     ours = _tiny(family).train()
-    # OLMo 2 takes it by default (auto); the others when asked
-    report = novatune.patch(ours) if family == "olmo2" else novatune.patch(ours, linear_wgrad_in_place=True)
+    report = novatune.patch(ours, linear_wgrad_in_place=asked)
     assert "weight gradients accumulated inside the GEMMs" in str(report)
     want, got = _accumulate(stock, batches), _accumulate(ours, batches)
     assert want.keys() == got.keys()
     for name in want:
         assert_close(got[name], want[name], name=name)  # fp32's tolerance: the patched kernels round elsewhere
-    layers = ours.config.num_hidden_layers
-    per_micro_batch = 7 * layers  # q, k, v, o, gate, up, down
-    assert len(taken) == 3 * per_micro_batch
-    assert not any(taken[:per_micro_batch]) and all(taken[per_micro_batch:])
+    per_micro_batch = per_layer * ours.config.num_hidden_layers
+    flags = [t for _, t in taken]
+    assert len(flags) == 3 * per_micro_batch
+    assert not any(flags[:per_micro_batch]) and all(flags[per_micro_batch:])
+    downs = {layer.mlp.down_proj.weight.data_ptr() for layer in ours.model.layers}
+    assert bool(downs & {ptr for ptr, _ in taken}) is (per_layer == PROJECTIONS)
 
 
-def test_auto_takes_it_where_a_post_norm_reads_the_mlp_output():
-    """auto: on for OLMo 2 (its post-norm reads the down projection's output, so the recompute runs that GEMM
-    anyway), off where the checkpoint would stop before it (Qwen3)."""
-    for family, on in (("olmo2", True), ("qwen3", False)):
+def test_auto_takes_the_down_projection_where_a_post_norm_reads_its_output():
+    """auto: the attention's and gate/up projections everywhere; the down projection on OLMo 2 (its post-norm reads
+    the output, so the layer's recompute runs that GEMM anyway), not on Qwen3 (the checkpoint would stop before it)."""
+    for family, down in (("olmo2", True), ("qwen3", False)):
         model = _tiny(family).train()
-        report = novatune.patch(model)
-        assert ("weight gradients accumulated inside the GEMMs" in str(report)) is on, family
-        assert model.model.layers[0].self_attn._novatune_linear_wgrad is on
+        novatune.patch(model)
+        assert model.model.layers[0].self_attn._novatune_linear_wgrad is True
+        assert model.model.layers[0].mlp._novatune_linear_wgrad is True
+        assert model.model.layers[0].mlp._novatune_down_wgrad is down, family
     with pytest.raises(ValueError, match="linear_wgrad_in_place"):
         novatune.patch(tiny_model("qwen3"), linear_wgrad_in_place="yes")
+
+
+@pytest.mark.parametrize("how", ["recompute_mlp", "tiled"])
+def test_auto_returns_the_down_projections_gradient_under_a_checkpoint_of_the_mlps_own(how, monkeypatch):
+    """Under memory.policy recompute_mlp, or the tiled MLP's per-chunk checkpoints, nothing inside the checkpoint
+    reads the down projection's output, so its GEMM would run again only for novatune.ops.linear: auto returns its
+    gradient to autograd there, in the forward and in the recompute alike (a different call in the recompute would
+    save other tensors: torch's checkpoint raises), while the other projections still take the in-place path.
+    linear_wgrad_in_place=True keeps it everywhere."""
+    if how == "tiled":
+        monkeypatch.setattr(tiled, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(tiled, "MIN_CHUNK_ROWS", 16)  # 3 chunks of a 46-token micro-batch
+    batches = [packed_batch([[9, 14], [23]], seed=s) for s in range(3)]
+    stock = tiny_olmo2().train()
+    want = _accumulate(stock, batches)
+    for asked in ("auto", True):
+        taken = _spy_in_place(monkeypatch)
+        ours = tiny_olmo2().train()
+        novatune.patch(ours, linear_wgrad_in_place=asked, tiled_mlp=how == "tiled" or "auto")
+        layers = list(ours.model.layers)
+        if how == "recompute_mlp":
+            ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            install(layers, ["recompute_mlp"] * len(layers))
+        got = _accumulate(ours, batches)
+        for name in want:
+            assert_close(got[name], want[name], name=name)
+        downs = {layer.mlp.down_proj.weight.data_ptr() for layer in layers}
+        ups = {layer.mlp.up_proj.weight.data_ptr() for layer in layers}
+        called = {ptr for ptr, _ in taken}
+        assert bool(downs & called) is (asked is True), asked
+        assert ups <= called and any(t for _, t in taken)
+        assert all("_novatune_mlp_own_checkpoint" not in layer.mlp.__dict__ for layer in layers)
 
 
 def test_off_calls_the_modules(monkeypatch):
     calls: list = []
     monkeypatch.setattr(L, "linear", lambda *a: calls.append(1))
     model = tiny_model("qwen3").train()
-    report = novatune.patch(model)  # off by default for Qwen3 (auto)
+    report = novatune.patch(model, linear_wgrad_in_place=False)
     assert "weight gradients accumulated inside the GEMMs" not in str(report)
     ids, pos, lab = packed_batch([[9, 14]])
     model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
