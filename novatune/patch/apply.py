@@ -162,12 +162,15 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     the weight gradient is added into the existing .grad by the GEMM itself (novatune/ops/linear.py), one pass
     instead of a fresh gradient and autograd's add. "auto" (default): on for families whose spec declares
     post-norms (spec.post_norms: OLMo 2, where a norm reads the MLP's output inside the layer's checkpoint), off
-    elsewhere. Where nothing the checkpoint keeps reads the MLP's output, torch's checkpoint stops its recompute
-    before the down projection's GEMM, and this autograd Function (whose inputs are saved after its GEMM) loses
-    that: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl session29-1, the timeline session29-2);
-    OLMo-2-7B, whose post-norm reads it, gained 1.1-1.3% (session24-3, session29-1, session29-5). Under
-    memory.policy recompute_mlp the MLP's own checkpoint ends at its output, so there OLMo 2 pays that GEMM too
-    (not measured). True or False asks for it everywhere or nowhere.
+    elsewhere; and the MLP's down projection returns its gradient to autograd while the MLP runs under a checkpoint
+    of its own (memory.policy recompute_mlp, the tiled MLP's chunks). This autograd Function saves its inputs after
+    its GEMM, so a checkpoint's recompute can no longer stop before the down projection's GEMM where nothing inside
+    the checkpoint reads that output: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl
+    session29-1, the timeline session29-2); OLMo-2-7B under recompute_mlp 10,972 tok/s against 11,339 returned
+    (session30-2), 11,706 with the down projection returned (session30-3). OLMo-2-7B, whose post-norm reads it,
+    gained 1.1-1.3% (session24-3, session29-1, session29-5). Elsewhere, with the down projection left out, it
+    measured +1.4% on the seed under recompute_mlp (session30-3) but -5% under full-layer checkpointing and -7% on
+    the MoE cut's kept layers (session30-4): off there. True or False asks for it everywhere or nowhere.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the
@@ -215,11 +218,11 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         return report
     if cross_entropy_mode not in ("auto", "tokens", "vocab", "inplace"):
         raise ValueError(f"cross_entropy_mode={cross_entropy_mode!r}: choose auto, tokens, vocab or inplace")
-    # auto: every plain projection but the MLP's down projection, whose rule is forwards._down_wgrad's (None: as
-    # asked for every projection)
+    # auto: the families whose spec declares post-norms, with the MLP's down projection under forwards._down_wgrad's
+    # rule (None: as asked for every projection)
     auto_wgrad = linear_wgrad_in_place == "auto"
     down_wgrad = bool(spec.post_norms) if auto_wgrad else None
-    linear_wgrad_in_place = True if auto_wgrad else linear_wgrad_in_place
+    linear_wgrad_in_place = bool(spec.post_norms) if auto_wgrad else linear_wgrad_in_place
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
                 early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
@@ -313,9 +316,7 @@ def _patch_mlp(module: nn.Module, path: str, spec: FamilySpec, config, report: P
               _novatune_swiglu_inplace=swiglu_inplace, _novatune_tiling=tiling,
               _novatune_linear_wgrad=wgrad_in_place, _novatune_down_wgrad=down_wgrad)
         gate_up = "fused gate_up GEMM" if spec.mlp.gate_up_proj else "gate/up GEMMs"
-        down = ("" if down_wgrad is None else
-                " (the down projection's too, except under a checkpoint of the MLP's own)" if down_wgrad else
-                ", except the down projection's (a checkpoint would run its GEMM again for it)")
+        down = " (the down projection's too, except under a checkpoint of the MLP's own)" if down_wgrad else ""
         report.add(path, "mlp", "replaced", f"{gate_up} + novatune {spec.mlp.glu} + down GEMM"
                    + (" (gradients written over gate/up)" if swiglu_inplace else "")
                    + (f"; weight gradients accumulated inside the GEMMs{down}" if wgrad_in_place else "") + tiled)
