@@ -16,8 +16,8 @@ one process, a plain nn.Parameter with a `.grad` of its own shape and dtype, no 
 its AccumulateGrad, no create_graph, not compiled). Anywhere else, and on the first micro-batch (no `.grad` yet),
 the gradient is returned to autograd as F.linear's backward returns it.
 
-`project(module, x)` takes this path only for a module that is exactly torch.nn.Linear with no forward hooks on it
-or global ones: LoRA and quantised wrappers, FSDP2-managed or hooked modules are called as modules.
+`project(module, x)` takes this path only for a module that is exactly torch.nn.Linear with no forward or backward
+hooks on it or global ones: LoRA and quantised wrappers, FSDP2-managed or hooked modules are called as modules.
 """
 from __future__ import annotations
 
@@ -66,9 +66,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _LinearFunction.apply(x, weight, bias)
 
 
+def forward_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's or a global one) sees this module's call: it may keep the output."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
+
+
+def _backward_hooked(module: nn.Module) -> bool:
+    """Whether a module backward hook (full or pre, the module's or a global one) expects this module's call: the
+    hooks see, and may change, the gradients of its input and output, which only the module's own call offers."""
+    return bool(module._backward_hooks or module._backward_pre_hooks or _module._global_backward_hooks
+                or _module._global_backward_pre_hooks)
+
+
 def _plain_linear(module: nn.Module) -> bool:
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not _module._global_forward_hooks and not _module._global_forward_pre_hooks)
+    return type(module) is nn.Linear and not forward_hooked(module) and not _backward_hooked(module)
 
 
 def project(module: nn.Module, x: Tensor, wgrad_in_place: bool = True) -> Tensor:

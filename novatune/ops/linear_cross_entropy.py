@@ -126,10 +126,9 @@ def _setup_context(ctx, inputs, output) -> None:
     _, dhidden, dweight, dbias, *_token_stats = output
     ctx.save_for_backward(dhidden, dweight, dbias)
     hidden, weight, bias = inputs[0], inputs[1], inputs[4]
-    # the Parameter whose .grad the backward may add the weight's gradient into: the weight itself, or the tied
-    # Parameter a stand-in leaf carries (novatune.patch.loss._early_grad_leaf); only for a trained weight
-    param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
-    ctx.weight_param = param if weight.requires_grad else None
+    # the Parameter whose .grad the backward may add the weight's gradient into (a tied lm_head/embedding weight
+    # too: its embedding part then accumulates as usual); only for a trained weight
+    ctx.weight_param = weight if type(weight) is nn.Parameter and weight.requires_grad else None
     ctx.input_shapes = (hidden.shape, weight.shape, None if bias is None else bias.shape)
     # Only the loss is used downstream. By default autograd hands the backward a ZERO tensor for every other output
     # (allocated at the start of the backward: a (V, H) one for dweight, 0.72 GiB at Qwen3-4B, which set the
@@ -262,7 +261,7 @@ def _into_grad_param(weight: Tensor, hidden: Tensor, bias: Tensor | None, softca
     """The Parameter whose existing .grad the forward may add grad_W into under a promise, or None."""
     if not _promises() or stats or (bias is not None and bias.requires_grad) or _traced(hidden, weight.detach()):
         return None
-    param = weight if type(weight) is nn.Parameter else getattr(weight, "_novatune_param", None)
+    param = weight if type(weight) is nn.Parameter else None
     if param is None or not weight.requires_grad or not grad_takes_adds(param):
         return None
     grad = param.grad

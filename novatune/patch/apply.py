@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 
 from novatune.attention.backends import SINK_BACKENDS, SOFTCAP_BACKENDS
@@ -116,7 +116,7 @@ def _shared_qk_eps(attn: nn.Module, spec: FamilySpec) -> float | None:
 
 def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, attention: str | bool = "auto",
           cross_entropy: bool = True, cross_entropy_mode: str = "auto", fuse_qk_norm_rope: bool = True,
-          early_tied_grad: bool = True, swiglu_inplace_backward: bool = True, lora: bool = True,
+          early_tied_grad: bool | None = None, swiglu_inplace_backward: bool = True, lora: bool = True,
           cuda_graphs: bool | str = "auto", tiled_mlp: bool | str = "auto", strict: bool = False,
           selection=None, moe: bool = True, moe_wgrad_in_place: bool = True,
           linear_wgrad_in_place: bool | str = "auto") -> PatchReport:
@@ -128,12 +128,14 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     "inplace" in training when tokens >= hidden: three GEMMs, the weight gradient written into the logits' memory).
     fuse_qk_norm_rope: Qwen3's q/k norms and RoPE in one kernel each way (H200: 65.6 µs fwd+bwd vs 109.2 for the
     separate kernels; +2% end to end, bench/results). False keeps the separate rms_norm and rope kernels.
-    early_tied_grad: with tied embeddings, add the lm_head's gradient into the weight's .grad as soon as the fused
-    loss produces it instead of letting autograd hold it until the embedding's backward (-0.72 GiB peak at
-    Qwen3-4B). Off for sharded (DTensor) weights; set False if you call torch.autograd.grad on the tied weight.
+    The fused loss's backward adds lm_head's weight gradient into its existing .grad where autograd would add it
+    there itself (novatune/ops/grad_accumulation.py), a weight tied to the embedding included.
+    early_tied_grad: deprecated, no effect (a FutureWarning when given). It sent a tied weight's lm_head gradient
+    into .grad through a stand-in leaf, which gradient hooks on the weight and torch.autograd.grad did not see.
     swiglu_inplace_backward: the MLP's backward writes the gate/up gradients over the (dead) gate/up activations,
     as Liger does: -2 x tokens x intermediate x 2 bytes per layer in the backward (152 MiB at Qwen3-4B x 4096).
-    A second backward through the same graph (retain_graph=True) then raises; set False for that.
+    A second backward through the same graph (retain_graph=True) then raises; set False for that. A projection
+    with a forward hook (which may keep its output) keeps its output unwritten.
     lora: PEFT LoRA Linear layers on the attention/MLP projections run novatune.ops.lora_linear (one vanilla
     adapter, plain nn.Linear base; dropout > 0 keeps PEFT's exact random draws); anything else stays PEFT's and
     is listed as skipped (novatune/patch/lora.py). PEFT LoRA on the routed experts' weights (target_parameters)
@@ -194,6 +196,11 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         _recheck_lm_head(model, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
+    if early_tied_grad is not None:
+        warnings.warn("novatune.patch(early_tied_grad=...) has no effect and will be removed: the fused loss's "
+                      "backward adds a tied lm_head's gradient into the weight's existing .grad where autograd "
+                      "would, which gradient hooks and torch.autograd.grad see; drop the argument",
+                      FutureWarning, stacklevel=2)
     if linear_wgrad_in_place not in ("auto", True, False):
         raise ValueError(f"linear_wgrad_in_place={linear_wgrad_in_place!r}: choose 'auto', True or False")
     if attention not in (False, *ATTENTION_BACKENDS):
@@ -225,7 +232,7 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     linear_wgrad_in_place = bool(spec.post_norms) if auto_wgrad else linear_wgrad_in_place
     _apply_spec(model, spec, report, refused, rms_norm=rms_norm, swiglu=swiglu, rope=rope, attention=attention,
                 cross_entropy=cross_entropy, ce_mode=cross_entropy_mode, fuse_qk=fuse_qk_norm_rope,
-                early_tied_grad=early_tied_grad, swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
+                swiglu_inplace=swiglu_inplace_backward, tiled_mlp=tiled_mlp,
                 wgrad_in_place=linear_wgrad_in_place, down_wgrad=down_wgrad,
                 trainer_refusal=trainer_refusal(trainer, model))
     apply_moe(model, spec, report, _bind, enabled=moe, wgrad_in_place=moe_wgrad_in_place)
@@ -383,7 +390,7 @@ def _find_state(model: nn.Module):
 
 
 def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused: dict[str, str], *, rms_norm,
-                swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, early_tied_grad, swiglu_inplace,
+                swiglu, rope, attention, cross_entropy, ce_mode, fuse_qk, swiglu_inplace,
                 tiled_mlp="auto", trainer_refusal=None, wgrad_in_place: bool = False,
                 down_wgrad: bool | None = None) -> None:
     """Bind the spec's forwards module by module; `refused` (quirks.refusals of this model) names the kinds the
@@ -461,12 +468,8 @@ def _apply_spec(model: nn.Module, spec: FamilySpec, report: PatchReport, refused
     elif isinstance(aux := _aux_loss_function(model, spec), str):
         report.add(spec.lm_head_attr, "cross_entropy", "skipped", aux)
     else:
-        tied = lm_head.weight is getattr(getattr(stack, "embed_tokens", None), "weight", None)
-        # a sharded (DTensor) weight's .grad belongs to FSDP: never write it by hand
-        early = early_tied_grad and tied and type(lm_head.weight.data) is torch.Tensor
         _bind_loss(model, stack, report, _novatune_base_attr=spec.base_model_attr, _novatune_lm_head=lm_head,
-                   _novatune_lm_head_attr=spec.lm_head_attr,
-                   _novatune_ce_mode=ce_mode, _novatune_early_tied_grad=early,
+                   _novatune_lm_head_attr=spec.lm_head_attr, _novatune_ce_mode=ce_mode,
                    _novatune_aux_loss=aux, _novatune_softcap=_final_softcap(config, ce_mode))
         report.add(spec.lm_head_attr, "cross_entropy", "replaced", _loss_detail(model))
 
@@ -496,7 +499,6 @@ def _loss_detail(model: nn.Module) -> str:
     tied = model._novatune_lm_head.weight is getattr(model.get_input_embeddings(), "weight", None)
     return (f"fused linear cross-entropy (mode {model._novatune_ce_mode}, fp32 lm_head grad; logits=None in "
             "training; TRL's fused_lm_head honoured)" + ("; tied embeddings" if tied else "")
-            + ("; lm_head gradient added to .grad early" if model._novatune_early_tied_grad else "")
             + (f"; final logits soft-capped at {model._novatune_softcap} inside the fused passes"
                if model.__dict__.get("_novatune_softcap") is not None else ""))
 

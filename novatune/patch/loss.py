@@ -244,14 +244,10 @@ def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
     with a note in the report."""
     head = getattr(self, self._novatune_lm_head_attr)
     if head is self._novatune_lm_head:
-        weight = head.weight
-        if self._novatune_early_tied_grad and weight.requires_grad and torch.is_grad_enabled():
-            weight = _early_grad_leaf(weight)
-        return weight
+        return head.weight
     if is_plain_head(head):
-        # a new plain head (a resized vocabulary): bound from now on, so the old one is not kept alive; the early
-        # tied gradient was decided for the old head, and the new one goes through autograd as stock's does
-        self.__dict__.update(_novatune_lm_head=head, _novatune_early_tied_grad=False)
+        # a new plain head (a resized vocabulary): bound from now on, so the old one is not kept alive
+        self.__dict__["_novatune_lm_head"] = head
         return head.weight
     if "lm_head_replaced" not in binding.noted:
         text = (f"{self._novatune_lm_head_attr} became {type(head).__module__}.{type(head).__name__} after the "
@@ -357,36 +353,6 @@ class _UniformlyWeightedLogProbs(torch.autograd.Function):
                             "caller weights tokens differently (e.g. TRL loss_type='dft'): patch with "
                             "cross_entropy=False")
         return -w, None, None
-
-
-def _early_grad_leaf(param: torch.Tensor) -> torch.Tensor:
-    """A detached leaf standing in for a TIED lm_head/embedding weight in the fused loss.
-
-    Autograd sums the two gradients of a tied parameter (lm_head and embedding) in one buffer and keeps the
-    lm_head's part (V x H: 0.72 GiB at Qwen3-4B) alive through the whole backward, until the embedding's backward
-    at the very end. Through this leaf the lm_head part is added into `param.grad` as soon as it exists and freed;
-    the embedding's part then accumulates into the same `.grad` as usual (so DDP's hooks on the parameter still
-    fire once, at the end). `torch.autograd.grad(..., inputs=[param])` would not see the lm_head part: patch with
-    early_tied_grad=False for that.
-    """
-    leaf = param.detach().requires_grad_(True)
-    # the fused loss's backward adds the lm_head part straight into param.grad where autograd would add into it
-    # (gradient accumulation, one process): the leaf then receives no gradient (its hook still runs, with none)
-    leaf._novatune_param = param  # type: ignore[attr-defined]
-
-    def sink(t: torch.Tensor) -> None:
-        g = t.grad
-        if g is None:
-            return
-        t.grad = None
-        with torch.no_grad():
-            if param.grad is None:
-                param.grad = g
-            else:
-                param.grad.add_(g)
-
-    leaf.register_post_accumulate_grad_hook(sink)
-    return leaf
 
 
 def bypass_pre_hook(model: torch.nn.Module, stack: torch.nn.Module, args) -> None:

@@ -4,9 +4,12 @@ a recompute runs its GEMM anyway (auto), and linear_wgrad_in_place=False keeps t
 the CPU)."""
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
+import torch
+from torch import nn
 
 import novatune
 import novatune.ops.linear as L
@@ -116,3 +119,48 @@ def test_off_calls_the_modules(monkeypatch):
     ids, pos, lab = packed_batch([[9, 14]])
     model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
     assert calls == []
+
+
+@pytest.mark.parametrize("scope", ["module", "global"])
+def test_a_projections_backward_hook_runs_and_changes_its_gradients_as_stocks(scope):
+    """Full backward hooks (each projection's own, or a global one) that halve grad_input: the projections are
+    then called as modules, so the hooks run as often as stock's and the gradients follow them. Before, the in-place
+    path skipped the modules' calls: no hook ran, and gradients were off by up to 20x."""
+    from torch.nn.modules.module import register_module_full_backward_hook
+
+    batches = [packed_batch([[9, 14], [23]], seed=s) for s in range(2)]
+    calls = {"stock": 0, "ours": 0}
+
+    def halve(tag, module, grad_input, grad_output):
+        if type(module) is not nn.Linear or module.out_features == 257:  # the projections, not lm_head
+            return None
+        calls[tag] += 1
+        return tuple(None if g is None else 0.5 * g for g in grad_input)
+
+    grads = {}
+    for tag in calls:
+        model = tiny_olmo2().train()
+        if tag == "ours":
+            novatune.patch(model)  # auto: in place for OLMo 2
+        handles = ([register_module_full_backward_hook(functools.partial(halve, tag))] if scope == "global" else
+                   [m.register_full_backward_hook(functools.partial(halve, tag)) for m in model.modules()
+                    if type(m) is nn.Linear])
+        grads[tag] = _accumulate(model, batches)
+        for h in handles:
+            h.remove()
+    assert calls["ours"] == calls["stock"] == 2 * PROJECTIONS * 2
+    for name in grads["stock"]:
+        assert_close(grads["ours"][name], grads["stock"][name], name=name)
+
+
+def test_a_projection_output_a_forward_hook_keeps_is_not_written_over():
+    """The fused MLP writes its gradients over gate and up (swiglu_inplace_backward), which nobody else holds,
+    unless a forward hook saw the projection's call: it may have kept the output, which then stays as it was."""
+    kept = []
+    model = tiny_model("qwen3").train()
+    novatune.patch(model)
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, a, out: kept.append((out, out.clone())))
+    ids, pos, lab = packed_batch([[9, 14]])
+    model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+    (out, copy), = kept
+    assert torch.equal(out, copy)

@@ -172,11 +172,12 @@ def test_fused_qk_norm_rope_option_equals_stock():
         assert_close(grads[name], grads_ref[name], TOL, name)
 
 
-@pytest.mark.parametrize("early", [True, False])
-def test_tied_lm_head_gradient_accumulates_like_stock(early):
-    """Two micro-batches into the same .grad: the early tied-gradient path (and the plain one) equal stock."""
+def test_tied_lm_head_gradient_accumulates_like_stock():
+    """Two micro-batches into the same .grad of a tied lm_head/embedding weight: the fused loss's backward adds the
+    lm_head part into the existing .grad on the second (the embedding part accumulates as usual); equal to stock."""
     batches = [packed_batch(ROWS, seed=s) for s in (1, 2)]
     model = tiny_model("qwen3").train()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
     def accumulate():
         model.zero_grad(set_to_none=True)
@@ -185,9 +186,31 @@ def test_tied_lm_head_gradient_accumulates_like_stock(early):
         return model.model.embed_tokens.weight.grad.clone()
 
     ref = accumulate()
-    report = novatune.patch(model, early_tied_grad=early)
-    assert ("added to .grad early" in report.replaced("cross_entropy")[0].detail) == early
+    novatune.patch(model)
     assert_close(accumulate(), ref, TOL, "tied embedding gradient")
+
+
+def test_a_tied_weights_hook_and_autograd_grad_see_its_whole_gradient():
+    """A tensor hook on the tied weight sees (and scales) the lm_head part too, and torch.autograd.grad on it
+    returns both parts, as stock's do. Before, a stand-in leaf added the lm_head part into .grad past both: the
+    hook saw the embedding part alone (.grad off by 33%), autograd.grad returned the embedding part alone."""
+    ids, pos, lab = packed_batch(ROWS, seed=3)
+    stock, ours = tiny_model("qwen3").train(), tiny_model("qwen3").train()
+    novatune.patch(ours)
+    seen = {}
+    for name, model in (("stock", stock), ("ours", ours)):
+        weight = model.model.embed_tokens.weight
+        got = torch.autograd.grad(model(input_ids=ids, position_ids=pos, labels=lab).loss, [weight])[0]
+        seen[name + " autograd.grad"] = got
+        handle = weight.register_hook(lambda g, name=name: seen.setdefault(name + " hook", g) * 2)
+        for _ in range(2):  # the second micro-batch finds .grad
+            model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        handle.remove()
+        seen[name + " grad"] = weight.grad
+    for what in ("autograd.grad", "hook", "grad"):
+        assert_close(seen["ours " + what], seen["stock " + what], TOL, what)
+    with pytest.warns(FutureWarning, match="early_tied_grad"):
+        novatune.patch(tiny_model("qwen3"), early_tied_grad=False)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
