@@ -180,8 +180,9 @@ def layer_cost(s: LayerShape, hw: Hardware) -> LayerCost:
     lean = 2 * (nbytes["keep"] - nbytes["lean"]) / (hw.hbm_gbps * 1e9)
     # recompute_mlp: lean's recomputed outputs, and the MLP's forward again: gate and up (torch's checkpoint stops
     # before the down projection, whose output nothing in the MLP saves); a routed MLP's experts (one autograd op)
-    # and a tiled MLP (its chunks' own checkpoints inside) run all three. Not modelled: linear_wgrad_in_place's
-    # down projection, an autograd Function whose GEMM runs before its inputs are saved, runs too (OLMo 2)
+    # and a tiled MLP (its chunks' own checkpoints inside) run all three. Not modelled: with linear_wgrad_in_place=True
+    # the down projection, an autograd Function whose GEMM runs before its inputs are saved, runs too ("auto"
+    # returns its gradient under the MLP's own checkpoint)
     again = 3 if s.routed or s.mlp_chunk_tokens else 2
     mlp_again = 2 * s.tokens * again * s.hidden * s.intermediate / rate
     seconds = {"keep": keep, "lean": keep + lean, "recompute": keep + forward, "recompute_mlp": keep + lean + mlp_again,

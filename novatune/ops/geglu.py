@@ -25,7 +25,7 @@ from novatune.kernels import swiglu as K
 from novatune.ops import dispatch
 from novatune.ops._backend import use_triton
 from novatune.ops.contract import Candidate, OpSpec, compiled, triton_reason, variant_grid
-from novatune.ops.linear import forward_hooked, project
+from novatune.ops.linear import output_hooked, project
 from novatune.ops.swiglu import gated_floor_bytes, gated_poison_call, make_function, require_float
 from novatune.reference import geglu as _ref
 
@@ -108,9 +108,9 @@ def geglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn
               down_wgrad_in_place: bool | None = None) -> Tensor:
     """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)): Gemma's MLP forward with the fused activation.
     inplace_backward, wgrad_in_place, down_wgrad_in_place: as swiglu_mlp's."""
+    inplace_backward = inplace_backward and not (output_hooked(gate_proj) or output_hooked(up_proj))
     gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
     down = wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place
-    inplace_backward = inplace_backward and not (forward_hooked(gate_proj) or forward_hooked(up_proj))
     return project(down_proj, geglu(gate, up, inplace_backward=inplace_backward), down)
 
 

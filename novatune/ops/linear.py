@@ -72,6 +72,11 @@ def forward_hooked(module: nn.Module) -> bool:
                 or _module._global_forward_pre_hooks)
 
 
+def output_hooked(module: nn.Module) -> bool:
+    """Whether a forward hook (the module's or a global one) receives this module's output: it may keep it."""
+    return bool(module._forward_hooks or _module._global_forward_hooks)
+
+
 def _backward_hooked(module: nn.Module) -> bool:
     """Whether a module backward hook (full or pre, the module's or a global one) expects this module's call: the
     hooks see, and may change, the gradients of its input and output, which only the module's own call offers."""

@@ -41,9 +41,9 @@ Ops:
       out of place with plain torch ops instead: AOTAutograd's partitioner rejects a backward that mutates a
       saved forward output, and inside a compiled graph the mutation would be functionalised into a copy anyway.
       Where autograd would add the weight's gradient into an existing `.grad` itself (a Parameter under gradient
-      accumulation, novatune.ops.moe_wgrad's rules; for a tied weight, the Parameter behind the patch's stand-in
-      leaf), the eager backward adds grad_W * grad_output into that .grad in one pass and returns None for it: one
-      pass over the (V, H) gradient instead of two. The saved gradient is then left as it is, so a second
+      accumulation, novatune.ops.moe_wgrad's rules; a weight tied to the embedding too), the eager backward adds
+      grad_W * grad_output into that .grad in one pass and returns None for it: one pass over the (V, H) gradient
+      instead of two. The saved gradient is then left as it is, so a second
       backward through the graph then adds again instead of raising.
 
 Device rule (novatune.ops._backend): CUDA (or CPU under TRITON_INTERPRET=1) -> the Triton row kernel between

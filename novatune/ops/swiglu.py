@@ -45,7 +45,7 @@ from novatune.ops.contract import (
     triton_reason,
     variant_grid,
 )
-from novatune.ops.linear import forward_hooked, project
+from novatune.ops.linear import output_hooked, project
 from novatune.reference import swiglu as _ref
 
 
@@ -210,16 +210,17 @@ def swiglu_mlp(x: Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: n
                down_wgrad_in_place: bool | None = None) -> Tensor:
     """down_proj(silu(gate_proj(x)) * up_proj(x)) - HF's LlamaMLP / Qwen3MLP forward with the fused activation.
     The projections are called (not their weights read), so LoRA / quantised wrappers keep working.
-    inplace_backward: the gradients are written over gate and up, unless a forward hook saw a projection's call.
+    inplace_backward: the gradients are written over gate and up, unless a forward hook receives a projection's
+    output.
     wgrad_in_place: a plain nn.Linear projection runs novatune.ops.linear (its weight gradient added into .grad
     inside the GEMM where autograd would add it). down_wgrad_in_place: the down projection's own choice (None: as
     wgrad_in_place); a checkpoint that ends at this MLP's output recomputes the down projection's GEMM only for
     novatune.ops.linear, whose saved tensors are packed after its GEMM."""
     # gate and up are fresh projection outputs read by nothing else, so their memory can take the gradients, unless
-    # a forward hook saw them (it may keep them)
+    # a forward hook receives them (it may keep them; read before the calls, which a hook may end by removing itself)
+    inplace_backward = inplace_backward and not (output_hooked(gate_proj) or output_hooked(up_proj))
     gate, up = project(gate_proj, x, wgrad_in_place), project(up_proj, x, wgrad_in_place)
     down = wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place
-    inplace_backward = inplace_backward and not (forward_hooked(gate_proj) or forward_hooked(up_proj))
     return project(down_proj, swiglu(gate, up, inplace_backward=inplace_backward), down)
 
 
@@ -284,7 +285,7 @@ def swiglu_gate_up_mlp(x: Tensor, gate_up_proj: nn.Module, down_proj: nn.Module,
     activation reading the halves in place. The projections are called, so LoRA / quantised wrappers keep
     working; gate_up is a fresh projection output read by nothing else, so its memory can take the gradient.
     wgrad_in_place, down_wgrad_in_place: as swiglu_mlp's."""
-    inplace_backward = inplace_backward and not forward_hooked(gate_up_proj)  # a forward hook may keep gate_up
+    inplace_backward = inplace_backward and not output_hooked(gate_up_proj)  # a forward hook may keep gate_up
     act = swiglu_gate_up(project(gate_up_proj, x, wgrad_in_place), inplace_backward=inplace_backward)
     return project(down_proj, act, wgrad_in_place if down_wgrad_in_place is None else down_wgrad_in_place)
 

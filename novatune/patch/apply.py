@@ -182,7 +182,12 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     check_transformers()
     model, how, trainer = _unwrap(target)
     existing = getattr(model, "_novatune_report", None)
-    options = {k: v for k, v in locals().items() if k in _PATCH_DEFAULTS}
+    options = {k: v for k, v in locals().items() if k in _PATCH_DEFAULTS and k != "early_tied_grad"}
+    if early_tied_grad is not None:
+        warnings.warn("novatune.patch(early_tied_grad=...) has no effect and will be removed: the fused loss's "
+                      "backward adds a tied lm_head's gradient into the weight's existing .grad where autograd "
+                      "would, which gradient hooks and torch.autograd.grad see; drop the argument",
+                      FutureWarning, stacklevel=3)  # the caller of novatune.patch (novatune/__init__.py's)
     if existing is not None and not existing.reverted:
         _check_same_options(existing, options)
         _patch_late_adapters(model, existing, lora)
@@ -196,11 +201,6 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
         _recheck_lm_head(model, existing)
         return existing
     check_tiled_mlp(tiled_mlp)
-    if early_tied_grad is not None:
-        warnings.warn("novatune.patch(early_tied_grad=...) has no effect and will be removed: the fused loss's "
-                      "backward adds a tied lm_head's gradient into the weight's existing .grad where autograd "
-                      "would, which gradient hooks and torch.autograd.grad see; drop the argument",
-                      FutureWarning, stacklevel=2)
     if linear_wgrad_in_place not in ("auto", True, False):
         raise ValueError(f"linear_wgrad_in_place={linear_wgrad_in_place!r}: choose 'auto', True or False")
     if attention not in (False, *ATTENTION_BACKENDS):

@@ -228,7 +228,8 @@ def lora_linear_forward(self, x, *args, **kwargs):
 
 
 def _global_module_hooks() -> bool:
-    return bool(_module_mod._global_forward_pre_hooks or _module_mod._global_forward_hooks)
+    return bool(_module_mod._global_forward_pre_hooks or _module_mod._global_forward_hooks
+                or _module_mod._global_backward_pre_hooks or _module_mod._global_backward_hooks)
 
 
 def grouped_qlora(modules, x) -> tuple | None:
@@ -243,7 +244,7 @@ def grouped_qlora(modules, x) -> tuple | None:
     for m in modules:
         if getattr(m.__dict__.get("forward"), "__func__", None) is not lora_linear_forward:
             return None  # not (or no longer) a fused LoRA layer
-        if m._forward_pre_hooks or m._forward_hooks:
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
             return None  # the op does not call the module: its hooks (PEFT's adapter_names, FSDP, users') must run
         fast = _fast_path(m, x)
         if fast is None:

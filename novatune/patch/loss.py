@@ -236,13 +236,26 @@ def is_plain_head(head) -> bool:
     return isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype.is_floating_point
 
 
+def _module_hooked(module: torch.nn.Module) -> bool:
+    """Hooks of the module's own (forward, backward, pre or not), which only the module's call runs."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def _head_weight(self, binding: LossBinding) -> torch.Tensor | None:
     """The LM head's weight for the fused loss, looked up on each call: PEFT (a LoRA on lm_head, modules_to_save),
     `resize_token_embeddings` or a user can replace the head after the patch, and the loss must train the head the
     model has now. A plain bias-free Linear gives its weight; any other module (whose forward adds what the weight
-    alone does not: a LoRA delta, a bias, an adapter switch) gives None, and the caller runs the module itself,
-    with a note in the report."""
+    alone does not: a LoRA delta, a bias, an adapter switch), or a head with hooks of its own, gives None, and the
+    caller runs the module itself, with a note in the report."""
     head = getattr(self, self._novatune_lm_head_attr)
+    if _module_hooked(head):
+        if "lm_head_hooked" not in binding.noted:
+            text = (f"{self._novatune_lm_head_attr} has module hooks: the loss runs through the module, so that "
+                    "they see its call (its logits materialised, not fused)")
+            warnings.warn("novatune: " + text, stacklevel=3)
+            _note_once(binding, "lm_head_hooked", text)
+        return None
     if head is self._novatune_lm_head:
         return head.weight
     if is_plain_head(head):

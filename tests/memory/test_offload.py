@@ -190,4 +190,5 @@ def test_recompute_mlp_survives_a_deep_copy_and_puts_the_forward_back_after_an_e
     mlp.__dict__["forward"] = broken
     with pytest.raises(RuntimeError, match="boom"):
         _grads(model)
+    assert "_novatune_mlp_own_checkpoint" not in mlp.__dict__
     assert mlp.__dict__["forward"] is broken

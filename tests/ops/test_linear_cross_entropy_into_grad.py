@@ -32,8 +32,11 @@ def _inputs(n_micro, T, H, V, dtype, device, seed=0):
     return h, w, y.to(device)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-def test_accumulating_forwards_add_grad_w_into_grad(dtype, device, monkeypatch):
+def test_accumulating_forwards_add_grad_w_into_grad(dtype, tied, device, monkeypatch):
+    """Under the trainer's promise the forward adds grad_W into lm_head's existing .grad (tied: a weight an
+    embedding lookup also reads, whose part accumulates through autograd as usual)."""
     monkeypatch.setattr(K, "INTO_LOGITS_BYTES", 300 * (4 if dtype == torch.float32 else 2) * 64)  # 64-row chunks
     into_calls = []
     real = K.linear_cross_entropy_fwd
@@ -41,18 +44,24 @@ def test_accumulating_forwards_add_grad_w_into_grad(dtype, device, monkeypatch):
                         or real(*a, **kw))
     h, w, y = _inputs(3, 150, 24, 300, dtype, device, seed=4)  # 150 tokens: chunks of 64, 64, 22
     n_items = int((y != -100).sum())
+    ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(2)).to(device)
+
+    def lookup(i, weight):
+        return torch.nn.functional.embedding(ids[i], weight).float().square().mean()
+
     for i in range(3):
         with grad_output_promised(1.0):
             loss = linear_cross_entropy(h[i], w, y[i], reduction="sum", normalizer=n_items)
             if i:  # .grad exists from the first micro-batch: grad_W went into it already, in the forward
                 assert into_calls[-1] is True
-        loss.backward()
+        (loss + lookup(i, w) if tied else loss).backward()
     assert into_calls[0] is False  # the first micro-batch: no .grad to add into yet
     ref_w = torch.zeros(w.shape, dtype=torch.float32, device=device)
     for i in range(3):
         hr = h[i].detach().float().requires_grad_(True)
         wr = w.detach().float().requires_grad_(True)
-        (linear_cross_entropy_ref(hr, wr, y[i], reduction="sum") / n_items).backward()
+        ref_loss = linear_cross_entropy_ref(hr, wr, y[i], reduction="sum") / n_items
+        (ref_loss + lookup(i, wr) if tied else ref_loss).backward()
         ref_w += wr.grad
         assert_close(h.grad[i], hr.grad, REL_TOL[dtype], f"grad_hidden of micro-batch {i}")
     assert_close(w.grad, ref_w, REL_TOL[dtype], "accumulated grad_weight against the fp32 reference")

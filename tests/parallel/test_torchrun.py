@@ -51,7 +51,7 @@ def train_cli(out: Path, *extra: str, nproc: int | None = None) -> subprocess.Co
 
 def torchrun(out: Path, *extra: str, script: list[str] = ("-m", "novatune", "train"),
              nproc: int = 2) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node 2 -m novatune train ...` (one process less than going through --nproc)."""
+    """`torchrun --nproc-per-node N -m novatune train ...` (one process less than going through --nproc)."""
     return run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script, *BASE,
                 "--set", f"checkpoint.output_dir={out}", *extra])
 

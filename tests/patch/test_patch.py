@@ -1,5 +1,7 @@
 """novatune.patch on tiny models of every family: what it replaces, revert, and that a patched model computes what
 the stock model computes (CPU, fp32: the ops run their Triton kernels in the interpreter, or the references)."""
+import warnings
+
 import pytest
 import torch
 from tiny_models import FAMILIES, packed_batch, tiny_model
@@ -202,15 +204,39 @@ def test_a_tied_weights_hook_and_autograd_grad_see_its_whole_gradient():
         weight = model.model.embed_tokens.weight
         got = torch.autograd.grad(model(input_ids=ids, position_ids=pos, labels=lab).loss, [weight])[0]
         seen[name + " autograd.grad"] = got
-        handle = weight.register_hook(lambda g, name=name: seen.setdefault(name + " hook", g) * 2)
+        handle = weight.register_hook(lambda g, name=name: (seen.setdefault(name + " hook", g), g * 2)[1])
         for _ in range(2):  # the second micro-batch finds .grad
             model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
         handle.remove()
         seen[name + " grad"] = weight.grad
     for what in ("autograd.grad", "hook", "grad"):
         assert_close(seen["ours " + what], seen["stock " + what], TOL, what)
+    model = tiny_model("qwen3")
     with pytest.warns(FutureWarning, match="early_tied_grad"):
-        novatune.patch(tiny_model("qwen3"), early_tied_grad=False)
+        novatune.patch(model, early_tied_grad=False)
+    with pytest.warns(FutureWarning, match="early_tied_grad"):  # a repatch compares every option but this one
+        novatune.patch(model, early_tied_grad=True)
+
+
+def test_a_hooked_lm_head_runs_as_a_module_with_its_hooks():
+    """Hooks on lm_head itself (here a forward hook that counts, and a backward hook that halves the gradient of
+    its input) run only in the module's call: the loss then runs through the module, with a warning, and
+    everything equals stock's."""
+    ids, pos, lab = packed_batch(ROWS, seed=4)
+    stock, ours = tiny_model("qwen3").train(), tiny_model("qwen3").train()
+    novatune.patch(ours)
+    calls, grads = {"stock": 0, "ours": 0}, {}
+    for name, model in (("stock", stock), ("ours", ours)):
+        model.lm_head.register_forward_hook(lambda m, a, o, name=name: calls.__setitem__(name, calls[name] + 1))
+        model.lm_head.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=ids, position_ids=pos, labels=lab).loss.backward()
+        assert any("lm_head has module hooks" in str(w.message) for w in caught) is (name == "ours")
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    assert calls == {"stock": 1, "ours": 1}
+    for n, g in grads["stock"].items():
+        assert_close(grads["ours"][n], g, TOL, n)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
