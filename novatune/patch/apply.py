@@ -169,10 +169,11 @@ def patch(target, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = Tr
     its GEMM, so a checkpoint's recompute can no longer stop before the down projection's GEMM where nothing inside
     the checkpoint reads that output: on Qwen3-4B 144 more GEMMs per step, 2.1% slower (bench.jsonl
     session29-1, the timeline session29-2); OLMo-2-7B under recompute_mlp 10,972 tok/s against 11,339 returned
-    (session30-2), 11,706 with the down projection returned (session30-3). OLMo-2-7B, whose post-norm reads it,
-    gained 1.1-1.3% (session24-3, session29-1, session29-5). Elsewhere, with the down projection left out, it
-    measured +1.4% on the seed under recompute_mlp (session30-3) but -5% under full-layer checkpointing and -7% on
-    the MoE cut's kept layers (session30-4): off there. True or False asks for it everywhere or nowhere.
+    (session30-2); in another call 11,706 with the down projection alone returned against 11,650
+    (session30-3). OLMo-2-7B, whose post-norm reads it, gained 1.1-1.3% (session24-3, session29-1,
+    session29-5). Elsewhere, with the down projection left out, it measured +1.4% on the seed under
+    recompute_mlp (session30-3) but -5% under full-layer checkpointing and -7% on the MoE cut's kept layers
+    (session30-4): off there. True or False asks for it everywhere or nowhere.
     strict=True raises instead of skipping anything the spec cannot patch.
     selection: a novatune.ops.dispatch.Selection (tuned implementations as a value, e.g. from `novatune tune`'s
     cache; novatune.patch(model, tune=...) builds one) installed with the patch; its choices are listed in the

@@ -67,7 +67,7 @@ def _down_wgrad(self, own_checkpoint: bool) -> bool:
     inside the layer's checkpoint reads the output (OLMo 2: `_novatune_down_wgrad` True), so there the GEMM runs
     again in any case; under a checkpoint of the MLP's own (recompute_mlp, the tiled MLP's row chunks) nothing
     reads it (OLMo-2-7B under recompute_mlp: 10,972 tok/s in place against 11,339 returned, bench.jsonl
-    session30-2; 11,706 with the down projection alone returned, session30-3)."""
+    session30-2; in another call, 11,706 with the down projection alone returned against 11,650, session30-3)."""
     auto = self._novatune_down_wgrad
     if auto is None:
         return self._novatune_linear_wgrad
